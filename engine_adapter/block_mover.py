@@ -1,0 +1,470 @@
+"""Moves KV blocks between engine ranks with NIXL READs.
+
+One `BlockMover` per rank owns one NIXL agent (UCX backend, NIXL's progress
+thread off). Local memory is registered per tier (the KV cache as tier GPU,
+the offload buffer as tier CPU); for each tier, and for each (peer, peer
+regions) pair, a descriptor list with one descriptor per (region, block) is
+prepared once, so a read of N blocks x L layers is a single NIXL transfer
+built from two index arrays.
+
+Failure model: anything that goes wrong with a peer (unknown, disconnected,
+killed with -9, a transfer in an error state, a read that outlives its
+timeout) becomes a failed handle reported by `poll()`; it never raises to the
+caller. Caller mistakes (unknown local tier, block ids out of range, layer or
+block geometry that does not match) raise ValueError from `start_read`.
+
+Threading: NIXL calls are serialised by one lock. Without NIXL's progress
+thread a side makes progress only while it calls into its agent, and a holder
+must answer the UCX connection handshake of a new reader even when its engine
+is idle, so a slow ticker thread (every `progress_interval_s`) polls for
+notifications; it spins nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+import numpy as np
+
+from engine_adapter.kv_regions import Region
+from engine_adapter.nixl_agent import NixlApi, create_agent, real_nixl
+
+log = logging.getLogger(__name__)
+
+_LOCAL = "NIXL_INIT_AGENT"  # NIXL's name for "the local side" of a descriptor list
+
+
+@dataclass
+class _LocalTier:
+    mem_type: str
+    regions: list[Region]
+    num_blocks: int
+    reg_descs: Any  # what register_memory returned, for deregister_memory
+    dlist: Any  # prepared local descriptor list: index = region_index * num_blocks + block
+    regions_of_layer: dict[int, list[int]]
+
+
+@dataclass
+class _PeerDlist:
+    handle: Any
+    num_blocks: int  # descriptors per region in this list
+
+
+@dataclass
+class _Peer:
+    metadata: bytes
+    dlists: dict[tuple[str, tuple[Region, ...]], _PeerDlist] = field(default_factory=dict)
+    retired: list[Any] = field(default_factory=list)  # outgrown dlists, released with the peer
+    dead_reason: str | None = None
+
+
+@dataclass
+class _Read:
+    peer: str
+    tier: int
+    xfer: Any
+    started: float
+    nbytes: int
+
+
+class BlockMover:
+    """One rank's NIXL agent: register tiers, know peers, read blocks, poll for results."""
+
+    def __init__(
+        self,
+        agent_name: str,
+        backend: str = "UCX",
+        nixl: NixlApi | None = None,
+        *,
+        progress_interval_s: float | None = 0.005,
+        read_timeout_s: float | None = 60.0,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.agent_name = agent_name
+        self._api = nixl if nixl is not None else real_nixl()
+        self._agent = create_agent(self._api, agent_name, backend)
+        self._lock = threading.Lock()
+        self._tiers: dict[int, _LocalTier] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._reads: dict[int, _Read] = {}
+        self._early_done: list[int] = []
+        self._early_failed: dict[int, str] = {}
+        self._notifs: list[tuple[str, bytes]] = []
+        self._handles = count(1)
+        self._read_timeout_s = read_timeout_s
+        self._clock = clock
+        self._closed = False
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if progress_interval_s is not None:
+            self._ticker = threading.Thread(
+                target=self._tick,
+                args=(progress_interval_s,),
+                name=f"nixl-progress-{agent_name}",
+                daemon=True,
+            )
+            self._ticker.start()
+
+    # ---------------------------------------------------------------- memory
+
+    def register_tier(self, tier: int, mem_type: str, regions: list[Region], num_blocks: int) -> None:
+        """Register a tier's memory with NIXL and prepare its local descriptor list.
+
+        Registering a tier again replaces it (the old memory is deregistered).
+        """
+        if num_blocks <= 0 or not regions:
+            raise ValueError(f"tier {tier}: need at least one region and one block")
+        spans = _merge_spans([(*r.span(num_blocks), r.device_id) for r in regions])
+        descs = _block_descs(regions, num_blocks)
+        with self._lock:
+            self._drop_tier(tier)
+            reg = self._agent.register_memory([(s, e - s, dev, "") for s, e, dev in spans], mem_type)
+            try:
+                dlist = self._agent.prep_xfer_dlist(_LOCAL, descs, mem_type)
+            except self._api.errors:
+                self._agent.deregister_memory(reg)
+                raise
+            by_layer: dict[int, list[int]] = {}
+            for i, r in enumerate(regions):
+                by_layer.setdefault(r.layer, []).append(i)
+            self._tiers[tier] = _LocalTier(mem_type, list(regions), num_blocks, reg, dlist, by_layer)
+
+    def agent_metadata(self) -> bytes:
+        """This agent's NIXL metadata (connection info and registered memory) for peers."""
+        with self._lock:
+            return bytes(self._agent.get_agent_metadata())
+
+    # ----------------------------------------------------------------- peers
+
+    def add_peer(self, agent_name: str, metadata: bytes) -> None:
+        """Load a peer's metadata; idempotent. New metadata under a known name replaces the old."""
+        with self._lock:
+            known = self._peers.get(agent_name)
+            if known is not None and known.metadata == metadata and known.dead_reason is None:
+                return
+            if known is not None:
+                self._forget_peer(agent_name, "peer re-added with new metadata")
+            try:
+                loaded = self._agent.add_remote_agent(metadata)
+            except self._api.errors as exc:
+                raise ValueError(f"NIXL rejected the metadata of peer {agent_name!r}: {exc}") from exc
+            loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded_name != agent_name:
+                self._invalidate(loaded_name)
+                raise ValueError(f"metadata announced as {agent_name!r} belongs to agent {loaded_name!r}")
+            self._peers[agent_name] = _Peer(metadata=metadata)
+
+    def remove_peer(self, agent_name: str) -> None:
+        """Forget a peer (e.g. dead): its reads in flight fail, its descriptor lists are released."""
+        with self._lock:
+            if agent_name in self._peers:
+                self._forget_peer(agent_name, "peer removed")
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            return list(self._peers)
+
+    # ----------------------------------------------------------------- reads
+
+    def start_read(
+        self,
+        peer_agent: str,
+        peer_regions: list[Region],
+        remote_block_ids: Sequence[int],
+        local_tier: int,
+        local_block_ids: Sequence[int],
+        layers: range | None = None,
+        notif: bytes | None = None,
+        *,
+        peer_num_blocks: int | None = None,
+    ) -> int:
+        """Start one NIXL READ of remote blocks into local blocks; returns a handle for `poll()`.
+
+        For each layer in `layers` (default: every local layer of the tier),
+        remote block `remote_block_ids[i]` of the peer's regions of that layer
+        lands in local block `local_block_ids[i]` of the local regions of the
+        same layer. `peer_num_blocks` (the peer's TierInfo.num_blocks) lets
+        the peer descriptor list be prepared once at full size.
+        """
+        with self._lock:
+            if self._closed:
+                raise ValueError("BlockMover is closed")
+            tier = self._tiers.get(local_tier)
+            if tier is None:
+                raise ValueError(f"local tier {local_tier} is not registered (have {sorted(self._tiers)})")
+            local_ids = _as_ids(local_block_ids, "local_block_ids")
+            remote_ids = _as_ids(remote_block_ids, "remote_block_ids")
+            if len(local_ids) != len(remote_ids):
+                raise ValueError(f"{len(remote_ids)} remote blocks but {len(local_ids)} local blocks")
+            if len(local_ids) and int(local_ids.max()) >= tier.num_blocks:
+                raise ValueError(f"local block {int(local_ids.max())} >= tier size {tier.num_blocks}")
+            if peer_num_blocks is not None and len(remote_ids) and int(remote_ids.max()) >= peer_num_blocks:
+                raise ValueError(f"remote block {int(remote_ids.max())} >= peer tier size {peer_num_blocks}")
+            want_layers = list(layers) if layers is not None else sorted(tier.regions_of_layer)
+            local_regions, peer_region_idx = self._match_layers(tier, peer_regions, want_layers)
+
+            handle = next(self._handles)
+            nbytes = sum(tier.regions[i].block_bytes for i in local_regions) * len(local_ids)
+            if not len(local_ids) or not local_regions:
+                self._early_done.append(handle)
+                return handle
+            peer = self._peers.get(peer_agent)
+            if peer is None:
+                self._early_failed[handle] = f"unknown peer {peer_agent!r}: add_peer() it first"
+                return handle
+            if peer.dead_reason is not None:
+                self._early_failed[handle] = f"peer {peer_agent!r} is unreachable ({peer.dead_reason})"
+                return handle
+            needed = int(remote_ids.max()) + 1
+            try:
+                pdl = self._peer_dlist(peer_agent, peer, tier.mem_type, peer_regions, needed, peer_num_blocks)
+                local_idx = _indices(local_regions, tier.num_blocks, local_ids)
+                remote_idx = _indices(peer_region_idx, pdl.num_blocks, remote_ids)
+                xfer = self._agent.make_prepped_xfer(
+                    "READ", tier.dlist, local_idx, pdl.handle, remote_idx, notif or b""
+                )
+            except self._api.errors as exc:
+                self._fail_early(handle, peer_agent, "could not prepare the read", exc)
+                return handle
+            try:
+                state = self._agent.transfer(xfer)
+            except self._api.errors as exc:
+                self._release(xfer)
+                self._fail_early(handle, peer_agent, "could not post the read", exc)
+                return handle
+            if state == "ERR":
+                self._release(xfer)
+                self._early_failed[handle] = f"NIXL refused to post the read from {peer_agent!r}"
+                return handle
+            self._reads[handle] = _Read(peer_agent, local_tier, xfer, self._clock(), nbytes)
+            return handle
+
+    def poll(self) -> tuple[list[int], dict[int, str]]:
+        """Drive progress; return (finished handles, {failed handle: reason}). Never raises for peers."""
+        with self._lock:
+            done, self._early_done = self._early_done, []
+            failed, self._early_failed = self._early_failed, {}
+            now = self._clock()
+            for handle, read in list(self._reads.items()):
+                try:
+                    state = self._agent.check_xfer_state(read.xfer)
+                except self._api.errors as exc:
+                    failed[handle] = self._describe_failure(read.peer, "read failed", exc)
+                    self._finish(handle)
+                    continue
+                if state == "DONE":
+                    done.append(handle)
+                    self._finish(handle)
+                elif state == "ERR":
+                    failed[handle] = f"NIXL reported an error state for the read from {read.peer!r}"
+                    self._finish(handle)
+                elif self._read_timeout_s is not None and now - read.started > self._read_timeout_s:
+                    failed[handle] = f"read from {read.peer!r} timed out after {self._read_timeout_s:g}s"
+                    self._finish(handle)
+            self._collect_notifs()
+            return done, failed
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._reads)
+
+    def take_notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications peers attached to reads of our memory: [(peer agent, message)]."""
+        with self._lock:
+            self._collect_notifs()
+            out, self._notifs = self._notifs, []
+            return out
+
+    def close(self) -> None:
+        """Stop the ticker, cancel reads, release every NIXL resource. Idempotent."""
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for name in list(self._peers):
+                self._forget_peer(name, "BlockMover closed")
+            for tier in list(self._tiers):
+                self._drop_tier(tier)
+
+    def __enter__(self) -> BlockMover:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- internals
+
+    def _tick(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            with self._lock:
+                if self._closed:
+                    return
+                self._collect_notifs()
+
+    def _collect_notifs(self) -> None:
+        try:
+            new = self._agent.get_new_notifs()
+        except self._api.errors as exc:
+            log.debug("NIXL notification poll failed: %s", exc)
+            return
+        for peer, messages in new.items():
+            name = peer.decode() if isinstance(peer, bytes) else str(peer)
+            self._notifs.extend((name, bytes(m)) for m in messages)
+        # Unbounded growth only if nobody ever reads them; keep the newest.
+        if len(self._notifs) > 10_000:
+            del self._notifs[:-10_000]
+
+    def _match_layers(
+        self, tier: _LocalTier, peer_regions: list[Region], layers: list[int]
+    ) -> tuple[list[int], list[int]]:
+        peer_by_layer: dict[int, list[int]] = {}
+        for i, r in enumerate(peer_regions):
+            peer_by_layer.setdefault(r.layer, []).append(i)
+        local_idx: list[int] = []
+        peer_idx: list[int] = []
+        for layer in layers:
+            mine = tier.regions_of_layer.get(layer)
+            theirs = peer_by_layer.get(layer)
+            if mine is None:
+                raise ValueError(
+                    f"layer {layer} is not in the local tier (have {sorted(tier.regions_of_layer)})"
+                )
+            if theirs is None:
+                raise ValueError(f"layer {layer} is not in the peer's regions (have {sorted(peer_by_layer)})")
+            if len(mine) != len(theirs):
+                raise ValueError(f"layer {layer}: {len(mine)} local regions but {len(theirs)} peer regions")
+            for a, b in zip(mine, theirs, strict=True):
+                if tier.regions[a].block_bytes != peer_regions[b].block_bytes:
+                    raise ValueError(
+                        f"layer {layer}: local blocks are {tier.regions[a].block_bytes} bytes, "
+                        f"peer blocks {peer_regions[b].block_bytes} bytes (layouts differ)"
+                    )
+            local_idx.extend(mine)
+            peer_idx.extend(theirs)
+        return local_idx, peer_idx
+
+    def _peer_dlist(
+        self,
+        name: str,
+        peer: _Peer,
+        mem_type: str,
+        regions: list[Region],
+        needed: int,
+        peer_num_blocks: int | None,
+    ) -> _PeerDlist:
+        # mem_type: the peer's memory type is not on the wire per region; UCX
+        # moves DRAM and VRAM alike, and both sides register with the same kind.
+        key = (mem_type, tuple(regions))
+        have = peer.dlists.get(key)
+        if have is not None and have.num_blocks >= needed:
+            return have
+        size = peer_num_blocks if peer_num_blocks is not None else needed
+        # Without the peer's size, a list can only cover blocks up to the
+        # highest one asked for; a longer request prepares a longer list.
+        handle = self._agent.prep_xfer_dlist(name, _block_descs(regions, size), mem_type)
+        if have is not None:
+            peer.retired.append(have.handle)
+        peer.dlists[key] = _PeerDlist(handle, size)
+        return peer.dlists[key]
+
+    def _fail_early(self, handle: int, peer: str, what: str, exc: BaseException) -> None:
+        self._early_failed[handle] = self._describe_failure(peer, what, exc)
+
+    def _describe_failure(self, peer: str, what: str, exc: BaseException) -> str:
+        if self._api.is_disconnect(exc):
+            known = self._peers.get(peer)
+            if known is not None:
+                known.dead_reason = f"disconnected: {exc}"
+            return f"{what}: peer {peer!r} disconnected ({type(exc).__name__}: {exc})"
+        return f"{what} from {peer!r}: {type(exc).__name__}: {exc}"
+
+    def _finish(self, handle: int) -> None:
+        read = self._reads.pop(handle)
+        self._release(read.xfer)
+
+    def _release(self, xfer: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(xfer)
+        except self._api.errors as exc:
+            # A transfer that cannot be cancelled (peer gone mid-flight) keeps
+            # its handle; NIXL's wrapper retries the release at agent teardown.
+            log.debug("could not release NIXL transfer handle: %s", exc)
+
+    def _forget_peer(self, name: str, reason: str) -> None:
+        peer = self._peers.pop(name)
+        for handle, read in list(self._reads.items()):
+            if read.peer == name:
+                self._early_failed[handle] = f"read from {name!r} abandoned: {reason}"
+                self._finish(handle)
+        for dl in [*(d.handle for d in peer.dlists.values()), *peer.retired]:
+            try:
+                dl.release()
+            except self._api.errors as exc:
+                log.debug("could not release descriptor list of %s: %s", name, exc)
+        self._invalidate(name)
+
+    def _invalidate(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except self._api.errors as exc:
+            log.debug("could not remove NIXL peer %s: %s", name, exc)
+
+    def _drop_tier(self, tier: int) -> None:
+        old = self._tiers.pop(tier, None)
+        if old is None:
+            return
+        for handle, read in list(self._reads.items()):
+            if read.tier == tier:
+                self._early_failed[handle] = f"local tier {tier} was re-registered or closed"
+                self._finish(handle)
+        try:
+            old.dlist.release()
+            self._agent.deregister_memory(old.reg_descs)
+        except self._api.errors as exc:
+            log.debug("could not deregister tier %s: %s", tier, exc)
+
+
+def _as_ids(ids: Sequence[int], what: str) -> np.ndarray:
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(arr) and int(arr.min()) < 0:
+        raise ValueError(f"{what} contains a negative block id")
+    return arr
+
+
+def _indices(region_idx: list[int], num_blocks: int, block_ids: np.ndarray) -> np.ndarray:
+    """Descriptor indices region-major: adjacent blocks of one region stay adjacent, so NIXL merges them."""
+    regions = np.asarray(region_idx, dtype=np.int64)[:, None]
+    return (regions * num_blocks + block_ids[None, :]).ravel().astype(np.int32)
+
+
+def _block_descs(regions: list[Region], num_blocks: int) -> np.ndarray:
+    """(address, length, device) per (region, block), region-major, as NIXL's Nx3 array."""
+    blocks = np.arange(num_blocks, dtype=np.uint64)
+    out = np.empty((len(regions) * num_blocks, 3), dtype=np.uint64)
+    for i, r in enumerate(regions):
+        rows = out[i * num_blocks : (i + 1) * num_blocks]
+        rows[:, 0] = np.uint64(r.base_addr) + blocks * np.uint64(r.block_stride)
+        rows[:, 1] = r.block_bytes
+        rows[:, 2] = r.device_id
+    return out
+
+
+def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Union of [start, end) byte ranges per device, so overlapping regions register once."""
+    merged: list[tuple[int, int, int]] = []
+    for start, end, dev in sorted(spans, key=lambda s: (s[2], s[0])):
+        if merged and merged[-1][2] == dev and start <= merged[-1][1]:
+            prev = merged[-1]
+            merged[-1] = (prev[0], max(prev[1], end), dev)
+        else:
+            merged.append((start, end, dev))
+    return merged

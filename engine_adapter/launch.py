@@ -1,0 +1,339 @@
+"""Start and stop a real vLLM OpenAI server as a child process.
+
+Used by tests, the demo, the local topology and the benchmarks: one place that
+knows which flags and environment a vLLM engine needs on a small CPU machine
+(float32, block size a multiple of 32, eager mode, one OpenMP thread, a small
+KV cache) and how to wait for it and tear it down without leaving orphans.
+
+The server runs in its own process group: vLLM forks an engine-core process
+(and workers), and signalling the whole group is the only way to be sure none
+survives. `kill9()` SIGKILLs the group, which is what "the engine died" means
+in death tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_MAX_MODEL_LEN = 4096
+# 256 MiB of KV cache: thousands of blocks of the tiny model, small enough
+# that several engines fit on a laptop.
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or did not become healthy in time; the message has its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def engine_environment(base: Mapping[str, str] | None = None, omp_threads: int = 1) -> dict[str, str]:
+    """The environment for a CPU vLLM engine that shares a small machine.
+
+    - one OpenMP thread and no core pinning: several engines share two cores,
+      and vLLM's automatic binding would pin them all onto the same core;
+    - PYTHONHASHSEED removed: with the default sha256 prefix hash vLLM uses a
+      fixed seed, so every engine and the broker's hashing agree; a set
+      PYTHONHASHSEED would silently change every block hash;
+    - no usage statistics, no hub access (the model is local).
+    """
+    env = dict(os.environ if base is None else base)
+    env.pop("PYTHONHASHSEED", None)
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(omp_threads),
+            "MKL_NUM_THREADS": str(omp_threads),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def connector_config(
+    *,
+    broker_address: str,
+    engine_id: str,
+    role: str,
+    kv_recompute_threshold: int | None = None,
+    cpu_tier_blocks: int | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """kv_transfer_config that loads our BrokerConnector into vLLM."""
+    extra_config: dict[str, Any] = {"broker_address": broker_address, "engine_id": engine_id, "role": role}
+    if kv_recompute_threshold is not None:
+        extra_config["kv_recompute_threshold"] = kv_recompute_threshold
+    if cpu_tier_blocks is not None:
+        extra_config["cpu_tier_blocks"] = cpu_tier_blocks
+    extra_config.update(extra)
+    return {
+        "kv_connector": "BrokerConnector",
+        "kv_connector_module_path": "engine_adapter.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra_config,
+    }
+
+
+def _http_get_status(url: str, timeout: float) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+class EngineProcess:
+    """One `python -m vllm.entrypoints.openai.api_server` child process.
+
+    Use as a context manager (starts and waits for /health, stops on exit), or
+    call `start()`, `wait_ready()` and `stop()` yourself.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        name: str = "engine",
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        served_model_name: str | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | Path | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        if block_size % 32 != 0:
+            raise ValueError(f"block_size {block_size}: vLLM's CPU backend needs a multiple of 32")
+        self.model_dir = Path(model_dir)
+        self.name = name
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.kv_transfer_config = dict(kv_transfer_config) if kv_transfer_config else None
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_cache_bytes = kv_cache_bytes
+        self.served_model_name = served_model_name
+        self.extra_args = list(extra_args)
+        self.env = engine_environment() if env is None else dict(env)
+        if log_path is None:
+            log_dir = Path(tempfile.mkdtemp(prefix="kvbroker-engine-"))
+            log_path = log_dir / f"{name}.log"
+        self.log_path = Path(log_path)
+        self.python = python
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at: float | None = None
+        self.ready_after_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(self.block_size),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_bytes),
+            "--enforce-eager",
+            "--disable-log-stats",
+        ]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + self.extra_args
+
+    def start(self) -> EngineProcess:
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name} already started (pid {self.proc.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open; closed on stop
+        log.write(f"$ {' '.join(self.command())}\n".encode())
+        log.flush()
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,  # own process group: stop() reaches engine core and workers
+        )
+        self._log_file = log
+        return self
+
+    def is_healthy(self, timeout: float = 2.0) -> bool:
+        return _http_get_status(f"{self.url}/health", timeout) == 200
+
+    def wait_ready(
+        self,
+        timeout: float = 240.0,
+        progress: Callable[[str], None] | None = None,
+        progress_every_s: float = 5.0,
+    ) -> float:
+        """Block until /health answers 200; returns seconds since start.
+
+        Raises EngineStartError if the process exits or `timeout` passes; the
+        message carries the end of the engine's log.
+        """
+        if self.proc is None or self.started_at is None:
+            raise RuntimeError("start() first")
+        deadline = self.started_at + timeout
+        next_progress = time.monotonic() + progress_every_s
+        while True:
+            if self.proc.poll() is not None:
+                raise EngineStartError(
+                    f"{self.name} exited with code {self.proc.returncode} while starting; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.is_healthy():
+                self.ready_after_s = time.monotonic() - self.started_at
+                if progress:
+                    progress(f"{self.name} ready at {self.url} after {self.ready_after_s:.1f} s")
+                return self.ready_after_s
+            now = time.monotonic()
+            if now > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise EngineStartError(
+                    f"{self.name} not healthy after {timeout:.0f} s; log {self.log_path}:\n{tail}"
+                )
+            if progress and now >= next_progress:
+                next_progress = now + progress_every_s
+                last = self.log_tail(1).strip()
+                progress(f"{self.name} starting... {now - self.started_at:.0f} s  | {last[-100:]}")
+            time.sleep(0.5)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def group_alive(self) -> bool:
+        """True while any live (non-zombie) process of the engine's group remains."""
+        if self.proc is None:
+            return False
+        pgid = self.proc.pid
+        proc_root = Path("/proc")
+        if not proc_root.is_dir():  # not Linux: ask the kernel about the group as a whole
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return False
+            return True
+        for stat_file in proc_root.glob("[0-9]*/stat"):
+            try:
+                # Fields after the parenthesised command name: state ppid pgrp ...
+                fields = stat_file.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+        return False
+
+    def _wait_group_gone(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        # Children (engine core, workers) may outlive the API server for a moment.
+        self._signal_group(signal.SIGKILL)
+        self._wait_group_gone(10.0)
+        self._close_log()
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        """SIGKILL the whole engine at once (API server, engine core, workers): a crash."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._wait_group_gone(10.0)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        log = getattr(self, "_log_file", None)
+        if log is not None and not log.closed:
+            log.close()
+
+    def __enter__(self) -> EngineProcess:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EngineProcess({self.name!r}, url={self.url!r}, pid={self.pid})"

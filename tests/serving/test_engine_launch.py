@@ -1,0 +1,65 @@
+"""A real vLLM engine starts from the tiny model, answers greedily and stops cleanly."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine_adapter.launch import EngineProcess, EngineStartError
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_engine_serves_greedy_completions_deterministically(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    engine = EngineProcess(tiny_model_dir, name="launch-test", log_path=tmp_path / "engine.log")
+    with engine:
+        assert engine.is_healthy()
+        body = {
+            "model": str(tiny_model_dir),
+            "prompt": "tell me about the cache",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        first = _post(f"{engine.url}/v1/completions", body)
+        second = _post(f"{engine.url}/v1/completions", body)
+        assert first["usage"]["completion_tokens"] == 12
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        chat = _post(
+            f"{engine.url}/v1/chat/completions",
+            {
+                "model": str(tiny_model_dir),
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        assert chat["usage"]["completion_tokens"] == 4
+        pid = engine.pid
+    assert pid is not None
+    assert engine.proc is not None and engine.proc.poll() is not None
+    assert not engine.group_alive()  # engine core and workers are gone too
+
+
+def test_bad_model_dir_fails_fast_with_log(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    engine = EngineProcess(tmp_path / "missing-model", name="bad", log_path=tmp_path / "bad.log")
+    engine.start()
+    try:
+        with pytest.raises(EngineStartError, match="exited with code"):
+            engine.wait_ready(timeout=120)
+    finally:
+        engine.stop()

@@ -86,7 +86,6 @@ class Backoff:
 
 @dataclasses.dataclass
 class _PendingChanges:
-    clear_all: bool = False
     stored: set[int] = dataclasses.field(default_factory=set)
     removed: set[int] = dataclasses.field(default_factory=set)
 
@@ -98,18 +97,21 @@ class InventoryMirror:
     """What this engine holds per (layout_id, tenant, tier), and the changes not yet sent.
 
     The mirror is the engine's own truth; the broker's copy is rebuilt from it
-    after every (re)registration. Pending stored and removed sets stay
-    disjoint, so the broker may apply them in any order (after ``clear_all``).
+    after every (re)registration. The broker applies an update's ``clear_all``
+    first (to the whole tier, every namespace), then removed, then stored;
+    pending stored and removed sets stay disjoint.
     """
 
     def __init__(self) -> None:
         self._held: dict[InventoryKey, set[int]] = {}
         self._pending: dict[InventoryKey, _PendingChanges] = {}
+        # tier -> a namespace to carry the tier's pending clear_all in
+        self._tier_clears: dict[int, tuple[str, str]] = {}
 
     @property
     def pending_count(self) -> int:
-        """Pending hashes, plus one per pending clear."""
-        return sum(c.size() + c.clear_all for c in self._pending.values())
+        """Pending hashes, plus one per pending tier clear."""
+        return sum(c.size() for c in self._pending.values()) + len(self._tier_clears)
 
     def _changes(self, key: InventoryKey) -> _PendingChanges:
         changes = self._pending.get(key)
@@ -117,9 +119,10 @@ class InventoryMirror:
             changes = self._pending[key] = _PendingChanges()
         return changes
 
-    # Invariant: the broker's copy of a key is (held - pending.stored) | pending.removed,
-    # so every change below sends exactly the net difference, and nothing when a
-    # change is undone before the flush.
+    # Invariant: the broker's copy of a key is (held - pending.stored) | pending.removed
+    # (counting from an empty tier when the tier has a pending clear), so every
+    # change sends exactly the net difference, and nothing when it is undone
+    # before the flush.
 
     def stored(self, key: InventoryKey, hashes: Iterable[int]) -> None:
         held = self._held.setdefault(key, set())
@@ -148,8 +151,18 @@ class InventoryMirror:
                 changes.removed.add(h)
 
     def clear(self, key: InventoryKey) -> None:
-        self._held.pop(key, None)
-        self._pending[key] = _PendingChanges(clear_all=True)
+        """Forget one namespace on one tier (sent as removals: a clear_all would hit the whole tier)."""
+        self.removed(key, list(self._held.get(key, ())))
+
+    def clear_tier(self, tier: int) -> None:
+        """Forget everything on ``tier``, in every namespace (sent as one clear_all)."""
+        keys = self.keys(tier=tier)
+        if not keys:
+            return
+        for key in keys:
+            self._held.pop(key, None)
+            self._pending.pop(key, None)
+        self._tier_clears[tier] = (keys[0][0], keys[0][1])
 
     def adopt_layout(self, layout_id: str) -> None:
         """File what was recorded before registration (with an empty layout id) under ``layout_id``.
@@ -159,11 +172,11 @@ class InventoryMirror:
         """
         for key in [k for k in self.keys() if not k[0]]:
             held = self._held.pop(key, set())
-            changes = self._pending.pop(key, None)
-            target = (layout_id, key[1], key[2])
-            if changes is not None and changes.clear_all:
-                self.clear(target)
-            self.stored(target, held)
+            self._pending.pop(key, None)
+            self.stored((layout_id, key[1], key[2]), held)
+        for tier, (clear_layout, tenant) in list(self._tier_clears.items()):
+            if not clear_layout:
+                self._tier_clears[tier] = (layout_id, tenant)
 
     def keys(self, tier: int | None = None) -> list[InventoryKey]:
         keys = set(self._held) | set(self._pending)
@@ -177,24 +190,37 @@ class InventoryMirror:
 
     def take_updates(self, max_hashes: int = DEFAULT_MAX_HASHES_PER_UPDATE) -> list[pb.InventoryUpdate]:
         """The pending changes as messages (at most ``max_hashes`` hashes each); clears them."""
-        updates: list[pb.InventoryUpdate] = []
+        updates = [_clear_update(ns, tier) for tier, ns in sorted(self._tier_clears.items())]
         for key, changes in sorted(self._pending.items()):
             updates.extend(_chunked_updates(key, changes, max_hashes))
         self._pending.clear()
+        self._tier_clears.clear()
         return updates
 
     def full_sync_updates(self, max_hashes: int = DEFAULT_MAX_HASHES_PER_UPDATE) -> list[pb.InventoryUpdate]:
         """Messages that replace the broker's view with the whole mirror; clears pending changes.
 
-        Cleared keys with nothing held still send a ``clear_all`` so that a
-        broker that kept old state (same broker, new stream) drops it too.
+        Each tier starts with a clear_all, so a broker that kept old state for
+        this engine drops it first.
         """
-        updates: list[pb.InventoryUpdate] = []
-        for key in self.keys():
-            full = _PendingChanges(clear_all=True, stored=set(self._held.get(key, ())))
-            updates.extend(_chunked_updates(key, full, max_hashes))
+        keys = [k for k in self.keys() if self._held.get(k)]
+        tiers: dict[int, tuple[str, str]] = {}
+        for layout_id, tenant, tier in keys:
+            tiers.setdefault(tier, (layout_id, tenant))
+        updates = [_clear_update(ns, tier) for tier, ns in sorted(tiers.items())]
+        for key in keys:
+            updates.extend(_chunked_updates(key, _PendingChanges(stored=set(self._held[key])), max_hashes))
         self._pending.clear()
+        self._tier_clears.clear()
         return updates
+
+
+def _clear_update(namespace: tuple[str, str], tier: int) -> pb.InventoryUpdate:
+    return pb.InventoryUpdate(
+        namespace=pb.Namespace(layout_id=namespace[0], tenant=namespace[1]),
+        tier=pb.Tier.ValueType(tier),
+        clear_all=True,
+    )
 
 
 def _chunked_updates(
@@ -205,21 +231,15 @@ def _chunked_updates(
     stored = sorted(changes.stored)
     removed = sorted(changes.removed)
     updates: list[pb.InventoryUpdate] = []
-    clear_all = changes.clear_all
-    while stored or removed or clear_all:
+    while stored or removed:
         take_stored, stored = stored[:max_hashes], stored[max_hashes:]
         room = max_hashes - len(take_stored)
         take_removed, removed = removed[:room], removed[room:]
         updates.append(
             pb.InventoryUpdate(
-                namespace=namespace,
-                tier=pb.Tier.ValueType(tier),
-                stored=take_stored,
-                removed=take_removed,
-                clear_all=clear_all,
+                namespace=namespace, tier=pb.Tier.ValueType(tier), stored=take_stored, removed=take_removed
             )
         )
-        clear_all = False  # only the first message of a key clears
     return updates
 
 
@@ -383,9 +403,10 @@ class EngineSession:
 
     def clear_tier(self, tier: int, namespace: NamespaceLike | None = None) -> None:
         """Forget everything on ``tier`` (in one namespace, or in all of them)."""
-        keys = [self._key(namespace, tier)] if namespace is not None else self.inventory.keys(tier=int(tier))
-        for key in keys:
-            self.inventory.clear(key)
+        if namespace is None:
+            self.inventory.clear_tier(int(tier))
+        else:
+            self.inventory.clear(self._key(namespace, tier))
         self._schedule_flush()
 
     def set_load(self, load: float) -> None:

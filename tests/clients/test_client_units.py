@@ -128,31 +128,47 @@ def test_mirror_chunks_and_full_sync() -> None:
     mirror = InventoryMirror()
     other = ("layout", "tenant", pb.TIER_CPU)
     mirror.stored(KEY, range(10))
+    mirror.stored(("layout", "other-tenant", GPU), [50])
     mirror.stored(other, [100])
     mirror.take_updates()
     mirror.removed(KEY, [0])
     updates = mirror.full_sync_updates(max_hashes=4)
-    by_tier = {pb.TIER_GPU: [u for u in updates if u.tier == pb.TIER_GPU]}
-    gpu = by_tier[pb.TIER_GPU]
+    # One clear_all per tier, first, then the blocks in chunks.
+    clears = [u for u in updates if u.clear_all]
+    assert sorted(u.tier for u in clears) == [GPU, pb.TIER_CPU]
+    assert all(not u.stored and not u.removed for u in clears)
+    assert updates[: len(clears)] == clears
+    gpu = [u for u in updates if u.tier == GPU and u.namespace.tenant == "tenant" and not u.clear_all]
     assert [len(u.stored) for u in gpu] == [4, 4, 1]
-    assert [u.clear_all for u in gpu] == [True, False, False]  # only the first clears
     assert set().union(*(set(u.stored) for u in gpu)) == set(range(1, 10))
-    cpu = [u for u in updates if u.tier == pb.TIER_CPU]
-    assert len(cpu) == 1 and cpu[0].clear_all and list(cpu[0].stored) == [100]
-    assert all(u.namespace.layout_id == "layout" and u.namespace.tenant == "tenant" for u in updates)
+    cpu = [u for u in updates if u.tier == pb.TIER_CPU and not u.clear_all]
+    assert len(cpu) == 1 and list(cpu[0].stored) == [100]
     assert mirror.pending_count == 0
 
 
-def test_mirror_clear_then_store_keeps_clear_first() -> None:
+def test_mirror_clear_tier_then_store_keeps_clear_first() -> None:
     mirror = InventoryMirror()
     mirror.stored(KEY, [1, 2])
     mirror.take_updates()
-    mirror.clear(KEY)
+    mirror.clear_tier(GPU)
     mirror.stored(KEY, [5])
     updates = mirror.take_updates()
-    assert len(updates) == 1
-    assert updates[0].clear_all and list(updates[0].stored) == [5]
+    assert [u.clear_all for u in updates] == [True, False]
+    assert list(updates[1].stored) == [5]
     assert mirror.held(KEY) == {5}
+
+
+def test_mirror_clear_one_namespace_sends_removals() -> None:
+    mirror = InventoryMirror()
+    other = ("layout", "other", GPU)
+    mirror.stored(KEY, [1, 2])
+    mirror.stored(other, [3])
+    mirror.take_updates()
+    mirror.clear(KEY)
+    updates = mirror.take_updates()
+    assert len(updates) == 1 and not updates[0].clear_all
+    assert sorted(updates[0].removed) == [1, 2]
+    assert mirror.held(other) == {3}
 
 
 def test_mirror_adopts_the_registered_layout() -> None:
@@ -166,12 +182,14 @@ def test_mirror_adopts_the_registered_layout() -> None:
 
 
 def _apply(broker: dict[tuple[str, str, int], set[int]], updates: list[pb.InventoryUpdate]) -> None:
-    """What the broker does with an InventoryUpdate: clear first, then stored and removed."""
+    """What the broker does with an InventoryUpdate: clear the whole tier first, then removed, stored."""
     for u in updates:
         key = (u.namespace.layout_id, u.namespace.tenant, u.tier)
-        blocks = broker.setdefault(key, set())
         if u.clear_all:
-            blocks.clear()
+            for other in broker:
+                if other[2] == u.tier:
+                    broker[other].clear()
+        blocks = broker.setdefault(key, set())
         assert not set(u.stored) & set(u.removed)
         blocks.update(u.stored)
         blocks.difference_update(u.removed)
@@ -179,8 +197,9 @@ def _apply(broker: dict[tuple[str, str, int], set[int]], updates: list[pb.Invent
 
 _OPS = st.lists(
     st.tuples(
-        st.sampled_from(["stored", "removed", "clear", "flush", "resync"]),
+        st.sampled_from(["stored", "removed", "clear", "clear_tier", "flush", "resync"]),
         st.sampled_from([GPU, pb.TIER_CPU]),
+        st.sampled_from(["", "t2"]),
         st.lists(st.integers(0, 12), max_size=6),
     ),
     max_size=40,
@@ -191,24 +210,30 @@ _OPS = st.lists(
 def test_mirror_keeps_the_broker_equal_to_what_the_engine_holds(ops: list) -> None:
     mirror = InventoryMirror()
     broker: dict[tuple[str, str, int], set[int]] = {}
-    held: dict[int, set[int]] = {GPU: set(), pb.TIER_CPU: set()}
-    for op, tier, hashes in ops:
-        key = ("L", "", tier)
+    keys = [("L", tenant, tier) for tenant in ("", "t2") for tier in (GPU, pb.TIER_CPU)]
+    held: dict[tuple[str, str, int], set[int]] = {key: set() for key in keys}
+    for op, tier, tenant, hashes in ops:
+        key = ("L", tenant, tier)
         if op == "stored":
             mirror.stored(key, hashes)
-            held[tier].update(hashes)
+            held[key].update(hashes)
         elif op == "removed":
             mirror.removed(key, hashes)
-            held[tier].difference_update(hashes)
+            held[key].difference_update(hashes)
         elif op == "clear":
             mirror.clear(key)
-            held[tier].clear()
+            held[key].clear()
+        elif op == "clear_tier":
+            mirror.clear_tier(tier)
+            for other in keys:
+                if other[2] == tier:
+                    held[other].clear()
         elif op == "flush":
             _apply(broker, mirror.take_updates(max_hashes=3))
         else:  # a fresh broker after a restart
             broker = {}
             _apply(broker, mirror.full_sync_updates(max_hashes=3))
     _apply(broker, mirror.take_updates(max_hashes=3))
-    for tier in (GPU, pb.TIER_CPU):
-        assert broker.get(("L", "", tier), set()) == held[tier]
-        assert mirror.held(("L", "", tier)) == held[tier]
+    for key in keys:
+        assert broker.get(key, set()) == held[key]
+        assert mirror.held(key) == held[key]

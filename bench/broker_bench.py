@@ -1,0 +1,118 @@
+"""The broker's own figures (issue 2), with the ratios to the peers its targets are held against.
+
+Starts a real broker process (``python -m broker``), registers 1,000 engines over
+real session streams, loads the index to 1M and 10M random blocks through those
+sessions, and measures for a 64-block chain: resolve latency p50/p99 with 1 and 16
+concurrent clients over the session stream (the engine path) and over unary
+Resolve, resolves per second, inventory updates (blocks/s) over sessions, and the
+broker's memory per indexed block (RSS delta / blocks). It also measures the index
+alone in a fresh process, and, in the same run, the peers the targets are ratios
+to: Mooncake's ``batch_is_exist`` and Redis ``MGET`` / pipelined ``SET PX``.
+
+    python -m bench.broker_bench            # full run (1M and 10M blocks; several minutes)
+    python -m bench.broker_bench --quick    # smoke run (~2 minutes; 200k and 1M blocks)
+
+Writes bench/results/broker_bench.json and broker_bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO_ROOT, log, shared_cores_note, write_json
+from bench.control_plane import _settings_json, add_common_arguments, guarded, mode_name, settings_from
+from bench.measure import Settings, measure_broker, measure_mooncake, measure_redis
+from bench.peers import _env_with_pythonpath
+from bench.plot import matplotlib_missing
+from bench.report import broker_table, memory_table, plot_lookup, targets, targets_table, unavailable_lines
+
+
+def measure_index_alone(s: Settings) -> dict[str, Any]:
+    """bench.index_memory in a fresh child process (so its RSS is the index's)."""
+    sizes = ",".join(str(n) for n in s.broker_mem_blocks)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.index_memory", "--blocks", sizes, "--engines", str(s.engines)],
+        cwd=str(REPO_ROOT),
+        env=_env_with_pythonpath(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    if out.returncode != 0:
+        return {"available": False, "reason": f"index_memory exited {out.returncode}: {out.stderr[-2000:]}"}
+    return {"available": True, **json.loads(out.stdout)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(p)
+    args = p.parse_args(argv)
+    s = settings_from(args)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-broker-"))
+    log(f"mode {mode_name(args)}; server logs in {log_dir}")
+
+    results: dict[str, Any] = {}
+    if "broker" not in args.skip:
+        results["broker"] = guarded("broker", measure_broker, s, log_dir)
+        results["index_inprocess"] = guarded("index alone", measure_index_alone, s)
+    if "mooncake" not in args.skip:
+        results["mooncake"] = guarded("Mooncake", measure_mooncake, s, log_dir, with_memory=False)
+    if "redis" not in args.skip:
+        results["redis"] = guarded("Redis", measure_redis, s, log_dir, with_lua=False, with_memory=False)
+
+    conc = list(s.concurrency)
+    print(f"\nBroker figures ({mode_name(args)} mode, {s.reps} repetitions; median [min..max])")
+    print(f"NOTE: {shared_cores_note()}.")
+    broker = results.get("broker") or {}
+    if broker.get("available"):
+        print(f"Engines: {broker['engines']['how']}.\n")
+    for table in (broker_table(results, conc), memory_table(results)):
+        if table:
+            print(table + "\n")
+    inproc = results.get("index_inprocess") or {}
+    if inproc.get("available"):
+        print(
+            f"In-process index lookup of a held 64-block chain (no RPC): p50 {inproc['lookup_64_p50_us']:.1f} us, "
+            f"p99 {inproc['lookup_64_p99_us']:.1f} us\n"
+        )
+    tgt = targets(results, hi_c=conc[-1])
+    if tgt:
+        print("Targets, as ratios to the peers measured in this run:")
+        print(targets_table(tgt))
+    missing = unavailable_lines(results)
+    if missing:
+        print("\nNot measured here:")
+        print("\n".join(missing))
+
+    name = "broker_bench" if not args.tiny else "broker_bench-tiny"
+    path = write_json(
+        name,
+        {"mode": mode_name(args), "settings": _settings_json(s), "results": results, "targets": tgt},
+        args.out_dir,
+    )
+    print(f"\nJSON: {path}")
+    if not args.no_plot:
+        why = matplotlib_missing()
+        if why:
+            print(f"PNG: skipped: {why}")
+        else:
+            png = plot_lookup(
+                results,
+                conc,
+                args.out_dir / f"{name}.png",
+                f"Broker resolve vs the peers of its targets ({mode_name(args)} mode; median, min..max)",
+                shared_cores_note(),
+            )
+            print(f"PNG: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""Helpers shared by the benchmark programs: processes, workloads, load loops, statistics, output.
+
+Latency is measured by closed-loop clients: each client issues one operation, waits
+for the answer, and issues the next. A *run* gives p50/p99 latency over every
+operation of every client and throughput (operations / wall time of the measured
+phase). A benchmark repeats a run several times and reports the median of each
+figure with its spread (min..max over the repetitions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+CHAIN_LEN = 64
+
+
+def shared_cores_note() -> str:
+    cores = os.cpu_count() or 0
+    return (
+        f"clients and servers run on the same machine and share its {cores} CPU cores "
+        "(loopback, Python clients); figures include client-side Python overhead"
+    )
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class ManagedProcess:
+    """A child process we started and must stop; output goes to a log file."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=str(REPO_ROOT),
+            env=env,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def wait_for_port(self, port: int, timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode} before listening on "
+                    f"{host}:{port}; log tail:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} did not listen on {host}:{port} within {timeout_s:.0f}s")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+# --------------------------------------------------------------------------- workload
+
+
+def random_hashes(rng: random.Random, n: int) -> list[int]:
+    """n random 64-bit block hashes (the wire form of vLLM's chained hashes)."""
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def make_chains(n_chains: int, seed: int, length: int = CHAIN_LEN) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_hashes(rng, length) for _ in range(n_chains)]
+
+
+def longest_prefix(found: Sequence[Any]) -> int:
+    """Length of the leading run of truthy entries (the matched prefix of a chain)."""
+    for i, x in enumerate(found):
+        if not x:
+            return i
+    return len(found)
+
+
+# --------------------------------------------------------------------------- load loops
+
+
+@dataclass
+class RunResult:
+    latencies_s: list[float]
+    wall_s: float
+
+    @property
+    def ops(self) -> int:
+        return len(self.latencies_s)
+
+    def percentile_us(self, q: float) -> float:
+        xs = sorted(self.latencies_s)
+        if not xs:
+            return float("nan")
+        idx = min(len(xs) - 1, max(0, round(q / 100.0 * (len(xs) - 1))))
+        return xs[idx] * 1e6
+
+    def ops_per_s(self) -> float:
+        return self.ops / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "p50_us": self.percentile_us(50),
+            "p99_us": self.percentile_us(99),
+            "ops_per_s": self.ops_per_s(),
+            "ops": float(self.ops),
+        }
+
+
+AsyncOp = Callable[[int], Awaitable[Any]]
+SyncOp = Callable[[int], Any]
+
+
+async def closed_loop_async(ops: Sequence[AsyncOp], ops_per_client: int, warmup: int) -> RunResult:
+    """One asyncio task per entry of ``ops``; each calls its op(i) in a closed loop.
+
+    All clients warm up, meet, and then run ``ops_per_client`` measured operations.
+    """
+    start = asyncio.Event()
+    ready = 0
+    lat: list[float] = []
+    t0 = 0.0
+
+    async def client(op: AsyncOp, cid: int) -> None:
+        nonlocal ready, t0
+        for i in range(warmup):
+            await op(cid * 7919 + i)
+        ready += 1
+        if ready == len(ops):
+            t0 = time.perf_counter()
+            start.set()
+        await start.wait()
+        mine = []
+        pc = time.perf_counter
+        for i in range(ops_per_client):
+            t = pc()
+            await op(cid * 7919 + warmup + i)
+            mine.append(pc() - t)
+        lat.extend(mine)
+
+    await asyncio.gather(*(client(op, i) for i, op in enumerate(ops)))
+    return RunResult(lat, time.perf_counter() - t0)
+
+
+def closed_loop_threads(ops: Sequence[SyncOp], ops_per_client: int, warmup: int) -> RunResult:
+    """The same as closed_loop_async with one OS thread per client (for blocking client libraries)."""
+    barrier = threading.Barrier(len(ops) + 1)
+    results: list[list[float]] = [[] for _ in ops]
+    errors: list[BaseException] = []
+
+    def client(op: SyncOp, cid: int) -> None:
+        try:
+            for i in range(warmup):
+                op(cid * 7919 + i)
+        except BaseException as e:
+            errors.append(e)
+        barrier.wait()
+        if errors:
+            return
+        pc = time.perf_counter
+        mine = results[cid]
+        try:
+            for i in range(ops_per_client):
+                t = pc()
+                op(cid * 7919 + warmup + i)
+                mine.append(pc() - t)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(op, i), daemon=True) for i, op in enumerate(ops)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return RunResult([x for r in results for x in r], wall)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class Figure:
+    """One figure measured in several repetitions: median and spread."""
+
+    values: list[float] = field(default_factory=list)
+
+    def add(self, v: float) -> None:
+        self.values.append(v)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.values:
+            return {"median": None, "min": None, "max": None, "runs": []}
+        return {
+            "median": self.median,
+            "min": min(self.values),
+            "max": max(self.values),
+            "runs": self.values,
+        }
+
+
+def aggregate(runs: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
+    """Median and spread over repetitions of p50, p99 and throughput."""
+    figs: dict[str, Figure] = {"p50_us": Figure(), "p99_us": Figure(), "ops_per_s": Figure()}
+    for r in runs:
+        s = r.summary()
+        for k, f in figs.items():
+            f.add(s[k])
+    return {k: f.to_json() for k, f in figs.items()}
+
+
+def med(d: dict[str, Any] | None, key: str) -> float:
+    """Median of figure ``key`` in an aggregate (NaN when missing)."""
+    if not d or key not in d or d[key].get("median") is None:
+        return float("nan")
+    return float(d[key]["median"])
+
+
+def spread(d: dict[str, Any] | None, key: str) -> tuple[float, float]:
+    if not d or key not in d or d[key].get("min") is None:
+        return (float("nan"), float("nan"))
+    return (float(d[key]["min"]), float(d[key]["max"]))
+
+
+# --------------------------------------------------------------------------- output
+
+
+def fmt_num(x: float, unit: str = "") -> str:
+    if x != x:  # NaN
+        return "-"
+    if abs(x) >= 100:
+        s = f"{x:,.0f}"
+    elif abs(x) >= 10:
+        s = f"{x:.1f}"
+    else:
+        s = f"{x:.2f}"
+    return s + unit
+
+
+def fmt_spread(d: dict[str, Any] | None, key: str) -> str:
+    m = med(d, key)
+    lo, hi = spread(d, key)
+    if m != m:
+        return "-"
+    return f"{fmt_num(m)} [{fmt_num(lo)}..{fmt_num(hi)}]"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, c in enumerate(row):
+            widths[i] = max(widths[i], len(c))
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    sep = "  ".join("-" * w for w in widths)
+    body = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join([line, sep, *body])
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_kb = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+                break
+    return {
+        "hostname_hidden": True,
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "mem_total_gib": round(mem_kb / 2**20, 1),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
+
+
+def write_json(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
+    out = out_dir or RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "benchmark": name,
+        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": machine_info(),
+        "note": shared_cores_note(),
+        **payload,
+    }
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def log(msg: str) -> None:
+    """Progress lines go to stderr so the table on stdout stays clean."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

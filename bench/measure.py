@@ -1,0 +1,547 @@
+"""The fixed control-plane workloads, one function per system; each returns a JSON-ready dict.
+
+Workload: namespaces of 64-block chains of random 64-bit hashes. A lookup asks for
+the longest held prefix of one chain (every lookup chain is fully held, and each
+answer is checked to be 64 before timing starts). Publishing announces a fresh
+chain of 64 blocks. Latency is closed-loop (see bench.common) at 1 and 16
+concurrent clients, repeated ``reps`` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import random
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+
+from bench.broker_driver import BrokerProcess, RawSession, make_channels, open_sessions
+from bench.common import (
+    CHAIN_LEN,
+    RunResult,
+    aggregate,
+    closed_loop_async,
+    closed_loop_threads,
+    log,
+    make_chains,
+)
+from bench.grpc_echo import STREAM_METHOD, UNARY_METHOD
+from bench.peers import GrpcEchoPeer, MooncakePeer, PeerUnavailable, RedisPeer, chain_keys
+
+T = TypeVar("T")
+
+
+@dataclass
+class Settings:
+    """Sizes of one benchmark run; ``quick()`` and ``tiny()`` shrink them."""
+
+    reps: int = 5
+    warmup: int = 50
+    ops_1: int = 2000  # measured ops of the single client, per repetition
+    ops_16: int = 300  # measured ops per client with 16 clients, per repetition
+    concurrency: tuple[int, ...] = (1, 16)
+    lookup_chains: int = 256
+    publish_ops_1: int = 300  # chains published by the single client, per repetition
+    publish_ops_16: int = 60  # chains published per client with 16 clients
+    engines: int = 1000
+    session_channels: int = 8
+    broker_mem_blocks: tuple[int, ...] = (1_000_000, 10_000_000)
+    broker_load_batch: int = 8192
+    redis_mem_keys: int = 1_000_000
+    mooncake_mem_keys: int = 100_000
+    ttl_ms: int = 600_000
+    broker_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def quick(cls) -> Settings:
+        return cls(
+            reps=3,
+            warmup=30,
+            ops_1=600,
+            ops_16=80,
+            publish_ops_1=100,
+            publish_ops_16=20,
+            engines=1000,
+            broker_mem_blocks=(200_000, 1_000_000),
+            redis_mem_keys=100_000,
+            mooncake_mem_keys=10_000,
+        )
+
+    @classmethod
+    def tiny(cls) -> Settings:
+        """Smoke-test sizes: proves the programs work, measures nothing worth keeping."""
+        return cls(
+            reps=1,
+            warmup=3,
+            ops_1=30,
+            ops_16=5,
+            concurrency=(1, 4),
+            lookup_chains=16,
+            publish_ops_1=5,
+            publish_ops_16=2,
+            engines=20,
+            session_channels=2,
+            broker_mem_blocks=(5_000, 20_000),
+            broker_load_batch=2048,
+            redis_mem_keys=2_000,
+            mooncake_mem_keys=500,
+        )
+
+    def ops_for(self, clients: int) -> int:
+        return self.ops_1 if clients == 1 else self.ops_16
+
+    def publish_ops_for(self, clients: int) -> int:
+        return self.publish_ops_1 if clients == 1 else self.publish_ops_16
+
+
+def run_async(coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run on uvloop when installed (the broker runs on it), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro_fn())
+    return uvloop.run(coro_fn())
+
+
+def lookup_namespaces(n_chains: int) -> list[str]:
+    return [f"t{i % 4}" for i in range(n_chains)]
+
+
+# --------------------------------------------------------------------------- grpc floors
+
+
+def measure_grpc_floors(s: Settings, log_dir: Path) -> dict[str, Any]:
+    chains = make_chains(s.lookup_chains, seed=11)
+    peer = GrpcEchoPeer(log_dir)
+    try:
+
+        async def main() -> dict[str, Any]:
+            out: dict[str, Any] = {"unary": {}, "stream": {}}
+            for c in s.concurrency:
+                channels = [grpc.aio.insecure_channel(peer.address) for _ in range(c)]
+                unary = [
+                    ch.unary_unary(
+                        UNARY_METHOD,
+                        request_serializer=pb.ResolveRequest.SerializeToString,
+                        response_deserializer=pb.ResolveRequest.FromString,
+                    )
+                    for ch in channels
+                ]
+
+                def unary_op(call: Any) -> Callable[[int], Awaitable[Any]]:
+                    async def op(i: int) -> None:
+                        await call(pb.ResolveRequest(block_hashes=chains[i % len(chains)]))
+
+                    return op
+
+                runs = [
+                    await closed_loop_async([unary_op(u) for u in unary], s.ops_for(c), s.warmup)
+                    for _ in range(s.reps)
+                ]
+                out["unary"][f"c{c}"] = aggregate(runs)
+                log(f"grpc unary echo c{c}: p50 {out['unary'][f'c{c}']['p50_us']['median']:.0f} us")
+
+                streams = [
+                    ch.stream_stream(
+                        STREAM_METHOD,
+                        request_serializer=pb.ResolveRequest.SerializeToString,
+                        response_deserializer=pb.ResolveRequest.FromString,
+                    )()
+                    for ch in channels
+                ]
+
+                def stream_op(call: Any) -> Callable[[int], Awaitable[Any]]:
+                    async def op(i: int) -> None:
+                        await call.write(pb.ResolveRequest(block_hashes=chains[i % len(chains)]))
+                        await call.read()
+
+                    return op
+
+                runs = [
+                    await closed_loop_async([stream_op(st) for st in streams], s.ops_for(c), s.warmup)
+                    for _ in range(s.reps)
+                ]
+                out["stream"][f"c{c}"] = aggregate(runs)
+                log(f"grpc bidi ping-pong c{c}: p50 {out['stream'][f'c{c}']['p50_us']['median']:.0f} us")
+                for st in streams:
+                    st.cancel()
+                for ch in channels:
+                    await ch.close()
+            return out
+
+        result = run_async(main)
+        return {"available": True, "grpc_version": grpc.__version__, **result}
+    finally:
+        peer.close()
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+def measure_redis(
+    s: Settings, log_dir: Path, with_lua: bool = True, with_memory: bool = True
+) -> dict[str, Any]:
+    try:
+        peer = RedisPeer(log_dir)
+    except PeerUnavailable as e:
+        log(f"Redis skipped: {e}")
+        return {"available": False, "reason": str(e)}
+    try:
+        out: dict[str, Any] = {
+            "available": True,
+            "version": peer.version,
+            "hiredis": peer.hiredis,
+            "mget": {},
+            "lua": {},
+            "publish": {},
+        }
+        chains = make_chains(s.lookup_chains, seed=7)
+        nss = lookup_namespaces(len(chains))
+        keys = [chain_keys(ns, c) for ns, c in zip(nss, chains, strict=True)]
+        r0 = peer.client()
+        for k in keys:
+            peer.publish_chain(r0, k, b"e0001", s.ttl_ms)
+        assert all(peer.mget_prefix(r0, k) == CHAIN_LEN for k in keys[:8]), "Redis MGET lookup is wrong"
+        assert all(peer.lua_prefix(r0, k) == CHAIN_LEN for k in keys[:8]), "Redis Lua lookup is wrong"
+        for c in s.concurrency:
+            clients = [peer.client() for _ in range(c)]
+
+            def mget_op(r: Any) -> Callable[[int], Any]:
+                return lambda i: peer.mget_prefix(r, keys[i % len(keys)])
+
+            def lua_op(r: Any) -> Callable[[int], Any]:
+                return lambda i: peer.lua_prefix(r, keys[i % len(keys)])
+
+            runs = [
+                closed_loop_threads([mget_op(r) for r in clients], s.ops_for(c), s.warmup)
+                for _ in range(s.reps)
+            ]
+            out["mget"][f"c{c}"] = aggregate(runs)
+            log(f"Redis MGET c{c}: p50 {out['mget'][f'c{c}']['p50_us']['median']:.0f} us")
+            if with_lua:
+                runs = [
+                    closed_loop_threads([lua_op(r) for r in clients], s.ops_for(c), s.warmup)
+                    for _ in range(s.reps)
+                ]
+                out["lua"][f"c{c}"] = aggregate(runs)
+                log(f"Redis Lua walk c{c}: p50 {out['lua'][f'c{c}']['p50_us']['median']:.0f} us")
+
+            # Publishing: each op pipelines 64 SET PX of a fresh chain.
+            runs = []
+            for rep in range(s.reps):
+                n = c * (s.warmup + s.publish_ops_for(c))
+                pub = [chain_keys("pub", ch) for ch in make_chains(n, seed=1000 + rep * 100 + c)]
+
+                def pub_op(r: Any, pub: list[list[str]] = pub) -> Callable[[int], Any]:
+                    return lambda i: peer.publish_chain(r, pub[i % len(pub)], b"e0001", s.ttl_ms)
+
+                runs.append(closed_loop_threads([pub_op(r) for r in clients], s.publish_ops_for(c), s.warmup))
+            out["publish"][f"c{c}"] = _with_blocks_per_s(aggregate(runs))
+            log(
+                f"Redis pipelined 64 x SET PX c{c}: "
+                f"{out['publish'][f'c{c}']['blocks_per_s']['median']:,.0f} blocks/s"
+            )
+            for r in clients:
+                r.close()
+        if with_memory:
+            peer.flush()
+            time.sleep(0.2)
+            used0, rss0 = peer.used_memory(), peer.rss()
+            rng = random.Random(99)
+            n = peer.bulk_load(
+                (f"t{i % 4}:{rng.getrandbits(64):016x}" for i in range(s.redis_mem_keys)), b"e0001", s.ttl_ms
+            )
+            used1, rss1 = peer.used_memory(), peer.rss()
+            out["memory"] = {
+                "keys": n,
+                "used_memory_bytes_per_key": (used1 - used0) / n,
+                "rss_bytes_per_key": (rss1 - rss0) / n,
+                "key_format": "'t<n>:<16 hex digits>' -> 'e0001' with PX",
+            }
+            log(f"Redis memory: {(used1 - used0) / n:.0f} B/key (used_memory) at {n:,} keys")
+        return out
+    finally:
+        peer.close()
+
+
+def _with_blocks_per_s(agg: dict[str, Any]) -> dict[str, Any]:
+    ops = agg["ops_per_s"]
+    agg["blocks_per_s"] = {
+        "median": ops["median"] * CHAIN_LEN,
+        "min": ops["min"] * CHAIN_LEN,
+        "max": ops["max"] * CHAIN_LEN,
+        "runs": [x * CHAIN_LEN for x in ops["runs"]],
+    }
+    return agg
+
+
+# --------------------------------------------------------------------------- Mooncake
+
+
+def measure_mooncake(s: Settings, log_dir: Path, with_memory: bool = True) -> dict[str, Any]:
+    try:
+        peer = MooncakePeer(log_dir)
+    except PeerUnavailable as e:
+        log(f"Mooncake skipped: {e}")
+        return {"available": False, "reason": str(e)}
+    try:
+        out: dict[str, Any] = {"available": True, "batch_is_exist": {}}
+        chains = make_chains(s.lookup_chains, seed=7)
+        nss = lookup_namespaces(len(chains))
+        keys = [chain_keys(ns, c) for ns, c in zip(nss, chains, strict=True)]
+        for k in keys:
+            peer.put_keys(k)
+        assert all(peer.exist_prefix(k) == CHAIN_LEN for k in keys[:8]), "Mooncake lookup is wrong"
+        for c in s.concurrency:
+            op = lambda i: peer.exist_prefix(keys[i % len(keys)])  # noqa: E731 - one shared client
+            runs = [closed_loop_threads([op] * c, s.ops_for(c), s.warmup) for _ in range(s.reps)]
+            out["batch_is_exist"][f"c{c}"] = aggregate(runs)
+            log(
+                f"Mooncake batch_is_exist c{c}: p50 {out['batch_is_exist'][f'c{c}']['p50_us']['median']:.0f} us"
+            )
+        if with_memory:
+            rss0 = peer.rss()
+            rng = random.Random(98)
+            mem_keys = [f"m{i % 4}:{rng.getrandbits(64):016x}" for i in range(s.mooncake_mem_keys)]
+            t = time.perf_counter()
+            peer.put_keys(mem_keys)
+            took = time.perf_counter() - t
+            time.sleep(0.5)
+            rss1 = peer.rss()
+            out["memory"] = {
+                "keys": len(mem_keys),
+                "rss_bytes_per_key": (rss1 - rss0) / len(mem_keys),
+                "load_keys_per_s": len(mem_keys) / took,
+                "value_bytes": 1,
+            }
+            log(
+                f"Mooncake master memory: {(rss1 - rss0) / len(mem_keys):.0f} B/key (RSS) at {len(mem_keys):,} keys"
+            )
+        return out
+    finally:
+        peer.close()
+
+
+# --------------------------------------------------------------------------- our broker
+
+
+@dataclass
+class BrokerFixture:
+    proc: BrokerProcess
+    channels: list[grpc.aio.Channel]
+    stubs: list[broker_pb2_grpc.KVBrokerStub]
+    sessions: list[RawSession]
+
+
+async def _stats(stub: broker_pb2_grpc.KVBrokerStub) -> pb.StatsResponse:
+    return await stub.Stats(pb.StatsRequest())
+
+
+def measure_broker(s: Settings, log_dir: Path, with_memory: bool = True) -> dict[str, Any]:
+    """Our broker as a real process: resolve (session and unary), inventory rate, memory per block."""
+    proc = BrokerProcess(log_dir, s.broker_args)
+    try:
+        return run_async(lambda: _measure_broker(s, proc, with_memory))
+    finally:
+        proc.close()
+
+
+async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"available": True, "address": proc.address}
+    channels = make_channels(proc.address, s.session_channels)
+    stubs = [broker_pb2_grpc.KVBrokerStub(ch) for ch in channels]
+    rss_start = proc.rss()
+    t = time.perf_counter()
+    engine_ids = [f"bench-e{i:04d}" for i in range(s.engines)]
+    sessions = await open_sessions(stubs, engine_ids)
+    out["engines"] = {
+        "registered": len(sessions),
+        "how": f"{len(sessions)} real session streams (one per engine) over {len(channels)} channels",
+        "register_s": time.perf_counter() - t,
+        "rss_after_register_bytes": proc.rss(),
+        "rss_start_bytes": rss_start,
+    }
+    layout_id = sessions[0].layout_id
+    log(
+        f"broker: {len(sessions)} engines registered in {out['engines']['register_s']:.1f}s (layout {layout_id})"
+    )
+
+    def ns(tenant: str) -> pb.Namespace:
+        return pb.Namespace(layout_id=layout_id, tenant=tenant)
+
+    try:
+        rng = random.Random(5)
+        mem: dict[str, Any] = {"points": []}
+        rss_base = proc.rss()
+        loaded = 0
+
+        async def load_to(target: int) -> float:
+            """Announce random blocks from all sessions in big batches until ``target`` are indexed."""
+            nonlocal loaded
+            todo = target - loaded
+            per = max(1, todo // len(sessions))
+            t0 = time.perf_counter()
+            sent = 0
+
+            async def one(i: int, sess: RawSession) -> int:
+                n = per if i < len(sessions) - 1 else todo - per * (len(sessions) - 1)
+                done = 0
+                tenant = ns(f"m{i % 16}")
+                while done < n:
+                    b = min(s.broker_load_batch, n - done)
+                    await sess.announce(tenant, [rng.getrandbits(64) for _ in range(b)])
+                    done += b
+                await sess.barrier(tenant)
+                return done
+
+            sem = asyncio.Semaphore(64)
+
+            async def limited(i: int, sess: RawSession) -> int:
+                async with sem:
+                    return await one(i, sess)
+
+            counts = await asyncio.gather(*(limited(i, x) for i, x in enumerate(sessions)))
+            sent = sum(counts)
+            loaded += sent
+            return sent / (time.perf_counter() - t0)
+
+        # 1) A first memory point (also makes resolve run on a realistically sized index).
+        if with_memory and s.broker_mem_blocks:
+            rate = await load_to(s.broker_mem_blocks[0])
+            mem["points"].append(await _memory_point(proc, stubs[0], rss_base, rate))
+            log(_mem_line(mem["points"][-1]))
+
+        # 2) Lookup chains, each held by one engine.
+        chains = make_chains(s.lookup_chains, seed=7)
+        nss = lookup_namespaces(len(chains))
+        for i, (tenant, chain) in enumerate(zip(nss, chains, strict=True)):
+            await sessions[i % len(sessions)].announce(ns(tenant), chain)
+        for sess in sessions[: min(len(sessions), len(chains))]:
+            await sess.barrier(ns("t0"))
+        reqs = [(ns(tenant), chain) for tenant, chain in zip(nss, chains, strict=True)]
+        check = await sessions[0].resolve(*reqs[0])
+        if not check.matches or check.matches[0].matched_blocks != CHAIN_LEN:
+            raise RuntimeError(f"broker resolve is wrong: {check}")
+
+        # 3) Resolve latency over session streams and unary.
+        out["resolve_session"] = {}
+        out["resolve_unary"] = {}
+        for c in s.concurrency:
+            readers = sessions[-c:]  # engines other than the holders of the first chains
+
+            def sess_op(sess: RawSession) -> Callable[[int], Awaitable[Any]]:
+                async def op(i: int) -> None:
+                    n, h = reqs[i % len(reqs)]
+                    await sess.resolve(n, h)
+
+                return op
+
+            runs: list[RunResult] = []
+            for _ in range(s.reps):
+                runs.append(await closed_loop_async([sess_op(x) for x in readers], s.ops_for(c), s.warmup))
+            out["resolve_session"][f"c{c}"] = aggregate(runs)
+            log(
+                f"broker resolve over session c{c}: p50 {out['resolve_session'][f'c{c}']['p50_us']['median']:.0f} us"
+            )
+
+            unary_channels = make_channels(proc.address, c)
+            ustubs = [broker_pb2_grpc.KVBrokerStub(ch) for ch in unary_channels]
+
+            def unary_op(stub: broker_pb2_grpc.KVBrokerStub) -> Callable[[int], Awaitable[Any]]:
+                async def op(i: int) -> None:
+                    n, h = reqs[i % len(reqs)]
+                    await stub.Resolve(pb.ResolveRequest(namespace=n, block_hashes=h))
+
+                return op
+
+            runs = []
+            for _ in range(s.reps):
+                runs.append(await closed_loop_async([unary_op(x) for x in ustubs], s.ops_for(c), s.warmup))
+            out["resolve_unary"][f"c{c}"] = aggregate(runs)
+            log(f"broker unary Resolve c{c}: p50 {out['resolve_unary'][f'c{c}']['p50_us']['median']:.0f} us")
+            for ch in unary_channels:
+                await ch.close()
+
+        # 4) Inventory rate: each session pipelines InventoryUpdates of 64 blocks, then a barrier.
+        out["inventory"] = {}
+        for c in s.concurrency:
+            senders = sessions[:c]
+            per_client = s.publish_ops_for(c) * 4  # fire-and-forget is cheap; send more to time it well
+            figs = []
+            for rep in range(s.reps):
+                batches = [make_chains(per_client, seed=5000 + rep * 100 + j) for j in range(c)]
+                t0 = time.perf_counter()
+
+                async def push(sess: RawSession, chains_: list[list[int]], j: int) -> None:
+                    tenant = ns(f"p{j % 4}")
+                    for ch in chains_:
+                        await sess.announce(tenant, ch)
+                    await sess.barrier(tenant)
+
+                await asyncio.gather(
+                    *(push(x, b, j) for j, (x, b) in enumerate(zip(senders, batches, strict=True)))
+                )
+                figs.append(c * per_client * CHAIN_LEN / (time.perf_counter() - t0))
+            loaded += s.reps * c * per_client * CHAIN_LEN
+            out["inventory"][f"c{c}"] = {
+                "blocks_per_s": {"median": _median(figs), "min": min(figs), "max": max(figs), "runs": figs},
+                "batch_blocks": CHAIN_LEN,
+                "messages_per_client": per_client,
+            }
+            log(f"broker inventory c{c} (64-block updates): {_median(figs):,.0f} blocks/s")
+
+        # 5) The remaining memory points.
+        if with_memory:
+            for target in s.broker_mem_blocks[1:]:
+                rate = await load_to(target)
+                mem["points"].append(await _memory_point(proc, stubs[0], rss_base, rate))
+                log(_mem_line(mem["points"][-1]))
+            mem["rss_baseline_bytes"] = rss_base
+            mem["load_batch_blocks"] = s.broker_load_batch
+            out["memory"] = mem
+        out["rss_end_bytes"] = proc.rss()
+        return out
+    finally:
+        for sess in sessions:
+            with contextlib.suppress(Exception):
+                await sess.close()
+        for ch in channels:
+            await ch.close()
+
+
+def _median(xs: Sequence[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+
+
+async def _memory_point(
+    proc: BrokerProcess, stub: broker_pb2_grpc.KVBrokerStub, rss_base: int, load_rate: float
+) -> dict[str, Any]:
+    gc.collect()  # our side only; the broker's RSS is what it is
+    await asyncio.sleep(0.5)
+    st = await _stats(stub)
+    rss = proc.rss()
+    blocks = int(st.blocks_indexed)
+    return {
+        "blocks_indexed": blocks,
+        "rss_bytes": rss,
+        "rss_delta_bytes": rss - rss_base,
+        "bytes_per_block": (rss - rss_base) / blocks if blocks else float("nan"),
+        "load_blocks_per_s": load_rate,
+    }
+
+
+def _mem_line(p: dict[str, Any]) -> str:
+    return (
+        f"broker memory: {p['bytes_per_block']:.0f} B/block at {p['blocks_indexed']:,} blocks "
+        f"(RSS +{p['rss_delta_bytes'] / 2**20:.0f} MiB; loaded at {p['load_blocks_per_s']:,.0f} blocks/s)"
+    )

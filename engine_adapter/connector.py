@@ -1,0 +1,258 @@
+"""vLLM KV connector plugin: ``BrokerConnector``.
+
+Load it into a stock vLLM server with::
+
+    --kv-transfer-config '{"kv_connector": "BrokerConnector",
+                           "kv_connector_module_path": "engine_adapter.connector",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"broker_address": "broker:50051"}}'
+
+A thin facade: the scheduler role delegates to ``AdapterScheduler``
+(engine_adapter/scheduler.py), the worker role to ``AdapterWorker``
+(engine_adapter/worker.py). Extra config keys: engine_adapter/config.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvbroker.v1 import broker_pb2 as pb
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from engine_adapter.config import AdapterConfig
+from engine_adapter.metadata import AdapterMetadata, RegionSpec
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from engine_adapter.scheduler import AdapterScheduler
+    from engine_adapter.worker import AdapterWorker
+
+logger = logging.getLogger("vllm.kvbroker.connector")
+
+
+def layout_fingerprint(vllm_config: VllmConfig) -> pb.LayoutFingerprint:
+    """The fields that must match for one engine to read another's KV blocks."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    return pb.LayoutFingerprint(
+        model=str(model.model),
+        dtype=str(model.dtype).removeprefix("torch."),
+        block_size=int(cache.block_size),
+        num_layers=int(model.get_total_num_hidden_layers()),
+        num_kv_heads=int(model.get_total_num_kv_heads()),
+        head_size=int(model.get_head_size()),
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        hash_algo=str(cache.prefix_caching_hash_algo),
+        kv_layout=f"kv_cache_dtype={cache.cache_dtype}",
+    )
+
+
+def adapter_config(vllm_config: VllmConfig) -> AdapterConfig:
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None
+    config = AdapterConfig.from_extra_config(transfer.kv_connector_extra_config)
+    if not (transfer.kv_connector_extra_config or {}).get("engine_id") and transfer.engine_id:
+        # vLLM's own engine id is the same object in the scheduler and every worker.
+        import dataclasses
+
+        config = dataclasses.replace(config, engine_id=str(transfer.engine_id))
+    return config
+
+
+class BrokerConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.adapter_config = adapter_config(vllm_config)
+        self._scheduler: AdapterScheduler | None = None
+        self._worker: AdapterWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = self._make_scheduler(vllm_config)
+        else:
+            self._worker = self._make_worker()
+
+    # ------------------------------------------------------------------
+    # construction
+    # ------------------------------------------------------------------
+
+    def _make_scheduler(self, vllm_config: VllmConfig) -> AdapterScheduler:
+        from engine_adapter.broker_link import SessionBrokerLink
+        from engine_adapter.scheduler import AdapterScheduler
+
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        if transfer.kv_load_failure_policy != "recompute":
+            # Release-commits-the-read needs vLLM to recompute blocks whose read was not committed.
+            logger.warning(
+                "kvbroker: setting kv_load_failure_policy=recompute (was %r): uncommitted pulls are recomputed",
+                transfer.kv_load_failure_policy,
+            )
+            transfer.kv_load_failure_policy = "recompute"
+        config = self.adapter_config
+        parallel = vllm_config.parallel_config
+        tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+        link = None
+        if config.broker_enabled:
+            engine = pb.EngineInfo(
+                engine_id=config.engine_id,
+                layout=layout_fingerprint(vllm_config),
+                labels={k: v for k, v in (("role", config.role), ("url", config.url)) if v},
+            )
+            link = SessionBrokerLink(
+                config.broker_address, engine, session_ttl_ms=config.session_ttl_ms, expected_ranks=tp * pp
+            )
+        logger.info(
+            "kvbroker: engine %s (role %s), broker %s, threshold %d tokens, multi_turn=%s",
+            config.engine_id,
+            config.role,
+            config.broker_address or "disabled",
+            config.kv_recompute_threshold,
+            config.multi_turn,
+        )
+        return AdapterScheduler(
+            config=config,
+            link=link,
+            block_size=int(vllm_config.cache_config.block_size),
+            tp_size=tp,
+            pp_size=pp,
+        )
+
+    def _make_worker(self) -> AdapterWorker:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        from engine_adapter.worker import AdapterWorker
+
+        config = self.adapter_config
+        registrar = _rank_registrar(config) if config.broker_enabled else None
+        return AdapterWorker(
+            engine_id=config.engine_id,
+            pp_rank=int(get_pp_group().rank_in_group),
+            tp_rank=int(get_tensor_model_parallel_rank()),
+            mover_factory=_make_mover,
+            region_factory=_region_from_spec,
+            rank_registrar=registrar,
+        )
+
+    # ------------------------------------------------------------------
+    # worker side
+    # ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from engine_adapter.kv_regions import regions_from_kv_caches
+
+        assert self._worker is not None
+        regions, num_blocks, mem_type = regions_from_kv_caches(kv_caches)
+        self._worker.register_memory(regions, num_blocks, mem_type)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, AdapterMetadata):
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: a request runs only after its blocks are committed.
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        # Holders are read in place by the reader (NIXL READ); nothing to push.
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_outcomes() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ------------------------------------------------------------------
+    # scheduler side
+    # ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(
+            worker_meta=connector_output.kv_connector_worker_meta,
+            finished_sending=connector_output.finished_sending,
+            finished_recving=connector_output.finished_recving,
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+
+def _make_mover(agent_name: str) -> Any:
+    from engine_adapter.block_mover import BlockMover
+
+    return BlockMover(agent_name)
+
+
+def _region_from_spec(spec: RegionSpec) -> Any:
+    from engine_adapter.kv_regions import Region
+
+    return Region(spec.layer, spec.base_addr, spec.block_stride, spec.block_bytes, spec.device_id)
+
+
+def _rank_registrar(config: AdapterConfig) -> Any:
+    """RegisterRank over a blocking client, created on the registration thread."""
+    clients: list[Any] = []
+
+    def register(rank: pb.RankInfo) -> None:
+        if not clients:
+            from clients.sync import BrokerClient
+
+            clients.append(BrokerClient(config.broker_address, timeout=2.0))
+        clients[0].register_rank(engine_id=config.engine_id, rank=rank)
+
+    return register

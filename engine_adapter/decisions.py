@@ -1,0 +1,162 @@
+"""Pure decisions of the scheduler side: pull or recompute, and how many blocks.
+
+No vLLM, no broker, no clock: inputs in, a decision out, so every branch is
+unit-tested with plain values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvbroker.v1 import broker_pb2 as pb
+
+# Reasons a pull is skipped; they appear in the log line and in the stats.
+SKIP_NO_BROKER = "broker_unavailable"
+SKIP_TIMEOUT = "broker_timeout"
+SKIP_NO_HOLDER = "no_holder"
+SKIP_LOCAL = "local_hit_covers_remote"
+SKIP_THRESHOLD = "below_threshold"
+SKIP_BAD_PARAMS = "malformed_kv_transfer_params"
+SKIP_ERROR = "broker_error"
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """What to pull, in positions of the request's block chain."""
+
+    holder_engine_id: str
+    tier: int
+    hold_lease_id: str
+    first_block: int  # chain position of the first block to read (= local full blocks)
+    num_blocks: int  # blocks to read
+    num_tokens: int  # tokens vLLM counts as external (may end inside the last block)
+
+
+@dataclass(frozen=True)
+class Decision:
+    plan: PullPlan | None
+    reason: str  # skip reason when plan is None, else "pull"
+    detail: str = ""
+
+
+def decide_pull(
+    *,
+    matches: Sequence[pb.HolderMatch],
+    self_engine_id: str,
+    num_prompt_tokens: int,
+    num_local_tokens: int,
+    block_size: int,
+    threshold_tokens: int,
+    preferred_holder: str = "",
+) -> Decision:
+    """Pull when the best other holder's prefix beyond the local hit is worth it.
+
+    vLLM must compute at least the prompt's final token itself, so the
+    external part ends at ``num_prompt_tokens - 1``; the block holding that
+    token is still read in full (its other tokens are valid) and vLLM
+    recomputes the final token into it.
+    """
+    candidates = [m for m in matches if m.engine_id != self_engine_id and m.matched_blocks > 0]
+    if not candidates:
+        return Decision(None, SKIP_NO_HOLDER, "the broker knows no other holder of this prefix")
+    best = candidates[0]
+    if preferred_holder:
+        # The router's hint (from P's kv_transfer_params) wins among equals.
+        for m in candidates:
+            if m.engine_id == preferred_holder and m.matched_blocks >= best.matched_blocks:
+                best = m
+                break
+    local_blocks = num_local_tokens // block_size
+    covered_tokens = min(best.matched_blocks * block_size, num_prompt_tokens - 1)
+    remote_tokens = covered_tokens - num_local_tokens
+    if remote_tokens <= 0:
+        return Decision(
+            None,
+            SKIP_LOCAL,
+            f"local hit {num_local_tokens} tokens >= remote {covered_tokens} tokens on {best.engine_id}",
+        )
+    if remote_tokens < threshold_tokens:
+        return Decision(
+            None,
+            SKIP_THRESHOLD,
+            f"remote part {remote_tokens} tokens on {best.engine_id} < kv_recompute_threshold {threshold_tokens}",
+        )
+    end_block = -(-(num_local_tokens + remote_tokens) // block_size)  # ceil
+    plan = PullPlan(
+        holder_engine_id=best.engine_id,
+        tier=int(best.tier),
+        hold_lease_id=best.hold_lease_id,
+        first_block=local_blocks,
+        num_blocks=end_block - local_blocks,
+        num_tokens=remote_tokens,
+    )
+    return Decision(plan, "pull", f"{remote_tokens} tokens from {best.engine_id}")
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """The parts of a request's kv_transfer_params this adapter reads."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    holder_engine_id: str = ""
+    lease_id: str = ""
+    trace_context: Mapping[str, str] | None = None
+
+
+class BadTransferParams(ValueError):
+    pass
+
+
+def parse_transfer_params(params: Any) -> TransferParams:
+    """Read kv_transfer_params strictly: a wrong type is an error, not a guess."""
+    if params is None:
+        return TransferParams()
+    if not isinstance(params, Mapping):
+        raise BadTransferParams(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    flags = {}
+    for key in ("do_remote_decode", "do_remote_prefill"):
+        value = params.get(key, False)
+        if value is None:
+            value = False
+        if not isinstance(value, bool):
+            raise BadTransferParams(f"kv_transfer_params.{key} must be true or false, got {value!r}")
+        flags[key] = value
+    broker_part = params.get("kvbroker") or {}
+    if not isinstance(broker_part, Mapping):
+        raise BadTransferParams(
+            f"kv_transfer_params.kvbroker must be an object, got {type(broker_part).__name__}"
+        )
+    holder = broker_part.get("holder_engine_id", "") or ""
+    lease_id = broker_part.get("lease_id", "") or ""
+    if not isinstance(holder, str) or not isinstance(lease_id, str):
+        raise BadTransferParams("kv_transfer_params.kvbroker.holder_engine_id and lease_id must be strings")
+    trace = params.get("trace_context")
+    if trace is not None and not (
+        isinstance(trace, Mapping)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in trace.items())
+    ):
+        raise BadTransferParams("kv_transfer_params.trace_context must map strings to strings")
+    return TransferParams(
+        do_remote_decode=flags["do_remote_decode"],
+        do_remote_prefill=flags["do_remote_prefill"],
+        holder_engine_id=holder,
+        lease_id=lease_id,
+        trace_context=trace,
+    )
+
+
+def wire_hashes(block_hashes: Sequence[bytes]) -> list[int]:
+    """vLLM block hashes -> wire hashes (first 8 bytes, big-endian)."""
+    return [int.from_bytes(bytes(h)[:8], "big") for h in block_hashes]
+
+
+def holdable_blocks(num_computed_tokens: int, num_hashes: int, num_block_ids: int, block_size: int) -> int:
+    """Full blocks of a finished request whose KV was actually computed.
+
+    The last sampled token never went through the model, so a block counts
+    only when every one of its tokens was computed.
+    """
+    return max(0, min(num_computed_tokens // block_size, num_hashes, num_block_ids))

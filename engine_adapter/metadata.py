@@ -1,0 +1,99 @@
+"""What the scheduler side tells the workers each step, and what they answer.
+
+Both travel inside one engine (scheduler process -> worker processes, by
+pickle), so they are plain dataclasses. ``VERSION`` names the format; a worker
+refuses metadata of another version instead of misreading it.
+
+The load protocol, per request:
+1. ``LoadSpec`` (scheduler -> workers): the lease is active; read the holder's
+   blocks into these freshly allocated local blocks.
+2. ``ReadOutcomes`` (workers -> scheduler): this rank finished its reads, or
+   failed them.
+3. ``Commit`` (scheduler -> workers): the lease was released (ok=True: the
+   bytes are valid, report the request loaded) or could not be (ok=False:
+   report the blocks as load errors, vLLM recomputes them). A load that never
+   started (lease refused) gets a failing Commit directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """One layer's memory region of a holder rank (mirrors pb.MemoryRegion)."""
+
+    layer: int
+    base_addr: int
+    block_stride: int
+    block_bytes: int
+    device_id: int = 0
+
+
+@dataclass(frozen=True)
+class HolderRank:
+    """Transfer details of one holder rank, from the broker's EngineInfo."""
+
+    pp_rank: int
+    tp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    start_layer: int
+    end_layer: int
+    regions: tuple[RegionSpec, ...]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    request_id: str
+    lease_id: str
+    holder_engine_id: str
+    tier: int
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    holder_ranks: tuple[HolderRank, ...]
+
+
+@dataclass(frozen=True)
+class Commit:
+    request_id: str
+    ok: bool
+    local_block_ids: tuple[int, ...]
+    reason: str = ""
+
+
+@dataclass
+class AdapterMetadata(KVConnectorMetadata):
+    version: int = VERSION
+    loads: list[LoadSpec] = field(default_factory=list)
+    commits: list[Commit] = field(default_factory=list)
+    # Held requests whose lease ended: their blocks go back to vLLM now.
+    frees: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReadOutcomes(KVConnectorWorkerMetadata):
+    """Per request: how many ranks finished their reads, how many failed, why."""
+
+    done: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    bytes_read: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, ReadOutcomes)
+        merged = ReadOutcomes(dict(self.done), dict(self.failed), dict(self.bytes_read))
+        for req_id, count in other.done.items():
+            merged.done[req_id] = merged.done.get(req_id, 0) + count
+        for req_id, reason in other.failed.items():
+            merged.failed.setdefault(req_id, reason)
+        for req_id, nbytes in other.bytes_read.items():
+            merged.bytes_read[req_id] = merged.bytes_read.get(req_id, 0) + nbytes
+        return merged

@@ -1,0 +1,696 @@
+"""Scheduler side of the connector: decide pull vs recompute, take and release
+leases, hold finished requests' blocks for readers.
+
+Runs inside vLLM's scheduler loop and never blocks on the broker: every broker
+call is a Future, checked again at the next step. A request waits either in
+vLLM's "ask again" state (``get_num_new_matched_tokens`` -> None) while its
+lookup is pending, or in WAITING_FOR_REMOTE_KVS while its lease is acquired,
+its blocks are read and the lease is released. Whatever goes wrong, the
+request is handed back to vLLM to recompute, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbroker.v1 import broker_pb2 as pb
+
+from engine_adapter.broker_link import BrokerLink
+from engine_adapter.config import AdapterConfig
+from engine_adapter.decisions import (
+    SKIP_BAD_PARAMS,
+    SKIP_ERROR,
+    SKIP_NO_BROKER,
+    SKIP_TIMEOUT,
+    BadTransferParams,
+    Decision,
+    PullPlan,
+    TransferParams,
+    decide_pull,
+    holdable_blocks,
+    parse_transfer_params,
+    wire_hashes,
+)
+from engine_adapter.metadata import (
+    AdapterMetadata,
+    Commit,
+    HolderRank,
+    LoadSpec,
+    ReadOutcomes,
+    RegionSpec,
+)
+from engine_adapter.topology import check_sizes
+
+# Under "vllm." so that vLLM's logging configuration prints our lines.
+logger = logging.getLogger("vllm.kvbroker.scheduler")
+
+# How often a lookup is re-asked while the router's hint says a holder should
+# appear (its hold may reach the broker a moment after its answer reached us).
+_HINT_RETRY_S = 0.02
+
+
+@dataclass
+class _Lookup:
+    request_id: str
+    params: TransferParams
+    namespace: pb.Namespace
+    hashes: list[int]
+    started: float
+    future: Future[pb.ResolveResponse] | None = None
+    last_submit: float = 0.0
+    response: pb.ResolveResponse | None = None
+    num_local_tokens: int = 0
+    decision: Decision | None = None
+    logged: bool = False
+
+
+@dataclass
+class _Load:
+    request_id: str
+    plan: PullPlan
+    namespace: pb.Namespace
+    hashes: list[int]
+    local_block_ids: tuple[int, ...]
+    started: float
+    state: str = "acquiring"  # acquiring -> reading -> releasing -> done
+    future: Future[Any] | None = None
+    deadline: float = 0.0
+    lease: pb.Lease | None = None
+    ranks_done: int = 0
+    failure: str = ""
+    bytes_read: int = 0
+    aborted: bool = False
+
+
+@dataclass
+class _Held:
+    request_id: str
+    namespace: pb.Namespace
+    hashes: list[int]
+    block_ids: list[int]
+    started: float
+    future: Future[pb.Lease] | None
+    lease_id: str = ""
+    freed: bool = False
+    announced: bool = False
+
+
+@dataclass
+class SchedulerStats:
+    counters: Counter[str] = field(default_factory=Counter)
+    skips: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self, held_requests: int, held_blocks: int) -> dict[str, Any]:
+        return {
+            **dict(self.counters),
+            "skips": dict(self.skips),
+            "held_requests": held_requests,
+            "held_blocks": held_blocks,
+        }
+
+
+class AdapterScheduler:
+    def __init__(
+        self,
+        *,
+        config: AdapterConfig,
+        link: BrokerLink | None,
+        block_size: int,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.link = link
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.expected_ranks = tp_size * pp_size
+        self._clock = clock
+        self._lookups: dict[str, _Lookup] = {}
+        self._loads: dict[str, _Load] = {}
+        self._held: dict[str, _Held] = {}
+        self._held_by_lease: dict[str, str] = {}
+        self._ended_leases: set[str] = set()
+        self._announced: Counter[tuple[str, str, int]] = Counter()
+        self._pending_specs: list[LoadSpec] = []
+        self._pending_commits: list[Commit] = []
+        self._pending_frees: list[str] = []
+        self._was_connected = False
+        self.stats = SchedulerStats()
+        self._stats_dirty = True
+
+    # ------------------------------------------------------------------
+    # vLLM hooks
+    # ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        lookup = self._lookups.get(req_id)
+        now = self._clock()
+        if lookup is None:
+            lookup = self._start_lookup(request, now)
+            if lookup is None:
+                return 0, False
+        lookup.num_local_tokens = num_computed_tokens
+        if lookup.decision is None:
+            lookup.decision = self._poll_lookup(lookup, now)
+            if lookup.decision is None:
+                return None, False
+        # Re-decide against the current local hit (it may have grown since).
+        decision = lookup.decision
+        if lookup.response is not None:
+            decision = decide_pull(
+                matches=list(lookup.response.matches),
+                self_engine_id=self.config.engine_id,
+                num_prompt_tokens=request.num_tokens,
+                num_local_tokens=num_computed_tokens,
+                block_size=self.block_size,
+                threshold_tokens=self.config.kv_recompute_threshold,
+                preferred_holder=lookup.params.holder_engine_id,
+            )
+            lookup.decision = decision
+        self._log_decision(req_id, lookup, decision)
+        if decision.plan is None:
+            return 0, False
+        return decision.plan.num_tokens, True
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        lookup = self._lookups.pop(req_id, None)
+        if num_external_tokens == 0 or lookup is None or req_id in self._loads:
+            return
+        decision = lookup.decision
+        if decision is None or decision.plan is None:
+            return
+        plan = decision.plan
+        if plan.num_tokens != num_external_tokens:
+            # vLLM trimmed the external part (e.g. a local sub-block tail); re-plan the block range.
+            first = lookup.num_local_tokens // self.block_size
+            end = -(-(lookup.num_local_tokens + num_external_tokens) // self.block_size)
+            plan = PullPlan(
+                plan.holder_engine_id, plan.tier, plan.hold_lease_id, first, end - first, num_external_tokens
+            )
+        local_ids = tuple(block_ids[plan.first_block : plan.first_block + plan.num_blocks])
+        now = self._clock()
+        load = _Load(
+            request_id=req_id,
+            plan=plan,
+            namespace=lookup.namespace,
+            hashes=lookup.hashes,
+            local_block_ids=local_ids,
+            started=now,
+            deadline=now + self.config.acquire_wait_ms / 1000.0,
+        )
+        self._loads[req_id] = load
+        if len(local_ids) != plan.num_blocks:
+            self._fail_load(load, f"vLLM allocated {len(local_ids)} blocks, expected {plan.num_blocks}")
+            return
+        link = self.link
+        if link is None or not link.connected:
+            self._fail_load(load, "broker unreachable when the lease was to be taken")
+            return
+        if plan.hold_lease_id:
+            load.future = link.acquire(plan.hold_lease_id, self.config.lease_ttl_ms)
+        else:
+            end = plan.first_block + plan.num_blocks
+            load.future = link.resolve(
+                lookup.namespace,
+                lookup.hashes[:end],
+                acquire=True,
+                lease_ttl_ms=self.config.lease_ttl_ms,
+                min_blocks=end,
+                request_id=req_id,
+            )
+        self.stats.counters["leases_requested"] += 1
+
+    def build_connector_meta(self) -> AdapterMetadata:
+        now = self._clock()
+        self._check_connection()
+        self._take_lease_ends()
+        self._advance_holds(now)
+        for load in list(self._loads.values()):
+            self._advance_load(load, now)
+        meta = AdapterMetadata(
+            loads=self._pending_specs, commits=self._pending_commits, frees=self._pending_frees
+        )
+        self._pending_specs, self._pending_commits, self._pending_frees = [], [], []
+        self._write_stats()
+        return meta
+
+    def update_connector_output(
+        self,
+        *,
+        worker_meta: Any,
+        finished_sending: set[str] | None,
+        finished_recving: set[str] | None,
+    ) -> None:
+        if isinstance(worker_meta, ReadOutcomes):
+            for req_id, reason in worker_meta.failed.items():
+                load = self._loads.get(req_id)
+                if load is not None and not load.failure:
+                    load.failure = reason
+            for req_id, count in worker_meta.done.items():
+                load = self._loads.get(req_id)
+                if load is None or load.state != "reading":
+                    continue
+                load.ranks_done += count
+                load.bytes_read += worker_meta.bytes_read.get(req_id, 0)
+                if load.ranks_done >= self.expected_ranks:
+                    self._finish_reads(load)
+        for req_id in finished_recving or ():
+            self._loads.pop(req_id, None)
+        for req_id in finished_sending or ():
+            held = self._held.pop(req_id, None)
+            if held is not None:
+                self._held_by_lease.pop(held.lease_id, None)
+                self._stats_dirty = True
+
+    def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        load = self._loads.get(req_id)
+        if load is not None:
+            # Aborted while loading: vLLM keeps its blocks until we report the
+            # load finished; the protocol completes normally.
+            load.aborted = True
+            return False, None
+        try:
+            params = parse_transfer_params(request.kv_transfer_params)
+        except BadTransferParams as e:
+            logger.warning("kvbroker: request %s: ignoring kv_transfer_params: %s", req_id, e)
+            return False, None
+        if not (params.do_remote_decode or self.config.multi_turn):
+            return False, None
+        if not _finished_normally(request):
+            return False, None
+        link = self.link
+        if link is None or not link.connected or not link.layout_id:
+            logger.info("kvbroker: request %s: not holding its blocks: broker unreachable", req_id)
+            return False, self._decode_params(0) if params.do_remote_decode else None
+        n = holdable_blocks(
+            request.num_computed_tokens, len(request.block_hashes), len(block_ids), self.block_size
+        )
+        if n == 0:
+            return False, self._decode_params(0) if params.do_remote_decode else None
+        namespace = self._namespace(request)
+        hashes = wire_hashes(request.block_hashes[:n])
+        held_ids = list(block_ids[:n])
+        future = link.hold(namespace, hashes, held_ids, ttl_ms=self.config.hold_ttl_ms, request_id=req_id)
+        self._held[req_id] = _Held(req_id, namespace, hashes, held_ids, self._clock(), future)
+        self.stats.counters["holds_requested"] += 1
+        self._stats_dirty = True
+        return True, self._decode_params(n) if params.do_remote_decode else None
+
+    def shutdown(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
+    # ------------------------------------------------------------------
+    # lookups
+    # ------------------------------------------------------------------
+
+    def _start_lookup(self, request: Any, now: float) -> _Lookup | None:
+        req_id = request.request_id
+        try:
+            params = parse_transfer_params(request.kv_transfer_params)
+        except BadTransferParams as e:
+            self._skip(req_id, SKIP_BAD_PARAMS, f"{e}; recomputing")
+            return None
+        link = self.link
+        if link is None or not link.connected or not link.layout_id:
+            self._skip(req_id, SKIP_NO_BROKER, "broker unreachable; recomputing")
+            return None
+        hashes = wire_hashes(request.block_hashes)
+        if not hashes:
+            return None  # shorter than one block: nothing anyone could hold
+        lookup = _Lookup(
+            request_id=req_id, params=params, namespace=self._namespace(request), hashes=hashes, started=now
+        )
+        self._submit_resolve(lookup, now)
+        self._lookups[req_id] = lookup
+        return lookup
+
+    def _submit_resolve(self, lookup: _Lookup, now: float) -> None:
+        assert self.link is not None
+        lookup.future = self.link.resolve(
+            lookup.namespace,
+            lookup.hashes,
+            acquire=False,
+            lease_ttl_ms=0,
+            min_blocks=0,
+            request_id=lookup.request_id,
+        )
+        lookup.last_submit = now
+
+    def _poll_lookup(self, lookup: _Lookup, now: float) -> Decision | None:
+        budget_left = lookup.started + self.config.resolve_wait_ms / 1000.0 - now
+        future = lookup.future
+        if future is not None and future.done():
+            error = future.exception()
+            if error is not None:
+                return Decision(None, SKIP_ERROR, f"resolve failed: {error}; recomputing")
+            response = future.result()
+            hint = lookup.params.holder_engine_id
+            named = {m.engine_id for m in response.matches}
+            if hint and hint not in named and budget_left > 0:
+                # P's hold may reach the broker just after its answer reached the router.
+                if now - lookup.last_submit >= _HINT_RETRY_S:
+                    self._submit_resolve(lookup, now)
+                return None
+            if hint and hint not in named:
+                lease_note = f" (lease {lookup.params.lease_id})" if lookup.params.lease_id else ""
+                logger.warning(
+                    "kvbroker: kv_transfer_params name holder %s%s, but the broker knows no such "
+                    "holder of this prompt; using what the broker knows",
+                    hint,
+                    lease_note,
+                )
+            lookup.response = response
+            return Decision(None, "resolved")
+        if budget_left <= 0:
+            return Decision(
+                None, SKIP_TIMEOUT, f"no broker answer within resolve_wait_ms={self.config.resolve_wait_ms}"
+            )
+        return None
+
+    def _log_decision(self, req_id: str, lookup: _Lookup, decision: Decision) -> None:
+        if lookup.logged:
+            return
+        lookup.logged = True
+        if decision.plan is None:
+            self._skip(req_id, decision.reason, decision.detail)
+        else:
+            logger.info(
+                "kvbroker: request %s: pulling %d blocks (%d tokens) from %s (tier %s)",
+                req_id,
+                decision.plan.num_blocks,
+                decision.plan.num_tokens,
+                decision.plan.holder_engine_id,
+                pb.Tier.Name(decision.plan.tier),  # type: ignore[arg-type],
+            )
+
+    def _skip(self, req_id: str, reason: str, detail: str) -> None:
+        self.stats.skips[reason] += 1
+        self._stats_dirty = True
+        level = logging.WARNING if reason in (SKIP_BAD_PARAMS, SKIP_ERROR) else logging.INFO
+        logger.log(level, "kvbroker: request %s: not pulling (%s): %s", req_id, reason, detail)
+
+    # ------------------------------------------------------------------
+    # loads
+    # ------------------------------------------------------------------
+
+    def _advance_load(self, load: _Load, now: float) -> None:
+        if load.state == "acquiring":
+            future = load.future
+            if future is None or not future.done():
+                if now > load.deadline:
+                    self._fail_load(
+                        load, f"lease not granted within acquire_wait_ms={self.config.acquire_wait_ms}"
+                    )
+                    if future is not None:
+                        future.add_done_callback(self._release_abandoned)
+                return
+            error = future.exception()
+            if error is not None:
+                self._fail_load(load, f"lease refused: {error}")
+                return
+            self._start_reads(load, future.result())
+        elif load.state == "releasing":
+            future = load.future
+            if future is None or not future.done():
+                return
+            error = future.exception()
+            if error is not None:
+                self._fail_load(load, f"release failed, the read is not committed: {error}")
+                return
+            self._commit(load, ok=True, reason="released")
+
+    def _start_reads(self, load: _Load, response: pb.ResolveResponse | pb.LeaseResponse) -> None:
+        lease = response.lease if response.HasField("lease") else None
+        if lease is None or not lease.lease_id:
+            skipped = getattr(response, "skipped_reason", "") or "no lease"
+            self._fail_load(load, f"broker granted no lease ({skipped})")
+            return
+        load.lease = lease
+        holder = response.holder
+        reason = check_sizes(
+            reader_tp=self.tp_size,
+            holder_tp=holder.layout.tp_size or 1,
+            reader_pp=self.pp_size,
+            holder_pp=holder.layout.pp_size or 1,
+        )
+        if reason is None:
+            remote_ids, reason = _remote_block_ids(lease, load.hashes, load.plan)
+        if reason is None:
+            ranks, reason = _holder_ranks(holder, lease.tier)
+        if reason is not None:
+            self._fail_load(
+                load, f"holder {holder.engine_id or lease.holder_engine_id} incompatible: {reason}"
+            )
+            return
+        load.state = "reading"
+        self._pending_specs.append(
+            LoadSpec(
+                request_id=load.request_id,
+                lease_id=lease.lease_id,
+                holder_engine_id=lease.holder_engine_id,
+                tier=int(lease.tier),
+                remote_block_ids=tuple(remote_ids),
+                local_block_ids=load.local_block_ids,
+                holder_ranks=tuple(ranks),
+            )
+        )
+
+    def _finish_reads(self, load: _Load) -> None:
+        assert load.lease is not None and self.link is not None
+        if load.failure:
+            self._fail_load(load, f"NIXL read failed: {load.failure}")
+            return
+        load.state = "releasing"
+        load.future = self.link.release(load.lease.lease_id, load.lease.epoch)
+
+    def _fail_load(self, load: _Load, reason: str) -> None:
+        if load.lease is not None and load.state != "releasing" and self.link is not None:
+            # End the lease at once so the holder frees; the bytes are not used either way.
+            self.link.release(load.lease.lease_id, load.lease.epoch)
+        self.stats.counters["pulls_failed"] += 1
+        logger.warning(
+            "kvbroker: request %s: pull of %d blocks from %s failed, recomputing them: %s",
+            load.request_id,
+            load.plan.num_blocks,
+            load.plan.holder_engine_id,
+            reason,
+        )
+        self._commit(load, ok=False, reason=reason)
+
+    def _commit(self, load: _Load, *, ok: bool, reason: str) -> None:
+        load.state = "done"
+        if ok:
+            self.stats.counters["pulls"] += 1
+            self.stats.counters["pulled_blocks"] += load.plan.num_blocks
+            self.stats.counters["pulled_bytes"] += load.bytes_read
+            elapsed = self._clock() - load.started
+            logger.info(
+                "kvbroker: request %s: pulled %d blocks (%d bytes) from %s in %.1f ms, lease %s released",
+                load.request_id,
+                load.plan.num_blocks,
+                load.bytes_read,
+                load.plan.holder_engine_id,
+                elapsed * 1000.0,
+                load.lease.lease_id if load.lease else "",
+            )
+        self._stats_dirty = True
+        self._pending_commits.append(Commit(load.request_id, ok, load.local_block_ids, reason))
+
+    def _release_abandoned(self, future: Future[Any]) -> None:
+        """A lease granted after we gave up on it: end it so the holder frees."""
+        if future.exception() is not None or self.link is None:
+            return
+        lease = future.result().lease
+        if lease.lease_id:
+            self.link.release(lease.lease_id, lease.epoch)
+
+    # ------------------------------------------------------------------
+    # holds
+    # ------------------------------------------------------------------
+
+    def _advance_holds(self, now: float) -> None:
+        backstop = (self.config.hold_ttl_ms + 2 * self.config.session_ttl_ms) / 1000.0
+        for held in list(self._held.values()):
+            if held.freed:
+                continue
+            future = held.future
+            if not held.lease_id and future is not None and future.done():
+                error = future.exception()
+                lease_id = "" if error is not None else future.result().lease_id
+                if not lease_id:
+                    logger.warning(
+                        "kvbroker: request %s: hold refused, freeing %d blocks: %s",
+                        held.request_id,
+                        len(held.block_ids),
+                        error,
+                    )
+                    self._free(held, "hold refused")
+                    continue
+                held.lease_id = lease_id
+                self._held_by_lease[lease_id] = held.request_id
+                if lease_id in self._ended_leases:
+                    self._ended_leases.discard(lease_id)
+                    self._free(held, "lease ended")
+                    continue
+                self._announce(held, stored=True)
+            if now - held.started > backstop:
+                # Every lease ends: if no notice ever came, do not pin blocks forever.
+                self._free(held, "no lease-end notice within hold TTL + 2 session TTLs")
+
+    def _take_lease_ends(self) -> None:
+        if self.link is None:
+            return
+        for notice in self.link.take_lease_ends():
+            req_id = self._held_by_lease.get(notice.lease_id)
+            held = self._held.get(req_id) if req_id else None
+            if held is None:
+                # Maybe a hold whose reply has not reached us yet; remember it only then.
+                if any(not h.lease_id and not h.freed for h in self._held.values()):
+                    self._ended_leases.add(notice.lease_id)
+                continue
+            self._free(held, f"lease {notice.lease_id} ended ({notice.cause})")
+
+    def _free(self, held: _Held, why: str) -> None:
+        if held.freed:
+            return
+        held.freed = True
+        self._announce(held, stored=False)
+        self._pending_frees.append(held.request_id)
+        self.stats.counters["holds_freed"] += 1
+        self._stats_dirty = True
+        logger.info(
+            "kvbroker: request %s: freeing %d held blocks: %s", held.request_id, len(held.block_ids), why
+        )
+
+    def _announce(self, held: _Held, *, stored: bool) -> None:
+        """Announce each (namespace, hash) once, however many holds cover it."""
+        if self.link is None or held.announced == stored:
+            return
+        held.announced = stored
+        changed: list[int] = []
+        for h in held.hashes:
+            key = (held.namespace.layout_id, held.namespace.tenant, h)
+            if stored:
+                self._announced[key] += 1
+                if self._announced[key] == 1:
+                    changed.append(h)
+            else:
+                self._announced[key] -= 1
+                if self._announced[key] <= 0:
+                    del self._announced[key]
+                    changed.append(h)
+        if changed:
+            if stored:
+                self.link.announce_stored(held.namespace, changed)
+            else:
+                self.link.announce_removed(held.namespace, changed)
+
+    def _check_connection(self) -> None:
+        connected = self.link is not None and self.link.connected
+        if self._was_connected and not connected:
+            # The broker lost our leases with our session: nobody can claim these blocks.
+            for held in list(self._held.values()):
+                self._free(held, "broker session lost")
+        self._was_connected = connected
+
+    # ------------------------------------------------------------------
+    # helpers
+    # ------------------------------------------------------------------
+
+    def _namespace(self, request: Any) -> pb.Namespace:
+        salt = getattr(request, "cache_salt", None) or ""
+        tenant = f"{self.config.tenant}/{salt}" if self.config.tenant else salt
+        assert self.link is not None
+        return pb.Namespace(layout_id=self.link.layout_id, tenant=tenant)
+
+    def _decode_params(self, num_blocks: int) -> dict[str, Any]:
+        """kv_transfer_params that make D pull (through the broker) instead of prefill."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.config.engine_id,
+            "kvbroker": {"holder_engine_id": self.config.engine_id, "num_blocks": num_blocks},
+        }
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        live = [h for h in self._held.values() if not h.freed]
+        return self.stats.as_dict(len(live), sum(len(h.block_ids) for h in live))
+
+    def _write_stats(self) -> None:
+        if not self._stats_dirty or not self.config.stats_path:
+            return
+        self._stats_dirty = False
+        path = self.config.stats_path
+        directory = os.path.dirname(path) or "."
+        try:
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".stats-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.stats_snapshot(), f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("kvbroker: cannot write stats to %s: %s", path, e)
+
+
+def _finished_normally(request: Any) -> bool:
+    status = getattr(request, "status", None)
+    name = getattr(status, "name", str(status))
+    return name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+def _remote_block_ids(lease: pb.Lease, hashes: list[int], plan: PullPlan) -> tuple[list[int], str | None]:
+    """Holder block ids for the planned chain positions, matched by hash."""
+    if len(lease.block_ids) != len(lease.block_hashes):
+        return [], f"lease has {len(lease.block_hashes)} hashes but {len(lease.block_ids)} block ids"
+    by_hash = dict(zip(lease.block_hashes, lease.block_ids, strict=True))
+    ids: list[int] = []
+    for pos in range(plan.first_block, plan.first_block + plan.num_blocks):
+        block_id = by_hash.get(hashes[pos]) if pos < len(hashes) else None
+        if block_id is None:
+            return [], f"the lease does not cover block {pos} of the prompt"
+        ids.append(block_id)
+    return ids, None
+
+
+def _holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], str | None]:
+    ranks: list[HolderRank] = []
+    for rank in holder.ranks:
+        regions = [
+            RegionSpec(r.layer, r.base_addr, r.block_stride, r.block_bytes, r.device_id)
+            for t in rank.tiers
+            if t.tier == tier
+            for r in t.regions
+        ]
+        if not rank.agent_name or not regions:
+            continue
+        ranks.append(
+            HolderRank(
+                pp_rank=rank.pp_rank,
+                tp_rank=rank.tp_rank,
+                agent_name=rank.agent_name,
+                agent_metadata=bytes(rank.agent_metadata),
+                start_layer=rank.start_layer,
+                end_layer=rank.end_layer,
+                regions=tuple(regions),
+            )
+        )
+    if not ranks:
+        return [], f"the holder has registered no rank with memory on tier {pb.Tier.Name(tier)}"  # type: ignore[arg-type]
+    return ranks, None

@@ -1,0 +1,297 @@
+"""Worker side of the connector: register this rank's KV memory with NIXL and
+the broker, read holder blocks into freshly allocated local blocks, and report
+finished and failed loads to vLLM.
+
+The worker never talks to the broker about leases: the scheduler side owns
+them. It reads when told (``LoadSpec``), reports when its reads are done
+(``ReadOutcomes``), and reports a request loaded only when the scheduler says
+the lease was released in time (``Commit``). A failed commit turns the
+request's blocks into load errors, which vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvbroker.v1 import broker_pb2 as pb
+
+from engine_adapter.metadata import VERSION, AdapterMetadata, Commit, LoadSpec, ReadOutcomes, RegionSpec
+from engine_adapter.topology import TopologyError, plan_layer_reads
+
+logger = logging.getLogger("vllm.kvbroker.worker")
+
+# How often a rank re-registers with the broker, so that a restarted broker
+# learns our NIXL details again without an engine restart.
+RANK_REFRESH_S = 5.0
+RANK_RETRY_S = 0.5
+
+
+class MoverLike(Protocol):
+    def register_tier(self, tier: int, mem_type: str, regions: list[Any], num_blocks: int) -> None: ...
+    def agent_metadata(self) -> bytes: ...
+    def add_peer(self, agent_name: str, metadata: bytes) -> Any: ...
+    def start_read(
+        self,
+        peer_agent: str,
+        peer_regions: list[Any],
+        remote_block_ids: Sequence[int],
+        local_tier: int,
+        local_block_ids: Sequence[int],
+        layers: range | None = None,
+        notif: bytes | None = None,
+    ) -> int: ...
+    def poll(self) -> tuple[list[int], dict[int, str]]: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Reading:
+    spec: LoadSpec
+    handles: set[int] = field(default_factory=set)
+    failure: str = ""
+    bytes_total: int = 0
+    started: float = 0.0
+
+
+class AdapterWorker:
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        pp_rank: int,
+        tp_rank: int,
+        mover_factory: Callable[[str], MoverLike],
+        region_factory: Callable[[RegionSpec], Any],
+        rank_registrar: Callable[[pb.RankInfo], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine_id = engine_id
+        self.pp_rank = pp_rank
+        self.tp_rank = tp_rank
+        self.agent_name = f"{engine_id}-pp{pp_rank}-tp{tp_rank}"
+        self._mover_factory = mover_factory
+        self._region_factory = region_factory
+        self._rank_registrar = rank_registrar
+        self._clock = clock
+        self.mover: MoverLike | None = None
+        self.local_layers = range(0)
+        self.block_bytes_per_layer: dict[int, int] = {}
+        self._reading: dict[str, _Reading] = {}
+        self._handle_owner: dict[int, str] = {}
+        self._commits: dict[str, Commit] = {}
+        self._outcomes = ReadOutcomes()
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._frees: set[str] = set()
+        self._seen_finished: set[str] = set()
+        self._peers: dict[str, bytes] = {}
+        self._stop = threading.Event()
+        self._registrar_thread: threading.Thread | None = None
+        self.rank_info: pb.RankInfo | None = None
+
+    # ------------------------------------------------------------------
+    # setup
+    # ------------------------------------------------------------------
+
+    def register_memory(self, regions: Sequence[Any], num_blocks: int, mem_type: str) -> None:
+        """Register this rank's KV cache with NIXL and publish it to the broker."""
+        self.mover = self._mover_factory(self.agent_name)
+        self.mover.register_tier(pb.TIER_GPU, mem_type, list(regions), num_blocks)
+        layers = sorted(r.layer for r in regions)
+        self.local_layers = range(layers[0], layers[-1] + 1) if layers else range(0)
+        self.block_bytes_per_layer = {}
+        for r in regions:  # a layer may have several regions (K and V apart)
+            self.block_bytes_per_layer[r.layer] = self.block_bytes_per_layer.get(r.layer, 0) + r.block_bytes
+        self.rank_info = pb.RankInfo(
+            pp_rank=self.pp_rank,
+            tp_rank=self.tp_rank,
+            agent_name=self.agent_name,
+            agent_metadata=self.mover.agent_metadata(),
+            start_layer=self.local_layers.start,
+            end_layer=self.local_layers.stop,
+            tiers=[
+                pb.TierInfo(
+                    tier=pb.TIER_GPU,
+                    mem_type=mem_type,
+                    num_blocks=num_blocks,
+                    regions=[
+                        pb.MemoryRegion(
+                            layer=r.layer,
+                            base_addr=r.base_addr,
+                            block_stride=r.block_stride,
+                            block_bytes=r.block_bytes,
+                            device_id=r.device_id,
+                        )
+                        for r in regions
+                    ],
+                )
+            ],
+        )
+        if self._rank_registrar is not None:
+            self._registrar_thread = threading.Thread(
+                target=self._register_rank_loop, name="kvbroker-rank", daemon=True
+            )
+            self._registrar_thread.start()
+        logger.info(
+            "kvbroker: rank pp=%d tp=%d registered %d layers [%d, %d), %d blocks (%s) as NIXL agent %s",
+            self.pp_rank,
+            self.tp_rank,
+            len(regions),
+            self.local_layers.start,
+            self.local_layers.stop,
+            num_blocks,
+            mem_type,
+            self.agent_name,
+        )
+
+    def _register_rank_loop(self) -> None:
+        assert self._rank_registrar is not None and self.rank_info is not None
+        announced = False
+        while not self._stop.is_set():
+            try:
+                self._rank_registrar(self.rank_info)
+            except Exception as e:  # any broker or network failure: retry, never crash the worker
+                if announced:
+                    logger.info("kvbroker: rank registration lost (%s); retrying", e)
+                announced = False
+                self._stop.wait(RANK_RETRY_S)
+                continue
+            if not announced:
+                logger.info("kvbroker: rank pp=%d tp=%d known to the broker", self.pp_rank, self.tp_rank)
+            announced = True
+            self._stop.wait(RANK_REFRESH_S)
+
+    # ------------------------------------------------------------------
+    # per step
+    # ------------------------------------------------------------------
+
+    def start_load_kv(self, meta: AdapterMetadata) -> None:
+        if meta.version != VERSION:
+            # Scheduler and worker come from the same install; a mismatch is a deployment bug.
+            raise RuntimeError(f"kvbroker metadata version {meta.version} != worker version {VERSION}")
+        self._frees.update(meta.frees)
+        for commit in meta.commits:
+            self._commits[commit.request_id] = commit
+        for spec in meta.loads:
+            self._start(spec)
+        self._settle_commits()
+
+    def _start(self, spec: LoadSpec) -> None:
+        reading = _Reading(spec, started=self._clock())
+        self._reading[spec.request_id] = reading
+        if self.mover is None:
+            reading.failure = "KV memory not registered with NIXL"
+            return
+        try:
+            reads = plan_layer_reads(
+                tp_rank=self.tp_rank, local_layers=self.local_layers, holder_ranks=spec.holder_ranks
+            )
+        except TopologyError as e:
+            reading.failure = f"unmappable holder layout: {e}"
+            return
+        for read in reads:
+            holder = read.holder
+            try:
+                if self._peers.get(holder.agent_name) != holder.agent_metadata:
+                    self.mover.add_peer(holder.agent_name, holder.agent_metadata)
+                    self._peers[holder.agent_name] = holder.agent_metadata
+                handle = self.mover.start_read(
+                    holder.agent_name,
+                    [self._region_factory(r) for r in holder.regions if r.layer in read.layers],
+                    spec.remote_block_ids,
+                    pb.TIER_GPU,
+                    spec.local_block_ids,
+                    layers=read.layers,
+                )
+            except Exception as e:  # a NIXL error on one request must not take the engine down
+                reading.failure = f"cannot start NIXL read from {holder.agent_name}: {e}"
+                return
+            reading.handles.add(handle)
+            self._handle_owner[handle] = spec.request_id
+            reading.bytes_total += sum(
+                self.block_bytes_per_layer.get(layer, 0) for layer in read.layers
+            ) * len(spec.local_block_ids)
+
+    def poll(self) -> None:
+        """Collect finished NIXL reads; report each request's outcome once."""
+        if self.mover is not None and self._handle_owner:
+            finished, failed = self.mover.poll()
+            for handle in finished:
+                self._handle_done(handle, "")
+            for handle, reason in failed.items():
+                self._handle_done(handle, reason or "NIXL transfer failed")
+        for req_id, reading in list(self._reading.items()):
+            if reading.handles:
+                continue
+            if reading.failure:
+                self._outcomes.failed[req_id] = reading.failure
+            else:
+                elapsed = self._clock() - reading.started
+                gbps = reading.bytes_total / elapsed / 1e9 if elapsed > 0 else 0.0
+                logger.info(
+                    "kvbroker: request %s: read %d blocks (%d bytes) from %s in %.1f ms (%.2f GB/s)",
+                    req_id,
+                    len(reading.spec.local_block_ids),
+                    reading.bytes_total,
+                    reading.spec.holder_engine_id,
+                    elapsed * 1000.0,
+                    gbps,
+                )
+            self._outcomes.done[req_id] = self._outcomes.done.get(req_id, 0) + 1
+            self._outcomes.bytes_read[req_id] = reading.bytes_total
+            del self._reading[req_id]
+        self._settle_commits()
+
+    def _handle_done(self, handle: int, failure: str) -> None:
+        req_id = self._handle_owner.pop(handle, None)
+        reading = self._reading.get(req_id) if req_id else None
+        if reading is None:
+            return
+        reading.handles.discard(handle)
+        if failure and not reading.failure:
+            reading.failure = failure
+
+    def _settle_commits(self) -> None:
+        """Report committed loads, but never while our own reads still write their blocks."""
+        for req_id, commit in list(self._commits.items()):
+            reading = self._reading.get(req_id)
+            if reading is not None and reading.handles:
+                continue
+            if reading is not None:
+                del self._reading[req_id]
+            del self._commits[req_id]
+            self._finished_recving.add(req_id)
+            if not commit.ok:
+                self._load_errors.update(commit.local_block_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._seen_finished.update(finished_req_ids)
+        self.poll()
+        # vLLM accepts a finished send only for a request it told us has finished.
+        sending = self._frees & self._seen_finished
+        self._frees -= sending
+        self._seen_finished -= sending
+        recving = self._finished_recving
+        self._finished_recving = set()
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_outcomes(self) -> ReadOutcomes | None:
+        if not self._outcomes.done and not self._outcomes.failed:
+            return None
+        outcomes, self._outcomes = self._outcomes, ReadOutcomes()
+        return outcomes
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.mover is not None:
+            self.mover.close()
+            self.mover = None

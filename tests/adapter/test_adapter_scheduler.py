@@ -1,0 +1,355 @@
+"""Scheduler-side decisions and the lease protocol, against a fake broker link."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from kvbroker.v1 import broker_pb2 as pb
+
+from clients import errors
+from engine_adapter.broker_link import LeaseEndNotice
+from engine_adapter.config import AdapterConfig
+from engine_adapter.metadata import ReadOutcomes
+from engine_adapter.scheduler import AdapterScheduler
+from tests.adapter.fakes import FakeClock, FakeLink, FakeRequest, Status, holder_info, wire
+
+BS = 32
+
+
+def make(threshold: int = 64, **overrides):  # type: ignore[no-untyped-def]
+    config = AdapterConfig(
+        engine_id="reader", kv_recompute_threshold=threshold, resolve_wait_ms=500, **overrides
+    )
+    link = FakeLink()
+    clock = FakeClock()
+    sched = AdapterScheduler(config=config, link=link, block_size=BS, clock=clock)
+    return sched, link, clock
+
+
+def resolved(link: FakeLink, *matches: pb.HolderMatch) -> None:
+    call = link.named("resolve")[-1]
+    assert call.future is not None
+    call.future.set_result(pb.ResolveResponse(matches=list(matches)))
+
+
+def match(blocks: int, engine: str = "holder", hold: str = "hold-1") -> pb.HolderMatch:
+    return pb.HolderMatch(engine_id=engine, tier=pb.TIER_GPU, matched_blocks=blocks, hold_lease_id=hold)
+
+
+def lease_for(req: FakeRequest, blocks: int, lease_id: str = "hold-1", holder: str = "holder") -> pb.Lease:
+    return pb.Lease(
+        lease_id=lease_id,
+        holder_engine_id=holder,
+        tier=pb.TIER_GPU,
+        block_hashes=[wire(i) for i in range(blocks)],
+        block_ids=[100 + i for i in range(blocks)],
+        state=pb.LEASE_ACTIVE,
+        epoch=3,
+    )
+
+
+def test_not_ready_until_the_broker_answers_then_pulls_full_blocks() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)  # 4 full blocks + 12 tokens
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert len(link.named("resolve")) == 1, "the lookup is submitted once per request"
+    assert link.named("resolve")[0].args["hashes"] == [wire(i) for i in range(4)]
+    resolved(link, match(4))
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+
+
+def test_below_threshold_recomputes() -> None:
+    sched, link, _ = make(threshold=64)
+    req = FakeRequest("r1", num_tokens=140)
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link, match(1))  # 32 tokens remote
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.stats.skips["below_threshold"] == 1
+
+
+def test_threshold_counts_only_beyond_the_local_hit() -> None:
+    sched, link, _ = make(threshold=64)
+    req = FakeRequest("r1", num_tokens=200)
+    sched.get_num_new_matched_tokens(req, 64)
+    resolved(link, match(4))  # 128 remote, 64 local -> 64 new: pull
+    assert sched.get_num_new_matched_tokens(req, 64) == (64, True)
+    req2 = FakeRequest("r2", num_tokens=200)
+    sched.get_num_new_matched_tokens(req2, 96)
+    resolved(link, match(4))  # 32 new < 64
+    assert sched.get_num_new_matched_tokens(req2, 96) == (0, False)
+
+
+def test_partial_coverage_pulls_what_exists() -> None:
+    sched, link, _ = make(threshold=32)
+    req = FakeRequest("r1", num_tokens=256)
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link, match(3))
+    assert sched.get_num_new_matched_tokens(req, 0) == (96, True)
+
+
+def test_never_the_final_prompt_token() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=128)  # exactly 4 blocks, all held remotely
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link, match(4))
+    assert sched.get_num_new_matched_tokens(req, 0) == (127, True)
+    sched.update_state_after_alloc(req, [10, 11, 12, 13], 127)
+    load = sched._loads["r1"]
+    assert load.plan.num_blocks == 4 and load.local_block_ids == (10, 11, 12, 13)
+
+
+def test_own_blocks_and_unknown_holders_are_no_hit() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link, match(4, engine="reader"))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.stats.skips["no_holder"] == 1
+
+
+def test_resolve_wait_budget_then_no_remote_hit() -> None:
+    sched, _link, clock = make()
+    req = FakeRequest("r1", num_tokens=140)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    clock.advance(0.6)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.stats.skips["broker_timeout"] == 1
+
+
+def test_broker_down_or_malformed_params_recompute_without_asking() -> None:
+    sched, link, _ = make()
+    link.connected = False
+    assert sched.get_num_new_matched_tokens(FakeRequest("r1", num_tokens=140), 0) == (0, False)
+    link.connected = True
+    bad = FakeRequest("r2", num_tokens=140, kv_transfer_params={"do_remote_prefill": "yes"})
+    assert sched.get_num_new_matched_tokens(bad, 0) == (0, False)
+    bad2 = FakeRequest("r3", num_tokens=140, kv_transfer_params={"kvbroker": "garbage"})
+    assert sched.get_num_new_matched_tokens(bad2, 0) == (0, False)
+    assert link.named("resolve") == []
+    assert sched.stats.skips["malformed_kv_transfer_params"] == 2
+
+
+def test_resolve_error_recomputes() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)
+    sched.get_num_new_matched_tokens(req, 0)
+    link.named("resolve")[0].future.set_exception(errors.Unavailable("gone"))  # type: ignore[union-attr]
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_hinted_holder_is_asked_again_until_its_hold_arrives() -> None:
+    sched, link, clock = make()
+    params = {"do_remote_prefill": True, "kvbroker": {"holder_engine_id": "p"}}
+    req = FakeRequest("r1", num_tokens=140, kv_transfer_params=params)
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link)  # P's hold not indexed yet
+    clock.advance(0.05)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert len(link.named("resolve")) == 2
+    resolved(link, match(4, engine="p"))
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+
+
+def _pull_to_reading(sched: AdapterScheduler, link: FakeLink, req: FakeRequest, holder: pb.EngineInfo):  # type: ignore[no-untyped-def]
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link, match(4))
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+    sched.update_state_after_alloc(req, [7, 8, 9, 10, 11], 128)
+    acquire = link.named("acquire")
+    assert [c.args["lease_id"] for c in acquire] == ["hold-1"]
+    meta = sched.build_connector_meta()
+    assert meta.loads == [] and meta.commits == [], "nothing to read before the lease is granted"
+    acquire[0].future.set_result(pb.LeaseResponse(lease=lease_for(req, 4), holder=holder))  # type: ignore[union-attr]
+    return sched.build_connector_meta()
+
+
+def test_lease_read_release_commit() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)
+    meta = _pull_to_reading(sched, link, req, holder_info())
+    assert len(meta.loads) == 1
+    spec = meta.loads[0]
+    assert spec.remote_block_ids == (100, 101, 102, 103)
+    assert spec.local_block_ids == (7, 8, 9, 10)
+    assert [r.agent_name for r in spec.holder_ranks] == ["holder-pp0-tp0"]
+    sched.update_connector_output(
+        worker_meta=ReadOutcomes(done={"r1": 1}), finished_sending=None, finished_recving=None
+    )
+    release = link.named("release")
+    assert [(c.args["lease_id"], c.args["epoch"]) for c in release] == [("hold-1", 3)]
+    assert sched.build_connector_meta().commits == [], "not committed before the release answers"
+    release[0].future.set_result(pb.Lease(lease_id="hold-1", state=pb.LEASE_RELEASED))  # type: ignore[union-attr]
+    commits = sched.build_connector_meta().commits
+    assert [(c.request_id, c.ok) for c in commits] == [("r1", True)]
+    assert sched.stats.counters["pulled_blocks"] == 4
+
+
+def test_release_failure_means_load_errors() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)
+    _pull_to_reading(sched, link, req, holder_info())
+    sched.update_connector_output(
+        worker_meta=ReadOutcomes(done={"r1": 1}), finished_sending=None, finished_recving=None
+    )
+    link.named("release")[0].future.set_exception(  # type: ignore[union-attr]
+        errors.FailedPrecondition("lease hold-1 was revoked (REVOKE_TTL_EXPIRED)")
+    )
+    commits = sched.build_connector_meta().commits
+    assert [(c.request_id, c.ok, c.local_block_ids) for c in commits] == [("r1", False, (7, 8, 9, 10))]
+    assert sched.stats.counters["pulls_failed"] == 1
+
+
+def test_failed_read_is_not_committed_and_ends_the_lease() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)
+    _pull_to_reading(sched, link, req, holder_info())
+    sched.update_connector_output(
+        worker_meta=ReadOutcomes(done={"r1": 1}, failed={"r1": "peer gone"}),
+        finished_sending=None,
+        finished_recving=None,
+    )
+    commits = sched.build_connector_meta().commits
+    assert [(c.ok) for c in commits] == [False]
+    assert [c.args["lease_id"] for c in link.named("release")] == ["hold-1"], (
+        "the lease is ended for the holder"
+    )
+
+
+def test_incompatible_holder_is_refused() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)
+    meta = _pull_to_reading(sched, link, req, holder_info(tp=2))
+    assert meta.loads == []
+    assert [(c.ok, "tensor-parallel" in c.reason) for c in meta.commits] == [(False, True)]
+
+
+def test_refused_or_slow_lease_recomputes() -> None:
+    sched, link, clock = make()
+    req = FakeRequest("r1", num_tokens=140)
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link, match(4))
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], 128)
+    link.named("acquire")[0].future.set_exception(errors.NotFound("unknown lease hold-1"))  # type: ignore[union-attr]
+    assert [c.ok for c in sched.build_connector_meta().commits] == [False]
+
+    req2 = FakeRequest("r2", num_tokens=140)
+    sched.get_num_new_matched_tokens(req2, 0)
+    resolved(link, match(4))
+    sched.get_num_new_matched_tokens(req2, 0)
+    sched.update_state_after_alloc(req2, [1, 2, 3, 4, 5], 128)
+    clock.advance(3.0)
+    assert [c.ok for c in sched.build_connector_meta().commits] == [False]
+    # A grant that arrives after we gave up is released at once.
+    link.named("acquire")[1].future.set_result(pb.LeaseResponse(lease=lease_for(req2, 4, "late")))  # type: ignore[union-attr]
+    assert [c.args["lease_id"] for c in link.named("release")] == ["late"]
+
+
+def test_lease_that_does_not_cover_the_blocks_is_refused() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link, match(4))
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], 128)
+    link.named("acquire")[0].future.set_result(  # type: ignore[union-attr]
+        pb.LeaseResponse(lease=lease_for(req, 2), holder=holder_info())
+    )
+    commits = sched.build_connector_meta().commits
+    assert [(c.ok, "does not cover" in c.reason) for c in commits] == [(False, True)]
+
+
+def test_remote_decode_holds_until_the_lease_ends_then_frees() -> None:
+    sched, link, _ = make()
+    req = FakeRequest(
+        "p1", num_tokens=141, num_computed_tokens=140, kv_transfer_params={"do_remote_decode": True}
+    )
+    delay, params = sched.request_finished(req, [5, 6, 7, 8, 9])
+    assert delay is True
+    assert params is not None and params["do_remote_prefill"] is True
+    assert params["kvbroker"]["holder_engine_id"] == "reader"
+    hold = link.named("hold")[0]
+    assert hold.args["block_ids"] == [5, 6, 7, 8] and hold.args["hashes"] == [wire(i) for i in range(4)]
+    hold.future.set_result(pb.Lease(lease_id="h1", state=pb.LEASE_HELD))  # type: ignore[union-attr]
+    assert sched.build_connector_meta().frees == []
+    assert link.stored == [wire(i) for i in range(4)]
+    assert sched.stats_snapshot()["held_blocks"] == 4
+    link.ends.append(LeaseEndNotice("h1", "REVOKE_READER_GONE"))
+    assert sched.build_connector_meta().frees == ["p1"]
+    assert link.removed == [wire(i) for i in range(4)]
+    sched.update_connector_output(worker_meta=None, finished_sending={"p1"}, finished_recving=None)
+    assert sched.stats_snapshot()["held_requests"] == 0
+
+
+def test_plain_request_is_not_held_but_multi_turn_is() -> None:
+    sched, _link, _ = make()
+    req = FakeRequest("a", num_tokens=141, num_computed_tokens=140)
+    assert sched.request_finished(req, [1, 2, 3, 4, 5]) == (False, None)
+    multi, _link2, _ = make(multi_turn=True)
+    delay, params = multi.request_finished(req, [1, 2, 3, 4, 5])
+    assert delay is True and params is None
+    aborted = dataclasses.replace(req, request_id="b", status=Status("FINISHED_ABORTED"))
+    assert multi.request_finished(aborted, [1, 2, 3, 4, 5]) == (False, None)
+
+
+def test_hold_refused_frees_at_once_and_lost_session_frees_all() -> None:
+    sched, link, _ = make(multi_turn=True)
+    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
+    sched.request_finished(FakeRequest("b", num_tokens=141, num_computed_tokens=140), [6, 7, 8, 9, 10])
+    sched.build_connector_meta()
+    holds = link.named("hold")
+    holds[0].future.set_exception(errors.Unavailable("broker gone"))  # type: ignore[union-attr]
+    assert sched.build_connector_meta().frees == ["a"]
+    holds[1].future.set_result(pb.Lease(lease_id="hb"))  # type: ignore[union-attr]
+    sched.build_connector_meta()
+    link.connected = False
+    assert sched.build_connector_meta().frees == ["b"]
+
+
+def test_lease_end_before_hold_reply_still_frees() -> None:
+    sched, link, _ = make(multi_turn=True)
+    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
+    link.ends.append(LeaseEndNotice("ha", "REVOKE_TTL_EXPIRED"))
+    assert sched.build_connector_meta().frees == []
+    link.named("hold")[0].future.set_result(pb.Lease(lease_id="ha"))  # type: ignore[union-attr]
+    assert sched.build_connector_meta().frees == ["a"]
+
+
+def test_shared_blocks_are_announced_removed_only_when_the_last_hold_ends() -> None:
+    sched, link, _ = make(multi_turn=True)
+    for name in ("a", "b"):
+        sched.request_finished(FakeRequest(name, num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
+    for i, call in enumerate(link.named("hold")):
+        call.future.set_result(pb.Lease(lease_id=f"h{i}"))  # type: ignore[union-attr]
+    sched.build_connector_meta()
+    assert link.stored == [wire(i) for i in range(4)]
+    link.ends.append(LeaseEndNotice("h0", "released"))
+    sched.build_connector_meta()
+    assert link.removed == []
+    link.ends.append(LeaseEndNotice("h1", "released"))
+    sched.build_connector_meta()
+    assert link.removed == [wire(i) for i in range(4)]
+
+
+def test_aborted_while_loading_completes_the_protocol() -> None:
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)
+    _pull_to_reading(sched, link, req, holder_info())
+    assert sched.request_finished(req, [7, 8, 9, 10, 11]) == (False, None)
+    sched.update_connector_output(
+        worker_meta=ReadOutcomes(done={"r1": 1}), finished_sending=None, finished_recving=None
+    )
+    link.named("release")[0].future.set_result(pb.Lease(lease_id="hold-1"))  # type: ignore[union-attr]
+    assert [c.request_id for c in sched.build_connector_meta().commits] == ["r1"]
+
+
+def test_config_refuses_unknown_keys_and_coerces() -> None:
+    config = AdapterConfig.from_extra_config({"kv_recompute_threshold": "32", "multi_turn": "true"})
+    assert config.kv_recompute_threshold == 32 and config.multi_turn is True
+    assert config.engine_id.startswith("engine-")
+    with pytest.raises(ValueError, match="unknown"):
+        AdapterConfig.from_extra_config({"kv_recompute_treshold": 3})
+    with pytest.raises(ValueError, match="valid int"):
+        AdapterConfig.from_extra_config({"hold_ttl_ms": "soon"})

@@ -1,0 +1,151 @@
+"""The transport side of the Notifier: per-session outbound queues, pin waiters, watchers.
+
+Core calls arrive synchronously; each becomes a SessionDown message on the
+session's asyncio queue (written to the stream by that session's writer) or a
+WatchEvent on each interested watcher's bounded queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvbroker.v1 import broker_pb2 as pb
+
+from broker import codec
+from broker.clock import Clock
+from broker.events import WatchEvent
+from broker.leases import Lease
+
+PinWaiter = Callable[[Lease], None]
+
+
+@dataclass(slots=True, frozen=True)
+class Close:
+    """Queue sentinel: write a SessionError with this code, then end the stream."""
+
+    code: str
+    message: str
+
+
+@dataclass(slots=True)
+class SessionChannel:
+    session_id: str
+    queue: asyncio.Queue[pb.SessionDown | Close] = field(default_factory=asyncio.Queue)
+    closed: Close | None = None
+
+
+@dataclass(slots=True)
+class Watcher:
+    categories: frozenset[str]
+    queue: asyncio.Queue[pb.WatchEvent | Close]
+    overflowed: bool = False
+
+
+class StreamNotifier:
+    def __init__(self, clock: Clock, watch_queue: int = 10_000) -> None:
+        self._clock = clock
+        self._channels: dict[str, SessionChannel] = {}
+        self._pin_waiters: dict[str, list[PinWaiter]] = {}
+        self._watchers: set[Watcher] = set()
+        self._watching: dict[str, int] = {}
+        self._watch_queue = watch_queue
+
+    # -- sessions ---------------------------------------------------------------
+
+    def attach(self, session_id: str) -> SessionChannel:
+        channel = SessionChannel(session_id)
+        self._channels[session_id] = channel
+        return channel
+
+    def detach(self, session_id: str) -> None:
+        self._channels.pop(session_id, None)
+
+    def _send(self, session_id: str, msg: pb.SessionDown) -> None:
+        channel = self._channels.get(session_id)
+        if channel is not None and channel.closed is None:
+            channel.queue.put_nowait(msg)
+
+    def lease_revoked(self, session_id: str, lease: Lease) -> None:
+        down = pb.SessionDown(
+            revoked=pb.LeaseRevoked(
+                lease=codec.lease_pb(lease, self._clock.now()),
+                cause=int(lease.cause),  # type: ignore[arg-type]
+                detail=lease.detail,
+            )
+        )
+        self._send(session_id, down)
+
+    def lease_ended(self, session_id: str, lease: Lease) -> None:
+        self._send(
+            session_id,
+            pb.SessionDown(lease_ended=pb.LeaseEnded(lease=codec.lease_pb(lease, self._clock.now()))),
+        )
+
+    def pin(self, session_id: str, lease: Lease) -> None:
+        self._send(
+            session_id, pb.SessionDown(pin=pb.PinCommand(lease=codec.lease_pb(lease, self._clock.now())))
+        )
+
+    def drain(self, session_id: str, reason: str) -> None:
+        self._send(session_id, pb.SessionDown(drain=pb.DrainCommand(reason=reason)))
+
+    def close_session(self, session_id: str, code: str, message: str) -> None:
+        channel = self._channels.get(session_id)
+        if channel is not None and channel.closed is None:
+            channel.closed = Close(code, message)
+            channel.queue.put_nowait(channel.closed)
+
+    def close_all(self, code: str, message: str) -> None:
+        for session_id in list(self._channels):
+            self.close_session(session_id, code, message)
+        for watcher in list(self._watchers):
+            watcher.queue.put_nowait(Close(code, message))
+
+    # -- pins ------------------------------------------------------------------
+
+    def wait_pin(self, lease_id: str, waiter: PinWaiter) -> None:
+        self._pin_waiters.setdefault(lease_id, []).append(waiter)
+
+    def pin_settled(self, lease: Lease) -> None:
+        for waiter in self._pin_waiters.pop(lease.lease_id, ()):
+            waiter(lease)
+
+    # -- watchers ----------------------------------------------------------------
+
+    def add_watcher(self, categories: frozenset[str]) -> Watcher:
+        watcher = Watcher(categories, asyncio.Queue(self._watch_queue + 1))
+        self._watchers.add(watcher)
+        for c in categories:
+            self._watching[c] = self._watching.get(c, 0) + 1
+        return watcher
+
+    def remove_watcher(self, watcher: Watcher) -> None:
+        if watcher in self._watchers:
+            self._watchers.discard(watcher)
+            for c in watcher.categories:
+                self._watching[c] -= 1
+
+    def watcher_count(self) -> int:
+        return len(self._watchers)
+
+    def watching(self, category: str) -> bool:
+        return self._watching.get(category, 0) > 0
+
+    def event(self, event: WatchEvent) -> None:
+        msg: pb.WatchEvent | None = None
+        for watcher in self._watchers:
+            if event.category not in watcher.categories or watcher.overflowed:
+                continue
+            if msg is None:
+                msg = codec.watch_event_pb(event, self._clock.now(), time.time())
+            if watcher.queue.qsize() >= self._watch_queue:
+                # A watcher that cannot keep up is cut off, never silently skipped.
+                watcher.overflowed = True
+                watcher.queue.put_nowait(
+                    Close("RESOURCE_EXHAUSTED", f"watcher fell {self._watch_queue} events behind; reconnect")
+                )
+            else:
+                watcher.queue.put_nowait(msg)

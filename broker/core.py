@@ -1,0 +1,561 @@
+"""BrokerCore: the synchronous domain core composing registry, index and lease table.
+
+Every public method is one step of the protocol; it validates, changes state,
+and tells the affected engines through the injected Notifier. Time comes from
+the injected Clock; nothing here awaits or touches the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvbroker.v1 import broker_pb2 as pb
+
+from broker import events as ev
+from broker.clock import Clock, MonotonicClock
+from broker.config import BrokerConfig
+from broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from broker.events import Notifier, NullNotifier, WatchEvent
+from broker.index import CompactPrefixIndex, PrefixIndex
+from broker.leases import InMemoryLeaseTable, Lease, LeaseTable
+from broker.model import LeaseState, Namespace, RevokeCause, Tier
+from broker.registry import EngineRecord, EngineRegistry
+from broker.scoring import EngineScore, HolderMatch, rank_holders, score_engines
+
+CAUSE_LABELS = [c.label for c in RevokeCause if c is not RevokeCause.NONE]
+
+
+@dataclass(slots=True)
+class ResolveResult:
+    matches: list[HolderMatch]
+    lease: Lease | None = None
+    holder: EngineRecord | None = None
+    skipped_reason: str = ""
+    pending: bool = False  # lease is PENDING: answer once Notifier.pin_settled fires
+
+
+@dataclass(slots=True)
+class ScoreResult:
+    scores: list[EngineScore]
+    total_blocks: int
+    block_size: int
+
+
+@dataclass(slots=True)
+class Stats:
+    engines: int
+    sessions: int
+    blocks_indexed: int
+    namespaces: int
+    leases_by_state: dict[str, int]
+    revocations_by_cause: dict[str, int] = field(default_factory=dict)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class BrokerCore:
+    def __init__(
+        self,
+        config: BrokerConfig | None = None,
+        *,
+        clock: Clock | None = None,
+        notifier: Notifier | None = None,
+        index: PrefixIndex | None = None,
+        leases: LeaseTable | None = None,
+    ) -> None:
+        self.config = config or BrokerConfig()
+        self.clock = clock or MonotonicClock()
+        self.notifier: Notifier = notifier or NullNotifier()
+        self.index: PrefixIndex = index or CompactPrefixIndex()
+        self.leases: LeaseTable = leases or InMemoryLeaseTable(self.config.ended_lease_history)
+        self.registry = EngineRegistry()
+        self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
+        self.released_total = 0
+
+    # -- validation helpers --------------------------------------------------
+
+    def _ttl_s(self, ttl_ms: int, default: int, lo: int, hi: int, what: str) -> float:
+        if ttl_ms == 0:
+            return default / 1000
+        if not lo <= ttl_ms <= hi:
+            raise OutOfRange(f"{what} {ttl_ms} ms is outside the allowed range [{lo}, {hi}] ms")
+        return ttl_ms / 1000
+
+    def _lease_ttl_s(self, ttl_ms: int) -> float:
+        c = self.config
+        return self._ttl_s(ttl_ms, c.lease_ttl_ms, c.lease_ttl_min_ms, c.lease_ttl_max_ms, "lease ttl_ms")
+
+    def _check_hashes(self, n: int, what: str) -> None:
+        if n > self.config.max_hashes:
+            raise InvalidArgument(
+                f"{what} has {n} entries; the limit is {self.config.max_hashes} per request "
+                "(--max-hashes); split the request"
+            )
+
+    @staticmethod
+    def _check_namespace(ns: Namespace) -> None:
+        if not ns.layout_id:
+            raise InvalidArgument(
+                "namespace.layout_id is empty; use the layout_id the broker returned at registration"
+            )
+
+    @staticmethod
+    def _check_tier(tier: int) -> Tier:
+        if tier not in (Tier.GPU, Tier.CPU):
+            raise InvalidArgument(f"tier {tier} is not TIER_GPU (1) or TIER_CPU (2)")
+        return Tier(tier)
+
+    @staticmethod
+    def _check_layout(rec: EngineRecord, ns: Namespace) -> None:
+        if ns.layout_id != rec.layout_id:
+            raise FailedPrecondition(
+                f"namespace layout_id {ns.layout_id!r} does not match engine {rec.engine_id!r}'s "
+                f"layout {rec.layout_id!r}; blocks never cross layouts"
+            )
+
+    def _emit(self, category: str, kind: str, **kw: object) -> None:
+        if self.notifier.watching(category):
+            self.notifier.event(WatchEvent(category, kind, **kw))  # type: ignore[arg-type]
+
+    # -- sessions ------------------------------------------------------------------
+
+    def register(self, info: pb.EngineInfo, session_ttl_ms: int, expected_ranks: int = 0) -> EngineRecord:
+        """Open a session. An engine id whose old session is alive ends that session first."""
+        c = self.config
+        ttl_s = self._ttl_s(
+            session_ttl_ms, c.session_ttl_ms, c.session_ttl_min_ms, c.session_ttl_max_ms, "session_ttl_ms"
+        )
+        old = self.registry.find(info.engine_id) if info.engine_id else None
+        if old is not None:
+            EngineRegistry.validate(info)  # a bad registration must not end a good session
+            self.end_session(old.session_id, "ABORTED", "superseded: the engine registered a new session")
+        rec = self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
+        self._emit(ev.ENGINE, "engine_registered", engine_id=rec.engine_id, detail=rec.layout_id)
+        return rec
+
+    def end_session(self, session_id: str, code: str = "", message: str = "") -> None:
+        """End a session: drop its blocks from the index, revoke every lease it holds or reads.
+
+        `code` non-empty means the broker ends it (the stream is closed with that
+        code); empty means the stream already broke.
+        """
+        try:
+            rec = self.registry.by_session(session_id)
+        except NotFound:
+            return
+        self.registry.remove(rec)
+        self.index.drop_holder(rec.engine_id)
+        for lease in self.leases.by_holder(rec.engine_id):
+            self._revoke(lease, RevokeCause.HOLDER_GONE, f"holder {rec.engine_id!r} session ended")
+        for lease in self.leases.by_reader(rec.engine_id):
+            self._revoke(lease, RevokeCause.READER_GONE, f"reader {rec.engine_id!r} session ended")
+        if code:
+            self.notifier.close_session(session_id, code, message)
+        self._emit(ev.ENGINE, "engine_gone", engine_id=rec.engine_id, detail=message or "session ended")
+
+    def session_engine(self, session_id: str) -> EngineRecord:
+        return self.registry.by_session(session_id)
+
+    def touch(self, rec: EngineRecord) -> None:
+        """Any message on the session proves liveness: move the deadline (the queue catches up lazily)."""
+        rec.deadline = self.clock.now() + rec.ttl_s
+
+    def heartbeat(self, rec: EngineRecord, load: float) -> None:
+        rec.deadline = self.clock.now() + rec.ttl_s
+        rec.load = load
+
+    def register_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
+        return self.registry.add_rank(engine_id, rank)
+
+    # -- inventory -----------------------------------------------------------------
+
+    def update_inventory(
+        self,
+        rec: EngineRecord,
+        ns: Namespace,
+        tier: int,
+        stored: Sequence[int],
+        removed: Sequence[int],
+        clear_all: bool = False,
+    ) -> None:
+        t = self._check_tier(tier)
+        self._check_namespace(ns)
+        self._check_layout(rec, ns)
+        self._check_hashes(len(stored), "inventory.stored")
+        self._check_hashes(len(removed), "inventory.removed")
+        if clear_all:
+            dropped = self.index.drop_holder(rec.engine_id, t)
+            self._supersede(rec, None, t, None)
+            self._emit(ev.INDEX, "tier_cleared", engine_id=rec.engine_id, blocks=dropped, tier=t)
+        if removed:
+            n = self.index.remove(rec.engine_id, t, ns, removed)
+            self._supersede(rec, ns, t, removed)
+            self._emit(ev.INDEX, "blocks_removed", engine_id=rec.engine_id, blocks=n, tier=t)
+        if stored:
+            n = self.index.add(rec.engine_id, t, ns, stored)
+            self._emit(ev.INDEX, "blocks_stored", engine_id=rec.engine_id, blocks=n, tier=t)
+
+    def _supersede(
+        self, rec: EngineRecord, ns: Namespace | None, tier: Tier, removed: Sequence[int] | None
+    ) -> None:
+        """A holder that drops blocks under a live lease broke its promise: the reader must not use them."""
+        held = self.leases.by_holder(rec.engine_id)
+        if not held:
+            return
+        gone = set(removed) if removed is not None else None
+        for lease in held:
+            if lease.tier != tier or (ns is not None and lease.namespace != ns):
+                continue
+            if gone is None or not gone.isdisjoint(lease.block_hashes):
+                self._revoke(lease, RevokeCause.SUPERSEDED, f"holder {rec.engine_id!r} dropped leased blocks")
+
+    # -- resolve ---------------------------------------------------------------------
+
+    def resolve(
+        self,
+        asker: EngineRecord | None,
+        ns: Namespace,
+        hashes: Sequence[int],
+        *,
+        acquire: bool = False,
+        lease_ttl_ms: int = 0,
+        min_blocks: int = 0,
+        request_id: str = "",
+    ) -> ResolveResult:
+        self._check_namespace(ns)
+        self._check_hashes(len(hashes), "block_hashes")
+        if asker is not None:
+            self._check_layout(asker, ns)
+        elif acquire:
+            raise InvalidArgument(
+                "acquire needs a reader: resolve over the engine's Session stream, or set the "
+                "kvbroker-engine-id metadata on the unary call"
+            )
+        ttl_s = self._lease_ttl_s(lease_ttl_ms) if acquire else 0.0
+        registry = self.registry
+        matches: list[HolderMatch] = []
+        for engine_id, tier, n in self.index.longest_prefixes(ns, hashes):
+            rec = registry.find(engine_id)
+            if rec is None or rec is asker or rec.draining or not rec.ready:
+                continue
+            if asker is not None and registry.incompatibility(asker, rec) is not None:
+                continue
+            matches.append(HolderMatch(engine_id, tier, n, rec.load))
+        if not matches:
+            return ResolveResult(matches, skipped_reason="no_holder")
+        if len(matches) > 1:
+            matches = rank_holders(matches)
+        reader = asker.engine_id if asker is not None else ""
+        for m in matches:
+            hold = self._covering_hold(m, ns, hashes, reader)
+            if hold is not None:
+                m.hold_lease_id = hold.lease_id
+        if not acquire:
+            return ResolveResult(matches)
+        assert asker is not None
+        best = matches[0]
+        if best.matched < max(min_blocks, 1):
+            return ResolveResult(matches, skipped_reason="below_min")
+        holder = registry.get(best.engine_id)
+        if best.hold_lease_id:
+            lease = self.leases.claim(best.hold_lease_id, asker.engine_id, ttl_s, self.clock.now())
+            self._emit(ev.LEASE, "lease_active", engine_id=lease.holder, lease=lease)
+            return ResolveResult(matches, lease=lease, holder=holder)
+        now = self.clock.now()
+        lease = self.leases.create(
+            holder=holder.engine_id,
+            reader=asker.engine_id,
+            namespace=ns,
+            tier=best.tier,
+            block_hashes=hashes[: best.matched],
+            block_ids=(),
+            state=LeaseState.PENDING,
+            ttl_s=ttl_s,
+            deadline=now + self.config.pin_timeout_ms / 1000,
+            request_id=request_id,
+        )
+        self.notifier.pin(holder.session_id, lease)
+        self._emit(ev.LEASE, "lease_pending", engine_id=lease.holder, lease=lease)
+        return ResolveResult(matches, lease=lease, holder=holder, pending=True)
+
+    def _covering_hold(
+        self, m: HolderMatch, ns: Namespace, hashes: Sequence[int], reader: str
+    ) -> Lease | None:
+        best: Lease | None = None
+        best_len = 0
+        for lease in self.leases.by_holder(m.engine_id):
+            if (
+                lease.state is LeaseState.HELD
+                and lease.tier == m.tier
+                and lease.namespace == ns
+                and lease.reader in ("", reader)
+            ):
+                n = common_prefix(lease.block_hashes, hashes)
+                if n >= m.matched and n > best_len:
+                    best, best_len = lease, n
+        return best
+
+    def pin_result(
+        self, rec: EngineRecord, lease_id: str, ok: bool, block_ids: Sequence[int], error: str
+    ) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease.holder != rec.engine_id:
+            raise FailedPrecondition(f"lease {lease_id} is not held by {rec.engine_id!r}")
+        if not lease.state.live:
+            return lease  # too late (pin timeout or a session ended); already settled
+        if not ok:
+            done = self.leases.revoke(lease_id, RevokeCause.HOLDER_REFUSED, error or "holder refused the pin")
+            if done is not None:
+                self._after_revoke(done, tell_holder=False)  # it refused: it pinned nothing
+            return lease
+        if len(block_ids) != len(lease.block_hashes):
+            raise InvalidArgument(
+                f"pin_result for lease {lease_id} has {len(block_ids)} block_ids for "
+                f"{len(lease.block_hashes)} hashes; they must be parallel"
+            )
+        lease = self.leases.activate(lease_id, rec.engine_id, block_ids, self.clock.now())
+        self.notifier.pin_settled(lease)
+        self._emit(ev.LEASE, "lease_active", engine_id=lease.holder, lease=lease)
+        return lease
+
+    # -- leases ----------------------------------------------------------------------
+
+    def hold(
+        self,
+        holder_id: str,
+        ns: Namespace,
+        tier: int,
+        hashes: Sequence[int],
+        block_ids: Sequence[int],
+        ttl_ms: int = 0,
+        reader_id: str = "",
+        request_id: str = "",
+    ) -> Lease:
+        self._check_namespace(ns)
+        t = self._check_tier(tier)
+        if not hashes:
+            raise InvalidArgument("block_hashes is empty; a hold needs at least one block")
+        self._check_hashes(len(hashes), "block_hashes")
+        if len(block_ids) != len(hashes):
+            raise InvalidArgument(
+                f"block_ids has {len(block_ids)} entries for {len(hashes)} block_hashes; they must be parallel"
+            )
+        ttl_s = self._lease_ttl_s(ttl_ms)
+        holder = self.registry.get(holder_id)
+        self._check_layout(holder, ns)
+        if holder.draining:
+            raise FailedPrecondition(f"engine {holder_id!r} is draining and takes no new holds")
+        if reader_id:
+            if reader_id == holder_id:
+                raise InvalidArgument(
+                    "reader_engine_id equals holder_engine_id; an engine does not lease to itself"
+                )
+            reader = self.registry.get(reader_id)
+            reason = self.registry.incompatibility(reader, holder)
+            if reason is not None:
+                raise FailedPrecondition(f"reader {reader_id!r} cannot read holder {holder_id!r}: {reason}")
+        now = self.clock.now()
+        lease = self.leases.create(
+            holder=holder_id,
+            reader=reader_id,
+            namespace=ns,
+            tier=t,
+            block_hashes=hashes,
+            block_ids=block_ids,
+            state=LeaseState.HELD,
+            ttl_s=ttl_s,
+            deadline=now + ttl_s,
+            request_id=request_id,
+        )
+        self._emit(ev.LEASE, "lease_held", engine_id=holder_id, lease=lease)
+        return lease
+
+    def _expire_now(self, lease_id: str) -> None:
+        """Settle a lease whose deadline passed before the expiry loop got to it."""
+        lease = self.leases.expire_if_due(lease_id, self.clock.now())
+        if lease is not None:
+            self._after_revoke(lease)
+
+    def acquire(self, lease_id: str, reader_id: str, ttl_ms: int = 0) -> tuple[Lease, EngineRecord]:
+        ttl_s = self._lease_ttl_s(ttl_ms)
+        if not reader_id:
+            raise InvalidArgument("reader_engine_id is empty")
+        reader = self.registry.get(reader_id)
+        self._expire_now(lease_id)
+        lease = self.leases.get(lease_id)
+        holder = self.registry.find(lease.holder)
+        if holder is not None and lease.state.live:
+            reason = self.registry.incompatibility(reader, holder)
+            if reason is not None:
+                raise FailedPrecondition(
+                    f"reader {reader_id!r} cannot read holder {lease.holder!r}: {reason}"
+                )
+        if lease.holder == reader_id:
+            raise InvalidArgument("an engine cannot acquire its own hold")
+        lease = self.leases.claim(lease_id, reader_id, ttl_s, self.clock.now())
+        self._emit(ev.LEASE, "lease_active", engine_id=lease.holder, lease=lease)
+        assert holder is not None  # a live lease always has a live holder
+        return lease, holder
+
+    def renew(self, lease_id: str, engine_id: str, ttl_ms: int = 0) -> Lease:
+        ttl_s = self._lease_ttl_s(ttl_ms)
+        self._expire_now(lease_id)
+        return self.leases.renew(lease_id, engine_id, ttl_s, self.clock.now())
+
+    def release(self, lease_id: str, reader_id: str, epoch: int = 0) -> Lease:
+        """Commit the read: succeeds only while the lease is ACTIVE, by its reader."""
+        self._expire_now(lease_id)
+        lease = self.leases.release(lease_id, reader_id, epoch, self.clock.now())
+        self.released_total += 1
+        holder = self.registry.find(lease.holder)
+        if holder is not None:
+            self.notifier.lease_ended(holder.session_id, lease)
+        self._emit(ev.LEASE, "lease_released", engine_id=lease.holder, lease=lease)
+        return lease
+
+    def revoke(self, lease_id: str, reason: str = "") -> Lease:
+        """Operator revoke."""
+        lease = self.leases.get(lease_id)
+        if not lease.state.live:
+            raise FailedPrecondition(
+                f"lease {lease_id} already ended ({lease.state.label})", cause=lease.cause.label
+            )
+        self._revoke(lease, RevokeCause.OPERATOR, reason or "revoked by an operator")
+        return lease
+
+    def _revoke(self, lease: Lease, cause: RevokeCause, detail: str) -> None:
+        done = self.leases.revoke(lease.lease_id, cause, detail)
+        if done is not None:
+            self._after_revoke(done)
+
+    def _after_revoke(self, lease: Lease, tell_holder: bool = True) -> None:
+        """Tell both sides of a revoked lease (each only if its session is still alive)."""
+        self.revocations[lease.cause.label] += 1
+        pending = not lease.block_ids  # a PENDING lease never got block ids
+        if pending:
+            self.notifier.pin_settled(lease)
+        else:
+            reader = self.registry.find(lease.reader) if lease.reader else None
+            if reader is not None:
+                self.notifier.lease_revoked(reader.session_id, lease)
+        if tell_holder:
+            holder = self.registry.find(lease.holder)
+            if holder is not None:
+                self.notifier.lease_ended(holder.session_id, lease)
+        self._emit(ev.LEASE, "lease_revoked", engine_id=lease.holder, lease=lease, detail=lease.cause.label)
+
+    # -- routers and operators ---------------------------------------------------------
+
+    def score(
+        self,
+        ns: Namespace,
+        hashes: Sequence[int],
+        token_ids: Sequence[int],
+        candidates: Sequence[str],
+    ) -> ScoreResult:
+        self._check_namespace(ns)
+        if hashes and token_ids:
+            raise InvalidArgument("give either block_hashes or token_ids, not both")
+        self._check_hashes(len(hashes), "block_hashes")
+        block_size = 0
+        fp = self.registry.find_fingerprint(ns.layout_id)
+        if fp is not None:
+            block_size = fp.block_size
+        if token_ids:
+            if fp is None:
+                raise NotFound(f"no engine has registered layout_id {ns.layout_id!r}; cannot hash token ids")
+            self._check_hashes(len(token_ids) // block_size, "token_ids (in blocks)")
+            from clients.hashing import wire_chain  # imported late: written by the clients area
+
+            hashes = wire_chain(token_ids, block_size, fp.hash_algo or "sha256", ns.tenant or None)
+        engines: dict[str, tuple[float, bool]] = {}
+        if candidates:
+            self._check_hashes(len(candidates), "candidates")
+            for engine_id in candidates:
+                rec = self.registry.get(engine_id)
+                engines[engine_id] = (rec.load, rec.draining)
+        else:
+            for rec in self.registry.all():
+                if rec.layout_id == ns.layout_id:
+                    engines[rec.engine_id] = (rec.load, rec.draining)
+        prefixes = self.index.longest_prefixes(ns, hashes)
+        return ScoreResult(score_engines(prefixes, engines), len(hashes), block_size)
+
+    def list_engines(self, layout_id: str = "") -> list[EngineRecord]:
+        return [r for r in self.registry.all() if not layout_id or r.layout_id == layout_id]
+
+    def list_leases(self, engine_id: str = "", include_ended: bool = False) -> list[Lease]:
+        if engine_id:
+            by_id = {lease.lease_id: lease for lease in self.leases.by_holder(engine_id)}
+            by_id.update((lease.lease_id, lease) for lease in self.leases.by_reader(engine_id))
+            out = list(by_id.values())
+        else:
+            out = list(self.leases.live())
+        if include_ended:
+            out.extend(
+                lease
+                for lease in self.leases.recently_ended()
+                if not engine_id or engine_id in (lease.holder, lease.reader)
+            )
+        return out
+
+    def drain(self, engine_id: str, reason: str = "") -> int:
+        """Stop naming the engine, tell it, revoke its unclaimed holds. Active reads finish."""
+        rec = self.registry.get(engine_id)
+        rec.draining = True
+        self.notifier.drain(rec.session_id, reason or "drained by an operator")
+        revoked = 0
+        for lease in self.leases.by_holder(engine_id):
+            if lease.state is LeaseState.HELD:
+                self._revoke(lease, RevokeCause.DRAIN, reason or "holder is draining")
+                revoked += 1
+        self._emit(ev.ENGINE, "engine_draining", engine_id=engine_id, detail=reason)
+        return revoked
+
+    def engine_blocks(self, rec: EngineRecord) -> dict[Tier, int]:
+        return self.index.blocks_of(rec.engine_id)
+
+    def stats(self) -> Stats:
+        counts = self.leases.live_counts()
+        by_state = {
+            s.label: counts.get(s, 0) for s in (LeaseState.PENDING, LeaseState.HELD, LeaseState.ACTIVE)
+        }
+        by_state[LeaseState.RELEASED.label] = self.released_total
+        by_state[LeaseState.REVOKED.label] = sum(self.revocations.values())
+        n = len(self.registry)
+        return Stats(
+            engines=n,
+            sessions=n,
+            blocks_indexed=self.index.total_blocks(),
+            namespaces=self.index.namespace_count(),
+            leases_by_state=by_state,
+            revocations_by_cause=dict(self.revocations),
+        )
+
+    # -- expiry ----------------------------------------------------------------------------
+
+    def expire(self, budget: int | None = None) -> int:
+        """One rate-limited pass: end expired sessions and leases, then tidy the index."""
+        limit = budget or self.config.expiry_batch
+        now = self.clock.now()
+        ended = 0
+        for rec in self.registry.expired(now, limit):
+            self.end_session(
+                rec.session_id,
+                "DEADLINE_EXCEEDED",
+                f"session TTL of {rec.ttl_s * 1000:.0f} ms passed without a heartbeat",
+            )
+            ended += 1
+        for lease in self.leases.revoke_expired(now, limit):
+            self._after_revoke(lease)
+            ended += 1
+        self.index.maintain(limit * 50)
+        return ended

@@ -1,0 +1,335 @@
+"""Prefix index: which holder (engine, tier) has which blocks, per namespace.
+
+`PrefixIndex` is the interface the core uses; `CompactPrefixIndex` is the
+in-memory backend, built to stay small at tens of millions of blocks:
+
+- One dict for everything: key = block hash XOR a 64-bit namespace salt (a
+  plain int), value = the id of an interned *holder set*. Ids come out of
+  the intern table, so every entry shares the same few int objects; the
+  per-block cost is the dict slot plus the key int.
+- A holder *slot* stands for one (engine, tier, namespace). Holder sets are
+  frozensets of slots; transitions (set + slot, set - slot) are cached, so an
+  inventory update is a dict get and a dict set per block.
+- Dropping an engine marks its slots dead (O(slots), no per-engine block
+  list): lookups filter dead slots at once, and an incremental sweep
+  (`maintain`) rewrites the entries later, then recycles the slots.
+
+Collision note: keys are the 64-bit wire hashes XOR a per-namespace salt, so
+two namespaces share a key only by a 2^-64 accident per pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from broker.model import Namespace, Tier
+
+MASK64 = (1 << 64) - 1
+
+
+class PrefixIndex(Protocol):
+    def add(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
+        """Record blocks as held; returns how many were new for this holder."""
+        ...
+
+    def remove(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
+        """Forget blocks; returns how many this holder had."""
+        ...
+
+    def drop_holder(self, engine_id: str, tier: Tier | None = None) -> int:
+        """Forget every block of an engine (or of one of its tiers), at once; returns the count."""
+        ...
+
+    def longest_prefixes(self, namespace: Namespace, hashes: Iterable[int]) -> list[tuple[str, Tier, int]]:
+        """(engine_id, tier, matched) per holder with a non-empty prefix of `hashes` from block 0."""
+        ...
+
+    def blocks_of(self, engine_id: str) -> dict[Tier, int]: ...
+    def total_blocks(self) -> int: ...
+    def namespace_count(self) -> int: ...
+    def maintain(self, budget: int) -> None:
+        """Do up to `budget` units of background clean-up (called by the expiry loop)."""
+        ...
+
+
+def namespace_salt(namespace: Namespace) -> int:
+    digest = hashlib.blake2b(
+        f"{namespace.layout_id}\x00{namespace.tenant}".encode(), digest_size=8, person=b"kvbroker-ns"
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+@dataclass(slots=True)
+class _Slot:
+    engine_id: str
+    tier: Tier
+    namespace: Namespace
+    blocks: int = 0
+    alive: bool = True
+
+
+class CompactPrefixIndex:
+    def __init__(self) -> None:
+        self._entries: dict[int, int] = {}
+        self._salts: dict[Namespace, int] = {}
+        # Holder sets, interned.
+        self._sets: dict[int, frozenset[int]] = {}
+        self._set_id: dict[frozenset[int], int] = {}
+        self._set_ids = itertools.count(1)
+        self._single: dict[int, int] = {}  # slot -> id of {slot}
+        self._add_cache: dict[tuple[int, int], int] = {}
+        self._del_cache: dict[tuple[int, int], int | None] = {}
+        self._live_cache: dict[int, frozenset[int]] = {}
+        # Slots.
+        self._slots: dict[int, _Slot] = {}
+        self._slot_of: dict[tuple[str, Tier, Namespace], int] = {}
+        self._engine_slots: dict[str, set[int]] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._dead: set[int] = set()
+        self._dead_blocks = 0  # entries' worth of garbage waiting for a sweep
+        self._live_blocks = 0
+        self._ns_blocks: dict[Namespace, int] = {}
+        # Sweep in progress.
+        self._sweep_keys: list[int] | None = None
+        self._sweep_pos = 0
+        self._sweep_dead: frozenset[int] = frozenset()
+        self._sweep_blocks = 0
+
+    # -- interning -------------------------------------------------------------
+
+    def _intern(self, slots: frozenset[int]) -> int | None:
+        if not slots:
+            return None
+        sid = self._set_id.get(slots)
+        if sid is None:
+            sid = next(self._set_ids)
+            self._set_id[slots] = sid
+            self._sets[sid] = slots
+        return sid
+
+    def _salt(self, namespace: Namespace) -> int:
+        salt = self._salts.get(namespace)
+        if salt is None:
+            salt = self._salts[namespace] = namespace_salt(namespace)
+        return salt
+
+    def _slot_for(self, engine_id: str, tier: Tier, namespace: Namespace) -> int:
+        key = (engine_id, tier, namespace)
+        slot = self._slot_of.get(key)
+        if slot is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+            self._slots[slot] = _Slot(engine_id, tier, namespace)
+            self._slot_of[key] = slot
+            self._engine_slots.setdefault(engine_id, set()).add(slot)
+            sid = self._intern(frozenset((slot,)))
+            assert sid is not None
+            self._single[slot] = sid
+        return slot
+
+    def _live(self, sid: int) -> frozenset[int]:
+        live = self._live_cache.get(sid)
+        if live is None:
+            slots = self._sets[sid]
+            live = slots - self._dead if self._dead else slots
+            self._live_cache[sid] = live
+        return live
+
+    # -- updates -----------------------------------------------------------------
+
+    def add(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
+        slot = self._slot_for(engine_id, tier, namespace)
+        salt = self._salt(namespace)
+        entries = self._entries
+        single = self._single[slot]
+        cache = self._add_cache
+        added = 0
+        for h in hashes:
+            key = h ^ salt
+            sid = entries.get(key)
+            if sid is None:
+                entries[key] = single
+                added += 1
+            elif sid != single:
+                new = cache.get((sid, slot))
+                if new is None:
+                    slots = self._sets[sid]
+                    new = sid if slot in slots else self._intern((slots | {slot}) - self._dead)
+                    assert new is not None
+                    cache[(sid, slot)] = new
+                if new != sid:
+                    entries[key] = new
+                    added += 1
+        self._count(slot, added)
+        return added
+
+    def remove(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
+        slot = self._slot_of.get((engine_id, tier, namespace))
+        if slot is None:
+            return 0
+        salt = self._salt(namespace)
+        entries = self._entries
+        cache = self._del_cache
+        removed = 0
+        for h in hashes:
+            key = h ^ salt
+            sid = entries.get(key)
+            if sid is None:
+                continue
+            pair = (sid, slot)
+            if pair in cache:
+                new = cache[pair]
+            else:
+                slots = self._sets[sid]
+                new = sid if slot not in slots else self._intern(slots - {slot} - self._dead)
+                cache[pair] = new
+            if new == sid:
+                continue
+            if new is None:
+                del entries[key]
+            else:
+                entries[key] = new
+            removed += 1
+        self._count(slot, -removed)
+        return removed
+
+    def _count(self, slot: int, delta: int) -> None:
+        if delta:
+            info = self._slots[slot]
+            info.blocks += delta
+            self._live_blocks += delta
+            self._ns_blocks[info.namespace] = self._ns_blocks.get(info.namespace, 0) + delta
+            if not self._ns_blocks[info.namespace]:
+                del self._ns_blocks[info.namespace]
+
+    def drop_holder(self, engine_id: str, tier: Tier | None = None) -> int:
+        slots = self._engine_slots.get(engine_id)
+        if not slots:
+            return 0
+        dropped = 0
+        for slot in [s for s in slots if tier is None or self._slots[s].tier == tier]:
+            info = self._slots[slot]
+            dropped += info.blocks
+            self._dead_blocks += info.blocks
+            self._count(slot, -info.blocks)
+            info.alive = False
+            slots.discard(slot)
+            del self._slot_of[(engine_id, info.tier, info.namespace)]
+            self._dead.add(slot)
+        if not slots:
+            del self._engine_slots[engine_id]
+        # Cached transitions and live views may name the dead slots: rebuild lazily.
+        self._add_cache.clear()
+        self._del_cache.clear()
+        self._live_cache.clear()
+        return dropped
+
+    # -- lookups -----------------------------------------------------------------
+
+    def longest_prefixes(self, namespace: Namespace, hashes: Iterable[int]) -> list[tuple[str, Tier, int]]:
+        salt = self._salts.get(namespace)
+        if salt is None:
+            return []  # nothing was ever stored in this namespace
+        get = self._entries.get
+        it = iter(hashes)
+        first = next(it, None)
+        if first is None:
+            return []
+        prev = get(first ^ salt)
+        if prev is None:
+            return []
+        active = self._live(prev)
+        matched: list[tuple[int, int]] = []
+        n = 1
+        if active:
+            for h in it:
+                sid = get(h ^ salt)
+                if sid != prev:
+                    if sid is None:
+                        break
+                    narrowed = active & self._live(sid)
+                    if narrowed != active:
+                        matched.extend((s, n) for s in active - narrowed)
+                        active = narrowed
+                        if not active:
+                            break
+                    prev = sid
+                n += 1
+            matched.extend((s, n) for s in active)
+        slots = self._slots
+        return [(slots[s].engine_id, slots[s].tier, m) for s, m in matched]
+
+    def blocks_of(self, engine_id: str) -> dict[Tier, int]:
+        counts = {Tier.GPU: 0, Tier.CPU: 0}
+        for slot in self._engine_slots.get(engine_id, ()):
+            info = self._slots[slot]
+            counts[info.tier] += info.blocks
+        return counts
+
+    def total_blocks(self) -> int:
+        return self._live_blocks
+
+    def namespace_count(self) -> int:
+        return len(self._ns_blocks)
+
+    # -- background sweep --------------------------------------------------------
+
+    def maintain(self, budget: int) -> None:
+        if self._sweep_keys is None:
+            # Sweep once garbage is a quarter of the table (amortised O(1) per dropped block).
+            if not self._dead or self._dead_blocks * 4 < len(self._entries):
+                return
+            self._sweep_keys = list(self._entries)
+            self._sweep_pos = 0
+            self._sweep_dead = frozenset(self._dead)
+            self._sweep_blocks = self._dead_blocks
+        keys = self._sweep_keys
+        end = min(self._sweep_pos + budget, len(keys))
+        entries = self._entries
+        cleaned: dict[int, int | None] = {}
+        dead = self._sweep_dead
+        for key in itertools.islice(keys, self._sweep_pos, end):
+            sid = entries.get(key)
+            if sid is None:
+                continue
+            if sid in cleaned:
+                new = cleaned[sid]
+            else:
+                slots = self._sets[sid]
+                new = sid if slots.isdisjoint(dead) else self._intern(slots - dead)
+                cleaned[sid] = new
+            if new != sid:
+                if new is None:
+                    del entries[key]
+                else:
+                    entries[key] = new
+        self._sweep_pos = end
+        if end >= len(keys):
+            self._finish_sweep()
+
+    def _finish_sweep(self) -> None:
+        dead = self._sweep_dead
+        for slots, sid in list(self._set_id.items()):
+            if not slots.isdisjoint(dead):
+                del self._set_id[slots]
+                del self._sets[sid]
+        for slot in dead:
+            del self._slots[slot]
+            del self._single[slot]
+            self._free_slots.append(slot)
+        self._dead -= dead
+        self._dead_blocks -= self._sweep_blocks
+        self._add_cache.clear()
+        self._del_cache.clear()
+        self._live_cache.clear()
+        self._sweep_keys = None
+        self._sweep_dead = frozenset()
+        self._sweep_blocks = 0

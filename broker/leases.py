@@ -1,0 +1,297 @@
+"""Leases: the record, the LeaseTable interface and its in-memory implementation.
+
+A lease is a holder's promise to keep blocks unchanged for a reader until the
+lease ends. Life cycle:
+
+    HELD ──claim──▶ ACTIVE ──release──▶ RELEASED
+    PENDING ──pin ok──▶ ACTIVE
+    any live state ──revoke / TTL / pin timeout──▶ REVOKED(cause)
+
+The table only keeps the books; telling the engines is the core's job, so
+every method returns the leases it changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from broker.errors import FailedPrecondition, NotFound, PermissionDenied
+from broker.expiry import ExpiryQueue
+from broker.model import LeaseState, Namespace, RevokeCause, Tier
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    holder: str
+    reader: str  # "" while HELD without a named reader
+    namespace: Namespace
+    tier: Tier
+    block_hashes: tuple[int, ...]
+    block_ids: tuple[int, ...]  # empty while PENDING
+    state: LeaseState
+    ttl_s: float  # granted TTL, used when a PENDING/HELD lease becomes ACTIVE
+    deadline: float  # monotonic seconds; PENDING: the pin deadline
+    epoch: int = 1
+    cause: RevokeCause = RevokeCause.NONE
+    detail: str = ""
+    request_id: str = ""
+
+    def remaining_ms(self, now: float) -> int:
+        if not self.state.live:
+            return 0
+        return max(0, int((self.deadline - now) * 1000))
+
+
+class LeaseTable(Protocol):
+    """The books of all live leases plus a bounded history of ended ones."""
+
+    def create(
+        self,
+        *,
+        holder: str,
+        reader: str,
+        namespace: Namespace,
+        tier: Tier,
+        block_hashes: Sequence[int],
+        block_ids: Sequence[int],
+        state: LeaseState,
+        ttl_s: float,
+        deadline: float,
+        request_id: str,
+    ) -> Lease: ...
+
+    def get(self, lease_id: str) -> Lease:
+        """A live or recently ended lease; NotFound otherwise."""
+        ...
+
+    def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease: ...
+    def activate(self, lease_id: str, holder: str, block_ids: Sequence[int], now: float) -> Lease: ...
+    def renew(self, lease_id: str, engine_id: str, ttl_s: float, now: float) -> Lease: ...
+    def release(self, lease_id: str, reader: str, epoch: int, now: float) -> Lease: ...
+    def revoke(self, lease_id: str, cause: RevokeCause, detail: str) -> Lease | None: ...
+    def expire_if_due(self, lease_id: str, now: float) -> Lease | None: ...
+    def revoke_expired(self, now: float, limit: int) -> list[Lease]: ...
+    def by_holder(self, engine_id: str) -> list[Lease]: ...
+    def by_reader(self, engine_id: str) -> list[Lease]: ...
+    def live(self) -> Iterable[Lease]: ...
+    def recently_ended(self) -> Iterable[Lease]: ...
+    def live_counts(self) -> dict[LeaseState, int]: ...
+
+
+def _ended_error(lease: Lease) -> FailedPrecondition:
+    if lease.state is LeaseState.RELEASED:
+        return FailedPrecondition(f"lease {lease.lease_id} was already released", cause="released")
+    detail = f": {lease.detail}" if lease.detail else ""
+    return FailedPrecondition(
+        f"lease {lease.lease_id} was revoked ({lease.cause.label}){detail}; "
+        "discard anything read under it and recompute",
+        cause=lease.cause.label,
+    )
+
+
+class InMemoryLeaseTable:
+    def __init__(self, history: int = 10_000) -> None:
+        self._live: dict[str, Lease] = {}
+        self._ended: OrderedDict[str, Lease] = OrderedDict()
+        self._history = history
+        self._by_holder: dict[str, set[str]] = {}
+        self._by_reader: dict[str, set[str]] = {}
+        self._expiry = ExpiryQueue()
+        # Ids are unique across broker restarts, so a lease id from a previous
+        # broker never names a lease of this one.
+        self._prefix = secrets.token_hex(4)
+        self._ids = itertools.count(1)
+
+    # -- creation and lookup -------------------------------------------------
+
+    def create(
+        self,
+        *,
+        holder: str,
+        reader: str,
+        namespace: Namespace,
+        tier: Tier,
+        block_hashes: Sequence[int],
+        block_ids: Sequence[int],
+        state: LeaseState,
+        ttl_s: float,
+        deadline: float,
+        request_id: str,
+    ) -> Lease:
+        lease = Lease(
+            lease_id=f"{self._prefix}-{next(self._ids):x}",
+            holder=holder,
+            reader=reader,
+            namespace=namespace,
+            tier=tier,
+            block_hashes=tuple(block_hashes),
+            block_ids=tuple(block_ids),
+            state=state,
+            ttl_s=ttl_s,
+            deadline=deadline,
+            request_id=request_id,
+        )
+        self._live[lease.lease_id] = lease
+        self._by_holder.setdefault(holder, set()).add(lease.lease_id)
+        if reader:
+            self._by_reader.setdefault(reader, set()).add(lease.lease_id)
+        self._expiry.schedule(lease.lease_id, deadline)
+        return lease
+
+    def get(self, lease_id: str) -> Lease:
+        lease = self._live.get(lease_id) or self._ended.get(lease_id)
+        if lease is None:
+            raise NotFound(f"unknown lease {lease_id!r} (never existed, or ended long ago)")
+        return lease
+
+    def _get_live(self, lease_id: str) -> Lease:
+        lease = self.get(lease_id)
+        if not lease.state.live:
+            raise _ended_error(lease)
+        return lease
+
+    # -- transitions ---------------------------------------------------------
+
+    def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease:
+        lease = self._get_live(lease_id)
+        if lease.state is not LeaseState.HELD:
+            raise FailedPrecondition(
+                f"lease {lease_id} is {lease.state.label}; only a held lease can be acquired"
+            )
+        if lease.reader and lease.reader != reader:
+            raise PermissionDenied(f"lease {lease_id} is held for reader {lease.reader!r}, not {reader!r}")
+        if not lease.reader:
+            lease.reader = reader
+            self._by_reader.setdefault(reader, set()).add(lease_id)
+        lease.state = LeaseState.ACTIVE
+        lease.epoch += 1
+        lease.ttl_s = ttl_s
+        lease.deadline = now + ttl_s  # claiming may shorten a hold: the reader sets the pace
+        self._expiry.schedule(lease_id, lease.deadline)
+        return lease
+
+    def activate(self, lease_id: str, holder: str, block_ids: Sequence[int], now: float) -> Lease:
+        lease = self._get_live(lease_id)
+        if lease.holder != holder:
+            raise PermissionDenied(f"lease {lease_id} belongs to holder {lease.holder!r}, not {holder!r}")
+        if lease.state is not LeaseState.PENDING:
+            raise FailedPrecondition(f"lease {lease_id} is {lease.state.label}, not pending a pin")
+        lease.block_ids = tuple(block_ids)
+        lease.state = LeaseState.ACTIVE
+        lease.epoch += 1
+        lease.deadline = now + lease.ttl_s
+        self._expiry.schedule(lease_id, lease.deadline)
+        return lease
+
+    def renew(self, lease_id: str, engine_id: str, ttl_s: float, now: float) -> Lease:
+        lease = self._get_live(lease_id)
+        if engine_id not in (lease.holder, lease.reader):
+            raise PermissionDenied(f"engine {engine_id!r} is neither holder nor reader of lease {lease_id}")
+        if lease.state is LeaseState.PENDING:
+            raise FailedPrecondition(f"lease {lease_id} is pending a pin; renew it once it is active")
+        # Renew only extends: a shorter TTL never cuts a promise already made.
+        if now + ttl_s > lease.deadline:
+            lease.deadline = now + ttl_s
+        lease.epoch += 1
+        return lease
+
+    def release(self, lease_id: str, reader: str, epoch: int, now: float) -> Lease:
+        lease = self._get_live(lease_id)
+        if lease.state is not LeaseState.ACTIVE:
+            raise FailedPrecondition(
+                f"lease {lease_id} is {lease.state.label}; only an active lease can be released"
+            )
+        if reader != lease.reader:
+            raise PermissionDenied(f"lease {lease_id} is read by {lease.reader!r}, not {reader!r}")
+        if epoch and epoch != lease.epoch:
+            raise FailedPrecondition(
+                f"lease {lease_id} is at epoch {lease.epoch}, release named epoch {epoch}",
+                cause="stale_epoch",
+            )
+        lease.state = LeaseState.RELEASED
+        lease.epoch += 1
+        self._end(lease)
+        return lease
+
+    def revoke(self, lease_id: str, cause: RevokeCause, detail: str) -> Lease | None:
+        lease = self._live.get(lease_id)
+        if lease is None:
+            return None
+        lease.state = LeaseState.REVOKED
+        lease.cause = cause
+        lease.detail = detail
+        lease.epoch += 1
+        self._end(lease)
+        return lease
+
+    def expire_if_due(self, lease_id: str, now: float) -> Lease | None:
+        lease = self._live.get(lease_id)
+        if lease is None or lease.deadline > now:
+            return None
+        return self._expire(lease)
+
+    def _expire(self, lease: Lease) -> Lease | None:
+        if lease.state is LeaseState.PENDING:
+            return self.revoke(
+                lease.lease_id, RevokeCause.HOLDER_REFUSED, "holder did not answer the pin in time"
+            )
+        return self.revoke(lease.lease_id, RevokeCause.TTL_EXPIRED, f"not renewed within {lease.ttl_s:g} s")
+
+    def revoke_expired(self, now: float, limit: int) -> list[Lease]:
+        ended: list[Lease] = []
+        for lease_id in self._expiry.pop_due(now, limit):
+            lease = self._live.get(lease_id)
+            if lease is None:
+                continue
+            if lease.deadline > now:  # renewed since it was scheduled
+                self._expiry.schedule(lease_id, lease.deadline)
+                continue
+            done = self._expire(lease)
+            if done is not None:
+                ended.append(done)
+        return ended
+
+    def _end(self, lease: Lease) -> None:
+        lid = lease.lease_id
+        del self._live[lid]
+        self._expiry.remove(lid)
+        self._discard(self._by_holder, lease.holder, lid)
+        if lease.reader:
+            self._discard(self._by_reader, lease.reader, lid)
+        self._ended[lid] = lease
+        while len(self._ended) > self._history:
+            self._ended.popitem(last=False)
+
+    @staticmethod
+    def _discard(index: dict[str, set[str]], key: str, lid: str) -> None:
+        ids = index.get(key)
+        if ids is not None:
+            ids.discard(lid)
+            if not ids:
+                del index[key]
+
+    # -- lookups ---------------------------------------------------------------
+
+    def by_holder(self, engine_id: str) -> list[Lease]:
+        return [self._live[i] for i in self._by_holder.get(engine_id, ())]
+
+    def by_reader(self, engine_id: str) -> list[Lease]:
+        return [self._live[i] for i in self._by_reader.get(engine_id, ())]
+
+    def live(self) -> Iterable[Lease]:
+        return list(self._live.values())
+
+    def recently_ended(self) -> Iterable[Lease]:
+        return list(self._ended.values())
+
+    def live_counts(self) -> dict[LeaseState, int]:
+        counts = {LeaseState.PENDING: 0, LeaseState.HELD: 0, LeaseState.ACTIVE: 0}
+        for lease in self._live.values():
+            counts[lease.state] += 1
+        return counts

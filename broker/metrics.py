@@ -1,0 +1,102 @@
+"""Prometheus metrics, added from outside the core.
+
+- `BrokerCollector` reads the core's state at scrape time (engines, sessions,
+  blocks indexed, leases by state, revocations by cause): nothing is counted
+  on the hot path.
+- `MetricsInterceptor` times every unary RPC (histogram by method and code)
+  and counts Session/Watch streams opened.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from broker.core import BrokerCore
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class BrokerCollector(Collector):
+    def __init__(self, core: BrokerCore) -> None:
+        self._core = core
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._core.stats()
+        yield GaugeMetricFamily("kvbroker_engines", "Registered engines (live sessions)", value=stats.engines)
+        yield GaugeMetricFamily("kvbroker_sessions", "Live engine sessions", value=stats.sessions)
+        yield GaugeMetricFamily(
+            "kvbroker_blocks_indexed", "Blocks in the prefix index (per holder)", value=stats.blocks_indexed
+        )
+        yield GaugeMetricFamily(
+            "kvbroker_namespaces", "Namespaces with indexed blocks", value=stats.namespaces
+        )
+        live = GaugeMetricFamily("kvbroker_leases", "Live leases by state", labels=["state"])
+        ended = CounterMetricFamily("kvbroker_leases_ended", "Ended leases by final state", labels=["state"])
+        for state, n in stats.leases_by_state.items():
+            (ended if state in ("released", "revoked") else live).add_metric([state], n)
+        yield live
+        yield ended
+        revoked = CounterMetricFamily("kvbroker_revocations", "Lease revocations by cause", labels=["cause"])
+        for cause, n in stats.revocations_by_cause.items():
+            revoked.add_metric([cause], n)
+        yield revoked
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.latency = Histogram(
+            "kvbroker_rpc_seconds",
+            "Unary RPC latency",
+            ["method", "code"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.streams = Counter(
+            "kvbroker_streams_opened", "Streaming RPCs opened", ["method"], registry=registry
+        )
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method.rsplit("/", 1)[-1]  # type: ignore[attr-defined]
+        if handler is None:
+            return handler
+        if handler.unary_unary is None:
+            self.streams.labels(method).inc()
+            return handler
+        inner = handler.unary_unary
+        latency = self.latency
+
+        async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            code = "OK"
+            try:
+                return await inner(request, context)
+            except BaseException:
+                code = context.code().name if context.code() is not None else "UNKNOWN"  # type: ignore[union-attr]
+                raise
+            finally:
+                latency.labels(method, code).observe(time.perf_counter() - start)
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def start_metrics_http(core: BrokerCore, registry: CollectorRegistry, host: str, port: int) -> Any:
+    """Serve /metrics on a background thread; returns the server (call .shutdown() to stop)."""
+    registry.register(BrokerCollector(core))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server

@@ -1,0 +1,201 @@
+"""Engine registry: one record per engine with a live session.
+
+An engine exists for the broker exactly while its session lives; a record
+holds what the engine registered (its EngineInfo: layout, ranks, NIXL agent
+metadata), the negotiated session TTL and deadline, its load and whether it
+is draining. Session deadlines sit in an expiry queue; heartbeats only move
+the deadline on the record (the queue reschedules lazily).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from kvbroker.v1 import broker_pb2 as pb
+
+from broker.errors import InvalidArgument, NotFound
+from broker.expiry import ExpiryQueue
+from clients.layout import DEFAULT_HASH_ALGO, check_topology, layout_id
+
+KNOWN_HASH_ALGOS = ("sha256", "sha256_cbor")
+
+
+@dataclass(slots=True)
+class EngineRecord:
+    engine_id: str
+    session_id: str
+    info: pb.EngineInfo  # as registered; ranks kept in `ranks`
+    layout_id: str
+    ttl_s: float
+    deadline: float
+    expected_ranks: int
+    ranks: dict[tuple[int, int], pb.RankInfo] = field(default_factory=dict)
+    load: float = 0.0
+    draining: bool = False
+    ranks_version: int = 0
+
+    @property
+    def ready(self) -> bool:
+        """All expected ranks have registered (a holder is named only when ready)."""
+        return len(self.ranks) >= self.expected_ranks
+
+    def snapshot(self) -> pb.EngineInfo:
+        """The EngineInfo as the broker knows it now (ranks merged, layout id set)."""
+        out = pb.EngineInfo()
+        out.CopyFrom(self.info)
+        del out.ranks[:]
+        out.ranks.extend(self.ranks[k] for k in sorted(self.ranks))
+        out.layout_id = self.layout_id
+        out.draining = self.draining
+        out.load = self.load
+        out.session_ttl_ms = int(self.ttl_s * 1000)
+        return out
+
+
+def validate_fingerprint(fp: pb.LayoutFingerprint) -> None:
+    if not fp.model:
+        raise InvalidArgument("engine.layout.model is empty; set the served model name")
+    for name in ("block_size", "num_layers", "num_kv_heads", "head_size"):
+        if getattr(fp, name) == 0:
+            raise InvalidArgument(f"engine.layout.{name} must be > 0")
+    algo = fp.hash_algo or DEFAULT_HASH_ALGO
+    if algo not in KNOWN_HASH_ALGOS:
+        raise InvalidArgument(
+            f"engine.layout.hash_algo {fp.hash_algo!r} is not one of {', '.join(KNOWN_HASH_ALGOS)}"
+        )
+
+
+def validate_rank(fp: pb.LayoutFingerprint, rank: pb.RankInfo) -> None:
+    tp, pp = fp.tp_size or 1, fp.pp_size or 1
+    where = f"rank (pp_rank={rank.pp_rank}, tp_rank={rank.tp_rank})"
+    if rank.tp_rank >= tp:
+        raise InvalidArgument(f"{where}: tp_rank must be < tp_size={tp}")
+    if rank.pp_rank >= pp:
+        raise InvalidArgument(f"{where}: pp_rank must be < pp_size={pp}")
+    if not rank.start_layer < rank.end_layer <= fp.num_layers:
+        raise InvalidArgument(
+            f"{where}: layer range [{rank.start_layer}, {rank.end_layer}) must be non-empty and "
+            f"within [0, {fp.num_layers})"
+        )
+    for tier in rank.tiers:
+        if tier.tier not in (pb.TIER_GPU, pb.TIER_CPU):
+            raise InvalidArgument(f"{where}: tier {tier.tier} is not TIER_GPU or TIER_CPU")
+
+
+class EngineRegistry:
+    def __init__(self) -> None:
+        self._engines: dict[str, EngineRecord] = {}
+        self._by_session: dict[str, EngineRecord] = {}
+        self._expiry = ExpiryQueue()
+        self._fingerprints: dict[str, pb.LayoutFingerprint] = {}  # layout_id -> a fingerprint
+        self._compat: dict[tuple[str, str, int], str | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def get(self, engine_id: str) -> EngineRecord:
+        rec = self._engines.get(engine_id)
+        if rec is None:
+            raise NotFound(f"unknown engine {engine_id!r}: it has no live session (register it first)")
+        return rec
+
+    def find(self, engine_id: str) -> EngineRecord | None:
+        return self._engines.get(engine_id)
+
+    def by_session(self, session_id: str) -> EngineRecord:
+        rec = self._by_session.get(session_id)
+        if rec is None:
+            raise NotFound(f"unknown session {session_id!r}")
+        return rec
+
+    def all(self) -> list[EngineRecord]:
+        return list(self._engines.values())
+
+    def find_fingerprint(self, lid: str) -> pb.LayoutFingerprint | None:
+        return self._fingerprints.get(lid)
+
+    @staticmethod
+    def validate(info: pb.EngineInfo) -> dict[tuple[int, int], pb.RankInfo]:
+        """Check a registration; returns its ranks keyed by (pp_rank, tp_rank)."""
+        if not info.engine_id:
+            raise InvalidArgument("engine.engine_id is empty")
+        validate_fingerprint(info.layout)
+        ranks: dict[tuple[int, int], pb.RankInfo] = {}
+        for rank in info.ranks:
+            validate_rank(info.layout, rank)
+            key = (rank.pp_rank, rank.tp_rank)
+            if key in ranks:
+                raise InvalidArgument(f"rank (pp_rank={key[0]}, tp_rank={key[1]}) is listed twice")
+            ranks[key] = rank
+        return ranks
+
+    def add(self, info: pb.EngineInfo, ttl_s: float, expected_ranks: int, now: float) -> EngineRecord:
+        """Validate and add an engine; the caller ends any old session of the same id first."""
+        ranks = self.validate(info)
+        lid = layout_id(info.layout)
+        stored = pb.EngineInfo()
+        stored.CopyFrom(info)
+        del stored.ranks[:]
+        rec = EngineRecord(
+            engine_id=info.engine_id,
+            session_id=secrets.token_hex(8),
+            info=stored,
+            layout_id=lid,
+            ttl_s=ttl_s,
+            deadline=now + ttl_s,
+            expected_ranks=expected_ranks,
+            ranks=ranks,
+            load=info.load,
+        )
+        self._engines[rec.engine_id] = rec
+        self._by_session[rec.session_id] = rec
+        self._fingerprints.setdefault(lid, info.layout)
+        self._expiry.schedule(rec.session_id, rec.deadline)
+        self._compat.clear()
+        return rec
+
+    def add_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
+        rec = self.get(engine_id)
+        validate_rank(rec.info.layout, rank)
+        rec.ranks[(rank.pp_rank, rank.tp_rank)] = rank
+        rec.ranks_version += 1
+        self._compat.clear()
+        return rec
+
+    def remove(self, rec: EngineRecord) -> None:
+        if self._engines.get(rec.engine_id) is rec:
+            del self._engines[rec.engine_id]
+        self._by_session.pop(rec.session_id, None)
+        self._expiry.remove(rec.session_id)
+        self._compat.clear()
+        if not any(e.layout_id == rec.layout_id for e in self._engines.values()):
+            self._fingerprints.pop(rec.layout_id, None)
+
+    def expired(self, now: float, limit: int) -> list[EngineRecord]:
+        """Records whose session deadline passed (they stay registered until the caller removes them)."""
+        out: list[EngineRecord] = []
+        for sid in self._expiry.pop_due(now, limit):
+            rec = self._by_session.get(sid)
+            if rec is None:
+                continue
+            if rec.deadline > now:
+                self._expiry.schedule(sid, rec.deadline)
+            else:
+                out.append(rec)
+        return out
+
+    def incompatibility(self, reader: EngineRecord, holder: EngineRecord) -> str | None:
+        """Why `reader` cannot read `holder`'s blocks (None = it can); cached per session pair."""
+        key = (reader.session_id, holder.session_id, holder.ranks_version)
+        if key in self._compat:
+            return self._compat[key]
+        if reader.layout_id != holder.layout_id:
+            reason: str | None = (
+                f"layout ids differ: {reader.engine_id!r} has {reader.layout_id}, "
+                f"{holder.engine_id!r} has {holder.layout_id}"
+            )
+        else:
+            reason = check_topology(reader.snapshot(), holder.snapshot())
+        self._compat[key] = reason
+        return reason

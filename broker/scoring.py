@@ -1,0 +1,52 @@
+"""Pure functions that order lookup results: for resolve (holders) and for routers (engines)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.model import Tier
+
+
+@dataclass(slots=True)
+class HolderMatch:
+    engine_id: str
+    tier: Tier
+    matched: int
+    load: float
+    hold_lease_id: str = ""
+
+
+def rank_holders(matches: list[HolderMatch]) -> list[HolderMatch]:
+    """Best first: longest prefix, then GPU before CPU, then lower load."""
+    return sorted(matches, key=lambda m: (-m.matched, m.tier, m.load, m.engine_id))
+
+
+@dataclass(slots=True)
+class EngineScore:
+    engine_id: str
+    gpu_blocks: int
+    cpu_blocks: int
+    load: float
+    draining: bool
+
+
+def score_engines(
+    prefixes: list[tuple[str, Tier, int]], engines: dict[str, tuple[float, bool]]
+) -> list[EngineScore]:
+    """One score per candidate engine (engine_id -> (load, draining)) from index lookups.
+
+    Best first: not draining, longest prefix on any tier, more of it on GPU, lower load.
+    """
+    gpu: dict[str, int] = {}
+    cpu: dict[str, int] = {}
+    for engine_id, tier, matched in prefixes:
+        if engine_id in engines:
+            (gpu if tier is Tier.GPU else cpu)[engine_id] = matched
+    scores = [
+        EngineScore(e, gpu.get(e, 0), cpu.get(e, 0), load, draining)
+        for e, (load, draining) in engines.items()
+    ]
+    scores.sort(
+        key=lambda s: (s.draining, -max(s.gpu_blocks, s.cpu_blocks), -s.gpu_blocks, s.load, s.engine_id)
+    )
+    return scores

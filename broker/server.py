@@ -1,0 +1,215 @@
+"""Running the broker: `start_server` (in-process, for tests) and `serve_main` (the command).
+
+`python -m broker` and `kvbroker serve` both land in `serve_main`. Every
+flag has an environment variable (KVBROKER_<NAME>); see broker/config.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvbroker.v1 import broker_pb2, broker_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from broker.channels import StreamNotifier
+from broker.clock import Clock, MonotonicClock
+from broker.config import FIELD_HELP, BrokerConfig, env_name
+from broker.core import BrokerCore
+from broker.errors import InvalidArgument
+from broker.metrics import MetricsInterceptor, start_metrics_http
+from broker.servicer import BrokerServicer
+from broker.tracing import TracingInterceptor, make_tracer_provider, otlp_endpoint
+
+log = logging.getLogger("kvbroker")
+
+SERVICE_NAME = broker_pb2.DESCRIPTOR.services_by_name["KVBroker"].full_name
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    core: BrokerCore
+    servicer: BrokerServicer
+    notifier: StreamNotifier
+    health: health.aio.HealthServicer
+    port: int
+    address: str
+    metrics_port: int = 0
+    _expiry_task: asyncio.Task[None] | None = None
+    _extras: list[Any] = field(default_factory=list)  # metrics http server, tracer provider
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting, close sessions (engines re-register elsewhere), finish in-flight calls.
+
+        Leases are soft state: shutting down revokes nothing and tells no
+        engine to free anything; a new broker learns it all again.
+        """
+        grace = self.core.config.shutdown_grace_s if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        self.servicer.shutting_down = True
+        self.notifier.close_all("UNAVAILABLE", "broker is shutting down; reconnect and register again")
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry_task
+        await self.server.stop(grace)
+        for extra in self._extras:
+            extra.shutdown()
+
+
+async def _expiry_loop(core: BrokerCore) -> None:
+    interval = core.config.expiry_interval_ms / 1000
+    while True:
+        await asyncio.sleep(interval)
+        core.expire()
+
+
+def _public_address(address: str, port: int) -> str:
+    host = address.rsplit(":", 1)[0]
+    if host in ("", "[::]", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+async def start_server(config: BrokerConfig, clock: Clock | None = None) -> RunningServer:
+    """Start a broker on the running event loop (use address host:0 for a free port)."""
+    config.validate()
+    clock = clock or MonotonicClock()
+    notifier = StreamNotifier(clock)
+    core = BrokerCore(config, clock=clock, notifier=notifier)
+    servicer = BrokerServicer(core, notifier)
+
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    extras: list[Any] = []
+    metrics_registry: CollectorRegistry | None = None
+    if config.metrics_port:
+        metrics_registry = CollectorRegistry()
+        interceptors.append(MetricsInterceptor(metrics_registry))
+    provider = make_tracer_provider(otlp_endpoint(config.otlp_endpoint))
+    if provider is not None:
+        interceptors.append(TracingInterceptor(provider))
+        extras.append(provider)
+
+    limit = config.max_message_bytes
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    broker_pb2_grpc.add_KVBrokerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(config.address)
+    if port == 0:
+        raise InvalidArgument(f"cannot listen on {config.address!r} (address in use or invalid)")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    metrics_port = 0
+    if metrics_registry is not None:
+        http = start_metrics_http(core, metrics_registry, config.metrics_host, config.metrics_port)
+        extras.append(http)
+        metrics_port = http.server_port
+    running = RunningServer(
+        server=server,
+        core=core,
+        servicer=servicer,
+        notifier=notifier,
+        health=health_servicer,
+        port=port,
+        address=_public_address(config.address, port),
+        metrics_port=metrics_port,
+        _extras=extras,
+    )
+    running._expiry_task = asyncio.create_task(_expiry_loop(core), name="kvbroker-expiry")
+    return running
+
+
+# -- command line ---------------------------------------------------------------------
+
+
+def _env_default(name: str, default: Any, parser: argparse.ArgumentParser) -> Any:
+    raw = os.environ.get(env_name(name))
+    if raw is None:
+        return default
+    try:
+        return type(default)(raw)
+    except ValueError:
+        parser.error(f"{env_name(name)}={raw!r} is not a valid {type(default).__name__}")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per BrokerConfig field; defaults come from KVBROKER_* variables."""
+    defaults = BrokerConfig()
+    group = parser.add_argument_group("broker", "each flag can also be set by the environment variable shown")
+    for f in fields(BrokerConfig):
+        default = getattr(defaults, f.name)
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=type(default),
+            default=_env_default(f.name, default, parser),
+            metavar=type(default).__name__.upper(),
+            help=f"{FIELD_HELP[f.name]} [env {env_name(f.name)}; default: %(default)s]",
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> BrokerConfig:
+    return BrokerConfig(**{f.name: getattr(args, f.name) for f in fields(BrokerConfig)})
+
+
+async def _serve(config: BrokerConfig) -> None:
+    running = await start_server(config)
+    log.info(
+        "kvbroker listening on %s (port %d)%s",
+        config.address,
+        running.port,
+        f", metrics on :{running.metrics_port}" if running.metrics_port else "",
+    )
+    print(f"kvbroker listening on {running.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down (grace %.1f s)", config.shutdown_grace_s)
+    await running.stop()
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run the broker until SIGINT/SIGTERM; returns the process exit code."""
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except InvalidArgument as err:
+        print(f"kvbroker: invalid configuration: {err.message}")
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import uvloop
+
+    try:
+        uvloop.run(_serve(config))
+    except InvalidArgument as err:
+        print(f"kvbroker: {err.message}")
+        return 1
+    return 0

@@ -1,0 +1,344 @@
+"""The gRPC servicer: decode, call the domain core, encode. Nothing else.
+
+Domain errors become gRPC statuses through the one table in broker/status.py;
+any other exception is a bug and is left to gRPC (UNKNOWN), never dressed up.
+The Session stream is the engines' fast path: a reader loop answers resolves
+directly (one write per reply); a writer loop drains the session's queue of
+notifications. Both write under one lock, since a stream takes one write at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+
+from broker import codec
+from broker import events as ev
+from broker.channels import Close, SessionChannel, StreamNotifier
+from broker.core import BrokerCore, ResolveResult
+from broker.errors import BrokerError, InvalidArgument
+from broker.leases import Lease
+from broker.model import Namespace
+from broker.registry import EngineRecord
+from broker.status import status_of
+
+log = logging.getLogger("kvbroker.servicer")
+
+ENGINE_ID_METADATA = "kvbroker-engine-id"
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: BrokerError) -> None:
+    await context.abort(status_of(err), err.message)
+
+
+def _session_error(seq: int, err: BrokerError) -> pb.SessionDown:
+    return pb.SessionDown(seq=seq, error=pb.SessionError(code=status_of(err).name, message=err.message))
+
+
+class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
+    def __init__(self, core: BrokerCore, notifier: StreamNotifier) -> None:
+        self.core = core
+        self.notifier = notifier
+        self.shutting_down = False
+
+    # -- Session stream ------------------------------------------------------------
+
+    async def Session(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[pb.SessionUp], context: grpc.aio.ServicerContext
+    ) -> None:
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if first.WhichOneof("msg") != "register":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the first Session message must be 'register', got {first.WhichOneof('msg') or 'nothing'}",
+            )
+        reg = first.register
+        try:
+            rec = self.core.register(reg.engine, reg.session_ttl_ms, reg.expected_ranks)
+        except BrokerError as err:
+            await _abort(context, err)
+            return
+        channel = self.notifier.attach(rec.session_id)
+        lock = asyncio.Lock()
+        ttl_ms = int(rec.ttl_s * 1000)
+        await context.write(
+            pb.SessionDown(
+                seq=first.seq,
+                registered=pb.Registered(
+                    session_id=rec.session_id,
+                    layout_id=rec.layout_id,
+                    session_ttl_ms=ttl_ms,
+                    heartbeat_interval_ms=max(1, ttl_ms // 3),
+                ),
+            )
+        )
+        reader = asyncio.create_task(self._read_session(request_iterator, context, rec, channel, lock))
+        reader.add_done_callback(lambda _t: channel.queue.put_nowait(Close("", "")))
+        try:
+            while True:
+                item = await channel.queue.get()
+                if isinstance(item, Close):
+                    if item.code:  # the broker ended the session
+                        async with lock:
+                            await context.write(
+                                pb.SessionDown(error=pb.SessionError(code=item.code, message=item.message))
+                            )
+                        context.set_code(grpc.StatusCode[item.code])
+                        context.set_details(item.message)
+                    break
+                async with lock:
+                    await context.write(item)
+        finally:
+            reader.cancel()
+            self.notifier.detach(rec.session_id)
+            if not self.shutting_down:
+                # Stream broken or ended: the session ends and its leases with it.
+                self.core.end_session(rec.session_id)
+        if reader.done() and not reader.cancelled() and reader.exception() is not None:
+            raise reader.exception()  # type: ignore[misc]
+
+    async def _read_session(
+        self,
+        request_iterator: AsyncIterator[pb.SessionUp],
+        context: grpc.aio.ServicerContext,
+        rec: EngineRecord,
+        channel: SessionChannel,
+        lock: asyncio.Lock,
+    ) -> None:
+        core = self.core
+        clock = core.clock
+        async for msg in request_iterator:
+            if channel.closed is not None:
+                return
+            rec.deadline = clock.now() + rec.ttl_s  # any message proves liveness
+            kind = msg.WhichOneof("msg")
+            seq = msg.seq
+            reply: pb.SessionDown | None = None
+            try:
+                if kind == "resolve":
+                    reply = self._session_resolve(rec, seq, msg.resolve, channel)
+                elif kind == "heartbeat":
+                    core.heartbeat(rec, msg.heartbeat.load)
+                    reply = pb.SessionDown(seq=seq, heartbeat_ack=msg.heartbeat)
+                elif kind == "inventory":
+                    inv = msg.inventory
+                    core.update_inventory(
+                        rec, codec.namespace(inv.namespace), inv.tier, inv.stored, inv.removed, inv.clear_all
+                    )
+                elif kind == "pin_result":
+                    pr = msg.pin_result
+                    core.pin_result(rec, pr.lease_id, pr.ok, pr.block_ids, pr.error)
+                elif kind == "register":
+                    raise InvalidArgument(
+                        "this stream already registered; open a new stream to register again"
+                    )
+                else:
+                    raise InvalidArgument("empty SessionUp message: set one of the msg fields")
+            except BrokerError as err:
+                reply = _session_error(seq, err)
+            if reply is not None:
+                async with lock:
+                    await context.write(reply)
+
+    def _session_resolve(
+        self, rec: EngineRecord, seq: int, req: pb.ResolveRequest, channel: SessionChannel
+    ) -> pb.SessionDown | None:
+        core = self.core
+        result = core.resolve(
+            rec,
+            Namespace(req.namespace.layout_id, req.namespace.tenant),
+            req.block_hashes,
+            acquire=req.acquire,
+            lease_ttl_ms=req.lease_ttl_ms,
+            min_blocks=req.min_blocks,
+            request_id=req.request_id,
+        )
+        if result.pending and result.lease is not None:
+
+            def answer(lease: Lease) -> None:
+                if channel.closed is None:
+                    channel.queue.put_nowait(pb.SessionDown(seq=seq, resolve=self._settled(result, lease)))
+
+            self.notifier.wait_pin(result.lease.lease_id, answer)
+            return None
+        return pb.SessionDown(seq=seq, resolve=codec.resolve_pb(result, core.clock.now()))
+
+    def _settled(self, result: ResolveResult, lease: Lease) -> pb.ResolveResponse:
+        result.pending = False
+        result.lease = lease
+        if not lease.state.live:
+            result.skipped_reason = lease.cause.label  # holder_refused, holder_gone, ...
+        return codec.resolve_pb(result, self.core.clock.now())
+
+    # -- unary: engine side ---------------------------------------------------------
+
+    async def RegisterRank(
+        self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterRankResponse:
+        try:
+            self.core.register_rank(request.engine_id, request.rank)
+        except BrokerError as err:
+            await _abort(context, err)
+        return pb.RegisterRankResponse()
+
+    def _lease_response(self, lease: Lease, holder: EngineRecord | None = None) -> pb.LeaseResponse:
+        out = pb.LeaseResponse(lease=codec.lease_pb(lease, self.core.clock.now()))
+        if holder is not None:
+            out.holder.CopyFrom(holder.snapshot())
+        return out
+
+    async def Hold(self, request: pb.HoldRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
+        try:
+            lease = self.core.hold(
+                request.holder_engine_id,
+                codec.namespace(request.namespace),
+                request.tier,
+                request.block_hashes,
+                request.block_ids,
+                request.ttl_ms,
+                request.reader_engine_id,
+                request.request_id,
+            )
+        except BrokerError as err:
+            await _abort(context, err)
+        return self._lease_response(lease)
+
+    async def Acquire(
+        self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LeaseResponse:
+        try:
+            lease, holder = self.core.acquire(request.lease_id, request.reader_engine_id, request.ttl_ms)
+        except BrokerError as err:
+            await _abort(context, err)
+        return self._lease_response(lease, holder)
+
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
+        try:
+            lease = self.core.renew(request.lease_id, request.engine_id, request.ttl_ms)
+        except BrokerError as err:
+            await _abort(context, err)
+        return self._lease_response(lease)
+
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LeaseResponse:
+        try:
+            lease = self.core.release(request.lease_id, request.reader_engine_id, request.epoch)
+        except BrokerError as err:
+            await _abort(context, err)
+        return self._lease_response(lease)
+
+    async def Resolve(
+        self, request: pb.ResolveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResolveResponse:
+        core = self.core
+        try:
+            asker_id = dict(context.invocation_metadata() or ()).get(ENGINE_ID_METADATA, "")
+            asker = core.registry.get(str(asker_id)) if asker_id else None
+            result = core.resolve(
+                asker,
+                codec.namespace(request.namespace),
+                request.block_hashes,
+                acquire=request.acquire,
+                lease_ttl_ms=request.lease_ttl_ms,
+                min_blocks=request.min_blocks,
+                request_id=request.request_id,
+            )
+        except BrokerError as err:
+            await _abort(context, err)
+        if result.pending and result.lease is not None:
+            settled: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+
+            def wake(lease: Lease) -> None:
+                if not settled.done():
+                    settled.set_result(lease)
+
+            self.notifier.wait_pin(result.lease.lease_id, wake)
+            # The pin timeout bounds this wait: the expiry loop settles the lease.
+            return self._settled(result, await settled)
+        return codec.resolve_pb(result, core.clock.now())
+
+    # -- unary: routers and operators -----------------------------------------------
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        try:
+            result = self.core.score(
+                codec.namespace(request.namespace),
+                request.block_hashes,
+                request.token_ids,
+                request.candidates,
+            )
+        except BrokerError as err:
+            await _abort(context, err)
+        return codec.score_pb(result)
+
+    async def ListEngines(
+        self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListEnginesResponse:
+        core = self.core
+        out = pb.ListEnginesResponse()
+        for rec in core.list_engines(request.layout_id):
+            held = sum(1 for lease in core.leases.by_holder(rec.engine_id) if lease.state.name == "ACTIVE")
+            read = sum(1 for lease in core.leases.by_reader(rec.engine_id) if lease.state.name == "ACTIVE")
+            out.engines.append(codec.engine_pb(rec, core.engine_blocks(rec), held, read))
+        return out
+
+    async def ListLeases(
+        self, request: pb.ListLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListLeasesResponse:
+        now = self.core.clock.now()
+        leases = self.core.list_leases(request.engine_id, request.include_ended)
+        return pb.ListLeasesResponse(leases=[codec.lease_pb(lease, now) for lease in leases])
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return codec.stats_pb(self.core.stats())
+
+    async def Revoke(self, request: pb.RevokeRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
+        try:
+            lease = self.core.revoke(request.lease_id, request.reason)
+        except BrokerError as err:
+            await _abort(context, err)
+        return self._lease_response(lease)
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        try:
+            revoked = self.core.drain(request.engine_id, request.reason)
+        except BrokerError as err:
+            await _abort(context, err)
+        return pb.DrainResponse(leases_revoked=revoked)
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchEvent]:
+        wanted = {
+            c
+            for c, on in (
+                (ev.INDEX, request.index_events),
+                (ev.LEASE, request.lease_events),
+                (ev.ENGINE, request.engine_events),
+            )
+            if on
+        } or {ev.INDEX, ev.LEASE, ev.ENGINE}  # nothing chosen means everything
+        limit = self.core.config.max_watchers
+        if self.notifier.watcher_count() >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{limit} watchers are connected, the limit (--max-watchers)",
+            )
+        watcher = self.notifier.add_watcher(frozenset(wanted))
+        try:
+            while True:
+                item = await watcher.queue.get()
+                if isinstance(item, Close):
+                    await context.abort(grpc.StatusCode[item.code], item.message)
+                else:
+                    yield item
+        finally:
+            self.notifier.remove_watcher(watcher)

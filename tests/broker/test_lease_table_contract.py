@@ -1,0 +1,150 @@
+"""The LeaseTable contract: every backend must pass these (today: the in-memory one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from broker.errors import FailedPrecondition, NotFound, PermissionDenied
+from broker.leases import InMemoryLeaseTable, Lease, LeaseTable
+from broker.model import LeaseState, Namespace, RevokeCause, Tier
+
+BACKENDS: dict[str, Callable[[], LeaseTable]] = {"in-memory": lambda: InMemoryLeaseTable(history=4)}
+NS = Namespace("layout", "")
+
+
+@pytest.fixture(params=list(BACKENDS))
+def table(request: pytest.FixtureRequest) -> LeaseTable:
+    return BACKENDS[request.param]()
+
+
+def hold(table: LeaseTable, reader: str = "", ttl: float = 10.0, now: float = 0.0) -> Lease:
+    return table.create(
+        holder="P",
+        reader=reader,
+        namespace=NS,
+        tier=Tier.GPU,
+        block_hashes=[1, 2],
+        block_ids=[10, 11],
+        state=LeaseState.HELD,
+        ttl_s=ttl,
+        deadline=now + ttl,
+        request_id="r1",
+    )
+
+
+def test_claim_release_and_lookups(table: LeaseTable) -> None:
+    lease = hold(table)
+    assert table.by_holder("P") == [lease] and table.by_reader("D") == []
+    table.claim(lease.lease_id, "D", 5.0, now=1.0)
+    assert lease.state is LeaseState.ACTIVE and lease.deadline == 6.0
+    assert table.by_reader("D") == [lease]
+    epoch = lease.epoch
+    table.release(lease.lease_id, "D", epoch, now=2.0)
+    assert lease.state is LeaseState.RELEASED
+    assert table.by_holder("P") == [] and table.by_reader("D") == []
+    assert table.get(lease.lease_id) is lease  # still answerable after it ended
+    assert list(table.recently_ended()) == [lease]
+
+
+def test_ids_are_unique(table: LeaseTable) -> None:
+    ids = {hold(table).lease_id for _ in range(50)}
+    assert len(ids) == 50
+
+
+def test_claim_rules(table: LeaseTable) -> None:
+    named = hold(table, reader="D")
+    with pytest.raises(PermissionDenied):
+        table.claim(named.lease_id, "X", 1.0, 0.0)
+    table.claim(named.lease_id, "D", 1.0, 0.0)
+    with pytest.raises(FailedPrecondition, match="only a held lease"):
+        table.claim(named.lease_id, "D", 1.0, 0.0)
+    with pytest.raises(NotFound):
+        table.claim("missing", "D", 1.0, 0.0)
+
+
+def test_renew_only_extends_and_bumps_epoch(table: LeaseTable) -> None:
+    lease = hold(table, ttl=10.0)
+    e = lease.epoch
+    table.renew(lease.lease_id, "P", 1.0, now=0.0)
+    assert lease.deadline == 10.0 and lease.epoch == e + 1
+    table.renew(lease.lease_id, "P", 20.0, now=5.0)
+    assert lease.deadline == 25.0
+    with pytest.raises(PermissionDenied):
+        table.renew(lease.lease_id, "X", 1.0, 0.0)
+
+
+def test_revoke_expired_skips_renewed_and_reports_cause(table: LeaseTable) -> None:
+    a = hold(table, ttl=1.0)
+    b = hold(table, ttl=1.0)
+    table.renew(b.lease_id, "P", 5.0, now=0.5)
+    ended = table.revoke_expired(now=2.0, limit=100)
+    assert ended == [a] and a.cause is RevokeCause.TTL_EXPIRED
+    assert b.state is LeaseState.HELD
+    assert table.revoke_expired(now=4.0, limit=100) == []
+    assert table.revoke_expired(now=5.6, limit=100) == [b]
+
+
+def test_revoke_expired_is_rate_limited(table: LeaseTable) -> None:
+    leases = [hold(table, ttl=1.0) for _ in range(5)]
+    assert len(table.revoke_expired(now=2.0, limit=2)) == 2
+    assert len(table.revoke_expired(now=2.0, limit=10)) == 3
+    assert all(lease.state is LeaseState.REVOKED for lease in leases)
+
+
+def test_pending_timeout_is_a_refusal(table: LeaseTable) -> None:
+    lease = table.create(
+        holder="P",
+        reader="D",
+        namespace=NS,
+        tier=Tier.CPU,
+        block_hashes=[1],
+        block_ids=[],
+        state=LeaseState.PENDING,
+        ttl_s=30.0,
+        deadline=0.5,
+        request_id="",
+    )
+    assert table.expire_if_due(lease.lease_id, now=0.4) is None
+    assert table.expire_if_due(lease.lease_id, now=0.6) is lease
+    assert lease.cause is RevokeCause.HOLDER_REFUSED
+
+
+def test_activate_pending(table: LeaseTable) -> None:
+    lease = table.create(
+        holder="P",
+        reader="D",
+        namespace=NS,
+        tier=Tier.CPU,
+        block_hashes=[1, 2],
+        block_ids=[],
+        state=LeaseState.PENDING,
+        ttl_s=30.0,
+        deadline=0.5,
+        request_id="",
+    )
+    with pytest.raises(PermissionDenied):
+        table.activate(lease.lease_id, "X", [1, 2], now=0.1)
+    table.activate(lease.lease_id, "P", [7, 8], now=0.1)
+    assert lease.state is LeaseState.ACTIVE and lease.block_ids == (7, 8) and lease.deadline == pytest.approx(30.1)
+
+
+def test_release_after_revoke_names_the_cause(table: LeaseTable) -> None:
+    lease = hold(table, reader="D")
+    table.claim(lease.lease_id, "D", 1.0, 0.0)
+    table.revoke(lease.lease_id, RevokeCause.OPERATOR, "ops")
+    with pytest.raises(FailedPrecondition, match=r"revoked \(operator\): ops") as exc:
+        table.release(lease.lease_id, "D", 0, 0.0)
+    assert exc.value.cause == "operator"
+    assert table.revoke(lease.lease_id, RevokeCause.OPERATOR, "again") is None
+
+
+def test_history_is_bounded(table: LeaseTable) -> None:
+    leases = [hold(table) for _ in range(6)]
+    for lease in leases:
+        table.revoke(lease.lease_id, RevokeCause.OPERATOR, "")
+    assert len(list(table.recently_ended())) == 4
+    with pytest.raises(NotFound):
+        table.get(leases[0].lease_id)
+    assert table.live_counts()[LeaseState.HELD] == 0

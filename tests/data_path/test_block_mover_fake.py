@@ -1,0 +1,299 @@
+"""BlockMover against the fake NIXL: reads, layer subsets, slow and failing peers, bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine_adapter.block_mover import BlockMover
+from engine_adapter.fake_nixl import FakeFabric
+from engine_adapter.kv_regions import Region, regions_from_kv_caches
+from tests.data_path.kv_fixtures import LAYER_NAME, cpu_backend_kv_caches, legacy_split_kv_caches
+
+GPU, CPU = 1, 2
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Pair:
+    """A holder with random KV and a reader with zeroed KV, both on one fake fabric."""
+
+    def __init__(self, fabric: FakeFabric, clock: FakeClock, split: bool = False) -> None:
+        make = legacy_split_kv_caches if split else cpu_backend_kv_caches
+        self.holder_kv = make(seed=1)
+        self.reader_kv = make(seed=None)
+        self.holder = BlockMover("holder", nixl=fabric.api(), progress_interval_s=None, clock=clock)
+        self.reader = BlockMover("reader", nixl=fabric.api(), progress_interval_s=None, clock=clock)
+        self.holder_regions, self.num_blocks, mem = regions_from_kv_caches(self.holder_kv)
+        reader_regions, _, _ = regions_from_kv_caches(self.reader_kv)
+        self.holder.register_tier(GPU, mem, self.holder_regions, self.num_blocks)
+        self.reader.register_tier(GPU, mem, reader_regions, self.num_blocks)
+        self.reader.add_peer("holder", self.holder.agent_metadata())
+
+    def read(self, remote: list[int], local: list[int], **kw: object) -> int:
+        return self.reader.start_read("holder", self.holder_regions, remote, GPU, local, **kw)  # type: ignore[arg-type]
+
+    def layer(self, kv: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
+        return kv[LAYER_NAME.format(layer)]
+
+
+@pytest.fixture
+def fabric() -> FakeFabric:
+    return FakeFabric()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def pair(fabric: FakeFabric, clock: FakeClock) -> Iterator[Pair]:
+    p = Pair(fabric, clock)
+    yield p
+    p.reader.close()
+    p.holder.close()
+
+
+def poll_until_settled(mover: BlockMover, max_polls: int = 100) -> tuple[list[int], dict[int, str]]:
+    done: list[int] = []
+    failed: dict[int, str] = {}
+    for _ in range(max_polls):
+        d, f = mover.poll()
+        done += d
+        failed |= f
+        if mover.in_flight() == 0 and (done or failed):
+            break
+    return done, failed
+
+
+def test_read_moves_the_right_blocks_of_every_layer(pair: Pair, fabric: FakeFabric) -> None:
+    h = pair.read([3, 7, 8, 9], [0, 12, 5, 6])
+    done, failed = poll_until_settled(pair.reader)
+    assert (done, failed) == ([h], {})
+    for layer in range(3):
+        src, dst = pair.layer(pair.holder_kv, layer), pair.layer(pair.reader_kv, layer)
+        for r, loc in [(3, 0), (7, 12), (8, 5), (9, 6)]:
+            assert torch.equal(dst[loc], src[r])
+        assert not dst[1].any()  # untouched blocks stay untouched
+    # 4 blocks x 3 layers in ONE transfer
+    assert fabric.transfers_posted == 1 and fabric.descs_per_transfer == [12]
+
+
+def test_layer_subset_touches_only_those_layers(pair: Pair) -> None:
+    h = pair.read([1, 2], [1, 2], layers=range(1, 3))
+    assert poll_until_settled(pair.reader) == ([h], {})
+    assert not pair.layer(pair.reader_kv, 0).any()
+    for layer in (1, 2):
+        assert torch.equal(pair.layer(pair.reader_kv, layer)[1:3], pair.layer(pair.holder_kv, layer)[1:3])
+
+
+def test_split_kv_layout_moves_k_and_v(fabric: FakeFabric, clock: FakeClock) -> None:
+    p = Pair(fabric, clock, split=True)
+    h = p.read([4, 5], [0, 9])
+    assert poll_until_settled(p.reader) == ([h], {})
+    for layer in range(2):
+        src, dst = p.layer(p.holder_kv, layer), p.layer(p.reader_kv, layer)
+        assert torch.equal(dst[:, 0], src[:, 4]) and torch.equal(dst[:, 9], src[:, 5])
+    assert fabric.descs_per_transfer == [2 * 2 * 2]  # blocks x (K, V) x layers
+
+
+def test_completes_only_after_n_polls(pair: Pair, fabric: FakeFabric) -> None:
+    fabric.polls_to_complete = 3
+    h = pair.read([0], [0])
+    for _ in range(2):
+        assert pair.reader.poll() == ([], {})
+    d, _ = pair.reader.poll()
+    d2, _ = pair.reader.poll()
+    assert d + d2 == [h]
+    assert pair.reader.in_flight() == 0
+
+
+def test_many_concurrent_reads_finish_independently(pair: Pair, fabric: FakeFabric) -> None:
+    fabric.polls_to_complete = 2
+    handles = [pair.read([i], [i]) for i in range(10)]
+    done, failed = poll_until_settled(pair.reader)
+    assert sorted(done) == handles and failed == {}
+    assert fabric.live_xfers == 0  # every transfer handle released
+
+
+def test_dead_peer_fails_reads_without_raising(pair: Pair, fabric: FakeFabric) -> None:
+    fabric.polls_to_complete = 5
+    in_flight = pair.read([0, 1], [0, 1])
+    fabric.kill("holder")
+    _, failed = pair.reader.poll()
+    assert "disconnected" in failed[in_flight]
+    later = pair.read([2], [2])  # known dead: fails fast, still no exception
+    _, failed = pair.reader.poll()
+    assert "unreachable" in failed[later]
+    assert not pair.layer(pair.reader_kv, 0)[:3].any()
+
+
+def test_peer_that_dies_before_posting(pair: Pair, fabric: FakeFabric) -> None:
+    fabric.kill("holder")
+    h = pair.read([0], [0])
+    _, failed = pair.reader.poll()
+    assert "disconnected" in failed[h]
+
+
+def test_error_state_is_a_failure(pair: Pair, fabric: FakeFabric) -> None:
+    fabric.polls_to_complete = 1
+    fabric.error_state("holder")
+    h = pair.read([0], [0])
+    _, failed = poll_until_settled(pair.reader)
+    assert "error state" in failed[h]
+    assert fabric.live_xfers == 0
+
+
+def test_read_times_out(fabric: FakeFabric, clock: FakeClock) -> None:
+    p = Pair(fabric, clock)
+    p.reader._read_timeout_s = 10.0
+    fabric.polls_to_complete = 10**9
+    h = p.read([0], [0])
+    clock.now = 5.0
+    assert p.reader.poll() == ([], {})
+    clock.now = 10.5
+    _, failed = p.reader.poll()
+    assert "timed out" in failed[h]
+
+
+def test_unknown_peer_and_removed_peer(pair: Pair, fabric: FakeFabric) -> None:
+    h = pair.reader.start_read("nobody", pair.holder_regions, [0], GPU, [0])
+    _, failed = pair.reader.poll()
+    assert "unknown peer" in failed[h]
+
+    fabric.polls_to_complete = 100
+    h2 = pair.read([1], [1])
+    pair.reader.remove_peer("holder")
+    _, failed = pair.reader.poll()
+    assert "abandoned" in failed[h2]
+    assert fabric.live_xfers == 0
+    assert pair.reader.peers() == []
+    assert "holder" not in fabric.agents["reader"].remote
+
+
+def test_add_peer_is_idempotent_and_replaces_new_metadata(pair: Pair, fabric: FakeFabric) -> None:
+    md = pair.holder.agent_metadata()
+    pair.reader.add_peer("holder", md)
+    pair.reader.add_peer("holder", md)
+    assert pair.reader.peers() == ["holder"]
+    with pytest.raises(ValueError, match="belongs to agent"):
+        pair.reader.add_peer("someone-else", md)
+    with pytest.raises(ValueError, match="rejected"):
+        pair.reader.add_peer("holder2", b"garbage")
+
+
+def test_readd_after_death_recovers(pair: Pair, fabric: FakeFabric) -> None:
+    fabric.kill("holder")
+    h = pair.read([0], [0])
+    assert h in pair.reader.poll()[1]
+    fabric.dead.clear()  # the peer came back (a new process would bring new metadata)
+    pair.reader.add_peer("holder", pair.holder.agent_metadata())
+    h2 = pair.read([0], [0])
+    assert poll_until_settled(pair.reader) == ([h2], {})
+
+
+def test_caller_mistakes_raise_value_error(pair: Pair) -> None:
+    with pytest.raises(ValueError, match="not registered"):
+        pair.reader.start_read("holder", pair.holder_regions, [0], CPU, [0])
+    with pytest.raises(ValueError, match="remote blocks but"):
+        pair.read([0, 1], [0])
+    with pytest.raises(ValueError, match="tier size"):
+        pair.read([0], [pair.num_blocks])
+    with pytest.raises(ValueError, match="negative"):
+        pair.read([-1], [0])
+    with pytest.raises(ValueError, match="layer 7"):
+        pair.read([0], [0], layers=range(7, 8))
+    bigger = [Region(r.layer, r.base_addr, r.block_stride, r.block_bytes * 2) for r in pair.holder_regions]
+    with pytest.raises(ValueError, match="layouts differ"):
+        pair.reader.start_read("holder", bigger, [0], GPU, [0])
+
+
+def test_empty_read_finishes_at_once(pair: Pair, fabric: FakeFabric) -> None:
+    h = pair.read([], [])
+    assert pair.reader.poll() == ([h], {})
+    assert fabric.transfers_posted == 0
+
+
+def test_peer_dlist_prepared_once_with_known_size(pair: Pair, fabric: FakeFabric) -> None:
+    for i in range(5):
+        pair.read([i], [i], peer_num_blocks=pair.num_blocks)
+    poll_until_settled(pair.reader)
+    # one local list per tier on each side + one peer list on the reader
+    assert fabric.live_dlists == 3
+
+
+def test_peer_dlist_grows_without_known_size(pair: Pair) -> None:
+    h1 = pair.read([1], [1])
+    h2 = pair.read([20], [2])  # beyond the first list's reach
+    done, failed = poll_until_settled(pair.reader)
+    assert sorted(done) == [h1, h2] and failed == {}
+    assert torch.equal(pair.layer(pair.reader_kv, 0)[2], pair.layer(pair.holder_kv, 0)[20])
+
+
+def test_notifications_reach_the_holder(pair: Pair) -> None:
+    pair.read([0], [0], notif=b"lease-42")
+    poll_until_settled(pair.reader)
+    assert pair.holder.take_notifications() == [("reader", b"lease-42")]
+    assert pair.holder.take_notifications() == []
+
+
+def test_reading_into_cpu_tier_from_peer_cpu_tier(fabric: FakeFabric, clock: FakeClock) -> None:
+    """Any local tier can receive; any peer tier can be the source."""
+    holder = BlockMover("h", nixl=fabric.api(), progress_interval_s=None, clock=clock)
+    reader = BlockMover("r", nixl=fabric.api(), progress_interval_s=None, clock=clock)
+    src = torch.arange(4 * 8 * 64, dtype=torch.uint8).view(4, 8, 64)  # 4 layers, 8 slots, 64 B
+    dst = torch.zeros_like(src)
+    regions = [Region(layer, src[layer].data_ptr(), 64, 64) for layer in range(4)]
+    holder.register_tier(CPU, "DRAM", regions, 8)
+    reader.register_tier(CPU, "DRAM", [Region(layer, dst[layer].data_ptr(), 64, 64) for layer in range(4)], 8)
+    reader.add_peer("h", holder.agent_metadata())
+    h = reader.start_read("h", regions, [7, 6], CPU, [0, 1], layers=range(2, 4))
+    assert poll_until_settled(reader) == ([h], {})
+    assert torch.equal(dst[2:, 0], src[2:, 7]) and torch.equal(dst[2:, 1], src[2:, 6])
+    assert not dst[:2].any()
+
+
+def test_close_releases_everything(fabric: FakeFabric, clock: FakeClock) -> None:
+    p = Pair(fabric, clock)
+    fabric.polls_to_complete = 100
+    p.read([0], [0])
+    p.reader.close()
+    p.reader.close()
+    p.holder.close()
+    assert fabric.live_xfers == 0 and fabric.live_dlists == 0
+    assert fabric.agents["reader"].registered == [] and fabric.agents["holder"].registered == []
+    with pytest.raises(ValueError, match="closed"):
+        p.read([0], [0])
+
+
+def test_reregistering_a_tier_fails_its_reads(pair: Pair, fabric: FakeFabric) -> None:
+    fabric.polls_to_complete = 100
+    h = pair.read([0], [0])
+    regions, n, mem = regions_from_kv_caches(pair.reader_kv)
+    pair.reader.register_tier(GPU, mem, regions, n)
+    _, failed = pair.reader.poll()
+    assert "re-registered" in failed[h]
+
+
+def test_ticker_collects_notifications_in_background(fabric: FakeFabric) -> None:
+    holder = BlockMover("h2", nixl=fabric.api(), progress_interval_s=0.001)
+    try:
+        fabric.agents["h2"].notifs["x"] = [b"hello"]
+        for _ in range(1000):
+            if not fabric.agents["h2"].notifs:
+                break
+            import time
+
+            time.sleep(0.001)
+        assert holder.take_notifications() == [("x", b"hello")]
+    finally:
+        holder.close()

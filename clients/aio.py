@@ -31,6 +31,8 @@ from clients import errors
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 5.0
+# Metadata naming the asking engine on a unary Resolve (the broker's servicer reads it).
+ENGINE_ID_METADATA = "kvbroker-engine-id"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # Keepalive pings find a dead TCP peer on an otherwise quiet channel. 30 s is
@@ -122,13 +124,16 @@ class AsyncBrokerClient:
         except TimeoutError:
             raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s") from None
 
-    async def _unary(self, method: str, request: Message, timeout: float | None) -> Any:
+    async def _unary(self, method: str, request: Message, timeout: float | None, engine_id: str = "") -> Any:
         call = getattr(self.stub, method)
+        metadata = trace_metadata()
+        if engine_id:
+            metadata = (*(metadata or ()), (ENGINE_ID_METADATA, engine_id))
         try:
             return await call(
                 request,
                 timeout=self.timeout if timeout is None else timeout,
-                metadata=trace_metadata(),
+                metadata=metadata,
             )
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
@@ -162,9 +167,20 @@ class AsyncBrokerClient:
         return await self._unary("Release", build_request(pb.ReleaseRequest, request, fields), timeout)
 
     async def resolve(
-        self, request: pb.ResolveRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.ResolveRequest | None = None,
+        *,
+        timeout: float | None = None,
+        engine_id: str = "",
+        **fields: Any,
     ) -> pb.ResolveResponse:
-        return await self._unary("Resolve", build_request(pb.ResolveRequest, request, fields), timeout)
+        """Unary resolve. ``engine_id`` names the asking engine (needed for ``acquire``).
+
+        Engines should resolve over their session instead (``EngineSession.resolve``): it is cheaper.
+        """
+        return await self._unary(
+            "Resolve", build_request(pb.ResolveRequest, request, fields), timeout, engine_id=engine_id
+        )
 
     # Routers.
     async def score(

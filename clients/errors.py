@@ -26,7 +26,22 @@ REVOKE_CAUSES = (
 # Trailing-metadata key the broker may use to carry a lease's end cause.
 CAUSE_METADATA_KEY = "kvbroker-cause"
 
-_CAUSE_IN_MESSAGE = re.compile(r"\b(" + "|".join(REVOKE_CAUSES) + r")\b", re.IGNORECASE)
+# Until the broker sends the cause in metadata, read it from its message:
+# "lease L was revoked (reader_gone): ...", "... was already released", "... release named epoch N".
+_CAUSE_PATTERNS = (
+    (re.compile(r"\((" + "|".join(REVOKE_CAUSES) + r")\)"), None),
+    (re.compile(r"was already released"), "released"),
+    (re.compile(r"release named epoch"), "stale_epoch"),
+)
+
+
+def cause_in_message(message: str) -> str:
+    """The lease-end cause a broker message names, or ""."""
+    for pattern, fixed in _CAUSE_PATTERNS:
+        found = pattern.search(message)
+        if found:
+            return fixed or found.group(1)
+    return ""
 
 
 class BrokerError(Exception):
@@ -166,10 +181,7 @@ def from_status(code: grpc.StatusCode, message: str, cause: str = "") -> BrokerE
     """The typed error for a status code and message."""
     cls = ERROR_OF_STATUS.get(code, Unknown)
     if cls is FailedPrecondition:
-        if not cause:
-            found = _CAUSE_IN_MESSAGE.search(message)
-            cause = found.group(1).lower() if found else ""
-        return FailedPrecondition(message, code, cause=cause)
+        return FailedPrecondition(message, code, cause=cause or cause_in_message(message))
     return cls(message, code)
 
 

@@ -16,7 +16,14 @@ from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
 from clients import errors
-from clients.aio import DEFAULT_ADDRESS, DEFAULT_TIMEOUT_S, build_request, channel_options, trace_metadata
+from clients.aio import (
+    DEFAULT_ADDRESS,
+    DEFAULT_TIMEOUT_S,
+    ENGINE_ID_METADATA,
+    build_request,
+    channel_options,
+    trace_metadata,
+)
 
 
 class BrokerClient:
@@ -53,12 +60,13 @@ class BrokerClient:
         except grpc.FutureTimeoutError:
             raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s") from None
 
-    def _unary(self, method: str, request: Message, timeout: float | None) -> Any:
+    def _unary(self, method: str, request: Message, timeout: float | None, engine_id: str = "") -> Any:
         call = getattr(self.stub, method)
+        metadata = trace_metadata()
+        if engine_id:
+            metadata = (*(metadata or ()), (ENGINE_ID_METADATA, engine_id))
         try:
-            return call(
-                request, timeout=self.timeout if timeout is None else timeout, metadata=trace_metadata()
-            )
+            return call(request, timeout=self.timeout if timeout is None else timeout, metadata=metadata)
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
 
@@ -89,9 +97,20 @@ class BrokerClient:
         return self._unary("Release", build_request(pb.ReleaseRequest, request, fields), timeout)
 
     def resolve(
-        self, request: pb.ResolveRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.ResolveRequest | None = None,
+        *,
+        timeout: float | None = None,
+        engine_id: str = "",
+        **fields: Any,
     ) -> pb.ResolveResponse:
-        return self._unary("Resolve", build_request(pb.ResolveRequest, request, fields), timeout)
+        """Unary resolve. ``engine_id`` names the asking engine (needed for ``acquire``).
+
+        Engines should resolve over their session instead (``EngineSession.resolve``): it is cheaper.
+        """
+        return self._unary(
+            "Resolve", build_request(pb.ResolveRequest, request, fields), timeout, engine_id=engine_id
+        )
 
     # Routers.
     def score(

@@ -49,9 +49,18 @@ def test_every_status_code_has_an_error_class() -> None:
 
 
 def test_failed_precondition_carries_the_revoke_cause() -> None:
-    err = errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "lease l1 was revoked: reader_gone")
+    err = errors.from_status(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "lease l1 was revoked (reader_gone): reader 'd' session ended; discard anything read under it",
+    )
     assert isinstance(err, errors.FailedPrecondition)
     assert err.cause == "reader_gone"
+    err = errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "lease l1 was already released")
+    assert isinstance(err, errors.FailedPrecondition) and err.cause == "released"
+    err = errors.from_status(
+        grpc.StatusCode.FAILED_PRECONDITION, "lease l1 is held; only an active lease can be released"
+    )
+    assert isinstance(err, errors.FailedPrecondition) and err.cause == ""
     err = errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "layouts differ", cause="")
     assert isinstance(err, errors.FailedPrecondition) and err.cause == ""
     err = errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "ended", cause="ttl_expired")

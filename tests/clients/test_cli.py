@@ -1,0 +1,212 @@
+"""The kvbroker command against a real in-process broker."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from kvbroker.v1 import broker_pb2 as pb
+
+from clients import cli
+from clients.hashing import wire_chain
+from clients.session import EngineSession
+
+GPU = pb.TIER_GPU
+TOKENS = list(range(1000, 1000 + 32 * 3 + 5))  # three full blocks of 32 and a partial one
+
+
+async def run_cli(*argv: str) -> tuple[int, str]:
+    """Run `kvbroker ARGV` on a thread (the broker serves on this loop meanwhile)."""
+    out = io.StringIO()
+    code = await asyncio.to_thread(cli.main, list(argv), out)
+    return code, out.getvalue()
+
+
+@pytest.fixture
+async def engines(
+    broker: Any, engine_info: Callable[..., pb.EngineInfo]
+) -> AsyncIterator[dict[str, EngineSession]]:
+    opened = {}
+    for engine_id in ("p0", "d0"):
+        session = EngineSession(broker.address, engine_info(engine_id))
+        await session.start(wait_connected_s=5.0)
+        opened[engine_id] = session
+    yield opened
+    for session in opened.values():
+        await session.close()
+
+
+def test_format_table_aligns_columns() -> None:
+    table = cli.format_table(["NAME", "BLOCKS"], [["a", 5], ["longer-name", 12345]])
+    lines = table.splitlines()
+    assert lines[0] == "NAME         BLOCKS"
+    assert lines[1] == "a                 5"  # numbers right-aligned
+    assert lines[2] == "longer-name   12345"
+
+
+def test_help_explains_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for command in (
+        "serve",
+        "engines",
+        "leases",
+        "stats",
+        "revoke",
+        "drain",
+        "watch",
+        "score",
+        "KVBROKER_ADDR",
+    ):
+        assert command in text
+
+
+def test_serve_help_shows_the_broker_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("broker.server")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--session-ttl-ms" in text and "KVBROKER_SESSION_TTL_MS" in text
+
+
+def test_no_command_prints_usage() -> None:
+    out = io.StringIO()
+    assert cli.main([], out) == cli.EXIT_USAGE
+    assert "usage: kvbroker" in out.getvalue()
+
+
+def test_unreachable_broker_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--broker", "127.0.0.1:1", "--timeout", "1", "stats"], io.StringIO()) == 3
+    assert "cannot reach the broker at 127.0.0.1:1" in capsys.readouterr().err
+
+
+async def test_engines_table_and_json(broker: Any, engines: dict[str, EngineSession]) -> None:
+    engines["p0"].announce_stored((engines["p0"].layout_id, ""), GPU, [1, 2, 3])
+    engines["p0"].flush()
+    await asyncio.sleep(0.05)
+    code, text = await run_cli("--broker", broker.address, "engines")
+    assert code == 0
+    lines = text.splitlines()
+    header = lines[0].split()
+    assert header[:7] == ["ENGINE", "STATE", "LAYOUT", "MODEL", "RANKS", "GPU_BLOCKS", "CPU_BLOCKS"]
+    rows = {line.split()[0]: line.split() for line in lines[1:3]}
+    assert rows["p0"][1] == "serving" and rows["p0"][5] == "3" and rows["d0"][5] == "0"
+    assert lines[-1] == "2 engine(s)"
+    code, text = await run_cli("--broker", broker.address, "engines", "--json")  # --json after the command
+    assert code == 0
+    assert sorted(e["engine_id"] for e in json.loads(text)) == ["d0", "p0"]
+
+
+async def test_leases_show_holder_reader_and_ended_causes(
+    broker: Any, engines: dict[str, EngineSession]
+) -> None:
+    p0, d0 = engines["p0"], engines["d0"]
+    lease = await p0.hold((p0.layout_id, "tenant-a"), GPU, [11, 12], [1, 2], 30_000, reader_engine_id="d0")
+    await d0.acquire(lease.lease_id)
+    code, text = await run_cli("--broker", broker.address, "leases")
+    assert code == 0
+    (row,) = [line.split() for line in text.splitlines() if line.startswith(lease.lease_id)]
+    assert row[1:6] == ["active", "p0", "d0", "GPU", "2"]
+    assert "tenant-a" in row
+    assert text.splitlines()[-1] == "1 live, 0 ended"
+
+    code, text = await run_cli("--broker", broker.address, "revoke", lease.lease_id, "--reason", "test")
+    assert code == 0 and f"revoked lease {lease.lease_id}" in text
+    code, text = await run_cli("--broker", broker.address, "leases")
+    assert text.splitlines()[-1] == "0 live, 0 ended"
+    code, text = await run_cli("--broker", broker.address, "leases", "--all", "--json")
+    (ended,) = [x for x in json.loads(text) if x["lease_id"] == lease.lease_id]
+    assert ended["state"] == "LEASE_REVOKED" and ended["cause"] == "REVOKE_OPERATOR"
+    code, text = await run_cli("--broker", broker.address, "leases", "--all")
+    (row,) = [line.split() for line in text.splitlines() if line.startswith(lease.lease_id)]
+    assert row[1] == "revoked" and "operator" in row
+
+
+async def test_revoke_errors_have_exit_codes(
+    broker: Any, engines: dict[str, EngineSession], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _ = await run_cli("--broker", broker.address, "revoke", "no-such-lease")
+    assert code == 4
+    assert "NOT_FOUND" in capsys.readouterr().err
+    p0 = engines["p0"]
+    lease = await p0.hold((p0.layout_id, ""), GPU, [5], [5], 30_000)
+    assert (await run_cli("--broker", broker.address, "revoke", lease.lease_id))[0] == 0
+    code, _ = await run_cli("--broker", broker.address, "revoke", lease.lease_id)
+    assert code == 5  # already ended: failed precondition
+    assert "FAILED_PRECONDITION" in capsys.readouterr().err
+
+
+async def test_stats_and_drain(broker: Any, engines: dict[str, EngineSession]) -> None:
+    code, text = await run_cli("--broker", broker.address, "--json", "stats")
+    assert code == 0 and json.loads(text)["engines"] == 2
+    code, text = await run_cli("--broker", broker.address, "stats")
+    assert code == 0
+    assert any(line.split() == ["engines", "2"] for line in text.splitlines())
+    code, text = await run_cli("--broker", broker.address, "drain", "d0", "--reason", "upgrade")
+    assert code == 0 and "engine d0 is draining" in text
+    code, _ = await run_cli("--broker", broker.address, "drain", "nobody")
+    assert code == 4
+
+
+async def test_score_by_tokens_agrees_with_our_hashes(broker: Any, engines: dict[str, EngineSession]) -> None:
+    p0 = engines["p0"]
+    # p0 announces the hashes we compute; the broker hashes the token ids itself.
+    p0.announce_stored((p0.layout_id, ""), GPU, wire_chain(TOKENS, 32)[:2])
+    p0.flush()
+    await asyncio.sleep(0.05)
+    tokens = ",".join(map(str, TOKENS))
+    code, text = await run_cli(
+        "--broker", broker.address, "score", "--layout-id", p0.layout_id, "--tokens", tokens
+    )
+    assert code == 0, text
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[1:-1]}
+    assert rows["p0"][1:3] == ["2", "0"]
+    assert text.splitlines()[-1] == "3 full block(s) of 32 tokens in the prompt"
+    hashes = " ".join(hex(h) for h in wire_chain(TOKENS, 32))
+    code, text = await run_cli(
+        "--broker", broker.address, "--json", "score", "--layout-id", p0.layout_id, "--hashes", hashes
+    )
+    assert code == 0
+    scores = {s["engine_id"]: s for s in json.loads(text)["scores"]}
+    assert scores["p0"]["gpu_blocks"] == 2
+    code, _ = await run_cli(
+        "--broker", broker.address, "score", "--layout-id", p0.layout_id, "--hashes", "12,zz"
+    )
+    assert code == 6
+
+
+async def test_watch_prints_events(broker: Any, engine_info: Callable[..., pb.EngineInfo]) -> None:
+    watcher = asyncio.ensure_future(
+        run_cli("--broker", broker.address, "watch", "--engines", "--count", "1", "--json")
+    )
+    await asyncio.sleep(0.2)
+    session = EngineSession(broker.address, engine_info("late"))
+    await session.start(wait_connected_s=5.0)
+    try:
+        code, text = await asyncio.wait_for(watcher, 5.0)
+    finally:
+        await session.close()
+    assert code == 0
+    event = json.loads(text.splitlines()[0])
+    assert event["kind"] == "engine_registered" and event["engine_id"] == "late"
+
+
+def test_console_script_runs() -> None:
+    """The installed `kvbroker` entry point is this module's main."""
+    result = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "--broker", "127.0.0.1:1", "--timeout", "0.5", "engines"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "cannot reach the broker" in result.stderr

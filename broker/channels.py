@@ -37,7 +37,7 @@ class SessionChannel:
     closed: Close | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity-hashed: kept in a set
 class Watcher:
     categories: frozenset[str]
     queue: asyncio.Queue[pb.WatchEvent | Close]

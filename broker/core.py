@@ -425,9 +425,10 @@ class BrokerCore:
         """Operator revoke."""
         lease = self.leases.get(lease_id)
         if not lease.state.live:
-            raise FailedPrecondition(
-                f"lease {lease_id} already ended ({lease.state.label})", cause=lease.cause.label
-            )
+            how = lease.state.label
+            if lease.cause is not RevokeCause.NONE:
+                how += f", cause {lease.cause.label}"
+            raise FailedPrecondition(f"lease {lease_id} already ended ({how})", cause=lease.cause.label)
         self._revoke(lease, RevokeCause.OPERATOR, reason or "revoked by an operator")
         return lease
 

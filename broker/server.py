@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from broker.channels import StreamNotifier
@@ -81,8 +82,13 @@ def _public_address(address: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def start_server(config: BrokerConfig, clock: Clock | None = None) -> RunningServer:
-    """Start a broker on the running event loop (use address host:0 for a free port)."""
+async def start_server(
+    config: BrokerConfig, clock: Clock | None = None, *, tracer_provider: TracerProvider | None = None
+) -> RunningServer:
+    """Start a broker on the running event loop (use address host:0 for a free port).
+
+    `tracer_provider` overrides the OTLP set-up (tests pass one with an in-memory exporter).
+    """
     config.validate()
     clock = clock or MonotonicClock()
     notifier = StreamNotifier(clock)
@@ -95,7 +101,7 @@ async def start_server(config: BrokerConfig, clock: Clock | None = None) -> Runn
     if config.metrics_port:
         metrics_registry = CollectorRegistry()
         interceptors.append(MetricsInterceptor(metrics_registry))
-    provider = make_tracer_provider(otlp_endpoint(config.otlp_endpoint))
+    provider = tracer_provider or make_tracer_provider(otlp_endpoint(config.otlp_endpoint))
     if provider is not None:
         interceptors.append(TracingInterceptor(provider))
         extras.append(provider)

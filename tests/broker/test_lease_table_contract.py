@@ -127,7 +127,11 @@ def test_activate_pending(table: LeaseTable) -> None:
     with pytest.raises(PermissionDenied):
         table.activate(lease.lease_id, "X", [1, 2], now=0.1)
     table.activate(lease.lease_id, "P", [7, 8], now=0.1)
-    assert lease.state is LeaseState.ACTIVE and lease.block_ids == (7, 8) and lease.deadline == pytest.approx(30.1)
+    assert (
+        lease.state is LeaseState.ACTIVE
+        and lease.block_ids == (7, 8)
+        and lease.deadline == pytest.approx(30.1)
+    )
 
 
 def test_release_after_revoke_names_the_cause(table: LeaseTable) -> None:

@@ -1,0 +1,50 @@
+"""A bare-bones engine session over the raw generated stub, for API tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+
+
+class RawSession:
+    def __init__(self, stub: broker_pb2_grpc.KVBrokerStub) -> None:
+        self.call = stub.Session()
+        self.seq = 0
+        self.registered: pb.Registered | None = None
+
+    async def register(self, info: pb.EngineInfo, ttl_ms: int = 5000) -> pb.Registered:
+        await self.send(register=pb.Register(engine=info, session_ttl_ms=ttl_ms))
+        down = await self.read()
+        assert down.WhichOneof("msg") == "registered", down
+        self.registered = down.registered
+        return down.registered
+
+    async def send(self, **msg: object) -> int:
+        self.seq += 1
+        await self.call.write(pb.SessionUp(seq=self.seq, **msg))  # type: ignore[arg-type]
+        return self.seq
+
+    async def read(self, timeout: float = 5.0) -> pb.SessionDown:
+        return await asyncio.wait_for(self.call.read(), timeout)
+
+    async def read_kind(self, kind: str, timeout: float = 5.0) -> pb.SessionDown:
+        """Next message of `kind`, skipping others."""
+        while True:
+            down = await self.read(timeout)
+            if down.WhichOneof("msg") == kind:
+                return down
+
+    async def announce(self, ns: pb.Namespace, tier: int, stored: list[int]) -> None:
+        await self.send(inventory=pb.InventoryUpdate(namespace=ns, tier=tier, stored=stored))  # type: ignore[arg-type]
+
+    async def resolve(self, ns: pb.Namespace, hashes: list[int], **kw: object) -> pb.SessionDown:
+        seq = await self.send(resolve=pb.ResolveRequest(namespace=ns, block_hashes=hashes, **kw))  # type: ignore[arg-type]
+        while True:
+            down = await self.read()
+            if down.seq == seq:
+                return down
+
+    async def close(self) -> None:
+        self.call.cancel()

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from broker.config import BrokerConfig
-from broker.server import RunningServer, start_server
+from broker.server import start_server
 from tests.broker.helpers import engine_info
 from tests.broker.session_util import RawSession
 
@@ -196,7 +196,7 @@ async def test_reader_death_tells_holder_and_holder_death_tells_reader(stub: Stu
 
 
 async def test_missed_ttl_ends_the_session(stub: Stub) -> None:
-    p, d, ns = await pair(stub, ttl_ms=5000)
+    _p, d, ns = await pair(stub, ttl_ms=5000)
     short = RawSession(stub)
     await short.register(engine_info("S"), 200)
     lease = (
@@ -351,7 +351,7 @@ async def test_unary_resolve_with_engine_metadata_acquires(stub: Stub) -> None:
 async def test_watch_stream(stub: Stub) -> None:
     watch = stub.Watch(pb.WatchRequest(engine_events=True, lease_events=True))
     await asyncio.sleep(0.05)  # let the watcher attach
-    p, _d, ns = await pair(stub)
+    _p, _d, ns = await pair(stub)
     await stub.Hold(
         pb.HoldRequest(
             holder_engine_id="P", namespace=ns, tier=pb.TIER_GPU, block_hashes=H[:1], block_ids=[1]
@@ -369,7 +369,7 @@ async def test_graceful_stop_revokes_nothing() -> None:
     running = await start_server(BrokerConfig(address="127.0.0.1:0"))
     async with grpc.aio.insecure_channel(running.address) as ch:
         stub = Stub(ch)
-        p, d, ns = await pair(stub)
+        p, _d, ns = await pair(stub)
         lease = (
             await stub.Hold(
                 pb.HoldRequest(

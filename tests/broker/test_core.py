@@ -82,7 +82,7 @@ def test_ttl_expiry_and_release_after_revoke_fails_with_cause():
 
 
 def test_release_commits_read_and_holder_is_told():
-    core, _clock, notes, p, d, ns = setup_pair()
+    core, _clock, notes, p, _d, ns = setup_pair()
     lease = core.hold("P", ns, Tier.GPU, H[:2], [1, 2])
     with pytest.raises(FailedPrecondition, match="held"):
         core.release(lease.lease_id, "D")  # not yet acquired

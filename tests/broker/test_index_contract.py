@@ -42,7 +42,7 @@ def test_add_is_idempotent_and_counts(index: PrefixIndex) -> None:
     assert index.add("b", Tier.GPU, NS, H[:4]) == 4
     assert index.blocks_of("a") == {Tier.GPU: 8, Tier.CPU: 0}
     assert index.total_blocks() == 12
-    assert index.remove("a", Tier.GPU, NS, H[:2] + [12345]) == 2
+    assert index.remove("a", Tier.GPU, NS, [*H[:2], 12345]) == 2
     assert index.total_blocks() == 10
     assert prefixes(index, H) == {("b", Tier.GPU, 4)}  # a lost block 0
     assert index.remove("nobody", Tier.GPU, NS, H) == 0

@@ -52,6 +52,7 @@ class BrokerLink(Protocol):
         *,
         ttl_ms: int,
         request_id: str,
+        reader_engine_id: str = "",
     ) -> Future[pb.Lease]: ...
 
     def release(self, lease_id: str, epoch: int) -> Future[pb.Lease]: ...
@@ -141,8 +142,17 @@ class SessionBrokerLink:
         *,
         ttl_ms: int,
         request_id: str,
+        reader_engine_id: str = "",
     ) -> Future[pb.Lease]:
-        return self._session.hold(namespace, pb.TIER_GPU, hashes, block_ids, ttl_ms, request_id=request_id)
+        return self._session.hold(
+            namespace,
+            pb.TIER_GPU,
+            hashes,
+            block_ids,
+            ttl_ms,
+            request_id=request_id,
+            reader_engine_id=reader_engine_id,
+        )
 
     def release(self, lease_id: str, epoch: int) -> Future[pb.Lease]:
         return self._session.release(lease_id, epoch)

@@ -103,6 +103,7 @@ class TransferParams:
     do_remote_prefill: bool = False
     holder_engine_id: str = ""
     lease_id: str = ""
+    reader_engine_id: str = ""  # P side: the decoder the router chose, if it says
     trace_context: Mapping[str, str] | None = None
 
 
@@ -131,8 +132,11 @@ def parse_transfer_params(params: Any) -> TransferParams:
         )
     holder = broker_part.get("holder_engine_id", "") or ""
     lease_id = broker_part.get("lease_id", "") or ""
-    if not isinstance(holder, str) or not isinstance(lease_id, str):
-        raise BadTransferParams("kv_transfer_params.kvbroker.holder_engine_id and lease_id must be strings")
+    reader = broker_part.get("reader_engine_id", "") or ""
+    if not all(isinstance(v, str) for v in (holder, lease_id, reader)):
+        raise BadTransferParams(
+            "kv_transfer_params.kvbroker.holder_engine_id, lease_id and reader_engine_id must be strings"
+        )
     trace = params.get("trace_context")
     if trace is not None and not (
         isinstance(trace, Mapping)
@@ -144,6 +148,7 @@ def parse_transfer_params(params: Any) -> TransferParams:
         do_remote_prefill=flags["do_remote_prefill"],
         holder_engine_id=holder,
         lease_id=lease_id,
+        reader_engine_id=reader,
         trace_context=trace,
     )
 

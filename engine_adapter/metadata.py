@@ -49,6 +49,7 @@ class HolderRank:
     start_layer: int
     end_layer: int
     regions: tuple[RegionSpec, ...]
+    num_blocks: int = 0  # capacity of the holder's tier (0 = unknown)
 
 
 @dataclass(frozen=True)

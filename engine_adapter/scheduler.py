@@ -274,8 +274,12 @@ class AdapterScheduler:
         for req_id in finished_sending or ():
             held = self._held.pop(req_id, None)
             if held is not None:
+                # vLLM has now put the blocks back into its free pool.
                 self._held_by_lease.pop(held.lease_id, None)
+                self.stats.counters["holds_returned"] += 1
+                self.stats.counters["held_blocks_returned"] += len(held.block_ids)
                 self._stats_dirty = True
+        self._write_stats()
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -307,7 +311,14 @@ class AdapterScheduler:
         namespace = self._namespace(request)
         hashes = wire_hashes(request.block_hashes[:n])
         held_ids = list(block_ids[:n])
-        future = link.hold(namespace, hashes, held_ids, ttl_ms=self.config.hold_ttl_ms, request_id=req_id)
+        future = link.hold(
+            namespace,
+            hashes,
+            held_ids,
+            ttl_ms=self.config.hold_ttl_ms,
+            request_id=req_id,
+            reader_engine_id=params.reader_engine_id,
+        )
         self._held[req_id] = _Held(req_id, namespace, hashes, held_ids, self._clock(), future)
         self.stats.counters["holds_requested"] += 1
         self._stats_dirty = True
@@ -672,6 +683,7 @@ def _remote_block_ids(lease: pb.Lease, hashes: list[int], plan: PullPlan) -> tup
 def _holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], str | None]:
     ranks: list[HolderRank] = []
     for rank in holder.ranks:
+        capacity = max((int(t.num_blocks) for t in rank.tiers if t.tier == tier), default=0)
         regions = [
             RegionSpec(r.layer, r.base_addr, r.block_stride, r.block_bytes, r.device_id)
             for t in rank.tiers
@@ -689,6 +701,7 @@ def _holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], s
                 start_layer=rank.start_layer,
                 end_layer=rank.end_layer,
                 regions=tuple(regions),
+                num_blocks=capacity,
             )
         )
     if not ranks:

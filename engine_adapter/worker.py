@@ -44,6 +44,8 @@ class MoverLike(Protocol):
         local_block_ids: Sequence[int],
         layers: range | None = None,
         notif: bytes | None = None,
+        *,
+        peer_num_blocks: int | None = None,
     ) -> int: ...
     def poll(self) -> tuple[list[int], dict[int, str]]: ...
     def close(self) -> None: ...
@@ -207,6 +209,7 @@ class AdapterWorker:
                     pb.TIER_GPU,
                     spec.local_block_ids,
                     layers=read.layers,
+                    peer_num_blocks=holder.num_blocks or None,
                 )
             except Exception as e:  # a NIXL error on one request must not take the engine down
                 reading.failure = f"cannot start NIXL read from {holder.agent_name}: {e}"
@@ -234,7 +237,7 @@ class AdapterWorker:
                 elapsed = self._clock() - reading.started
                 gbps = reading.bytes_total / elapsed / 1e9 if elapsed > 0 else 0.0
                 logger.info(
-                    "kvbroker: request %s: read %d blocks (%d bytes) from %s in %.1f ms (%.2f GB/s)",
+                    "kvbroker: request %s: read %d blocks (%d bytes) from %s in %.1f ms (%.4f GB/s)",
                     req_id,
                     len(reading.spec.local_block_ids),
                     reading.bytes_total,

@@ -63,9 +63,14 @@ class FakeLink:
     def acquire(self, lease_id, ttl_ms):  # type: ignore[no-untyped-def]
         return self._call("acquire", lease_id=lease_id, ttl_ms=ttl_ms)
 
-    def hold(self, namespace, hashes, block_ids, *, ttl_ms, request_id):  # type: ignore[no-untyped-def]
+    def hold(self, namespace, hashes, block_ids, *, ttl_ms, request_id, reader_engine_id=""):  # type: ignore[no-untyped-def]
         return self._call(
-            "hold", namespace=namespace, hashes=list(hashes), block_ids=list(block_ids), request_id=request_id
+            "hold",
+            namespace=namespace,
+            hashes=list(hashes),
+            block_ids=list(block_ids),
+            request_id=request_id,
+            reader=reader_engine_id,
         )
 
     def release(self, lease_id, epoch):  # type: ignore[no-untyped-def]
@@ -173,7 +178,7 @@ class FakeMover:
         self.peers[agent_name] = metadata
 
     def start_read(
-        self, peer_agent, peer_regions, remote_block_ids, local_tier, local_block_ids, layers=None, notif=None
+        self, peer_agent, peer_regions, remote_block_ids, local_tier, local_block_ids, layers=None, notif=None, **kwargs
     ):  # type: ignore[no-untyped-def]
         handle = self._next
         self._next += 1

@@ -1,0 +1,180 @@
+"""Real parts for the end-to-end tests: a broker process, vLLM engines with our
+connector, and small HTTP helpers. Usable from a shell too:
+
+    .venv/bin/python -m tests.e2e.harness   # starts broker + P + D, runs one P->D request
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from clients.sync import BrokerClient
+from engine_adapter.launch import EngineProcess, connector_config, free_port
+
+BLOCK_SIZE = 32
+SESSION_TTL_MS = 2000
+
+
+class BrokerProcess:
+    """`python -m broker` on a free port, with its log in a file."""
+
+    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_dir / "broker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> BrokerProcess:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "broker", "--address", self.address, "--log-level", "info"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        with BrokerClient(self.address) as client:
+            client.wait_ready(timeout=30)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def start_engine(
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    name: str,
+    broker_address: str,
+    role: str,
+    **extra: Any,
+) -> tuple[EngineProcess, Path]:
+    """Start (not wait for) an engine with our connector; returns it and its stats file."""
+    stats_path = log_dir / f"{name}-stats.json"
+    config = connector_config(
+        broker_address=broker_address,
+        engine_id=name,
+        role=role,
+        session_ttl_ms=SESSION_TTL_MS,
+        stats_path=str(stats_path),
+        **extra,
+    )
+    engine = EngineProcess(
+        model_dir,
+        name=name,
+        kv_transfer_config=config,
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        log_path=log_dir / f"{name}.log",
+    )
+    engine.start()
+    return engine, stats_path
+
+
+def complete(
+    engine: EngineProcess,
+    prompt: list[int],
+    *,
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
+    timeout: float = 120.0,
+) -> dict[str, Any]:
+    """A greedy /v1/completions call with token-id prompts; returns the JSON answer."""
+    body: dict[str, Any] = {
+        "model": str(engine.model_dir),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    req = urllib.request.Request(
+        f"{engine.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def output_ids(answer: dict[str, Any]) -> list[int]:
+    return list(answer["choices"][0]["token_ids"])
+
+
+def recompute_reference(engine: EngineProcess, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy output of one engine computing the prompt itself: a fresh cache_salt
+    puts it in a namespace nobody holds, so neither the local prefix cache nor a
+    pull can supply any of it."""
+    answer = complete(engine, prompt, max_tokens=max_tokens, cache_salt=f"ref-{uuid.uuid4().hex}")
+    return output_ids(answer)
+
+
+def read_stats(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """Deterministic token ids inside the tiny model's vocabulary (avoids special ids)."""
+    return [10 + (seed * 7919 + i * 104729) % 400 for i in range(length)]
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    from engine_adapter.tiny_model import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="kvbroker-e2e-"))
+    model = build_tiny_model(work / "model")
+    broker = BrokerProcess(work).start()
+    p, p_stats = start_engine(model, work, name="P", broker_address=broker.address, role="prefill")
+    d, d_stats = start_engine(model, work, name="D", broker_address=broker.address, role="decode")
+    try:
+        p.wait_ready(progress=print)
+        d.wait_ready(progress=print)
+        prompt = prompt_of(150, 1)
+        first = complete(p, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        print("P answer kv_transfer_params:", first.get("kv_transfer_params"))
+        second = complete(d, prompt, max_tokens=8, kv_transfer_params=first.get("kv_transfer_params"))
+        print("D output:", output_ids(second))
+        print("reference:", recompute_reference(d, prompt, 8))
+        time.sleep(1)
+        print("P stats:", read_stats(p_stats))
+        print("D stats:", read_stats(d_stats))
+    finally:
+        p.stop()
+        d.stop()
+        broker.stop()
+        print("logs in", work)

@@ -365,7 +365,6 @@ def build_parser(
         "serve",
         help="run the broker",
         description="Run the broker until SIGINT/SIGTERM. Every flag also reads an environment variable.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     if serve_arguments is not None:
         serve_arguments(serve)

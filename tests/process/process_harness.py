@@ -1,0 +1,134 @@
+"""Real `kvbroker serve` and engine client processes for the process-level tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_CLIENT = Path(__file__).with_name("process_engine_client.py")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class BrokerProcess:
+    """`kvbroker serve` as a child process on a fixed port, so it can be restarted in place."""
+
+    def __init__(self, port: int, log_path: Path, *extra: str) -> None:
+        self.port = port
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = log_path
+        self.extra = extra
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        log = open(self.log_path, "a")  # noqa: SIM115 - the child keeps writing to it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "clients.cli", "serve", "--address", self.address, *self.extra],
+            cwd=REPO,
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while "kvbroker listening on" not in self.log_path.read_text():
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"kvbroker serve exited {self.proc.returncode}:\n{self.log_path.read_text()}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"kvbroker serve did not start in {timeout} s:\n{self.log_path.read_text()}"
+                )
+            time.sleep(0.05)
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+
+class EngineProcess:
+    """tests/process/process_engine_client.py as a child process that reports events as JSON lines."""
+
+    def __init__(self, broker: str, engine_id: str, role: str, *extra: str) -> None:
+        self.engine_id = engine_id
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(ENGINE_CLIENT),
+                "--broker",
+                broker,
+                "--engine-id",
+                engine_id,
+                "--role",
+                role,
+                *extra,
+            ],
+            cwd=REPO,
+            env=_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    @property
+    def stdin(self) -> IO[str]:
+        assert self.proc.stdin is not None
+        return self.proc.stdin
+
+    def expect(self, event: str, timeout: float = 30.0) -> dict[str, Any]:
+        """The next event line, which must be `event` (blocking read; the child reports promptly)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"engine {self.engine_id} exited {self.proc.wait()} before {event!r}")
+            message = json.loads(line)
+            if message["event"] == event:
+                return message
+        raise RuntimeError(f"engine {self.engine_id}: no {event!r} in {timeout} s")
+
+    def send(self, line: str) -> None:
+        self.stdin.write(line + "\n")
+        self.stdin.flush()
+
+    def kill(self, sig: int = signal.SIGKILL) -> float:
+        """Send `sig`; returns the monotonic time it was sent."""
+        sent = time.monotonic()
+        self.proc.send_signal(sig)
+        return sent
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)

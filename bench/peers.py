@@ -106,6 +106,12 @@ class RedisPeer:
     def client(self) -> Any:
         return self._redis.Redis(host="127.0.0.1", port=self.port)
 
+    def aclient(self) -> Any:
+        """An asyncio client (redis.asyncio, hiredis parser when installed); create it inside the loop."""
+        import redis.asyncio
+
+        return redis.asyncio.Redis(host="127.0.0.1", port=self.port)
+
     def flush(self) -> None:
         self.client().flushall()
 
@@ -126,6 +132,18 @@ class RedisPeer:
 
     def lua_prefix(self, r: Any, keys: Sequence[str]) -> int:
         return int(r.evalsha(self._lua_sha, len(keys), *keys))
+
+    async def publish_chain_async(self, r: Any, keys: Sequence[str], value: bytes, ttl_ms: int) -> None:
+        p = r.pipeline(transaction=False)
+        for k in keys:
+            p.set(k, value, px=ttl_ms)
+        await p.execute()
+
+    async def mget_prefix_async(self, r: Any, keys: Sequence[str]) -> int:
+        return longest_prefix(await r.mget(keys))
+
+    async def lua_prefix_async(self, r: Any, keys: Sequence[str]) -> int:
+        return int(await r.evalsha(self._lua_sha, len(keys), *keys))
 
     def bulk_load(self, keys_iter: Any, value: bytes, ttl_ms: int, batch: int = 2000) -> int:
         """Load keys with big pipelines (for the memory figure); returns how many."""

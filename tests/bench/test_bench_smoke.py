@@ -1,0 +1,92 @@
+"""Smoke test of the control-plane benchmark programs on tiny sizes.
+
+It proves the programs start what they need, run, print their tables and write
+well-formed JSON. It never asserts on speed: figures at these sizes mean nothing.
+A peer that cannot run on this machine (no redis-server, no Mooncake) must be
+reported with a reason, which the test checks instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def run_bench(module: str, out_dir: Path, *extra: str) -> tuple[str, dict[str, Any]]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--tiny", "--no-plot", "--out-dir", str(out_dir), *extra],
+        cwd=str(REPO),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{module} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    name = module.rsplit(".", 1)[1]
+    doc = json.loads((out_dir / f"{name}-tiny.json").read_text())
+    return proc.stdout, doc
+
+
+def assert_figure(fig: dict[str, Any]) -> None:
+    for key in ("p50_us", "p99_us", "ops_per_s"):
+        assert fig[key]["median"] > 0, (key, fig)
+        assert fig[key]["min"] <= fig[key]["median"] <= fig[key]["max"]
+
+
+def assert_peer_measured_or_explained(res: dict[str, Any], figure: str) -> None:
+    if res["available"]:
+        for fig in res[figure].values():
+            assert_figure(fig)
+    else:
+        assert res["reason"], res
+
+
+def test_control_plane_tiny(tmp_path: Path) -> None:
+    out, doc = run_bench("bench.control_plane", tmp_path)
+    assert "lookup of a 64-block chain" in out
+    assert "share its" in out  # the shared-cores note
+    results = doc["results"]
+    assert doc["machine"]["cpu_count"] >= 1
+    # The grpc floors and the broker need nothing outside this repository: they must run.
+    assert results["grpc"]["available"], results["grpc"]
+    for fig in (*results["grpc"]["unary"].values(), *results["grpc"]["stream"].values()):
+        assert_figure(fig)
+    broker = results["broker"]
+    assert broker["available"], broker
+    assert set(broker["resolve_session"]) == {"c1", "c4"}
+    for fig in (*broker["resolve_session"].values(), *broker["resolve_unary"].values()):
+        assert_figure(fig)
+    assert broker["inventory"]["c1"]["blocks_per_s"]["median"] > 0
+    points = broker["memory"]["points"]
+    assert [p["blocks_indexed"] >= 5_000 for p in points] == [True, True]
+    assert points[-1]["blocks_indexed"] >= 20_000
+    assert_peer_measured_or_explained(results["redis"], "mget")
+    assert_peer_measured_or_explained(results["mooncake"], "batch_is_exist")
+    if results["redis"]["available"] and results["mooncake"]["available"]:
+        names = {t["target"].split(" ")[0] for t in doc["targets"]}
+        assert {"resolve", "inventory", "memory"} <= names
+
+
+def test_broker_bench_tiny(tmp_path: Path) -> None:
+    out, doc = run_bench("bench.broker_bench", tmp_path, "--skip", "redis", "--skip", "mooncake")
+    assert "resolve over session stream: p50 us" in out
+    results = doc["results"]
+    assert results["broker"]["available"], results["broker"]
+    assert results["broker"]["engines"]["registered"] == 20
+    inproc = results["index_inprocess"]
+    assert inproc["available"], inproc
+    assert [p["blocks"] for p in inproc["points"]] == [5_000, 20_000]
+    assert inproc["lookup_64_p50_us"] > 0

@@ -68,8 +68,9 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> st
 
 
 def _is_number(cell: str) -> bool:
+    """Numbers, percentages and durations ("12", "25%", "10.0s") line up on the right."""
     try:
-        float(cell)
+        float(cell.removesuffix("%").removesuffix("s"))
     except ValueError:
         return False
     return True

@@ -383,3 +383,32 @@ async def test_threaded_session_never_blocks_the_caller(
     finally:
         await asyncio.to_thread(holder.close)
         await asyncio.to_thread(reader.close)
+
+
+class _MetadataRecorder(broker_pb2_grpc.KVBrokerServicer):
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, str]] = []
+
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        self.metadata.append({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
+        return pb.StatsResponse(engines=7)
+
+
+async def test_trace_context_travels_in_call_metadata() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    server = grpc.aio.server()
+    recorder = _MetadataRecorder()
+    broker_pb2_grpc.add_KVBrokerServicer_to_server(recorder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with AsyncBrokerClient(f"127.0.0.1:{port}") as c:
+            assert (await c.stats()).engines == 7  # no current span: no traceparent
+            with TracerProvider().get_tracer("test").start_as_current_span("router") as span:
+                await c.stats()
+        assert "traceparent" not in recorder.metadata[0]
+        trace_id = format(span.get_span_context().trace_id, "032x")
+        assert recorder.metadata[1]["traceparent"].split("-")[1] == trace_id
+    finally:
+        await server.stop(0)

@@ -850,13 +850,24 @@ class ThreadedEngineSession:
         thread.join(timeout)
 
     def _submit(self, coroutine: Awaitable[Any]) -> concurrent.futures.Future[Any]:
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)  # type: ignore[arg-type]
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                return asyncio.run_coroutine_threadsafe(coroutine, loop)  # type: ignore[arg-type]
+            except RuntimeError:
+                pass  # the loop closed meanwhile
+        # After close() a call fails through its future; it never raises into the caller's thread.
+        if inspect.iscoroutine(coroutine):
+            coroutine.close()
+        failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        failed.set_exception(errors.Unavailable(f"session of {self.engine_id} is closed"))
+        return failed
 
     def _call_soon(self, function: Callable[..., Any], *args: Any) -> None:
         if self._loop is None:
             raise RuntimeError("ThreadedEngineSession.start() was not called")
-        self._loop.call_soon_threadsafe(function, *args)
+        with contextlib.suppress(RuntimeError):  # closed: the change has nowhere to go
+            self._loop.call_soon_threadsafe(function, *args)
 
     # Never-blocking calls for the caller's thread.
     def announce_stored(self, namespace: NamespaceLike, tier: int, block_hashes: Iterable[int]) -> None:

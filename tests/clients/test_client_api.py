@@ -383,6 +383,12 @@ async def test_threaded_session_never_blocks_the_caller(
     finally:
         await asyncio.to_thread(holder.close)
         await asyncio.to_thread(reader.close)
+    # After close, calls neither raise into the caller nor hang: they fail through their future.
+    holder.announce_stored(ns, GPU, CHAIN)
+    late = reader.resolve_async(ns, CHAIN)
+    with pytest.raises(errors.Unavailable):
+        late.result(timeout=1.0)
+    assert not holder.connected
 
 
 class _MetadataRecorder(broker_pb2_grpc.KVBrokerServicer):

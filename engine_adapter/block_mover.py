@@ -183,14 +183,17 @@ class BlockMover:
         notif: bytes | None = None,
         *,
         peer_num_blocks: int | None = None,
+        peer_mem_type: str | None = None,
     ) -> int:
         """Start one NIXL READ of remote blocks into local blocks; returns a handle for `poll()`.
 
         For each layer in `layers` (default: every local layer of the tier),
         remote block `remote_block_ids[i]` of the peer's regions of that layer
         lands in local block `local_block_ids[i]` of the local regions of the
-        same layer. `peer_num_blocks` (the peer's TierInfo.num_blocks) lets
-        the peer descriptor list be prepared once at full size.
+        same layer. Pass the peer's TierInfo: `peer_num_blocks` lets the
+        peer descriptor list be prepared once at full size, and
+        `peer_mem_type` ("DRAM"/"VRAM") is needed when it differs from the
+        local tier's (e.g. peer VRAM into the local CPU tier).
         """
         with self._lock:
             if self._closed:
@@ -223,7 +226,9 @@ class BlockMover:
                 return handle
             needed = int(remote_ids.max()) + 1
             try:
-                pdl = self._peer_dlist(peer_agent, peer, tier.mem_type, peer_regions, needed, peer_num_blocks)
+                pdl = self._peer_dlist(
+                    peer_agent, peer, peer_mem_type or tier.mem_type, peer_regions, needed, peer_num_blocks
+                )
                 local_idx = _indices(local_regions, tier.num_blocks, local_ids)
                 remote_idx = _indices(peer_region_idx, pdl.num_blocks, remote_ids)
                 xfer = self._agent.make_prepped_xfer(
@@ -361,8 +366,6 @@ class BlockMover:
         needed: int,
         peer_num_blocks: int | None,
     ) -> _PeerDlist:
-        # mem_type: the peer's memory type is not on the wire per region; UCX
-        # moves DRAM and VRAM alike, and both sides register with the same kind.
         key = (mem_type, tuple(regions))
         have = peer.dlists.get(key)
         if have is not None and have.num_blocks >= needed:

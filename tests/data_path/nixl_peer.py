@@ -7,10 +7,17 @@ expected byte without shipping tensors.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import signal
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+import torch
+
+from tests.data_path.kv_fixtures import LAYER_NAME, cpu_backend_kv_caches
 
 GPU, CPU = 1, 2
 
@@ -25,6 +32,7 @@ class PeerSpec:
     block_size: int = 32
     head_size: int = 16
     num_slots: int = 8
+    device: str = "cpu"  # where the KV cache lives: cpu, or cuda for VRAM
 
     def kv_kwargs(self) -> dict[str, Any]:
         return {
@@ -44,11 +52,10 @@ def peer_main(conn: Connection, spec: PeerSpec) -> None:
     from engine_adapter.block_mover import BlockMover
     from engine_adapter.cpu_tier import CpuTierBuffer
     from engine_adapter.kv_regions import regions_from_kv_caches
-    from tests.data_path.kv_fixtures import cpu_backend_kv_caches
 
-    kv = cpu_backend_kv_caches(seed=spec.seed, **spec.kv_kwargs())
+    kv = cpu_backend_kv_caches(seed=spec.seed, device=spec.device, **spec.kv_kwargs())
     regions, num_blocks, mem_type = regions_from_kv_caches(kv)
-    tier = CpuTierBuffer(regions, spec.num_slots, pin_memory=False)
+    tier = CpuTierBuffer(regions, spec.num_slots)
     offload = spec.slot_of_block()
     tier.wait(tier.start_store(kv, list(offload), list(offload.values())))
     tier.poll()
@@ -75,3 +82,71 @@ def peer_main(conn: Connection, spec: PeerSpec) -> None:
             tier.close()
             conn.send("stopped")
             return
+
+
+class Peer:
+    def __init__(self, spec: PeerSpec) -> None:
+        ctx = mp.get_context("spawn")
+        self.spec = spec
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=peer_main, args=(child, spec), daemon=True)
+        self.proc.start()
+        deadline = time.monotonic() + 60
+        while not self.conn.poll(0.1):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"peer process did not start (exit code {self.proc.exitcode})")
+        self.info: dict[str, Any] = self.conn.recv()
+        self.kv = cpu_backend_kv_caches(seed=spec.seed, **spec.kv_kwargs())  # what the peer holds (on CPU)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self.kv[LAYER_NAME.format(layer)]
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send("stop")
+                self.conn.poll(10)
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+    def kill9(self) -> None:
+        os.kill(self.info["pid"], signal.SIGKILL)
+        self.proc.join(10)
+
+
+class Reader:
+    def __init__(self, name: str, spec: PeerSpec) -> None:
+        from engine_adapter.block_mover import BlockMover
+        from engine_adapter.cpu_tier import CpuTierBuffer
+        from engine_adapter.kv_regions import regions_from_kv_caches
+
+        self.kv = cpu_backend_kv_caches(seed=None, device=spec.device, **spec.kv_kwargs())
+        regions, n, mem = regions_from_kv_caches(self.kv)
+        self.mover = BlockMover(name, read_timeout_s=30)
+        self.mover.register_tier(GPU, mem, regions, n)
+        self.tier = CpuTierBuffer(regions, spec.num_slots)
+        self.mover.register_tier(CPU, self.tier.mem_type, self.tier.regions(), self.tier.num_slots)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self.kv[LAYER_NAME.format(layer)]
+
+    def wait(self, handles: list[int], timeout: float = 20.0) -> tuple[list[int], dict[int, str]]:
+        done: list[int] = []
+        failed: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(done) + len(failed) < len(handles):
+            d, f = self.mover.poll()
+            done += d
+            failed |= f
+            time.sleep(0.0005)
+        assert len(done) + len(failed) == len(handles), "reads neither finished nor failed (hang)"
+        return done, failed
+
+    def close(self) -> None:
+        self.mover.close()
+        self.tier.close()

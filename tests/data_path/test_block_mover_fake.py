@@ -297,3 +297,21 @@ def test_ticker_collects_notifications_in_background(fabric: FakeFabric) -> None
         assert holder.take_notifications() == [("x", b"hello")]
     finally:
         holder.close()
+
+
+def test_peer_memory_type_can_differ_from_local(fabric: FakeFabric, clock: FakeClock) -> None:
+    """Peer VRAM into the local (DRAM) CPU tier: the peer list is prepared with the peer's type."""
+    holder = BlockMover("hv", nixl=fabric.api(), progress_interval_s=None, clock=clock)
+    reader = BlockMover("rv", nixl=fabric.api(), progress_interval_s=None, clock=clock)
+    src = torch.arange(2 * 4 * 32, dtype=torch.uint8).view(2, 4, 32)
+    dst = torch.zeros_like(src)
+    regions = [Region(layer, src[layer].data_ptr(), 32, 32) for layer in range(2)]
+    holder.register_tier(GPU, "VRAM", regions, 4)  # the fake does not care where the bytes really are
+    reader.register_tier(CPU, "DRAM", [Region(layer, dst[layer].data_ptr(), 32, 32) for layer in range(2)], 4)
+    reader.add_peer("hv", holder.agent_metadata())
+    wrong = reader.start_read("hv", regions, [1], CPU, [1])
+    _, failed = reader.poll()
+    assert "could not prepare" in failed[wrong]
+    h = reader.start_read("hv", regions, [3], CPU, [0], peer_mem_type="VRAM", peer_num_blocks=4)
+    assert poll_until_settled(reader) == ([h], {})
+    assert torch.equal(dst[:, 0], src[:, 3])

@@ -418,3 +418,53 @@ async def test_trace_context_travels_in_call_metadata() -> None:
         assert recorder.metadata[1]["traceparent"].split("-")[1] == trace_id
     finally:
         await server.stop(0)
+
+
+class _RecordingBroker(broker_pb2_grpc.KVBrokerServicer):
+    """Registers engines and records every SessionUp message it receives."""
+
+    def __init__(self) -> None:
+        self.received: list[pb.SessionUp] = []
+
+    async def Session(self, request_iterator: Any, context: Any) -> Any:
+        async for message in request_iterator:
+            self.received.append(message)
+            if message.WhichOneof("msg") == "register":
+                yield pb.SessionDown(
+                    seq=message.seq,
+                    registered=pb.Registered(session_id="s", layout_id="L", session_ttl_ms=10_000),
+                )
+
+    def inventory(self) -> list[pb.InventoryUpdate]:
+        return [m.inventory for m in self.received if m.WhichOneof("msg") == "inventory"]
+
+
+async def test_a_busy_engine_sends_few_inventory_messages(engine_info: Callable[..., pb.EngineInfo]) -> None:
+    server = grpc.aio.server()
+    recording = _RecordingBroker()
+    broker_pb2_grpc.add_KVBrokerServicer_to_server(recording, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    session = EngineSession(
+        f"127.0.0.1:{port}", engine_info("p0"), flush_interval_s=0.005, flush_max_hashes=1024
+    )
+    try:
+        await session.start(wait_connected_s=5.0)
+        for h in range(3000):  # one block at a time, as a scheduler would
+            session.announce_stored(("L", ""), GPU, [h])
+        for h in range(0, 3000, 2):
+            session.announce_removed(("L", ""), GPU, [h])
+        await _until(lambda: sum(len(u.stored) - len(u.removed) for u in recording.inventory()) == 1500)
+        updates = recording.inventory()
+        # 4,500 calls: a message per 1,024 pending hashes plus the timed flush of the rest;
+        # removals of blocks not sent yet cancel out and cost nothing.
+        assert len(updates) <= 6, [len(u.stored) + len(u.removed) for u in updates]
+        assert sum(len(u.stored) + len(u.removed) for u in updates) < 4500
+        stored = set().union(*(set(u.stored) for u in updates)) - set().union(
+            *(set(u.removed) for u in updates)
+        )
+        assert stored == set(range(1, 3000, 2))
+        assert all(m.seq > 0 for m in recording.received)
+    finally:
+        await session.close()
+        await server.stop(0)

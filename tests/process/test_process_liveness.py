@@ -113,8 +113,10 @@ async def test_frozen_reader_process_holder_told_when_ttl_runs_out(
     delay = told_at - stopped_at
     print(f"\nfrozen reader: holder told after {delay * 1000:.0f} ms (session TTL {TTL_MS} ms)")
     assert ended.lease.cause == pb.REVOKE_READER_GONE
-    # Not before the TTL minus one heartbeat interval (the last sign of life), not after TTL + 1 s.
-    assert TTL_MS / 1000 * 2 / 3 - 0.1 < delay < TTL_MS / 1000 + 1.0
+    # The last sign of life came at most one heartbeat interval (TTL/3, plus a tick) before
+    # the freeze, so the TTL path takes over half a TTL (a broken stream takes milliseconds);
+    # and never more than TTL + 1 s.
+    assert TTL_MS / 1000 / 2 < delay < TTL_MS / 1000 + 1.0
 
 
 async def test_kill9_holder_process_reader_told_within_ttl(

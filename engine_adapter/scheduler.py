@@ -68,6 +68,7 @@ class _Lookup:
     future: Future[pb.ResolveResponse] | None = None
     last_submit: float = 0.0
     response: pb.ResolveResponse | None = None
+    last_response: pb.ResolveResponse | None = None
     num_local_tokens: int = 0
     decision: Decision | None = None
     logged: bool = False
@@ -293,7 +294,8 @@ class AdapterScheduler:
         try:
             params = parse_transfer_params(request.kv_transfer_params)
         except BadTransferParams as e:
-            logger.warning("kvbroker: request %s: ignoring kv_transfer_params: %s", req_id, e)
+            # Already logged (warning) when the request arrived; one line per request is enough.
+            logger.debug("kvbroker: request %s: ignoring kv_transfer_params: %s", req_id, e)
             return False, None
         if not (params.do_remote_decode or self.config.multi_turn):
             return False, None
@@ -368,33 +370,38 @@ class AdapterScheduler:
     def _poll_lookup(self, lookup: _Lookup, now: float) -> Decision | None:
         budget_left = lookup.started + self.config.resolve_wait_ms / 1000.0 - now
         future = lookup.future
+        hint = lookup.params.holder_engine_id
         if future is not None and future.done():
             error = future.exception()
             if error is not None:
                 return Decision(None, SKIP_ERROR, f"resolve failed: {error}; recomputing")
             response = future.result()
-            hint = lookup.params.holder_engine_id
+            lookup.last_response = response
             named = {m.engine_id for m in response.matches}
-            if hint and hint not in named and budget_left > 0:
+            if not hint or hint in named:
+                lookup.response = response
+                return Decision(None, "resolved")
+            if budget_left > 0:
                 # P's hold may reach the broker just after its answer reached the router.
                 if now - lookup.last_submit >= _HINT_RETRY_S:
                     self._submit_resolve(lookup, now)
                 return None
-            if hint and hint not in named:
-                lease_note = f" (lease {lookup.params.lease_id})" if lookup.params.lease_id else ""
-                logger.warning(
-                    "kvbroker: kv_transfer_params name holder %s%s, but the broker knows no such "
-                    "holder of this prompt; using what the broker knows",
-                    hint,
-                    lease_note,
-                )
-            lookup.response = response
-            return Decision(None, "resolved")
-        if budget_left <= 0:
+        if budget_left > 0:
+            return None
+        if lookup.last_response is None:
             return Decision(
                 None, SKIP_TIMEOUT, f"no broker answer within resolve_wait_ms={self.config.resolve_wait_ms}"
             )
-        return None
+        lease_note = f" (lease {lookup.params.lease_id})" if lookup.params.lease_id else ""
+        logger.warning(
+            "kvbroker: request %s: kv_transfer_params name holder %s%s, but the broker knows no such "
+            "holder of this prompt; using what the broker knows",
+            lookup.request_id,
+            hint,
+            lease_note,
+        )
+        lookup.response = lookup.last_response
+        return Decision(None, "resolved")
 
     def _log_decision(self, req_id: str, lookup: _Lookup, decision: Decision) -> None:
         if lookup.logged:

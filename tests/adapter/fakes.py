@@ -178,7 +178,15 @@ class FakeMover:
         self.peers[agent_name] = metadata
 
     def start_read(
-        self, peer_agent, peer_regions, remote_block_ids, local_tier, local_block_ids, layers=None, notif=None, **kwargs
+        self,
+        peer_agent,
+        peer_regions,
+        remote_block_ids,
+        local_tier,
+        local_block_ids,
+        layers=None,
+        notif=None,
+        **kwargs,
     ):  # type: ignore[no-untyped-def]
         handle = self._next
         self._next += 1

@@ -152,6 +152,25 @@ def test_hinted_holder_is_asked_again_until_its_hold_arrives() -> None:
     assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
 
 
+def test_hinted_holder_that_never_appears_uses_what_the_broker_knows(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sched, link, clock = make()
+    params = {"do_remote_prefill": True, "kvbroker": {"holder_engine_id": "ghost", "lease_id": "nope"}}
+    req = FakeRequest("r1", num_tokens=140, kv_transfer_params=params)
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link, match(4, engine="other"))
+    for _ in range(5):
+        clock.advance(0.05)
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+        if not link.named("resolve")[-1].future.done():  # type: ignore[union-attr]
+            resolved(link, match(4, engine="other"))
+    clock.advance(0.5)
+    with caplog.at_level("WARNING", logger="vllm.kvbroker.scheduler"):
+        assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+    assert "ghost (lease nope)" in caplog.text
+
+
 def _pull_to_reading(sched: AdapterScheduler, link: FakeLink, req: FakeRequest, holder: pb.EngineInfo):  # type: ignore[no-untyped-def]
     sched.get_num_new_matched_tokens(req, 0)
     resolved(link, match(4))

@@ -53,7 +53,8 @@ def main() -> int:
             stale = [
                 str(f)
                 for f in files
-                if not (PROTO_ROOT / f).exists() or not filecmp.cmp(tmp_dir / f, PROTO_ROOT / f, shallow=False)
+                if not (PROTO_ROOT / f).exists()
+                or not filecmp.cmp(tmp_dir / f, PROTO_ROOT / f, shallow=False)
             ]
             if stale:
                 print("generated code is stale; run `make protos`:", *stale, sep="\n  ")

@@ -1,0 +1,57 @@
+"""`python -m clients.proxy`: run the P/D proxy until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from clients.proxy.config import ProxyConfig, build_parser, config_from_args
+from clients.proxy.server import build_app
+from clients.proxy.tracing import setup_tracing
+
+
+async def run(config: ProxyConfig) -> None:
+    provider = setup_tracing(config.otlp_endpoint)
+    app = build_app(config)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    engines = ", ".join(f"{e.role}={e.url}" for e in config.engines) or "from the broker"
+    print(
+        f"kvbroker proxy listening on http://{config.host}:{config.port} "
+        f"(engines: {engines}; broker: {config.broker or 'none'})",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    if provider is not None:
+        provider.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The engines the proxy can use: from flags, from the broker's engine list, or both.
+
+The broker knows each engine's id, layout (needed to hash a prompt the way the
+engines do) and labels (role, url). The pool re-reads that list in the
+background; requests never wait on it. An engine that just failed goes to the
+back of every candidate list for a cool-down period instead of being dropped,
+so a lone engine that had a hiccup is still tried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvbroker.v1 import broker_pb2 as pb
+
+from clients.proxy.config import ROLES, EngineSpec, normalize_url
+
+log = logging.getLogger("kvbroker.proxy")
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """What the proxy needs to hash a prompt like the engine does."""
+
+    layout_id: str
+    block_size: int
+    hash_algo: str
+
+
+class EnginePool:
+    def __init__(
+        self,
+        static: Sequence[EngineSpec],
+        *,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._static = list(static)
+        self._engines: list[EngineSpec] = list(static)
+        self._layouts: dict[str, EngineLayout] = {}
+        self._load: dict[str, float] = {}
+        self._draining: set[str] = set()
+        self._failed_until: dict[str, float] = {}
+        self._cooldown_s = cooldown_s
+        self._clock = clock
+        self.broker_seen = False  # the broker's engine list was read at least once
+
+    @property
+    def engines(self) -> list[EngineSpec]:
+        return list(self._engines)
+
+    def layout_of(self, engine: EngineSpec) -> EngineLayout | None:
+        return self._layouts.get(engine.engine_id) if engine.engine_id else None
+
+    def load_of(self, engine: EngineSpec) -> float:
+        return self._load.get(engine.engine_id, 0.0)
+
+    def is_draining(self, engine: EngineSpec) -> bool:
+        return engine.engine_id in self._draining
+
+    def is_cooling_down(self, engine: EngineSpec) -> bool:
+        return self._failed_until.get(engine.url, 0.0) > self._clock()
+
+    def candidates(self, role: str) -> list[EngineSpec]:
+        """Engines that can take `role`, those not cooling down after a failure first."""
+        able = [e for e in self._engines if e.serves(role)]
+        return [e for e in able if not self.is_cooling_down(e)] + [e for e in able if self.is_cooling_down(e)]
+
+    def mark_failed(self, engine: EngineSpec) -> None:
+        self._failed_until[engine.url] = self._clock() + self._cooldown_s
+
+    def mark_ok(self, engine: EngineSpec) -> None:
+        self._failed_until.pop(engine.url, None)
+
+    def apply_broker_engines(self, infos: Sequence[pb.EngineInfo]) -> None:
+        """Learn ids, layouts and loads from the broker's engine list.
+
+        With engines from flags, the list only names them (matched by their
+        `url` label). Without, it is the engine list: every engine with a
+        `url` label, in the role of its `role` label (default both).
+        """
+        self.broker_seen = True
+        by_url: dict[str, pb.EngineInfo] = {}
+        for info in infos:
+            self._layouts[info.engine_id] = EngineLayout(
+                info.layout_id, info.layout.block_size, info.layout.hash_algo or "sha256"
+            )
+            self._load[info.engine_id] = info.load
+            url = info.labels.get("url", "")
+            if url:
+                by_url[normalize_url(url)] = info
+        self._draining = {i.engine_id for i in infos if i.draining}
+        if self._static:
+            engines = []
+            for spec in self._static:
+                known = by_url.get(spec.url)
+                if not spec.engine_id and known is not None:
+                    spec = EngineSpec(spec.url, spec.role, known.engine_id)
+                engines.append(spec)
+        else:
+            engines = []
+            for url, info in by_url.items():
+                role = info.labels.get("role", "both")
+                engines.append(EngineSpec(url, role if role in ROLES else "both", info.engine_id))
+        if [e.label for e in engines] != [e.label for e in self._engines]:
+            log.info("engines: %s", ", ".join(f"{e.label} ({e.role}) {e.url}" for e in engines) or "none")
+        self._engines = engines
+
+    async def refresh(self, broker) -> bool:  # broker: clients.aio.AsyncBrokerClient
+        from clients.errors import BrokerError
+
+        try:
+            response = await broker.list_engines(timeout=2.0)
+        except BrokerError as e:
+            log.debug("broker engine list unavailable: %s", e)
+            return False
+        self.apply_broker_engines(list(response.engines))
+        return True
+
+    async def refresh_forever(self, broker, interval_s: float) -> None:
+        was_ok = True
+        while True:
+            ok = await self.refresh(broker)
+            if ok != was_ok:
+                log.warning("broker %s", "reachable again" if ok else "unreachable: routing without scores")
+                was_ok = ok
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,362 @@
+"""Sending one request to the engines: prefill on P, decode on D, fall back to one engine.
+
+The P/D protocol routers already speak with vLLM:
+
+1. P gets the request with `max_tokens=1`, not streamed, and
+   `kv_transfer_params = {"do_remote_decode": true}`; its adapter holds the
+   prompt's blocks under a broker lease and answers with `kv_transfer_params`
+   that name it as the holder.
+2. D gets the original request with those `kv_transfer_params`; its adapter
+   pulls the blocks (through the broker, over NIXL) instead of prefilling, and
+   D's answer goes to the client.
+
+Failures: an engine that cannot be reached, times out or answers 5xx is
+marked failed and the next candidate is tried; if no P/D pair works, one engine
+serves the whole request without kv_transfer_params (P recomputes nothing it
+already has: its prefix cache still holds the prompt). A 4xx answer is the
+request's fault and goes back to the client unchanged. Once D has started
+streaming, a failure can no longer be hidden: the stream ends with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+
+from clients.proxy.config import EngineSpec
+from clients.proxy.engines import EnginePool
+from clients.proxy.routing import Route
+from clients.proxy.tracing import current_context_carrier, get_tracer
+
+log = logging.getLogger("kvbroker.proxy")
+
+# Request keys that do not make sense for the one-token prefill call.
+_PREFILL_DROP_KEYS = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "n", "best_of")
+
+
+class EngineFailure(Exception):
+    """The engine could not serve (unreachable, timeout, 5xx): try another one."""
+
+    def __init__(self, engine: EngineSpec, reason: str) -> None:
+        super().__init__(f"{engine.label}: {reason}")
+        self.engine = engine
+        self.reason = reason
+
+
+class RequestRejected(Exception):
+    """The engine answered 4xx: the request itself is wrong; pass the answer on."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+@dataclass
+class Outcome:
+    """What happened to a request, for response headers, spans and logs."""
+
+    request_id: str
+    mode: str = ""  # "pd" or "single"
+    prefill: EngineSpec | None = None
+    decode: EngineSpec | None = None
+    fallback_reason: str = ""
+    failures: list[str] = field(default_factory=list)
+
+    def headers(self) -> dict[str, str]:
+        h = {"X-Request-Id": self.request_id, "X-KVBroker-Mode": self.mode}
+        if self.prefill is not None:
+            h["X-KVBroker-Prefill"] = self.prefill.label
+        if self.decode is not None:
+            h["X-KVBroker-Decode"] = self.decode.label
+        if self.fallback_reason:
+            h["X-KVBroker-Fallback"] = self.fallback_reason[:200]
+        return h
+
+
+def openai_error(status: int, message: str, err_type: str = "proxy_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": err_type, "code": status}}, status=status)
+
+
+def prefill_body(body: Mapping[str, Any], trace_context: Mapping[str, str]) -> dict[str, Any]:
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROP_KEYS}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+    if trace_context:
+        params["trace_context"] = dict(trace_context)
+    out["kv_transfer_params"] = params
+    return out
+
+
+def decode_body(
+    body: Mapping[str, Any], params: Mapping[str, Any] | None, trace_context: Mapping[str, str]
+) -> dict[str, Any]:
+    out = dict(body)
+    if params:
+        merged = dict(params)
+        if trace_context:
+            merged["trace_context"] = dict(trace_context)
+        out["kv_transfer_params"] = merged
+    else:
+        out.pop("kv_transfer_params", None)
+    return out
+
+
+class Forwarder:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        pool: EnginePool,
+        *,
+        max_attempts: int = 2,
+        connect_timeout_s: float = 5.0,
+        prefill_timeout_s: float = 300.0,
+        read_timeout_s: float = 300.0,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.tracer = tracer or get_tracer()
+        self.http = http
+        self.pool = pool
+        self.max_attempts = max_attempts
+        self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=connect_timeout_s)
+        self._decode_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+        )
+
+    async def serve(
+        self,
+        request: web.Request,
+        endpoint: str,
+        body: dict[str, Any],
+        route: Route,
+        outcome: Outcome,
+        disaggregate: bool,
+    ) -> web.StreamResponse:
+        headers = self._engine_headers(request, outcome.request_id)
+        p_list, d_list = route.prefill, route.decode
+        tried: list[EngineSpec] = []
+        if disaggregate and p_list and d_list:
+            params, p = await self._prefill_any(endpoint, body, headers, p_list, outcome, tried)
+            if p is not None:
+                outcome.prefill = p
+                for d in d_list[: self.max_attempts]:
+                    try:
+                        return await self._decode(request, d, endpoint, body, params, headers, outcome, "pd")
+                    except EngineFailure as e:
+                        self._failed(e, outcome, tried)
+                outcome.fallback_reason = "no decode engine answered"
+                single = [p, *d_list, *p_list]
+            else:
+                outcome.fallback_reason = "no prefill engine answered"
+                single = [*d_list, *p_list]
+        else:
+            if not disaggregate:
+                outcome.fallback_reason = "disaggregation off"
+            elif not p_list:
+                outcome.fallback_reason = "no prefill engine"
+            else:
+                outcome.fallback_reason = "no decode engine"
+            single = [*d_list, *p_list]
+        for engine in _single_order(single, tried):
+            try:
+                return await self._decode(request, engine, endpoint, body, None, headers, outcome, "single")
+            except EngineFailure as e:
+                self._failed(e, outcome, tried)
+        detail = "; ".join(outcome.failures) or "no engines known"
+        outcome.mode = "none"
+        return openai_error(503, f"no engine could serve the request: {detail}", "service_unavailable")
+
+    def _failed(self, e: EngineFailure, outcome: Outcome, tried: list[EngineSpec]) -> None:
+        log.warning("request %s: %s", outcome.request_id, e)
+        outcome.failures.append(str(e))
+        tried.append(e.engine)
+        self.pool.mark_failed(e.engine)
+
+    @staticmethod
+    def _engine_headers(request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        auth = request.headers.get("Authorization")
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    async def _prefill_any(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        candidates: list[EngineSpec],
+        outcome: Outcome,
+        tried: list[EngineSpec],
+    ) -> tuple[dict[str, Any] | None, EngineSpec | None]:
+        for p in candidates[: self.max_attempts]:
+            try:
+                return await self._prefill(p, endpoint, body, headers), p
+            except EngineFailure as e:
+                self._failed(e, outcome, tried)
+        return None, None
+
+    async def _prefill(
+        self, engine: EngineSpec, endpoint: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> dict[str, Any] | None:
+        with self.tracer.start_as_current_span(
+            "proxy.prefill",
+            kind=SpanKind.CLIENT,
+            attributes={"kvbroker.engine": engine.label, "server.address": engine.url},
+        ) as span:
+            carrier = current_context_carrier()
+            payload = prefill_body(body, carrier)
+            try:
+                async with self.http.post(
+                    f"{engine.url}{endpoint}",
+                    json=payload,
+                    headers={**headers, **carrier},
+                    timeout=self._prefill_timeout,
+                ) as resp:
+                    raw = await resp.read()
+                    span.set_attribute("http.response.status_code", resp.status)
+                    await _raise_for_status(engine, resp, raw)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                span.set_status(Status(StatusCode.ERROR, str(e) or type(e).__name__))
+                raise EngineFailure(engine, f"prefill failed: {type(e).__name__}: {e}") from None
+            except EngineFailure as e:
+                span.set_status(Status(StatusCode.ERROR, e.reason))
+                raise
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                raise EngineFailure(engine, "prefill answer is not JSON") from None
+            self.pool.mark_ok(engine)
+            params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+            span.set_attribute("kvbroker.kv_transfer_params", bool(params))
+            return params if isinstance(params, dict) else None
+
+    async def _decode(
+        self,
+        request: web.Request,
+        engine: EngineSpec,
+        endpoint: str,
+        body: dict[str, Any],
+        params: dict[str, Any] | None,
+        headers: dict[str, str],
+        outcome: Outcome,
+        mode: str,
+    ) -> web.StreamResponse:
+        """Send the request to `engine` and relay its answer; EngineFailure before anything was relayed."""
+        with self.tracer.start_as_current_span(
+            "proxy.decode" if mode == "pd" else "proxy.single",
+            kind=SpanKind.CLIENT,
+            attributes={"kvbroker.engine": engine.label, "server.address": engine.url, "kvbroker.mode": mode},
+        ) as span:
+            carrier = current_context_carrier()
+            payload = decode_body(body, params, carrier)
+            try:
+                resp = await self.http.post(
+                    f"{engine.url}{endpoint}",
+                    json=payload,
+                    headers={**headers, **carrier},
+                    timeout=self._decode_timeout,
+                )
+            except (aiohttp.ClientError, TimeoutError) as e:
+                span.set_status(Status(StatusCode.ERROR, str(e) or type(e).__name__))
+                raise EngineFailure(engine, f"{mode} request failed: {type(e).__name__}: {e}") from None
+            try:
+                span.set_attribute("http.response.status_code", resp.status)
+                outcome.mode, outcome.decode = mode, engine
+                if not body.get("stream"):
+                    try:
+                        raw = await resp.read()
+                    except (aiohttp.ClientError, TimeoutError) as e:
+                        raise EngineFailure(
+                            engine, f"{mode} answer cut off: {type(e).__name__}: {e}"
+                        ) from None
+                    await _raise_for_status(engine, resp, raw)
+                    self.pool.mark_ok(engine)
+                    return web.Response(
+                        body=raw,
+                        status=resp.status,
+                        content_type="application/json",
+                        headers=outcome.headers(),
+                    )
+                if resp.status != 200:
+                    await _raise_for_status(engine, resp, await resp.read())
+                return await self._relay_stream(request, engine, resp, outcome, span)
+            except EngineFailure as e:
+                outcome.mode, outcome.decode = "", None
+                span.set_status(Status(StatusCode.ERROR, e.reason))
+                raise
+            finally:
+                resp.release()
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        engine: EngineSpec,
+        resp: aiohttp.ClientResponse,
+        outcome: Outcome,
+        span: Any,
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers=outcome.headers())
+        out.content_type = resp.content_type or "text/event-stream"
+        first = True
+        try:
+            async for chunk in resp.content.iter_any():
+                if first:
+                    # Headers go out with the first byte: until then a retry is still invisible.
+                    await out.prepare(request)
+                    first = False
+                await out.write(chunk)
+        except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as e:
+            if first:
+                raise EngineFailure(
+                    engine, f"stream failed before the first byte: {type(e).__name__}: {e}"
+                ) from None
+            log.warning("request %s: %s died mid-stream: %s", outcome.request_id, engine.label, e)
+            self.pool.mark_failed(engine)
+            span.set_status(Status(StatusCode.ERROR, f"engine died mid-stream: {e}"))
+            error = {
+                "error": {
+                    "message": f"engine {engine.label} failed mid-stream: {type(e).__name__}",
+                    "type": "engine_failure",
+                    "code": 502,
+                }
+            }
+            await out.write(f"data: {json.dumps(error)}\n\n".encode())
+            await out.write_eof()
+            return out
+        if first:
+            raise EngineFailure(engine, "stream ended without a byte")
+        self.pool.mark_ok(engine)
+        await out.write_eof()
+        return out
+
+
+async def _raise_for_status(engine: EngineSpec, resp: aiohttp.ClientResponse, raw: bytes) -> None:
+    if resp.status < 400:
+        return
+    if resp.status < 500:
+        raise RequestRejected(resp.status, raw, resp.content_type or "application/json")
+    text = raw[:300].decode(errors="replace")
+    raise EngineFailure(engine, f"HTTP {resp.status}: {text}")
+
+
+def _single_order(engines: list[EngineSpec], tried: list[EngineSpec]) -> list[EngineSpec]:
+    """Distinct engines, those that did not just fail first."""
+    seen: list[EngineSpec] = []
+    for e in engines:
+        if all(e.url != s.url for s in seen):
+            seen.append(e)
+    failed_urls = {t.url for t in tried}
+    return [e for e in seen if e.url not in failed_urls] + [e for e in seen if e.url in failed_urls]

@@ -1,0 +1,250 @@
+"""Which engines get a request: prompt -> token ids -> block hashes -> broker Score.
+
+The broker answers, per engine, how many leading blocks of the prompt it holds
+on GPU and on its CPU tier. Engines that hold part of the prompt are tried
+first, in the broker's order (longest prefix, GPU before CPU, lower load);
+engines that hold nothing follow, least loaded first and rotated so new
+conversations spread out. No conversation table: turn 2 of a chat lands where
+turn 1's blocks are because its prompt starts with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from kvbroker.v1 import broker_pb2 as pb
+
+from clients.hashing import wire_chain
+from clients.proxy.config import EngineSpec
+from clients.proxy.engines import EngineLayout, EnginePool
+
+log = logging.getLogger("kvbroker.proxy")
+
+# Keys of a chat request that change how /tokenize renders the prompt.
+_CHAT_TOKENIZE_KEYS = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
+
+
+@dataclass
+class PrefixMatch:
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+
+
+@dataclass
+class Route:
+    """Ordered candidates for both roles, and why they are in that order."""
+
+    prefill: list[EngineSpec]
+    decode: list[EngineSpec]
+    num_tokens: int | None = None
+    num_blocks: int = 0
+    matches: dict[str, PrefixMatch] = field(default_factory=dict)  # engine_id -> match
+    scored: bool = False
+    note: str = ""  # why there are no scores, when there are none
+
+
+def order_engines(
+    engines: Sequence[EngineSpec],
+    scores: Sequence[pb.EngineScore] | None,
+    pool: EnginePool,
+    rotation: int,
+) -> list[EngineSpec]:
+    """Engines holding part of the prompt first (broker order); then the rest by load, rotated."""
+    by_id = {e.engine_id: e for e in engines if e.engine_id}
+    placed: list[EngineSpec] = []
+    for s in scores or ():
+        engine = by_id.get(s.engine_id)
+        if engine is not None and (s.gpu_blocks or s.cpu_blocks) and not s.draining and engine not in placed:
+            placed.append(engine)
+    rest = [e for e in engines if e not in placed]
+    if rest:
+        k = rotation % len(rest)
+        rest = rest[k:] + rest[:k]
+        # Stable sort keeps the rotation among equals.
+        rest.sort(key=lambda e: (pool.is_cooling_down(e), pool.is_draining(e), pool.load_of(e)))
+    # A cooling-down engine goes last even if it holds the prefix: it just failed.
+    ordered = placed + rest
+    return [e for e in ordered if not pool.is_cooling_down(e)] + [
+        e for e in ordered if pool.is_cooling_down(e)
+    ]
+
+
+def tokenize_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The /tokenize request that renders this request's prompt, or None if it has no single prompt."""
+    model = body.get("model")
+    if endpoint.endswith("chat/completions"):
+        if not isinstance(body.get("messages"), list):
+            return None
+        out = {k: body[k] for k in _CHAT_TOKENIZE_KEYS if k in body}
+        out.setdefault("add_generation_prompt", True)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return None
+        out = {"prompt": prompt}
+        if "add_special_tokens" in body:
+            out["add_special_tokens"] = body["add_special_tokens"]
+    if model is not None:
+        out["model"] = model
+    return out
+
+
+def literal_token_ids(endpoint: str, body: Mapping[str, Any]) -> list[int] | None:
+    """Token ids given directly as the prompt (`"prompt": [1, 2, 3]`)."""
+    if endpoint.endswith("chat/completions"):
+        return None
+    prompt = body.get("prompt")
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return list(prompt)
+    return None
+
+
+async def fetch_token_ids(
+    http: aiohttp.ClientSession,
+    engine: EngineSpec,
+    endpoint: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
+    timeout_s: float,
+) -> list[int] | None:
+    """The prompt's token ids as the engine sees them (its /tokenize applies the chat template)."""
+    literal = literal_token_ids(endpoint, body)
+    if literal is not None:
+        return literal
+    request = tokenize_body(endpoint, body)
+    if request is None:
+        return None
+    try:
+        async with http.post(
+            f"{engine.url}/tokenize",
+            json=request,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            if resp.status != 200:
+                log.debug("tokenize on %s: HTTP %d", engine.label, resp.status)
+                return None
+            data = await resp.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        log.debug("tokenize on %s failed: %s", engine.label, e)
+        return None
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    return tokens if isinstance(tokens, list) else None
+
+
+def namespace_tenant(config_tenant: str, cache_salt: Any) -> str:
+    """The namespace tenant the engines' adapters use: TENANT/salt with a tenant, else the salt."""
+    salt = cache_salt if isinstance(cache_salt, str) else ""
+    return f"{config_tenant}/{salt}" if config_tenant else salt
+
+
+def hashes_for(tokens: Sequence[int], layout: EngineLayout, cache_salt: Any) -> list[int]:
+    salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
+    return wire_chain(tokens, layout.block_size, layout.hash_algo, cache_salt=salt)
+
+
+def pick_layout(pool: EnginePool, engines: Sequence[EngineSpec]) -> EngineLayout | None:
+    """The layout of the first candidate the broker knows (all candidates of one model share it)."""
+    for e in engines:
+        layout = pool.layout_of(e)
+        if layout is not None and layout.block_size > 0:
+            return layout
+    return None
+
+
+class Router:
+    """Builds a Route per request: tokenize on an engine, hash, ask the broker, order."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        broker: Any | None,  # clients.aio.AsyncBrokerClient
+        http: aiohttp.ClientSession,
+        *,
+        tenant: str = "",
+        score_timeout_s: float = 0.5,
+    ) -> None:
+        self.pool = pool
+        self.broker = broker
+        self.http = http
+        self.tenant = tenant
+        self.score_timeout_s = score_timeout_s
+        self._rotation = 0
+
+    async def route(self, endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> Route:
+        from clients.errors import BrokerError
+
+        prefill = self.pool.candidates("prefill")
+        decode = self.pool.candidates("decode")
+        self._rotation += 1
+        route = Route(prefill, decode)
+        scores: list[pb.EngineScore] | None = None
+        try:
+            scores = await self._score(endpoint, body, headers, route)
+        except BrokerError as e:
+            route.note = f"broker score failed: {e.code}: {e.message}"
+        if scores is not None:
+            route.scored = True
+            for s in scores:
+                route.matches[s.engine_id] = PrefixMatch(s.gpu_blocks, s.cpu_blocks)
+        route.prefill = order_engines(prefill, scores, self.pool, self._rotation)
+        route.decode = order_engines(decode, scores, self.pool, self._rotation)
+        return route
+
+    async def _score(
+        self, endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str], route: Route
+    ) -> list[pb.EngineScore] | None:
+        if self.broker is None:
+            route.note = "no broker"
+            return None
+        everyone = route.prefill + [e for e in route.decode if e not in route.prefill]
+        layout = pick_layout(self.pool, everyone)
+        if layout is None:
+            route.note = "broker does not know these engines yet"
+            return None
+        tokenizer = next((e for e in everyone if not self.pool.is_cooling_down(e)), None)
+        if tokenizer is None:
+            route.note = "no engine to tokenize on"
+            return None
+        tokens = await fetch_token_ids(
+            self.http, tokenizer, endpoint, body, headers, self.score_timeout_s * 4
+        )
+        if tokens is None:
+            route.note = "prompt not tokenizable (batch prompt or tokenize failed)"
+            return None
+        route.num_tokens = len(tokens)
+        hashes = hashes_for(tokens, layout, body.get("cache_salt"))
+        route.num_blocks = len(hashes)
+        if not hashes:
+            route.note = "prompt shorter than one block"
+            return None
+        same_layout = [
+            e.engine_id
+            for e in everyone
+            if (lo := self.pool.layout_of(e)) and lo.layout_id == layout.layout_id
+        ]
+        response = await self.broker.score(
+            namespace=pb.Namespace(
+                layout_id=layout.layout_id, tenant=namespace_tenant(self.tenant, body.get("cache_salt"))
+            ),
+            block_hashes=hashes,
+            candidates=same_layout,
+            timeout=self.score_timeout_s,
+        )
+        return list(response.scores)

@@ -1,0 +1,227 @@
+"""The proxy's aiohttp application: OpenAI endpoints, /health, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from clients.proxy.config import ProxyConfig
+from clients.proxy.engines import EnginePool
+from clients.proxy.forward import EngineFailure, Forwarder, Outcome, RequestRejected, openai_error
+from clients.proxy.routing import Route, Router
+from clients.proxy.tracing import get_tracer
+
+log = logging.getLogger("kvbroker.proxy")
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class ProxyState:
+    config: ProxyConfig
+    pool: EnginePool
+    http: aiohttp.ClientSession
+    router: Router
+    forwarder: Forwarder
+    broker: Any | None  # clients.aio.AsyncBrokerClient
+    tracer: trace.Tracer
+    refresh_task: asyncio.Task[None] | None = None
+
+
+STATE_KEY: web.AppKey[ProxyState] = web.AppKey("proxy_state", ProxyState)
+
+
+def _route_attributes(route: Route) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "kvbroker.scored": route.scored,
+        "kvbroker.prompt_blocks": route.num_blocks,
+        "kvbroker.prefill_candidates": [e.label for e in route.prefill],
+        "kvbroker.decode_candidates": [e.label for e in route.decode],
+    }
+    if route.num_tokens is not None:
+        attrs["kvbroker.prompt_tokens"] = route.num_tokens
+    if route.note:
+        attrs["kvbroker.score_note"] = route.note
+    return attrs
+
+
+async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        return openai_error(400, f"request body is not valid JSON: {e}", "invalid_request_error")
+    if not isinstance(body, dict):
+        return openai_error(400, "request body must be a JSON object", "invalid_request_error")
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    outcome = Outcome(request_id)
+    tracer = state.tracer
+    with tracer.start_as_current_span(
+        f"POST {endpoint}",
+        context=extract(dict(request.headers)),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": "POST", "url.path": endpoint, "kvbroker.request_id": request_id},
+    ) as span:
+        with tracer.start_as_current_span("proxy.route") as route_span:
+            route = await state.router.route(endpoint, body, {"X-Request-Id": request_id})
+            route_span.set_attributes(_route_attributes(route))
+        try:
+            response = await state.forwarder.serve(
+                request, endpoint, body, route, outcome, state.config.disaggregate
+            )
+        except RequestRejected as e:
+            span.set_attribute("http.response.status_code", e.status)
+            return web.Response(
+                body=e.body,
+                status=e.status,
+                content_type=e.content_type,
+                headers={"X-Request-Id": request_id},
+            )
+        span.set_attribute("http.response.status_code", response.status)
+        span.set_attribute("kvbroker.mode", outcome.mode)
+        if outcome.prefill is not None:
+            span.set_attribute("kvbroker.prefill_engine", outcome.prefill.label)
+        if outcome.decode is not None:
+            span.set_attribute("kvbroker.decode_engine", outcome.decode.label)
+        if outcome.fallback_reason:
+            span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
+        if response.status >= 500:
+            span.set_status(Status(StatusCode.ERROR, "; ".join(outcome.failures)[:500]))
+        log.info(
+            "%s %s mode=%s prefill=%s decode=%s%s",
+            request_id,
+            endpoint,
+            outcome.mode,
+            outcome.prefill.label if outcome.prefill else "-",
+            outcome.decode.label if outcome.decode else "-",
+            f" fallback={outcome.fallback_reason!r}" if outcome.fallback_reason else "",
+        )
+        return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, COMPLETIONS)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, CHAT_COMPLETIONS)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    engines = state.pool.engines
+    usable = [e for e in engines if not state.pool.is_cooling_down(e)]
+    status = 200 if usable else 503
+    return web.json_response(
+        {
+            "status": "ok" if usable else "no usable engine",
+            "engines": [
+                {
+                    "url": e.url,
+                    "role": e.role,
+                    "engine_id": e.engine_id,
+                    "cooling_down": state.pool.is_cooling_down(e),
+                }
+                for e in engines
+            ],
+            "broker": state.config.broker or None,
+            "broker_seen": state.pool.broker_seen,
+        },
+        status=status,
+    )
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    for engine in state.pool.candidates("decode") + state.pool.candidates("prefill"):
+        try:
+            async with state.http.get(
+                f"{engine.url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                if resp.status == 200:
+                    return web.Response(body=await resp.read(), content_type="application/json")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.debug("/v1/models on %s: %s", engine.label, e)
+    return openai_error(503, "no engine answered /v1/models", "service_unavailable")
+
+
+async def _on_startup(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    if state.broker is not None:
+        # First read before serving, so the first request can already be scored.
+        await state.pool.refresh(state.broker)
+        state.refresh_task = asyncio.create_task(
+            state.pool.refresh_forever(state.broker, state.config.refresh_interval_s),
+            name="proxy-engine-refresh",
+        )
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    if state.refresh_task is not None:
+        state.refresh_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await state.refresh_task
+    await state.http.close()
+    if state.broker is not None:
+        await state.broker.close()
+
+
+def build_app(
+    config: ProxyConfig, *, broker: Any | None = None, tracer_provider: trace.TracerProvider | None = None
+) -> web.Application:
+    """The proxy application. Create it inside a running event loop.
+
+    `broker`: an AsyncBrokerClient to use; by default one is made for
+    `config.broker` (none when that is empty). `tracer_provider`: where spans
+    go; default the global provider (see tracing.setup_tracing).
+    """
+    tracer = get_tracer(tracer_provider)
+    if broker is None and config.broker:
+        from clients.aio import AsyncBrokerClient
+
+        broker = AsyncBrokerClient(config.broker)
+    pool = EnginePool(config.engines, cooldown_s=config.cooldown_s)
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), json_serialize=json.dumps)
+    state = ProxyState(
+        config=config,
+        pool=pool,
+        http=http,
+        router=Router(pool, broker, http, tenant=config.tenant, score_timeout_s=config.score_timeout_s),
+        forwarder=Forwarder(
+            http,
+            pool,
+            max_attempts=config.max_attempts,
+            connect_timeout_s=config.connect_timeout_s,
+            prefill_timeout_s=config.prefill_timeout_s,
+            read_timeout_s=config.read_timeout_s,
+            tracer=tracer,
+        ),
+        broker=broker,
+        tracer=tracer,
+    )
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[STATE_KEY] = state
+    app.router.add_post(COMPLETIONS, completions)
+    app.router.add_post(CHAT_COMPLETIONS, chat_completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+__all__ = ["EngineFailure", "ProxyState", "build_app"]

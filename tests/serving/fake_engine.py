@@ -1,0 +1,132 @@
+"""A small fake vLLM OpenAI server for proxy unit tests (beside the real-engine e2e test).
+
+It speaks just enough of vLLM's API: /v1/completions and /v1/chat/completions
+(streaming and not, with kv_transfer_params like our adapter returns), /tokenize,
+/health and /v1/models. It records every request and can be told to fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
+
+
+def fake_tokens(text: str) -> list[int]:
+    """One token per character: enough tokens for several 32-token blocks from short prompts."""
+    return [ord(c) % 500 for c in text]
+
+
+def chat_text(messages: list[dict[str, Any]]) -> str:
+    return "".join(f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in messages) + "<|assistant|>\n"
+
+
+@dataclass
+class Seen:
+    path: str
+    body: dict[str, Any]
+    headers: CIMultiDict[str]
+
+
+@dataclass
+class FakeEngine:
+    name: str
+    # ok | error500 | reject400 | die_mid_stream | hang
+    mode: str = "ok"
+    words: int = 4
+    seen: list[Seen] = field(default_factory=list)
+    server: TestServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return str(self.server.make_url("")).rstrip("/")
+
+    def completions(self) -> list[Seen]:
+        return [s for s in self.seen if s.path.startswith("/v1/")]
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def start(self) -> FakeEngine:
+        self.server = TestServer(self.app())
+        await self.server.start_server()
+        return self
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append(Seen(request.path, body, CIMultiDict(request.headers)))
+        text = chat_text(body["messages"]) if "messages" in body else body["prompt"]
+        tokens = fake_tokens(text)
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": 4096})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(Seen(request.path, body, CIMultiDict(request.headers)))
+        params = body.get("kv_transfer_params") or {}
+        if self.mode == "error500":
+            return web.json_response({"error": {"message": "engine broke"}}, status=500)
+        if self.mode == "reject400":
+            return web.json_response({"error": {"message": "max_tokens too large", "code": 400}}, status=400)
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        chat = request.path.endswith("chat/completions")
+        if params.get("do_remote_decode"):
+            return web.json_response(
+                {
+                    "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                    "kv_transfer_params": {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_engine_id": self.name,
+                        "kvbroker": {"holder_engine_id": self.name, "num_blocks": 2},
+                    },
+                }
+            )
+        how = "pulled" if params.get("do_remote_prefill") else "computed"
+        words = [f"{self.name}", how] + [f"w{i}" for i in range(self.words)]
+        if not body.get("stream"):
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": " ".join(words)}
+            else:
+                choice["text"] = " ".join(words)
+            return web.json_response({"id": "cmpl-1", "choices": [choice], "engine": self.name})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, word in enumerate(words):
+            delta: dict[str, Any] = {"index": 0}
+            if chat:
+                delta["delta"] = {"content": word + " "}
+            else:
+                delta["text"] = word + " "
+            await resp.write(f"data: {json.dumps({'choices': [delta]})}\n\n".encode())
+            if self.mode == "die_mid_stream" and i == 1:
+                # Drop the connection without finishing the chunked body.
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -272,7 +272,8 @@ class BlockMover:
                 elif self._read_timeout_s is not None and now - read.started > self._read_timeout_s:
                     failed[handle] = f"read from {read.peer!r} timed out after {self._read_timeout_s:g}s"
                     self._finish(handle)
-            self._collect_notifs()
+            # Notifications are collected by the ticker and take_notifications(),
+            # not here: a hot poll loop should only check its own transfers.
             return done, failed
 
     def in_flight(self) -> int:

@@ -139,6 +139,7 @@ class EngineProcess:
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.kv_transfer_config = dict(kv_transfer_config) if kv_transfer_config else None
+        self._publish_url()
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_bytes = kv_cache_bytes
@@ -153,6 +154,15 @@ class EngineProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
+
+    def _publish_url(self) -> None:
+        """Give our connector this engine's URL (a broker label routers use), unless set."""
+        cfg = self.kv_transfer_config
+        if cfg is None or cfg.get("kv_connector") != "BrokerConnector":
+            return
+        extra = dict(cfg.get("kv_connector_extra_config") or {})
+        extra.setdefault("url", self.url)
+        cfg["kv_connector_extra_config"] = extra
 
     @property
     def url(self) -> str:

@@ -87,7 +87,9 @@ def openai_error(status: int, message: str, err_type: str = "proxy_error") -> we
     return web.json_response({"error": {"message": message, "type": err_type, "code": status}}, status=status)
 
 
-def prefill_body(body: Mapping[str, Any], trace_context: Mapping[str, str]) -> dict[str, Any]:
+def prefill_body(
+    body: Mapping[str, Any], trace_context: Mapping[str, str], reader_engine_id: str = ""
+) -> dict[str, Any]:
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP_KEYS}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -96,6 +98,10 @@ def prefill_body(body: Mapping[str, Any], trace_context: Mapping[str, str]) -> d
     params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
     if trace_context:
         params["trace_context"] = dict(trace_context)
+    if reader_engine_id:
+        # The decoder we plan to use: P's hold names it as the reader, so the
+        # blocks are freed at once if that decoder dies.
+        params["kvbroker"] = {"reader_engine_id": reader_engine_id}
     out["kv_transfer_params"] = params
     return out
 
@@ -148,7 +154,9 @@ class Forwarder:
         p_list, d_list = route.prefill, route.decode
         tried: list[EngineSpec] = []
         if disaggregate and p_list and d_list:
-            params, p = await self._prefill_any(endpoint, body, headers, p_list, outcome, tried)
+            params, p = await self._prefill_any(
+                endpoint, body, headers, p_list, outcome, tried, d_list[0].engine_id
+            )
             if p is not None:
                 outcome.prefill = p
                 for d in d_list[: self.max_attempts]:
@@ -200,16 +208,22 @@ class Forwarder:
         candidates: list[EngineSpec],
         outcome: Outcome,
         tried: list[EngineSpec],
+        reader_engine_id: str,
     ) -> tuple[dict[str, Any] | None, EngineSpec | None]:
         for p in candidates[: self.max_attempts]:
             try:
-                return await self._prefill(p, endpoint, body, headers), p
+                return await self._prefill(p, endpoint, body, headers, reader_engine_id), p
             except EngineFailure as e:
                 self._failed(e, outcome, tried)
         return None, None
 
     async def _prefill(
-        self, engine: EngineSpec, endpoint: str, body: dict[str, Any], headers: dict[str, str]
+        self,
+        engine: EngineSpec,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        reader_engine_id: str,
     ) -> dict[str, Any] | None:
         with self.tracer.start_as_current_span(
             "proxy.prefill",
@@ -217,7 +231,7 @@ class Forwarder:
             attributes={"kvbroker.engine": engine.label, "server.address": engine.url},
         ) as span:
             carrier = current_context_carrier()
-            payload = prefill_body(body, carrier)
+            payload = prefill_body(body, carrier, reader_engine_id)
             try:
                 async with self.http.post(
                     f"{engine.url}{endpoint}",

@@ -92,6 +92,7 @@ async def test_prefill_then_decode_with_returned_params(engines: Any, proxy: Any
     (pre,) = p.completions()
     assert pre.body["max_tokens"] == 1 and pre.body["stream"] is False
     assert pre.body["kv_transfer_params"]["do_remote_decode"] is True
+    assert "kvbroker" not in pre.body["kv_transfer_params"]  # D's broker id is not known here
     assert pre.body["prompt"] == COMPLETION["prompt"]
     (dec,) = d.completions()
     assert dec.body["max_tokens"] == 8

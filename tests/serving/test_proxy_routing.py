@@ -122,6 +122,9 @@ async def test_next_turn_goes_to_the_engine_holding_the_history(stack: dict[str,
     for _ in range(3):
         _, decode, _ = await chat(stack, turn2)
         assert decode == "D2"
+    # P's hold names the chosen decoder as its reader.
+    params = stack["fakes"]["P"].completions()[-1].body["kv_transfer_params"]
+    assert params["kvbroker"] == {"reader_engine_id": "D2"}
     # A different conversation held by D1 on its CPU tier only goes to D1.
     other = [{"role": "user", "content": "tell me a different story please " * 3}]
     await announce(stack, "D1", other, pb.TIER_CPU)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -291,8 +292,6 @@ def test_ticker_collects_notifications_in_background(fabric: FakeFabric) -> None
         for _ in range(1000):
             if not fabric.agents["h2"].notifs:
                 break
-            import time
-
             time.sleep(0.001)
         assert holder.take_notifications() == [("x", b"hello")]
     finally:

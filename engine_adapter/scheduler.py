@@ -49,6 +49,7 @@ from engine_adapter.metadata import (
     RegionSpec,
 )
 from engine_adapter.topology import check_sizes
+from engine_adapter.tracing import Span, end_span, start_span
 
 # Under "vllm." so that vLLM's logging configuration prints our lines.
 logger = logging.getLogger("vllm.kvbroker.scheduler")
@@ -72,6 +73,7 @@ class _Lookup:
     num_local_tokens: int = 0
     decision: Decision | None = None
     logged: bool = False
+    span: Span | None = None
 
 
 @dataclass
@@ -90,6 +92,7 @@ class _Load:
     failure: str = ""
     bytes_read: int = 0
     aborted: bool = False
+    span: Span | None = None
 
 
 @dataclass
@@ -215,6 +218,18 @@ class AdapterScheduler:
             deadline=now + self.config.acquire_wait_ms / 1000.0,
         )
         self._loads[req_id] = load
+        load.span = start_span(
+            "kvbroker.pull",
+            lookup.params.trace_context,
+            {
+                "kvbroker.request_id": req_id,
+                "kvbroker.blocks": plan.num_blocks,
+                "kvbroker.tier": _tier_name(plan.tier),
+                "kvbroker.source_engine_id": plan.holder_engine_id,
+                "kvbroker.destination_engine_id": self.config.engine_id,
+                "kvbroker.hold_lease_id": plan.hold_lease_id,
+            },
+        )
         if len(local_ids) != plan.num_blocks:
             self._fail_load(load, f"vLLM allocated {len(local_ids)} blocks, expected {plan.num_blocks}")
             return
@@ -351,6 +366,16 @@ class AdapterScheduler:
         lookup = _Lookup(
             request_id=req_id, params=params, namespace=self._namespace(request), hashes=hashes, started=now
         )
+        lookup.span = start_span(
+            "kvbroker.resolve",
+            params.trace_context,
+            {
+                "kvbroker.request_id": req_id,
+                "kvbroker.engine_id": self.config.engine_id,
+                "kvbroker.blocks": len(hashes),
+                "kvbroker.layout_id": lookup.namespace.layout_id,
+            },
+        )
         self._submit_resolve(lookup, now)
         self._lookups[req_id] = lookup
         return lookup
@@ -407,6 +432,18 @@ class AdapterScheduler:
         if lookup.logged:
             return
         lookup.logged = True
+        plan = decision.plan
+        end_span(
+            lookup.span,
+            {
+                "kvbroker.decision": decision.reason,
+                "kvbroker.skip_reason": "" if plan else decision.reason,
+                "kvbroker.holder_engine_id": plan.holder_engine_id if plan else "",
+                "kvbroker.remote_tokens": plan.num_tokens if plan else 0,
+                "kvbroker.local_tokens": lookup.num_local_tokens,
+            },
+        )
+        lookup.span = None
         if decision.plan is None:
             self._skip(req_id, decision.reason, decision.detail)
         else:
@@ -416,7 +453,7 @@ class AdapterScheduler:
                 decision.plan.num_blocks,
                 decision.plan.num_tokens,
                 decision.plan.holder_engine_id,
-                pb.Tier.Name(decision.plan.tier),  # type: ignore[arg-type],
+                _tier_name(decision.plan.tier),
             )
 
     def _skip(self, req_id: str, reason: str, detail: str) -> None:
@@ -515,6 +552,20 @@ class AdapterScheduler:
 
     def _commit(self, load: _Load, *, ok: bool, reason: str) -> None:
         load.state = "done"
+        elapsed_s = self._clock() - load.started
+        end_span(
+            load.span,
+            {
+                "kvbroker.lease_id": load.lease.lease_id if load.lease else "",
+                "kvbroker.bytes": load.bytes_read,
+                "kvbroker.duration_ms": elapsed_s * 1000.0,
+                "kvbroker.gb_per_s": load.bytes_read / elapsed_s / 1e9 if elapsed_s > 0 else 0.0,
+                "kvbroker.committed": ok,
+                "kvbroker.skip_reason": "" if ok else reason,
+            },
+            error="" if ok else reason,
+        )
+        load.span = None
         if ok:
             self.stats.counters["pulls"] += 1
             self.stats.counters["pulled_blocks"] += load.plan.num_blocks
@@ -667,6 +718,10 @@ class AdapterScheduler:
             logger.warning("kvbroker: cannot write stats to %s: %s", path, e)
 
 
+def _tier_name(tier: int) -> str:
+    return pb.Tier.Name(tier)  # type: ignore[arg-type]
+
+
 def _finished_normally(request: Any) -> bool:
     status = getattr(request, "status", None)
     name = getattr(status, "name", str(status))
@@ -712,5 +767,5 @@ def _holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], s
             )
         )
     if not ranks:
-        return [], f"the holder has registered no rank with memory on tier {pb.Tier.Name(tier)}"  # type: ignore[arg-type]
+        return [], f"the holder has registered no rank with memory on tier {_tier_name(tier)}"
     return ranks, None

@@ -372,3 +372,48 @@ def test_config_refuses_unknown_keys_and_coerces() -> None:
         AdapterConfig.from_extra_config({"kv_recompute_treshold": 3})
     with pytest.raises(ValueError, match="valid int"):
         AdapterConfig.from_extra_config({"hold_ttl_ms": "soon"})
+
+
+def test_spans_continue_the_callers_trace_and_carry_transfer_attributes() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine_adapter import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.set_tracer(provider.get_tracer("test"))
+    try:
+        trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+        params = {"trace_context": {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}}
+        sched, link, _ = make()
+        req = FakeRequest("r1", num_tokens=140, kv_transfer_params=params)
+        sched.get_num_new_matched_tokens(req, 0)
+        resolved(link, match(4))
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, [7, 8, 9, 10, 11], 128)
+        link.named("acquire")[0].future.set_result(  # type: ignore[union-attr]
+            pb.LeaseResponse(lease=lease_for(req, 4), holder=holder_info())
+        )
+        sched.build_connector_meta()
+        sched.update_connector_output(
+            worker_meta=ReadOutcomes(done={"r1": 1}, bytes_read={"r1": 4096}),
+            finished_sending=None,
+            finished_recving=None,
+        )
+        link.named("release")[0].future.set_result(pb.Lease(lease_id="hold-1"))  # type: ignore[union-attr]
+        sched.build_connector_meta()
+    finally:
+        tracing.set_tracer(None)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"kvbroker.resolve", "kvbroker.pull"}
+    for span in spans.values():
+        assert f"{span.context.trace_id:032x}" == trace_id
+    pull = spans["kvbroker.pull"].attributes or {}
+    assert pull["kvbroker.lease_id"] == "hold-1" and pull["kvbroker.bytes"] == 4096
+    assert (
+        pull["kvbroker.source_engine_id"] == "holder" and pull["kvbroker.destination_engine_id"] == "reader"
+    )
+    assert pull["kvbroker.committed"] is True and pull["kvbroker.tier"] == "TIER_GPU"

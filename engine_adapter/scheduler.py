@@ -299,7 +299,9 @@ class AdapterScheduler:
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        self._lookups.pop(req_id, None)
+        lookup = self._lookups.pop(req_id, None)
+        if lookup is not None and lookup.span is not None:
+            end_span(lookup.span, {"kvbroker.decision": "request_finished_before_decision"})
         load = self._loads.get(req_id)
         if load is not None:
             # Aborted while loading: vLLM keeps its blocks until we report the

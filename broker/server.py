@@ -26,6 +26,7 @@ from broker.channels import StreamNotifier
 from broker.clock import Clock, MonotonicClock
 from broker.config import FIELD_HELP, BrokerConfig, env_name
 from broker.core import BrokerCore
+from broker.decode_guard import DecodeGuardInterceptor
 from broker.errors import InvalidArgument
 from broker.metrics import MetricsInterceptor, start_metrics_http
 from broker.servicer import BrokerServicer
@@ -95,6 +96,7 @@ async def start_server(
     core = BrokerCore(config, clock=clock, notifier=notifier)
     servicer = BrokerServicer(core, notifier)
 
+    # Outermost first: metrics and spans see the INVALID_ARGUMENT of a malformed request too.
     interceptors: list[grpc.aio.ServerInterceptor] = []
     extras: list[Any] = []
     metrics_registry: CollectorRegistry | None = None
@@ -105,6 +107,7 @@ async def start_server(
     if provider is not None:
         interceptors.append(TracingInterceptor(provider))
         extras.append(provider)
+    interceptors.append(DecodeGuardInterceptor())
 
     limit = config.max_message_bytes
     server = grpc.aio.server(

@@ -425,3 +425,20 @@ async def test_metrics_and_tracing() -> None:
         )
     finally:
         await running.stop(0.5)
+
+
+async def test_score_by_token_ids_uses_vllm_hashes(stub: Stub) -> None:
+    from clients.hashing import wire_chain
+
+    p, _d, ns = await pair(stub)
+    tokens = list(range(100, 100 + 32 * 5 + 7))  # 5 full blocks and a partial one
+    salted = pb.Namespace(layout_id=ns.layout_id, tenant="alice")
+    await p.announce(salted, pb.TIER_GPU, wire_chain(tokens, 32, "sha256", cache_salt="alice")[:3])
+    await p.send(heartbeat=pb.Heartbeat(load=1.0))
+    await p.read_kind("heartbeat_ack")
+    resp = await stub.Score(pb.ScoreRequest(namespace=salted, token_ids=tokens))
+    assert (resp.total_blocks, resp.block_size) == (5, 32)
+    assert [(s.engine_id, s.gpu_blocks) for s in resp.scores] == [("P", 3), ("D", 0)]
+    # The same tokens without the salt are another namespace and another chain.
+    plain = await stub.Score(pb.ScoreRequest(namespace=ns, token_ids=tokens))
+    assert all(s.gpu_blocks == 0 for s in plain.scores)

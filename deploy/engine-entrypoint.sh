@@ -1,0 +1,23 @@
+#!/bin/sh
+# Start vLLM's OpenAI server with our BrokerConnector. Configuration comes from
+# the environment (see docs/serving.md); extra arguments are passed to vLLM.
+set -eu
+: "${MODEL:?set MODEL to a model name or a mounted model directory}"
+: "${ENGINE_ID:?set ENGINE_ID (unique per engine)}"
+ROLE="${ROLE:-both}"
+PORT="${PORT:-8000}"
+BROKER_ADDRESS="${BROKER_ADDRESS:-broker:50051}"
+ENGINE_URL="${ENGINE_URL:-http://${ENGINE_ID}:${PORT}}"
+KV_RECOMPUTE_THRESHOLD="${KV_RECOMPUTE_THRESHOLD:-64}"
+MULTI_TURN="${MULTI_TURN:-false}"
+BLOCK_SIZE="${BLOCK_SIZE:-32}"
+KV_CONFIG=$(cat <<JSON
+{"kv_connector": "BrokerConnector", "kv_connector_module_path": "engine_adapter.connector",
+ "kv_role": "kv_both",
+ "kv_connector_extra_config": {"broker_address": "${BROKER_ADDRESS}", "engine_id": "${ENGINE_ID}",
+   "role": "${ROLE}", "url": "${ENGINE_URL}", "kv_recompute_threshold": ${KV_RECOMPUTE_THRESHOLD},
+   "multi_turn": ${MULTI_TURN}}}
+JSON
+)
+exec python3 -m vllm.entrypoints.openai.api_server --model "${MODEL}" --host 0.0.0.0 --port "${PORT}" \
+  --block-size "${BLOCK_SIZE}" --kv-transfer-config "${KV_CONFIG}" ${VLLM_EXTRA_ARGS:-} "$@"

@@ -75,6 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = build_tiny_model(log_dir / "model")
     broker = BrokerProcess(log_dir).start()
     engines: list[EngineProcess] = []
+    running: Cluster | None = None
     try:
         p, p_stats = start_engine(model, log_dir, name="P", broker_address=broker.address, role="prefill")
         engines.append(p)
@@ -91,11 +92,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 "engines did not register their ranks"
             )
         print(f"e2e logs in {log_dir}")
-        yield Cluster(broker, p, d, x, {"P": p_stats, "D": d_stats, "X": x_stats}, log_dir)
+        running = Cluster(broker, p, d, x, {"P": p_stats, "D": d_stats, "X": x_stats}, log_dir)
+        yield running
     finally:
         for engine in engines:
             engine.stop()
         broker.stop()
+        if running is not None:
+            running.broker.stop()  # the outage test replaces the broker with a restarted one
 
 
 def _ranked_engines(client: BrokerClient) -> list[str]:

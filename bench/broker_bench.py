@@ -18,6 +18,8 @@ Writes bench/results/broker_bench.json and broker_bench.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -25,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, log, shared_cores_note, write_json
+from bench.common import REPO_ROOT, load_note, log, shared_cores_note, write_json
 from bench.control_plane import _settings_json, add_common_arguments, guarded, mode_name, settings_from
 from bench.measure import Settings, measure_broker, measure_mooncake, measure_redis
 from bench.peers import _env_with_pythonpath
@@ -68,30 +70,35 @@ def main(argv: list[str] | None = None) -> int:
         results["redis"] = guarded("Redis", measure_redis, s, log_dir, with_lua=False, with_memory=False)
 
     conc = list(s.concurrency)
-    print(f"\nBroker figures ({mode_name(args)} mode, {s.reps} repetitions; median [min..max])")
-    print(f"NOTE: {shared_cores_note()}.")
-    broker = results.get("broker") or {}
-    if broker.get("available"):
-        print(f"Engines: {broker['engines']['how']}.\n")
-    for table in (broker_table(results, conc), memory_table(results)):
-        if table:
-            print(table + "\n")
-    inproc = results.get("index_inprocess") or {}
-    if inproc.get("available"):
-        print(
-            f"In-process index lookup of a held 64-block chain (no RPC): p50 {inproc['lookup_64_p50_us']:.1f} us, "
-            f"p99 {inproc['lookup_64_p99_us']:.1f} us\n"
-        )
-    tgt = targets(results, hi_c=conc[-1])
-    if tgt:
-        print("Targets, as ratios to the peers measured in this run:")
-        print(targets_table(tgt))
-    missing = unavailable_lines(results)
-    if missing:
-        print("\nNot measured here:")
-        print("\n".join(missing))
+    tables = io.StringIO()
+    with contextlib.redirect_stdout(tables):
+        print(f"\nBroker figures ({mode_name(args)} mode, {s.reps} repetitions; median [min..max])")
+        print(f"NOTE: {shared_cores_note()}; load average at the end: {load_note()}.")
+        broker = results.get("broker") or {}
+        if broker.get("available"):
+            print(f"Engines: {broker['engines']['how']}.\n")
+        for table in (broker_table(results, conc), memory_table(results)):
+            if table:
+                print(table + "\n")
+        inproc = results.get("index_inprocess") or {}
+        if inproc.get("available"):
+            print(
+                f"In-process index lookup of a held 64-block chain (no RPC): p50 {inproc['lookup_64_p50_us']:.1f} us, "
+                f"p99 {inproc['lookup_64_p99_us']:.1f} us\n"
+            )
+        tgt = targets(results, hi_c=conc[-1])
+        if tgt:
+            print("Targets, as ratios to the peers measured in this run:")
+            print(targets_table(tgt))
+        missing = unavailable_lines(results)
+        if missing:
+            print("\nNot measured here:")
+            print("\n".join(missing))
 
+    print(tables.getvalue(), end="")
     name = "broker_bench" if not args.tiny else "broker_bench-tiny"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{name}.txt").write_text(tables.getvalue())
     path = write_json(
         name,
         {"mode": mode_name(args), "settings": _settings_json(s), "results": results, "targets": tgt},

@@ -40,6 +40,11 @@ def shared_cores_note() -> str:
     )
 
 
+def load_note() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.1f} / {five:.1f} / {fifteen:.1f} (1/5/15 min)"
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -56,6 +61,14 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process (all its threads) has used so far, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # After the command name: state is field 3, utime 14 and stime 15 (1-based, see proc(5)).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class ManagedProcess:
@@ -142,6 +155,7 @@ def longest_prefix(found: Sequence[Any]) -> int:
 class RunResult:
     latencies_s: list[float]
     wall_s: float
+    server_cpu_s: float | None = None  # CPU the server process used during the measured phase
 
     @property
     def ops(self) -> int:
@@ -158,34 +172,42 @@ class RunResult:
         return self.ops / self.wall_s if self.wall_s > 0 else float("nan")
 
     def summary(self) -> dict[str, float]:
-        return {
+        out = {
             "p50_us": self.percentile_us(50),
             "p99_us": self.percentile_us(99),
             "ops_per_s": self.ops_per_s(),
             "ops": float(self.ops),
         }
+        if self.server_cpu_s is not None and self.ops:
+            out["server_cpu_us_per_op"] = self.server_cpu_s / self.ops * 1e6
+        return out
 
 
 AsyncOp = Callable[[int], Awaitable[Any]]
 SyncOp = Callable[[int], Any]
 
 
-async def closed_loop_async(ops: Sequence[AsyncOp], ops_per_client: int, warmup: int) -> RunResult:
+async def closed_loop_async(
+    ops: Sequence[AsyncOp], ops_per_client: int, warmup: int, server_pid: int | None = None
+) -> RunResult:
     """One asyncio task per entry of ``ops``; each calls its op(i) in a closed loop.
 
     All clients warm up, meet, and then run ``ops_per_client`` measured operations.
+    With ``server_pid``, the server's CPU time over the measured phase is recorded too.
     """
     start = asyncio.Event()
     ready = 0
     lat: list[float] = []
     t0 = 0.0
+    cpu0 = 0.0
 
     async def client(op: AsyncOp, cid: int) -> None:
-        nonlocal ready, t0
+        nonlocal ready, t0, cpu0
         for i in range(warmup):
             await op(cid * 7919 + i)
         ready += 1
         if ready == len(ops):
+            cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
             t0 = time.perf_counter()
             start.set()
         await start.wait()
@@ -198,10 +220,14 @@ async def closed_loop_async(ops: Sequence[AsyncOp], ops_per_client: int, warmup:
         lat.extend(mine)
 
     await asyncio.gather(*(client(op, i) for i, op in enumerate(ops)))
-    return RunResult(lat, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
+    return RunResult(lat, wall, cpu)
 
 
-def closed_loop_threads(ops: Sequence[SyncOp], ops_per_client: int, warmup: int) -> RunResult:
+def closed_loop_threads(
+    ops: Sequence[SyncOp], ops_per_client: int, warmup: int, server_pid: int | None = None
+) -> RunResult:
     """The same as closed_loop_async with one OS thread per client (for blocking client libraries)."""
     barrier = threading.Barrier(len(ops) + 1)
     results: list[list[float]] = [[] for _ in ops]
@@ -230,13 +256,15 @@ def closed_loop_threads(ops: Sequence[SyncOp], ops_per_client: int, warmup: int)
     for t in threads:
         t.start()
     barrier.wait()
+    cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
     t0 = time.perf_counter()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
     if errors:
         raise errors[0]
-    return RunResult([x for r in results for x in r], wall)
+    return RunResult([x for r in results for x in r], wall, cpu)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -269,6 +297,8 @@ class Figure:
 def aggregate(runs: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
     """Median and spread over repetitions of p50, p99 and throughput."""
     figs: dict[str, Figure] = {"p50_us": Figure(), "p99_us": Figure(), "ops_per_s": Figure()}
+    if runs and all(r.server_cpu_s is not None for r in runs):
+        figs["server_cpu_us_per_op"] = Figure()
     for r in runs:
         s = r.summary()
         for k, f in figs.items():
@@ -341,6 +371,8 @@ def machine_info() -> dict[str, Any]:
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
         "mem_total_gib": round(mem_kb / 2**20, 1),
+        # Other work on the machine skews every figure: keep the load beside the numbers.
+        "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
         "python": sys.version.split()[0],
         "platform": platform.platform(),
     }

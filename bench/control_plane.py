@@ -16,12 +16,14 @@ A peer that cannot run here is reported with the reason and left out.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, log, shared_cores_note, write_json
+from bench.common import RESULTS_DIR, load_note, log, shared_cores_note, write_json
 from bench.measure import Settings, measure_broker, measure_grpc_floors, measure_mooncake, measure_redis
 from bench.plot import matplotlib_missing
 from bench.report import (
@@ -108,21 +110,28 @@ def main(argv: list[str] | None = None) -> int:
         results["broker"] = guarded("broker", measure_broker, s, log_dir)
 
     conc = list(s.concurrency)
-    print(f"\nControl plane, side by side ({mode_name(args)} mode, {s.reps} repetitions; median [min..max])")
-    print(f"NOTE: {shared_cores_note()}.\n")
-    for table in (lookup_table(results, conc), publish_table(results, conc), memory_table(results)):
-        if table:
-            print(table + "\n")
-    tgt = targets(results, hi_c=conc[-1])
-    if tgt:
-        print("The broker's targets (issue 2), as ratios to the peers above:")
-        print(targets_table(tgt))
-    missing = unavailable_lines(results)
-    if missing:
-        print("\nNot measured here:")
-        print("\n".join(missing))
+    tables = io.StringIO()
+    with contextlib.redirect_stdout(tables):
+        print(
+            f"\nControl plane, side by side ({mode_name(args)} mode, {s.reps} repetitions; median [min..max])"
+        )
+        print(f"NOTE: {shared_cores_note()}; load average at the end: {load_note()}.\n")
+        for table in (lookup_table(results, conc), publish_table(results, conc), memory_table(results)):
+            if table:
+                print(table + "\n")
+        tgt = targets(results, hi_c=conc[-1])
+        if tgt:
+            print("The broker's targets (issue 2), as ratios to the peers above:")
+            print(targets_table(tgt))
+        missing = unavailable_lines(results)
+        if missing:
+            print("\nNot measured here:")
+            print("\n".join(missing))
 
+    print(tables.getvalue(), end="")
     name = "control_plane" if not args.tiny else "control_plane-tiny"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{name}.txt").write_text(tables.getvalue())
     path = write_json(
         name,
         {"mode": mode_name(args), "settings": _settings_json(s), "results": results, "targets": tgt},

@@ -33,6 +33,7 @@ from bench.common import (
     aggregate,
     closed_loop_async,
     closed_loop_threads,
+    cpu_seconds,
     log,
     make_chains,
 )
@@ -146,7 +147,9 @@ def measure_grpc_floors(s: Settings, log_dir: Path) -> dict[str, Any]:
                     return op
 
                 runs = [
-                    await closed_loop_async([unary_op(u) for u in unary], s.ops_for(c), s.warmup)
+                    await closed_loop_async(
+                        [unary_op(u) for u in unary], s.ops_for(c), s.warmup, peer.proc.pid
+                    )
                     for _ in range(s.reps)
                 ]
                 out["unary"][f"c{c}"] = aggregate(runs)
@@ -169,7 +172,9 @@ def measure_grpc_floors(s: Settings, log_dir: Path) -> dict[str, Any]:
                     return op
 
                 runs = [
-                    await closed_loop_async([stream_op(st) for st in streams], s.ops_for(c), s.warmup)
+                    await closed_loop_async(
+                        [stream_op(st) for st in streams], s.ops_for(c), s.warmup, peer.proc.pid
+                    )
                     for _ in range(s.reps)
                 ]
                 out["stream"][f"c{c}"] = aggregate(runs)
@@ -287,7 +292,7 @@ def _redis_runs_threads(
             chains = _publish_chains(s, c, rep) if kind == "publish" else keys
             n = s.publish_ops_for(c) if kind == "publish" else s.ops_for(c)
             ops = [_redis_sync_op(peer, kind, r, chains, s.ttl_ms) for r in clients]
-            runs.append(closed_loop_threads(ops, n, s.warmup))
+            runs.append(closed_loop_threads(ops, n, s.warmup, peer.proc.pid))
     finally:
         for r in clients:
             r.close()
@@ -304,7 +309,7 @@ async def _redis_runs_async(
             chains = _publish_chains(s, c, rep) if kind == "publish" else keys
             n = s.publish_ops_for(c) if kind == "publish" else s.ops_for(c)
             ops = [_redis_async_op(peer, kind, r, chains, s.ttl_ms) for r in clients]
-            runs.append(await closed_loop_async(ops, n, s.warmup))
+            runs.append(await closed_loop_async(ops, n, s.warmup, peer.proc.pid))
     finally:
         for r in clients:
             await r.aclose()
@@ -341,7 +346,9 @@ def measure_mooncake(s: Settings, log_dir: Path, with_memory: bool = True) -> di
         assert all(peer.exist_prefix(k) == CHAIN_LEN for k in keys[:8]), "Mooncake lookup is wrong"
         for c in s.concurrency:
             op = lambda i: peer.exist_prefix(keys[i % len(keys)])  # noqa: E731 - one shared client
-            runs = [closed_loop_threads([op] * c, s.ops_for(c), s.warmup) for _ in range(s.reps)]
+            runs = [
+                closed_loop_threads([op] * c, s.ops_for(c), s.warmup, peer.proc.pid) for _ in range(s.reps)
+            ]
             out["batch_is_exist"][f"c{c}"] = aggregate(runs)
             log(
                 f"Mooncake batch_is_exist c{c}: p50 {out['batch_is_exist'][f'c{c}']['p50_us']['median']:.0f} us"
@@ -425,6 +432,7 @@ async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -
         async def load_to(target: int) -> float:
             """Announce random blocks from all sessions in big batches until ``target`` are indexed."""
             nonlocal loaded
+            loaded = int((await _stats(stubs[0])).blocks_indexed)
             todo = target - loaded
             per = max(1, todo // len(sessions))
             t0 = time.perf_counter()
@@ -487,7 +495,11 @@ async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -
 
             runs: list[RunResult] = []
             for _ in range(s.reps):
-                runs.append(await closed_loop_async([sess_op(x) for x in readers], s.ops_for(c), s.warmup))
+                runs.append(
+                    await closed_loop_async(
+                        [sess_op(x) for x in readers], s.ops_for(c), s.warmup, proc.proc.pid
+                    )
+                )
             out["resolve_session"][f"c{c}"] = aggregate(runs)
             log(
                 f"broker resolve over session c{c}: p50 {out['resolve_session'][f'c{c}']['p50_us']['median']:.0f} us"
@@ -505,7 +517,11 @@ async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -
 
             runs = []
             for _ in range(s.reps):
-                runs.append(await closed_loop_async([unary_op(x) for x in ustubs], s.ops_for(c), s.warmup))
+                runs.append(
+                    await closed_loop_async(
+                        [unary_op(x) for x in ustubs], s.ops_for(c), s.warmup, proc.proc.pid
+                    )
+                )
             out["resolve_unary"][f"c{c}"] = aggregate(runs)
             log(f"broker unary Resolve c{c}: p50 {out['resolve_unary'][f'c{c}']['p50_us']['median']:.0f} us")
             for ch in unary_channels:
@@ -516,9 +532,10 @@ async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -
         for c in s.concurrency:
             senders = sessions[:c]
             per_client = s.publish_ops_for(c) * 4  # fire-and-forget is cheap; send more to time it well
-            figs = []
+            figs, cpu_ns = [], []
             for rep in range(s.reps):
-                batches = [make_chains(per_client, seed=5000 + rep * 100 + j) for j in range(c)]
+                batches = [make_chains(per_client, seed=(5 + c) * 100_000 + rep * 1000 + j) for j in range(c)]
+                cpu0 = cpu_seconds(proc.proc.pid)
                 t0 = time.perf_counter()
 
                 async def push(sess: RawSession, chains_: list[list[int]], j: int) -> None:
@@ -531,9 +548,15 @@ async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -
                     *(push(x, b, j) for j, (x, b) in enumerate(zip(senders, batches, strict=True)))
                 )
                 figs.append(c * per_client * CHAIN_LEN / (time.perf_counter() - t0))
-            loaded += s.reps * c * per_client * CHAIN_LEN
+                cpu_ns.append((cpu_seconds(proc.proc.pid) - cpu0) / (c * per_client * CHAIN_LEN) * 1e9)
             out["inventory"][f"c{c}"] = {
                 "blocks_per_s": {"median": _median(figs), "min": min(figs), "max": max(figs), "runs": figs},
+                "server_cpu_ns_per_block": {
+                    "median": _median(cpu_ns),
+                    "min": min(cpu_ns),
+                    "max": max(cpu_ns),
+                    "runs": cpu_ns,
+                },
                 "batch_blocks": CHAIN_LEN,
                 "messages_per_client": per_client,
             }

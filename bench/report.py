@@ -39,7 +39,7 @@ def unavailable_lines(results: dict[str, Any]) -> list[str]:
 def lookup_table(results: dict[str, Any], concurrency: Sequence[int]) -> str:
     headers = ["lookup of a 64-block chain"]
     for c in concurrency:
-        headers += [f"p50 us ({c} cl)", f"p99 us ({c} cl)", f"ops/s ({c} cl)"]
+        headers += [f"p50 us ({c} cl)", f"p99 us ({c} cl)", f"ops/s ({c} cl)", f"srv CPU us/op ({c} cl)"]
     rows = []
     for label, system, key in LOOKUP_ROWS:
         figs = [_fig(results, system, key, c) for c in concurrency]
@@ -47,7 +47,12 @@ def lookup_table(results: dict[str, Any], concurrency: Sequence[int]) -> str:
             continue
         row = [label]
         for f in figs:
-            row += [fmt_spread(f, "p50_us"), fmt_num(med(f, "p99_us")), fmt_spread(f, "ops_per_s")]
+            row += [
+                fmt_spread(f, "p50_us"),
+                fmt_num(med(f, "p99_us")),
+                fmt_spread(f, "ops_per_s"),
+                fmt_num(med(f, "server_cpu_us_per_op")),
+            ]
         rows.append(row)
     return format_table(headers, rows)
 
@@ -260,6 +265,9 @@ def broker_table(results: dict[str, Any], concurrency: Sequence[int]) -> str:
         rows.append([f"{label}: p50 us"] + [fmt_spread(f, "p50_us") for f in figs])
         rows.append([f"{label}: p99 us"] + [fmt_spread(f, "p99_us") for f in figs])
         rows.append([f"{label}: resolves/s"] + [fmt_spread(f, "ops_per_s") for f in figs])
+        rows.append(
+            [f"{label}: broker CPU us per resolve"] + [fmt_spread(f, "server_cpu_us_per_op") for f in figs]
+        )
     inv = broker.get("inventory") or {}
     rows.append(
         ["inventory, 64-block updates: blocks/s"]

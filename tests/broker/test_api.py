@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from broker.config import BrokerConfig
-from broker.server import start_server
+from broker.server import RunningServer, start_server
 from tests.broker.helpers import engine_info
 from tests.broker.session_util import RawSession
 
@@ -348,9 +348,12 @@ async def test_unary_resolve_with_engine_metadata_acquires(stub: Stub) -> None:
     assert resp.lease.state == pb.LEASE_ACTIVE and resp.lease.reader_engine_id == "D"
 
 
-async def test_watch_stream(stub: Stub) -> None:
+async def test_watch_stream(stub: Stub, broker: RunningServer) -> None:
     watch = stub.Watch(pb.WatchRequest(engine_events=True, lease_events=True))
-    await asyncio.sleep(0.05)  # let the watcher attach
+    for _ in range(500):  # wait until the watcher is attached
+        if broker.notifier.watcher_count():
+            break
+        await asyncio.sleep(0.01)
     _p, _d, ns = await pair(stub)
     await stub.Hold(
         pb.HoldRequest(

@@ -266,9 +266,15 @@ async def check_consistent(h: Harness) -> None:
     assert (
         await health.Check(health_pb2.HealthCheckRequest())
     ).status == health_pb2.HealthCheckResponse.SERVING
-    stats = await h.stub.Stats(pb.StatsRequest())
-    engines = (await h.stub.ListEngines(pb.ListEnginesRequest())).engines
-    leases = (await h.stub.ListLeases(pb.ListLeasesRequest())).leases
+    # Session messages and expiries land between calls: take the lists between two
+    # equal Stats answers so they describe one state.
+    for _ in range(50):
+        stats = await h.stub.Stats(pb.StatsRequest())
+        engines = (await h.stub.ListEngines(pb.ListEnginesRequest())).engines
+        leases = (await h.stub.ListLeases(pb.ListLeasesRequest())).leases
+        if await h.stub.Stats(pb.StatsRequest()) == stats:
+            break
+        await asyncio.sleep(0.02)
     names = {e.engine_id for e in engines}
     assert stats.engines == len(engines) == stats.sessions
     assert stats.blocks_indexed == sum(e.blocks_gpu + e.blocks_cpu for e in engines)

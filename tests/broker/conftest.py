@@ -16,7 +16,7 @@ async def broker() -> AsyncIterator[RunningServer]:
         BrokerConfig(
             address="127.0.0.1:0",
             session_ttl_min_ms=100,
-            pin_timeout_ms=1000,
+            pin_timeout_ms=5000,
             max_hashes=1024,
             max_message_bytes=1 << 20,
             expiry_interval_ms=20,

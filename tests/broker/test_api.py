@@ -198,7 +198,7 @@ async def test_reader_death_tells_holder_and_holder_death_tells_reader(stub: Stu
 async def test_missed_ttl_ends_the_session(stub: Stub) -> None:
     _p, d, ns = await pair(stub, ttl_ms=5000)
     short = RawSession(stub)
-    await short.register(engine_info("S"), 200)
+    await short.register(engine_info("S"), 1000)
     lease = (
         await stub.Hold(
             pb.HoldRequest(

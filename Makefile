@@ -37,5 +37,16 @@ test: $(STAMP) protos-check lint  ## the full test suite (what CI runs)
 test-fast: $(STAMP)  ## tests that need no vLLM engine
 	$(BIN)/python -m pytest -ra -m "not vllm"
 
+run: $(STAMP)  ## the main job: broker + P and D vLLM engines + proxy on this machine, a 3-turn chat, then stop
+	$(BIN)/python -m engine_adapter.demo
+
+up: $(STAMP)  ## the same stack, kept running for your own requests (Ctrl-C stops it)
+	$(BIN)/python -m engine_adapter.demo --keep-running
+
+bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/results/
+	$(BIN)/python -m bench.broker_bench
+	$(BIN)/python -m bench.control_plane
+	$(BIN)/python -m bench.data_path
+
 clean:  ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -6,7 +6,8 @@ bad input and get a precise status like any other.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -27,10 +28,9 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         decode = handler.request_deserializer
-        inner = handler.unary_unary
         method: str = handler_call_details.method  # type: ignore[attr-defined]
 
         def guarded_decode(data: bytes) -> Any:
@@ -38,6 +38,14 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
                 return decode(data)
             except DecodeError as err:
                 return _Malformed(str(err))
+
+        if handler.stream_stream is not None:
+            if not inspect.iscoroutinefunction(handler.stream_stream):
+                return handler  # e.g. reflection's generator handlers: left as they are
+            return self._guard_stream(handler, guarded_decode, method)
+        if handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Malformed):
@@ -48,5 +56,27 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=guarded_decode, response_serializer=handler.response_serializer
+        )
+
+    @staticmethod
+    def _guard_stream(
+        handler: grpc.RpcMethodHandler, guarded_decode: Callable[[bytes], Any], method: str
+    ) -> grpc.RpcMethodHandler:
+        inner = handler.stream_stream
+
+        async def guarded(request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            async def checked() -> AsyncIterator[Any]:
+                async for request in request_iterator:
+                    if isinstance(request, _Malformed):
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"message on {method} is not a valid message: {request.reason}",
+                        )
+                    yield request
+
+            return await inner(checked(), context)
+
+        return grpc.stream_stream_rpc_method_handler(
             guarded, request_deserializer=guarded_decode, response_serializer=handler.response_serializer
         )

@@ -445,3 +445,26 @@ async def test_score_by_token_ids_uses_vllm_hashes(stub: Stub) -> None:
     # The same tokens without the salt are another namespace and another chain.
     plain = await stub.Score(pb.ScoreRequest(namespace=ns, token_ids=tokens))
     assert all(s.gpu_blocks == 0 for s in plain.scores)
+
+
+async def test_undecodable_bytes_get_invalid_argument(
+    channel: grpc.aio.Channel, broker: RunningServer
+) -> None:
+    raw_hold = channel.unary_unary("/kvbroker.v1.KVBroker/Hold")
+    code, msg = await code_of(raw_hold(b"\xff\xff\xff"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid message" in msg
+    raw_session = channel.stream_stream(
+        "/kvbroker.v1.KVBroker/Session", response_deserializer=pb.SessionDown.FromString
+    )
+    call = raw_session()
+    await call.write(pb.SessionUp(seq=1, register=pb.Register(engine=engine_info("E"))).SerializeToString())
+    assert (await call.read()).WhichOneof("msg") == "registered"
+    await call.write(b"\xff\xff\xff")
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await call.read()
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for _ in range(200):  # the broken session ends like any other
+        if broker.core.stats().engines == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert broker.core.stats().engines == 0

@@ -21,7 +21,11 @@ from clients.sync import BrokerClient
 from engine_adapter.launch import EngineProcess, connector_config, free_port
 
 BLOCK_SIZE = 32
-SESSION_TTL_MS = 2000
+# Generous budgets: the tests share two cores with three engines (and maybe other
+# test runs); a starved session thread must not turn a pull into a recompute.
+SESSION_TTL_MS = 5000
+RESOLVE_WAIT_MS = 3000
+ACQUIRE_WAIT_MS = 5000
 
 
 class BrokerProcess:
@@ -72,6 +76,8 @@ def start_engine(
         engine_id=name,
         role=role,
         session_ttl_ms=SESSION_TTL_MS,
+        resolve_wait_ms=RESOLVE_WAIT_MS,
+        acquire_wait_ms=ACQUIRE_WAIT_MS,
         stats_path=str(stats_path),
         **extra,
     )

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from bench.common import RESULTS_DIR, log, write_json
+from engine_adapter.nixl_agent import exit_skipping_nixl_teardown
 
 NUM_LAYERS = 2  # regions per side; bytes per transfer are split evenly over them
 TIER_BASE = 100  # tier id of the first block size (one registered tier per size)
@@ -104,6 +105,7 @@ def holder_main(conn: Connection, sizes: list[SizePlan]) -> None:
     conn.send({"metadata": mover.agent_metadata(), "regions": regions})
     conn.recv()  # "stop"; the mover's ticker answers handshakes meanwhile
     mover.close()
+    exit_skipping_nixl_teardown(0)
 
 
 # ---------------------------------------------------------------------- reader
@@ -119,9 +121,10 @@ class RawNixlReader:
         self.peer = self.agent.add_remote_agent(holder_metadata)
         self.peer = self.peer.decode() if isinstance(self.peer, bytes) else self.peer
         self.lists: dict[int, tuple[Any, Any]] = {}
+        self.registered: list[Any] = []
 
     def prepare(self, key: int, local: torch.Tensor, remote_regions: list[Any], pool_blocks: int) -> None:
-        self.agent.register_memory([(local.data_ptr(), local.nbytes, 0, "")], "DRAM")
+        self.registered.append(self.agent.register_memory([(local.data_ptr(), local.nbytes, 0, "")], "DRAM"))
         local_descs = descs_for(regions_of(local), pool_blocks)
         remote_descs = descs_for(remote_regions, pool_blocks)
         self.lists[key] = (
@@ -138,6 +141,19 @@ class RawNixlReader:
         if state != "DONE":
             raise RuntimeError(f"raw NIXL read ended in state {state}")
         self.agent.release_xfer_handle(xfer)
+
+    def close(self) -> None:
+        """Release in dependency order: NIXL objects left to the garbage collector at
+        interpreter exit can outlive their agent and crash the process."""
+        for local, remote in self.lists.values():
+            local.release()
+            remote.release()
+        self.lists.clear()
+        for reg in self.registered:
+            self.agent.deregister_memory(reg)
+        self.registered.clear()
+        self.agent.remove_remote_agent(self.peer)
+        del self.agent
 
 
 def descs_for(regions: list[Any], pool_blocks: int) -> np.ndarray:
@@ -189,7 +205,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not conn.poll(120):
             raise RuntimeError("holder process did not start")
         info = conn.recv()
-        mover = BlockMover(READER)
+        # The reader drives its own progress by polling; without its ticker
+        # thread only the main thread calls into NIXL, so the raw agent in
+        # this process needs no lock and raw NIXL stays exactly raw.
+        mover = BlockMover(READER, progress_interval_s=None)
         mover.add_peer(HOLDER, info["metadata"])
         raw = RawNixlReader(info["metadata"])
         rng = np.random.default_rng(7)
@@ -251,6 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{plan.block_bytes >> 10:>5} KiB blocks: adapter {row['adapter']['gbps_median']:.2f} GB/s, "
                 f"raw {row['raw_nixl']['gbps_median']:.2f} GB/s, memcpy {row['memcpy']['gbps_median']:.2f} GB/s"
             )
+        raw.close()
         mover.close()
         return {"results": results}
     finally:
@@ -319,4 +339,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_skipping_nixl_teardown(main())

@@ -13,7 +13,7 @@ timeout) becomes a failed handle reported by `poll()`; it never raises to the
 caller. Caller mistakes (unknown local tier, block ids out of range, layer or
 block geometry that does not match) raise ValueError from `start_read`.
 
-Threading: NIXL calls are serialised by one lock. Without NIXL's progress
+Threading: NIXL calls are serialised by one process-wide lock. Without NIXL's progress
 thread a side makes progress only while it calls into its agent, and a holder
 must answer the UCX connection handshake of a new reader even when its engine
 is idle, so a slow ticker thread (every `progress_interval_s`) polls for
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from engine_adapter.kv_regions import Region
-from engine_adapter.nixl_agent import NixlApi, create_agent, real_nixl
+from engine_adapter.nixl_agent import NIXL_LOCK, NixlApi, create_agent, real_nixl
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class BlockMover:
         self.agent_name = agent_name
         self._api = nixl if nixl is not None else real_nixl()
         self._agent = create_agent(self._api, agent_name, backend)
-        self._lock = threading.Lock()
+        self._lock = NIXL_LOCK  # one lock for every agent in the process (see nixl_agent.py)
         self._tiers: dict[int, _LocalTier] = {}
         self._peers: dict[str, _Peer] = {}
         self._reads: dict[int, _Read] = {}

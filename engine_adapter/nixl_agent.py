@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import sys
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 # Names of the exception classes the NIXL bindings raise. They share no common
 # base class (each derives from Exception directly), so the data path catches
@@ -33,6 +36,35 @@ _NIXL_ERROR_NAMES = (
 )
 
 
+# UCX state is partly process-global (memory hooks, async events) and agents
+# run without NIXL's internal locking, so every call into any NIXL agent of
+# this process goes through this one lock. In an engine there is one agent
+# per process; the lock matters in tests and tools that hold several.
+NIXL_LOCK = threading.RLock()
+
+
+_agents_created = 0
+
+
+def nixl_agents_created() -> int:
+    """How many NIXL agents this process created (see `exit_skipping_nixl_teardown`)."""
+    return _agents_created
+
+
+def exit_skipping_nixl_teardown(status: int) -> NoReturn:
+    """Flush stdio and leave with `status` without running interpreter teardown.
+
+    With nixl 1.5.1 (nixl_cu13 wheel) a process that created a UCX agent
+    segfaults during normal interpreter exit, after all of its work is done,
+    even if the agent was deleted first (reproduce: create one nixl_agent and
+    return from `python -c`). The exit status then reads 139 and hides the
+    real one. Programs and test sessions that created agents call this last.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 class NixlUnavailableError(ImportError):
     """NIXL is not installed (or cannot load) on this machine."""
 
@@ -45,6 +77,7 @@ class NixlApi:
     nixl_agent_config: Any  # class: nixl_agent_config(enable_prog_thread=..., backends=[...])
     errors: tuple[type[BaseException], ...]  # every exception NIXL raises for a failed operation
     disconnect_error: type[BaseException]  # raised when the remote agent is gone
+    is_real: bool = False  # True for the installed NIXL, False for fakes
 
     def is_disconnect(self, exc: BaseException) -> bool:
         return isinstance(exc, self.disconnect_error)
@@ -68,6 +101,7 @@ def real_nixl() -> NixlApi:
         nixl_agent_config=api.nixl_agent_config,
         errors=errors,
         disconnect_error=bindings.nixlRemoteDisconnectError,
+        is_real=True,
     )
 
 
@@ -88,7 +122,11 @@ def create_agent(api: NixlApi, agent_name: str, backend: str = "UCX") -> Any:
     idle holder still answers connection handshakes).
     """
     config = api.nixl_agent_config(enable_prog_thread=False, backends=[backend])
-    agent = api.nixl_agent(agent_name, config)
+    global _agents_created
+    with NIXL_LOCK:
+        agent = api.nixl_agent(agent_name, config)
+        if api.is_real:
+            _agents_created += 1
     if backend not in getattr(agent, "backends", {backend: None}):
         raise NixlUnavailableError(
             f"NIXL backend {backend!r} could not be created for agent {agent_name!r}; "

@@ -52,6 +52,7 @@ def peer_main(conn: Connection, spec: PeerSpec) -> None:
     from engine_adapter.block_mover import BlockMover
     from engine_adapter.cpu_tier import CpuTierBuffer
     from engine_adapter.kv_regions import regions_from_kv_caches
+    from engine_adapter.nixl_agent import exit_skipping_nixl_teardown
 
     kv = cpu_backend_kv_caches(seed=spec.seed, device=spec.device, **spec.kv_kwargs())
     regions, num_blocks, mem_type = regions_from_kv_caches(kv)
@@ -81,7 +82,7 @@ def peer_main(conn: Connection, spec: PeerSpec) -> None:
             mover.close()
             tier.close()
             conn.send("stopped")
-            return
+            exit_skipping_nixl_teardown(0)
 
 
 class Peer:

@@ -1,0 +1,25 @@
+"""Keep the session's exit status when real NIXL agents were created in this process.
+
+nixl 1.5.1 segfaults during interpreter teardown in any process that created
+a UCX agent (see engine_adapter.nixl_agent.exit_skipping_nixl_teardown), which
+would turn a green run into exit status 139. After every other plugin has
+finished (reports written), leave with pytest's own status instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_adapter.nixl_agent import exit_skipping_nixl_teardown, nixl_agents_created
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if nixl_agents_created() and _exit_status:
+        exit_skipping_nixl_teardown(_exit_status[-1])

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -321,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     started = time.monotonic()
+    load_before = os.getloadavg()
     doc = run(args)
     doc["settings"] = {
         "sizes_kib": args.sizes,
@@ -331,8 +333,14 @@ def main(argv: list[str] | None = None) -> int:
         "transport_note": "two processes on one machine; UCX moves DRAM between them (shared memory / CMA)",
         "torch_threads": torch.get_num_threads(),
         "wall_s": round(time.monotonic() - started, 1),
+        # Other work on the machine moves every figure; record how busy it was.
+        "load_avg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "cpu_count": os.cpu_count(),
     }
     print_table(doc)
+    print(
+        f"load average (1 min) before/after: {doc['settings']['load_avg_1m_before_after']} on {os.cpu_count()} cores"
+    )
     path = write_json(args.name, doc, args.out_dir)
     print(f"wrote {path}")
     return 0

@@ -88,6 +88,10 @@ class BrokerProcess:
         )
         self.proc.wait_for_port(self.port, 60)
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def rss(self) -> int:
         return rss_bytes(self.proc.pid)
 

@@ -394,6 +394,7 @@ async def _stats(stub: broker_pb2_grpc.KVBrokerStub) -> pb.StatsResponse:
 def measure_broker(s: Settings, log_dir: Path, with_memory: bool = True) -> dict[str, Any]:
     """Our broker as a real process: resolve (session and unary), inventory rate, memory per block."""
     proc = BrokerProcess(log_dir, s.broker_args)
+    log(f"broker: pid {proc.pid} listening on {proc.address}")  # e.g. for py-spy record -p PID
     try:
         return run_async(lambda: _measure_broker(s, proc, with_memory))
     finally:

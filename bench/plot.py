@@ -67,8 +67,10 @@ def bar_panels(
         ax.set_title(ptitle, fontsize=10)
         ax.set_xlabel(xlabel, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-        for y, m in zip(ys, meds, strict=True):
-            ax.text(m, y, f" {m:,.0f}", va="center", fontsize=7)
+        for y, b in zip(ys, bars, strict=True):
+            # Label past the whisker so the two never overlap.
+            ax.text(max(b.high, b.median), y, f"  {b.median:,.0f}", va="center", fontsize=7)
+        ax.margins(x=0.15)
     fig.suptitle(title, fontsize=11)
     if footnote:
         fig.text(0.01, 0.01, footnote, fontsize=7, alpha=0.8)

@@ -273,6 +273,10 @@ def broker_table(results: dict[str, Any], concurrency: Sequence[int]) -> str:
         ["inventory, 64-block updates: blocks/s"]
         + [fmt_spread(inv.get(f"c{c}"), "blocks_per_s") for c in concurrency]
     )
+    rows.append(
+        ["inventory, 64-block updates: broker CPU ns per block"]
+        + [fmt_spread(inv.get(f"c{c}"), "server_cpu_ns_per_block") for c in concurrency]
+    )
     mem = broker.get("memory") or {}
     for p in mem.get("points", []):
         label = f"bulk load to {p['blocks_indexed']:,} blocks, all sessions ({mem.get('load_batch_blocks')}-block updates): blocks/s"

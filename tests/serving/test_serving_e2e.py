@@ -10,6 +10,7 @@ work, and that the request still succeeds when the prefill engine is killed.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,17 +19,38 @@ from typing import Any
 
 import pytest
 
+from tests.serving.otlp_receiver import OtlpReceiver, ReceivedSpan
+
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def receiver() -> Iterator[OtlpReceiver]:
+    r = OtlpReceiver().start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[Any]:
     pytest.importorskip("vllm")
     from engine_adapter.demo import start_stack
     from engine_adapter.launch import free_port
 
     workdir = tmp_path_factory.mktemp("serving-e2e")
-    s = start_stack(workdir, proxy_port=free_port(), broker_port=free_port(), threshold=32)
+    # Every process of the stack (broker, engines, proxy) inherits these and
+    # exports its spans to the receiver, quickly.
+    otel_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    saved = {k: os.environ.get(k) for k in otel_env}
+    os.environ.update(otel_env)
+    try:
+        s = start_stack(workdir, proxy_port=free_port(), broker_port=free_port(), threshold=32)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         yield s
     finally:
@@ -94,6 +116,50 @@ def test_streamed_multi_turn_chat(stack: Any) -> None:
     assert second["headers"]["X-KVBroker-Mode"] == "pd"
     # D keeps turn 1 in its prefix cache: turn 2 reuses it instead of recomputing.
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+
+
+def test_one_trace_spans_proxy_broker_and_the_transfer(stack: Any, receiver: OtlpReceiver) -> None:
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    # A prompt no engine has seen, so D pulls all of it (nothing cached locally).
+    body = {"model": "tiny", "prompt": "a traced request: " + PROMPT, "max_tokens": 4, "temperature": 0}
+    req = urllib.request.Request(
+        stack.proxy_url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "traceparent": traceparent, "X-Request-Id": "e2e-trace"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    spans: list[ReceivedSpan] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        spans = [s for s in receiver.snapshot() if s.trace_id == trace_id]
+        pulled = any(s.name == "kvbroker.pull" and "kvbroker.bytes" in s.attributes for s in spans)
+        if pulled and any(s.name == "POST /v1/completions" for s in spans):
+            break
+        time.sleep(0.5)
+    names = {(s.service, s.name) for s in spans}
+    assert ("kvbroker-proxy", "POST /v1/completions") in names, names
+    assert any(service == "kvbroker" for service, _ in names), f"no broker span in {names}"
+    # One tree: every span's parent is in the trace, except the root, whose parent is the client's span.
+    ids = {s.span_id for s in spans}
+    roots = [s for s in spans if s.parent_span_id not in ids]
+    assert [r.name for r in roots] == ["POST /v1/completions"] and roots[
+        0
+    ].parent_span_id == "00f067aa0ba902b7"
+    adapter_spans = [
+        (s.name, s.trace_id) for s in receiver.snapshot() if s.service == "kvbroker-engine-adapter"
+    ]
+    pulls = [s for s in spans if s.name == "kvbroker.pull"]
+    assert len(pulls) == 1, f"pull spans in the trace: {pulls}; adapter spans anywhere: {adapter_spans}"
+    pull = pulls[0]
+    by_id = {s.span_id: s for s in spans}
+    assert by_id[pull.parent_span_id].name == "proxy.decode"
+    a = pull.attributes
+    assert a["kvbroker.blocks"] > 0 and a["kvbroker.bytes"] > 0 and a["kvbroker.tier"]
+    assert a["kvbroker.source_engine_id"] == "prefill-0" and a["kvbroker.destination_engine_id"] == "decode-0"
+    assert a["kvbroker.lease_id"] and a["kvbroker.duration_ms"] > 0 and a["kvbroker.gb_per_s"] > 0
+    assert a["kvbroker.committed"] is True
 
 
 def test_request_survives_a_dead_prefill_engine(stack: Any) -> None:

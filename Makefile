@@ -44,6 +44,10 @@ up: $(STAMP)  ## the same stack, kept running for your own requests (Ctrl-C stop
 	$(BIN)/python -m engine_adapter.demo --keep-running
 
 bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/results/
+	$(BIN)/pip install -q -e '.[cpu,dev,bench]'
+	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server libibverbs1; } \
+		|| echo "redis-server/libibverbs1 not installed: the benchmarks will say which peers they skip"
 	$(BIN)/python -m bench.broker_bench
 	$(BIN)/python -m bench.control_plane
 	$(BIN)/python -m bench.data_path

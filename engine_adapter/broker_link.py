@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -57,11 +58,19 @@ class BrokerLink(Protocol):
 
     def release(self, lease_id: str, epoch: int) -> Future[pb.Lease]: ...
 
-    def announce_stored(self, namespace: pb.Namespace, hashes: list[int]) -> None: ...
+    def announce_stored(
+        self, namespace: pb.Namespace, hashes: list[int], tier: int = pb.TIER_GPU
+    ) -> None: ...
 
-    def announce_removed(self, namespace: pb.Namespace, hashes: list[int]) -> None: ...
+    def announce_removed(
+        self, namespace: pb.Namespace, hashes: list[int], tier: int = pb.TIER_GPU
+    ) -> None: ...
 
     def take_lease_ends(self) -> list[LeaseEndNotice]: ...
+
+    def set_pin_handlers(
+        self, pin: Callable[[pb.PinCommand], pb.PinResult], unpin: Callable[[str], None]
+    ) -> None: ...
 
     def close(self) -> None: ...
 
@@ -93,6 +102,8 @@ class SessionBrokerLink:
         from clients.session import ThreadedEngineSession
 
         self._ends = LeaseEndQueue()
+        self._pin: Callable[[pb.PinCommand], pb.PinResult] | None = None
+        self._unpin: Callable[[str], None] | None = None
         self._session = ThreadedEngineSession(
             address,
             engine,
@@ -157,11 +168,17 @@ class SessionBrokerLink:
     def release(self, lease_id: str, epoch: int) -> Future[pb.Lease]:
         return self._session.release(lease_id, epoch)
 
-    def announce_stored(self, namespace: pb.Namespace, hashes: list[int]) -> None:
-        self._session.announce_stored(namespace, pb.TIER_GPU, hashes)
+    def announce_stored(self, namespace: pb.Namespace, hashes: list[int], tier: int = pb.TIER_GPU) -> None:
+        self._session.announce_stored(namespace, tier, hashes)
 
-    def announce_removed(self, namespace: pb.Namespace, hashes: list[int]) -> None:
-        self._session.announce_removed(namespace, pb.TIER_GPU, hashes)
+    def announce_removed(self, namespace: pb.Namespace, hashes: list[int], tier: int = pb.TIER_GPU) -> None:
+        self._session.announce_removed(namespace, tier, hashes)
+
+    def set_pin_handlers(
+        self, pin: Callable[[pb.PinCommand], pb.PinResult], unpin: Callable[[str], None]
+    ) -> None:
+        """Pins are answered on the session thread (an idle engine's scheduler may not step)."""
+        self._pin, self._unpin = pin, unpin
 
     def take_lease_ends(self) -> list[LeaseEndNotice]:
         return self._ends.take_all()
@@ -171,16 +188,22 @@ class SessionBrokerLink:
 
     # Session-thread callbacks: queue, never touch scheduler state here.
     def _on_revoked(self, message: pb.LeaseRevoked) -> None:
+        if self._unpin is not None:
+            self._unpin(message.lease.lease_id)
         self._ends.put(LeaseEndNotice(message.lease.lease_id, pb.RevokeCause.Name(message.cause)))
 
     def _on_lease_ended(self, message: pb.LeaseEnded) -> None:
         lease = message.lease
+        if self._unpin is not None:
+            self._unpin(lease.lease_id)
         cause = "released" if lease.state == pb.LEASE_RELEASED else pb.RevokeCause.Name(lease.cause)
         self._ends.put(LeaseEndNotice(lease.lease_id, cause))
 
     def _on_pin(self, command: pb.PinCommand) -> pb.PinResult:
-        # This version offers only blocks it holds under a hold lease, which
-        # need no pin; anything else is refused so the reader recomputes.
+        if self._pin is not None:
+            return self._pin(command)
+        # Without a CPU tier this engine offers only blocks under a hold lease,
+        # which need no pin; anything else is refused so the reader recomputes.
         return pb.PinResult(
             lease_id=command.lease.lease_id, ok=False, error="pinning unheld blocks is not supported"
         )

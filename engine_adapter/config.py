@@ -45,7 +45,8 @@ class AdapterConfig:
     # D side: hold a finished request's blocks (prompt + answer) so that the
     # next turn's prefill, wherever it runs, can pull them.
     multi_turn: bool = False
-    # Slots of the CPU offload tier (0 = off). Not implemented yet: must be 0.
+    # Slots (blocks) of the CPU offload tier, per rank (0 = off). Finished
+    # requests' full blocks are copied there and announced as tier CPU.
     cpu_tier_blocks: int = 0
     # Tenant added to the namespace (with the request's cache_salt).
     tenant: str = ""
@@ -79,10 +80,6 @@ class AdapterConfig:
         for name in ("kv_recompute_threshold", "resolve_wait_ms", "acquire_wait_ms", "cpu_tier_blocks"):
             if getattr(self, name) < 0:
                 raise AdapterConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
-        if self.cpu_tier_blocks:
-            raise AdapterConfigError(
-                "cpu_tier_blocks > 0: the CPU offload tier is not implemented in this version; set it to 0"
-            )
 
     @property
     def broker_enabled(self) -> bool:

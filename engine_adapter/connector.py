@@ -148,6 +148,8 @@ class BrokerConnector(KVConnectorBase_V1):
             mover_factory=_make_mover,
             region_factory=_region_from_spec,
             rank_registrar=registrar,
+            cpu_tier_slots=config.cpu_tier_blocks,
+            cpu_tier_factory=_make_cpu_tier,
         )
 
     # ------------------------------------------------------------------
@@ -159,7 +161,7 @@ class BrokerConnector(KVConnectorBase_V1):
 
         assert self._worker is not None
         regions, num_blocks, mem_type = regions_from_kv_caches(kv_caches)
-        self._worker.register_memory(regions, num_blocks, mem_type)
+        self._worker.register_memory(regions, num_blocks, mem_type, kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():
@@ -236,6 +238,12 @@ def _make_mover(agent_name: str) -> Any:
     from engine_adapter.block_mover import BlockMover
 
     return BlockMover(agent_name)
+
+
+def _make_cpu_tier(regions: list[Any], num_slots: int) -> Any:
+    from engine_adapter.cpu_tier import CpuTierBuffer
+
+    return CpuTierBuffer(regions, num_slots)  # pinned host memory iff CUDA is available
 
 
 def _region_from_spec(spec: RegionSpec) -> Any:

@@ -13,6 +13,11 @@ The load protocol, per request:
    bytes are valid, report the request loaded) or could not be (ok=False:
    report the blocks as load errors, vLLM recomputes them). A load that never
    started (lease refused) gets a failing Commit directly.
+
+The CPU tier (``cpu_tier_blocks`` > 0): ``StoreSpec`` (scheduler -> workers)
+copies a finished request's blocks into CPU-tier slots; the workers answer in
+``ReadOutcomes.stores_done`` / ``stores_failed``. A request with a store in
+flight is not reported freed to vLLM until its copy is done.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class HolderRank:
     end_layer: int
     regions: tuple[RegionSpec, ...]
     num_blocks: int = 0  # capacity of the holder's tier (0 = unknown)
+    mem_type: str = ""  # NIXL memory type of the holder's tier ("" = same as ours)
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,16 @@ class LoadSpec:
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     holder_ranks: tuple[HolderRank, ...]
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Copy KV blocks `gpu_block_ids[i]` into CPU-tier slots `slot_ids[i]` (asynchronously)."""
+
+    store_id: int
+    request_id: str
+    gpu_block_ids: tuple[int, ...]
+    slot_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,7 @@ class AdapterMetadata(KVConnectorMetadata):
     commits: list[Commit] = field(default_factory=list)
     # Held requests whose lease ended: their blocks go back to vLLM now.
     frees: list[str] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -87,14 +104,27 @@ class ReadOutcomes(KVConnectorWorkerMetadata):
     done: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     bytes_read: dict[str, int] = field(default_factory=dict)
+    # CPU tier: per store id, ranks whose copy finished / why a copy failed.
+    stores_done: dict[int, int] = field(default_factory=dict)
+    stores_failed: dict[int, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ReadOutcomes)
-        merged = ReadOutcomes(dict(self.done), dict(self.failed), dict(self.bytes_read))
+        merged = ReadOutcomes(
+            dict(self.done),
+            dict(self.failed),
+            dict(self.bytes_read),
+            dict(self.stores_done),
+            dict(self.stores_failed),
+        )
         for req_id, count in other.done.items():
             merged.done[req_id] = merged.done.get(req_id, 0) + count
         for req_id, reason in other.failed.items():
             merged.failed.setdefault(req_id, reason)
         for req_id, nbytes in other.bytes_read.items():
             merged.bytes_read[req_id] = merged.bytes_read.get(req_id, 0) + nbytes
+        for store_id, count in other.stores_done.items():
+            merged.stores_done[store_id] = merged.stores_done.get(store_id, 0) + count
+        for store_id, reason in other.stores_failed.items():
+            merged.stores_failed.setdefault(store_id, reason)
         return merged

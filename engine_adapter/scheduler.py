@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from kvbroker.v1 import broker_pb2 as pb
 
 from engine_adapter.broker_link import BrokerLink
 from engine_adapter.config import AdapterConfig
+from engine_adapter.cpu_directory import BlockKey, CpuDirectory
 from engine_adapter.decisions import (
     SKIP_BAD_PARAMS,
     SKIP_ERROR,
@@ -47,6 +49,7 @@ from engine_adapter.metadata import (
     LoadSpec,
     ReadOutcomes,
     RegionSpec,
+    StoreSpec,
 )
 from engine_adapter.topology import check_sizes
 from engine_adapter.tracing import Span, end_span, start_span
@@ -109,6 +112,16 @@ class _Held:
 
 
 @dataclass
+class _Store:
+    """A GPU -> CPU tier copy in flight (one per finished request)."""
+
+    request_id: str
+    slots: list[int]
+    ranks_done: int = 0
+    failure: str = ""
+
+
+@dataclass
 class SchedulerStats:
     counters: Counter[str] = field(default_factory=Counter)
     skips: Counter[str] = field(default_factory=Counter)
@@ -152,6 +165,16 @@ class AdapterScheduler:
         self._was_connected = False
         self.stats = SchedulerStats()
         self._stats_dirty = True
+        # CPU offload tier (cpu_tier_blocks > 0): slot directory and copies in flight.
+        self.cpu: CpuDirectory | None = None
+        self._stores: dict[int, _Store] = {}
+        self._next_store_id = 1
+        self._pending_stores: list[StoreSpec] = []
+        self._pin_lock = threading.Lock()  # pins are answered on the session thread
+        if config.cpu_tier_blocks > 0:
+            self.cpu = CpuDirectory(config.cpu_tier_blocks)
+            if link is not None:
+                link.set_pin_handlers(self.pin_cpu_blocks, self.unpin_cpu_blocks)
 
     # ------------------------------------------------------------------
     # vLLM hooks
@@ -259,9 +282,13 @@ class AdapterScheduler:
         for load in list(self._loads.values()):
             self._advance_load(load, now)
         meta = AdapterMetadata(
-            loads=self._pending_specs, commits=self._pending_commits, frees=self._pending_frees
+            loads=self._pending_specs,
+            commits=self._pending_commits,
+            frees=self._pending_frees,
+            stores=self._pending_stores,
         )
         self._pending_specs, self._pending_commits, self._pending_frees = [], [], []
+        self._pending_stores = []
         self._write_stats()
         return meta
 
@@ -285,6 +312,17 @@ class AdapterScheduler:
                 load.bytes_read += worker_meta.bytes_read.get(req_id, 0)
                 if load.ranks_done >= self.expected_ranks:
                     self._finish_reads(load)
+            for store_id, reason in worker_meta.stores_failed.items():
+                store = self._stores.get(store_id)
+                if store is not None and not store.failure:
+                    store.failure = reason
+            for store_id, count in worker_meta.stores_done.items():
+                store = self._stores.get(store_id)
+                if store is None:
+                    continue
+                store.ranks_done += count
+                if store.ranks_done >= self.expected_ranks:
+                    self._finish_store(store_id)
         for req_id in finished_recving or ():
             self._loads.pop(req_id, None)
         for req_id in finished_sending or ():
@@ -308,6 +346,13 @@ class AdapterScheduler:
             # load finished; the protocol completes normally.
             load.aborted = True
             return False, None
+        held, params = self._hold_finished(request, block_ids)
+        storing = self.cpu is not None and self._store_finished(request, block_ids, held=held)
+        return held or storing, params
+
+    def _hold_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Hold a finished request's blocks for a reader when one will take them."""
+        req_id = request.request_id
         try:
             params = parse_transfer_params(request.kv_transfer_params)
         except BadTransferParams as e:
@@ -346,6 +391,112 @@ class AdapterScheduler:
     def shutdown(self) -> None:
         if self.link is not None:
             self.link.close()
+
+    # ------------------------------------------------------------------
+    # CPU offload tier
+    # ------------------------------------------------------------------
+
+    def _store_finished(self, request: Any, block_ids: Sequence[int], *, held: bool) -> bool:
+        """Copy the request's full blocks (prefix hits included) to the CPU tier; True if a copy started.
+
+        vLLM keeps the blocks (delay_free) until the copy is done: the worker
+        reports the request freed only then, so no new request overwrites
+        them mid-copy.
+        """
+        assert self.cpu is not None
+        link = self.link
+        if not _finished_normally(request) or link is None or not link.layout_id:
+            return False
+        n = holdable_blocks(
+            request.num_computed_tokens, len(request.block_hashes), len(block_ids), self.block_size
+        )
+        if n == 0:
+            return False
+        namespace = self._namespace(request)
+        keys = [(namespace.layout_id, namespace.tenant, h) for h in wire_hashes(request.block_hashes[:n])]
+        position = {key: i for i, key in enumerate(keys)}
+        allocation = self.cpu.allocate(keys)
+        if allocation.evicted:
+            self.stats.counters["cpu_evicted_blocks"] += len(allocation.evicted)
+            self._announce_cpu(allocation.evicted, stored=False)
+        self.stats.counters["cpu_store_skipped_present"] += allocation.skipped_present
+        self.stats.counters["cpu_store_no_room"] += allocation.no_room
+        self._stats_dirty = True
+        if not allocation.assigned:
+            return False
+        store_id = self._next_store_id
+        self._next_store_id += 1
+        slots = [slot for _, slot in allocation.assigned]
+        gpu_ids = [int(block_ids[position[key]]) for key, _ in allocation.assigned]
+        self._stores[store_id] = _Store(request.request_id, slots)
+        self._pending_stores.append(StoreSpec(store_id, request.request_id, tuple(gpu_ids), tuple(slots)))
+        if not held:
+            # The worker reports the request freed once its copy is done.
+            self._pending_frees.append(request.request_id)
+        self.stats.counters["cpu_stores"] += 1
+        return True
+
+    def _finish_store(self, store_id: int) -> None:
+        assert self.cpu is not None
+        store = self._stores.pop(store_id)
+        if store.failure:
+            self.cpu.discard(store.slots)
+            self.stats.counters["cpu_stores_failed"] += 1
+            logger.warning(
+                "kvbroker: request %s: copy of %d blocks to the CPU tier failed: %s",
+                store.request_id,
+                len(store.slots),
+                store.failure,
+            )
+        else:
+            ready = self.cpu.mark_ready(store.slots)
+            self.stats.counters["cpu_stored_blocks"] += len(ready)
+            self._announce_cpu(ready, stored=True)
+            logger.debug("kvbroker: request %s: %d blocks on the CPU tier", store.request_id, len(ready))
+        self._stats_dirty = True
+
+    def _announce_cpu(self, keys: Sequence[BlockKey], *, stored: bool) -> None:
+        if self.link is None:
+            return
+        by_namespace: dict[tuple[str, str], list[int]] = {}
+        for layout_id, tenant, h in keys:
+            by_namespace.setdefault((layout_id, tenant), []).append(h)
+        for (layout_id, tenant), hashes in by_namespace.items():
+            namespace = pb.Namespace(layout_id=layout_id, tenant=tenant)
+            if stored:
+                self.link.announce_stored(namespace, hashes, pb.TIER_CPU)
+            else:
+                self.link.announce_removed(namespace, hashes, pb.TIER_CPU)
+
+    def pin_cpu_blocks(self, command: pb.PinCommand) -> pb.PinResult:
+        """Broker PinCommand (session thread): pin CPU-tier slots for a reader's lease."""
+        lease = command.lease
+        if lease.tier != pb.TIER_CPU or self.cpu is None:
+            return pb.PinResult(
+                lease_id=lease.lease_id, ok=False, error="pinning unheld GPU blocks is not supported"
+            )
+        ns = lease.namespace
+        keys = [(ns.layout_id, ns.tenant, int(h)) for h in lease.block_hashes]
+        slots = self.cpu.pin(lease.lease_id, keys)
+        with self._pin_lock:
+            self.stats.counters["cpu_pins" if slots is not None else "cpu_pins_refused"] += 1
+            self._stats_dirty = True
+        if slots is None:
+            return pb.PinResult(
+                lease_id=lease.lease_id, ok=False, error="blocks are not (or no longer) on the CPU tier"
+            )
+        logger.info(
+            "kvbroker: pinned %d CPU-tier blocks for lease %s (reader %s)",
+            len(slots),
+            lease.lease_id,
+            lease.reader_engine_id,
+        )
+        return pb.PinResult(lease_id=lease.lease_id, ok=True, block_ids=slots)
+
+    def unpin_cpu_blocks(self, lease_id: str) -> None:
+        """A lease ended (session thread): its CPU-tier slots may be evicted again."""
+        if self.cpu is not None:
+            self.cpu.unpin(lease_id)
 
     # ------------------------------------------------------------------
     # lookups
@@ -569,6 +720,10 @@ class AdapterScheduler:
         )
         load.span = None
         if ok:
+            if load.lease is not None:
+                self.stats.counters[f"pulled_blocks_{_tier_name(load.lease.tier).lower()}"] += (
+                    load.plan.num_blocks
+                )
             self.stats.counters["pulls"] += 1
             self.stats.counters["pulled_blocks"] += load.plan.num_blocks
             self.stats.counters["pulled_bytes"] += load.bytes_read
@@ -680,6 +835,8 @@ class AdapterScheduler:
             # The broker lost our leases with our session: nobody can claim these blocks.
             for held in list(self._held.values()):
                 self._free(held, "broker session lost")
+            if self.cpu is not None:
+                self.cpu.unpin_all()
         self._was_connected = connected
 
     # ------------------------------------------------------------------
@@ -703,7 +860,12 @@ class AdapterScheduler:
 
     def stats_snapshot(self) -> dict[str, Any]:
         live = [h for h in self._held.values() if not h.freed]
-        return self.stats.as_dict(len(live), sum(len(h.block_ids) for h in live))
+        with self._pin_lock:
+            snapshot = self.stats.as_dict(len(live), sum(len(h.block_ids) for h in live))
+        if self.cpu is not None:
+            snapshot["cpu_tier_used_slots"] = self.cpu.used_slots()
+            snapshot["cpu_tier_pinned_slots"] = self.cpu.pinned_slots()
+        return snapshot
 
     def _write_stats(self) -> None:
         if not self._stats_dirty or not self.config.stats_path:
@@ -756,6 +918,7 @@ def _holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], s
         ]
         if not rank.agent_name or not regions:
             continue
+        mem_type = next((t.mem_type for t in rank.tiers if t.tier == tier), "")
         ranks.append(
             HolderRank(
                 pp_rank=rank.pp_rank,
@@ -766,6 +929,7 @@ def _holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], s
                 end_layer=rank.end_layer,
                 regions=tuple(regions),
                 num_blocks=capacity,
+                mem_type=mem_type,
             )
         )
     if not ranks:

@@ -20,7 +20,15 @@ from typing import Any, Protocol
 
 from kvbroker.v1 import broker_pb2 as pb
 
-from engine_adapter.metadata import VERSION, AdapterMetadata, Commit, LoadSpec, ReadOutcomes, RegionSpec
+from engine_adapter.metadata import (
+    VERSION,
+    AdapterMetadata,
+    Commit,
+    LoadSpec,
+    ReadOutcomes,
+    RegionSpec,
+    StoreSpec,
+)
 from engine_adapter.topology import TopologyError, plan_layer_reads
 
 logger = logging.getLogger("vllm.kvbroker.worker")
@@ -46,8 +54,20 @@ class MoverLike(Protocol):
         notif: bytes | None = None,
         *,
         peer_num_blocks: int | None = None,
+        peer_mem_type: str | None = None,
     ) -> int: ...
     def poll(self) -> tuple[list[int], dict[int, str]]: ...
+    def close(self) -> None: ...
+
+
+class CpuTierLike(Protocol):
+    num_slots: int
+    mem_type: str
+
+    def regions(self) -> list[Any]: ...
+    def start_store(self, kv_caches: Any, gpu_block_ids: Sequence[int], slot_ids: Sequence[int]) -> int: ...
+    def poll(self) -> list[int]: ...
+    def take_failed(self) -> dict[int, str]: ...
     def close(self) -> None: ...
 
 
@@ -71,6 +91,8 @@ class AdapterWorker:
         region_factory: Callable[[RegionSpec], Any],
         rank_registrar: Callable[[pb.RankInfo], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cpu_tier_slots: int = 0,
+        cpu_tier_factory: Callable[[list[Any], int], CpuTierLike] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.pp_rank = pp_rank
@@ -95,15 +117,42 @@ class AdapterWorker:
         self._stop = threading.Event()
         self._registrar_thread: threading.Thread | None = None
         self.rank_info: pb.RankInfo | None = None
+        # CPU offload tier (cpu_tier_slots > 0).
+        self._cpu_tier_slots = cpu_tier_slots
+        self._cpu_tier_factory = cpu_tier_factory
+        self.cpu_tier: CpuTierLike | None = None
+        self._kv_caches: Any = None
+        self._store_of_handle: dict[int, tuple[int, str]] = {}  # copy handle -> (store id, request id)
+        self._storing: dict[str, int] = {}  # request id -> copies in flight (its blocks stay allocated)
 
     # ------------------------------------------------------------------
     # setup
     # ------------------------------------------------------------------
 
-    def register_memory(self, regions: Sequence[Any], num_blocks: int, mem_type: str) -> None:
-        """Register this rank's KV cache with NIXL and publish it to the broker."""
+    def register_memory(
+        self, regions: Sequence[Any], num_blocks: int, mem_type: str, kv_caches: Any = None
+    ) -> None:
+        """Register this rank's KV cache (and CPU tier) with NIXL and publish them to the broker."""
         self.mover = self._mover_factory(self.agent_name)
         self.mover.register_tier(pb.TIER_GPU, mem_type, list(regions), num_blocks)
+        tiers = [_tier_info(pb.TIER_GPU, mem_type, num_blocks, regions)]
+        if self._cpu_tier_slots > 0 and self._cpu_tier_factory is not None:
+            self._kv_caches = kv_caches
+            self.cpu_tier = self._cpu_tier_factory(list(regions), self._cpu_tier_slots)
+            cpu_regions = self.cpu_tier.regions()
+            self.mover.register_tier(
+                pb.TIER_CPU, self.cpu_tier.mem_type, cpu_regions, self.cpu_tier.num_slots
+            )
+            tiers.append(
+                _tier_info(pb.TIER_CPU, self.cpu_tier.mem_type, self.cpu_tier.num_slots, cpu_regions)
+            )
+            logger.info(
+                "kvbroker: rank pp=%d tp=%d CPU tier: %d slots (%s) registered with NIXL",
+                self.pp_rank,
+                self.tp_rank,
+                self.cpu_tier.num_slots,
+                self.cpu_tier.mem_type,
+            )
         layers = sorted(r.layer for r in regions)
         self.local_layers = range(layers[0], layers[-1] + 1) if layers else range(0)
         self.block_bytes_per_layer = {}
@@ -116,23 +165,7 @@ class AdapterWorker:
             agent_metadata=self.mover.agent_metadata(),
             start_layer=self.local_layers.start,
             end_layer=self.local_layers.stop,
-            tiers=[
-                pb.TierInfo(
-                    tier=pb.TIER_GPU,
-                    mem_type=mem_type,
-                    num_blocks=num_blocks,
-                    regions=[
-                        pb.MemoryRegion(
-                            layer=r.layer,
-                            base_addr=r.base_addr,
-                            block_stride=r.block_stride,
-                            block_bytes=r.block_bytes,
-                            device_id=r.device_id,
-                        )
-                        for r in regions
-                    ],
-                )
-            ],
+            tiers=tiers,
         )
         if self._rank_registrar is not None:
             self._registrar_thread = threading.Thread(
@@ -181,7 +214,43 @@ class AdapterWorker:
             self._commits[commit.request_id] = commit
         for spec in meta.loads:
             self._start(spec)
+        for store in meta.stores:
+            self._start_store(store)
         self._settle_commits()
+
+    def _start_store(self, spec: StoreSpec) -> None:
+        if self.cpu_tier is None or self._kv_caches is None:
+            self._outcomes.stores_failed[spec.store_id] = "no CPU tier on this rank"
+            self._outcomes.stores_done[spec.store_id] = self._outcomes.stores_done.get(spec.store_id, 0) + 1
+            return
+        try:
+            handle = self.cpu_tier.start_store(self._kv_caches, spec.gpu_block_ids, spec.slot_ids)
+        except Exception as e:  # a bad copy must not take the engine down; the slots are discarded
+            self._outcomes.stores_failed[spec.store_id] = f"cannot start the CPU tier copy: {e}"
+            self._outcomes.stores_done[spec.store_id] = self._outcomes.stores_done.get(spec.store_id, 0) + 1
+            return
+        self._store_of_handle[handle] = (spec.store_id, spec.request_id)
+        self._storing[spec.request_id] = self._storing.get(spec.request_id, 0) + 1
+
+    def _poll_stores(self) -> None:
+        if self.cpu_tier is None or not self._store_of_handle:
+            return
+        failed = self.cpu_tier.take_failed()
+        finished = self.cpu_tier.poll()
+        failed.update(self.cpu_tier.take_failed())
+        for handle in [*finished, *failed]:
+            owner = self._store_of_handle.pop(handle, None)
+            if owner is None:
+                continue
+            store_id, req_id = owner
+            if handle in failed:
+                self._outcomes.stores_failed[store_id] = failed[handle]
+            self._outcomes.stores_done[store_id] = self._outcomes.stores_done.get(store_id, 0) + 1
+            left = self._storing.get(req_id, 0) - 1
+            if left > 0:
+                self._storing[req_id] = left
+            else:
+                self._storing.pop(req_id, None)
 
     def _start(self, spec: LoadSpec) -> None:
         reading = _Reading(spec, started=self._clock())
@@ -210,6 +279,7 @@ class AdapterWorker:
                     spec.local_block_ids,
                     layers=read.layers,
                     peer_num_blocks=holder.num_blocks or None,
+                    peer_mem_type=holder.mem_type or None,
                 )
             except Exception as e:  # a NIXL error on one request must not take the engine down
                 reading.failure = f"cannot start NIXL read from {holder.agent_name}: {e}"
@@ -221,7 +291,8 @@ class AdapterWorker:
             ) * len(spec.local_block_ids)
 
     def poll(self) -> None:
-        """Collect finished NIXL reads; report each request's outcome once."""
+        """Collect finished NIXL reads and CPU tier copies; report each request's outcome once."""
+        self._poll_stores()
         if self.mover is not None and self._handle_owner:
             finished, failed = self.mover.poll()
             for handle in finished:
@@ -275,8 +346,9 @@ class AdapterWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._seen_finished.update(finished_req_ids)
         self.poll()
-        # vLLM accepts a finished send only for a request it told us has finished.
-        sending = self._frees & self._seen_finished
+        # vLLM accepts a finished send only for a request it told us has finished;
+        # a request whose blocks are still being copied to the CPU tier waits.
+        sending = {r for r in self._frees & self._seen_finished if r not in self._storing}
         self._frees -= sending
         self._seen_finished -= sending
         recving = self._finished_recving
@@ -288,13 +360,36 @@ class AdapterWorker:
         return errors
 
     def take_outcomes(self) -> ReadOutcomes | None:
-        if not self._outcomes.done and not self._outcomes.failed:
+        o = self._outcomes
+        if not (o.done or o.failed or o.stores_done or o.stores_failed):
             return None
         outcomes, self._outcomes = self._outcomes, ReadOutcomes()
         return outcomes
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self.cpu_tier is not None:
+            self.cpu_tier.close()
         if self.mover is not None:
             self.mover.close()
             self.mover = None
+
+
+def _tier_info(
+    tier: pb.Tier.ValueType, mem_type: str, num_blocks: int, regions: Sequence[Any]
+) -> pb.TierInfo:
+    return pb.TierInfo(
+        tier=tier,
+        mem_type=mem_type,
+        num_blocks=num_blocks,
+        regions=[
+            pb.MemoryRegion(
+                layer=r.layer,
+                base_addr=r.base_addr,
+                block_stride=r.block_stride,
+                block_bytes=r.block_bytes,
+                device_id=r.device_id,
+            )
+            for r in regions
+        ],
+    )

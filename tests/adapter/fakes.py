@@ -39,8 +39,12 @@ class FakeLink:
         self.calls: list[Call] = []
         self.stored: list[int] = []
         self.removed: list[int] = []
+        self.cpu_stored: list[int] = []
+        self.cpu_removed: list[int] = []
         self.ends: list[LeaseEndNotice] = []
         self.closed = False
+        self.pin_handler: Any = None
+        self.unpin_handler: Any = None
 
     def _call(self, name: str, **args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -76,11 +80,14 @@ class FakeLink:
     def release(self, lease_id, epoch):  # type: ignore[no-untyped-def]
         return self._call("release", lease_id=lease_id, epoch=epoch)
 
-    def announce_stored(self, namespace, hashes):  # type: ignore[no-untyped-def]
-        self.stored.extend(hashes)
+    def announce_stored(self, namespace, hashes, tier=pb.TIER_GPU):  # type: ignore[no-untyped-def]
+        (self.stored if tier == pb.TIER_GPU else self.cpu_stored).extend(hashes)
 
-    def announce_removed(self, namespace, hashes):  # type: ignore[no-untyped-def]
-        self.removed.extend(hashes)
+    def announce_removed(self, namespace, hashes, tier=pb.TIER_GPU):  # type: ignore[no-untyped-def]
+        (self.removed if tier == pb.TIER_GPU else self.cpu_removed).extend(hashes)
+
+    def set_pin_handlers(self, pin, unpin):  # type: ignore[no-untyped-def]
+        self.pin_handler, self.unpin_handler = pin, unpin
 
     def take_lease_ends(self) -> list[LeaseEndNotice]:
         ends, self.ends = self.ends, []

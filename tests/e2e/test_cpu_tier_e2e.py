@@ -1,0 +1,139 @@
+"""Eviction recovery from a CPU tier, end to end (DESIGN flow 3): one real broker
+process, two real vLLM engines (CPU build, tiny random model), real NIXL.
+
+A has a CPU offload tier (`cpu_tier_blocks`) and holds nothing on its GPU tier
+for readers (no multi_turn, no remote decode), so once A has served a prompt
+the broker knows the prompt's blocks only on A's CPU tier. B then gets the
+same prompt: it resolves, the broker names A on tier CPU, B's lease makes A
+pin the CPU-tier slots (PinCommand -> PinResult with slot ids), B NIXL-READs
+A's CPU tier into its own KV cache, releases, and its greedy output must equal
+a recompute token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+
+from kvbroker.v1 import broker_pb2 as pb
+
+from clients.hashing import wire_chain
+from clients.sync import BrokerClient
+from engine_adapter.launch import EngineProcess
+from tests.e2e.harness import (
+    BLOCK_SIZE,
+    BrokerProcess,
+    complete,
+    output_ids,
+    prompt_of,
+    read_stats,
+    recompute_reference,
+    start_engine,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 6
+CPU_TIER_BLOCKS = 64
+
+
+@dataclass
+class Pair:
+    broker: BrokerProcess
+    a: EngineProcess
+    b: EngineProcess
+    stats: dict[str, Path]
+
+    def stat(self, name: str, key: str) -> int:
+        return int(read_stats(self.stats[name]).get(key, 0))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    from engine_adapter.tiny_model import build_tiny_model
+
+    log_dir = tmp_path_factory.mktemp("e2e-cpu-tier")
+    model = build_tiny_model(log_dir / "model")
+    broker = BrokerProcess(log_dir).start()
+    engines: list[EngineProcess] = []
+    try:
+        a, a_stats = start_engine(
+            model,
+            log_dir,
+            name="A",
+            broker_address=broker.address,
+            role="both",
+            cpu_tier_blocks=CPU_TIER_BLOCKS,
+        )
+        engines.append(a)
+        b, b_stats = start_engine(model, log_dir, name="B", broker_address=broker.address, role="both")
+        engines.append(b)
+        for engine in engines:
+            engine.wait_ready(timeout=400, progress=print)
+        with BrokerClient(broker.address) as client:
+            assert wait_for(lambda: len(client.list_engines().engines) == 2, 30)
+            engines_pb = {e.engine_id: e for e in client.list_engines().engines}
+        tiers = {t.tier for r in engines_pb["A"].ranks for t in r.tiers}
+        assert pb.TIER_CPU in tiers, "A publishes its CPU tier's regions in RegisterRank"
+        yield Pair(broker, a, b, {"A": a_stats, "B": b_stats})
+    finally:
+        for engine in engines:
+            engine.stop()
+        broker.stop()
+        print("e2e logs in", log_dir)
+
+
+def test_reader_pulls_a_prefix_held_only_on_the_holders_cpu_tier(pair: Pair) -> None:
+    prompt = prompt_of(200, seed=31)
+    full_blocks = len(prompt) // BLOCK_SIZE  # 6 full blocks; the 8-token tail is computed
+    reference = recompute_reference(pair.b, prompt, MAX_TOKENS)
+
+    first = complete(pair.a, prompt, max_tokens=MAX_TOKENS)
+    assert output_ids(first) == reference
+    # The finished request's full blocks reach A's CPU tier, then the broker.
+    assert wait_for(lambda: pair.stat("A", "cpu_stored_blocks") >= full_blocks, 30), read_stats(
+        pair.stats["A"]
+    )
+    with BrokerClient(pair.broker.address) as client:
+        engines = {e.engine_id: e for e in client.list_engines().engines}
+        namespace = pb.Namespace(layout_id=engines["A"].layout_id, tenant="")
+        hashes = wire_chain(prompt, BLOCK_SIZE)
+
+        def named_on_cpu() -> bool:
+            matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
+            return any(m.engine_id == "A" and m.tier == pb.TIER_CPU for m in matches)
+
+        assert wait_for(named_on_cpu, 30), "the broker names A's CPU tier"
+        matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
+        assert [(m.engine_id, m.tier) for m in matches] == [("A", pb.TIER_CPU)], (
+            "A holds nothing on its GPU tier for readers: only the CPU tier is known"
+        )
+
+    second = complete(pair.b, prompt, max_tokens=MAX_TOKENS)
+    assert output_ids(second) == reference, "B's output from A's CPU tier equals a recompute"
+    assert wait_for(lambda: pair.stat("B", "pulled_blocks_tier_cpu") == full_blocks, 15), read_stats(
+        pair.stats["B"]
+    )
+    assert pair.stat("B", "pulls_failed") == 0
+
+    with BrokerClient(pair.broker.address) as client:
+        leases = client.list_leases(engine_id="B", include_ended=True).leases
+    pulled = [lease for lease in leases if lease.holder_engine_id == "A" and lease.reader_engine_id == "B"]
+    assert pulled, "the broker shows B's lease on A"
+    assert all(lease.tier == pb.TIER_CPU for lease in pulled)
+    assert any(lease.state == pb.LEASE_RELEASED for lease in pulled), "release committed the read"
+    released = [lease for lease in pulled if lease.state == pb.LEASE_RELEASED]
+    assert len(released[-1].block_ids) == full_blocks, "A answered the pin with one slot id per block"
+
+    # A answered the PinCommand and unpinned when the lease ended; its stats file is
+    # rewritten on its next step, so give it one.
+    complete(pair.a, prompt_of(40, seed=32), max_tokens=1)
+    assert wait_for(lambda: pair.stat("A", "cpu_pins") >= 1, 15), read_stats(pair.stats["A"])
+    assert wait_for(lambda: int(read_stats(pair.stats["A"]).get("cpu_tier_pinned_slots", -1)) == 0, 15)

@@ -1,4 +1,4 @@
-"""Keep the session's exit status when real NIXL agents were created in this process.
+"""Keep the session's exit status when real NIXL agents were created in this process (any test folder).
 
 nixl 1.5.1 segfaults during interpreter teardown in any process that created
 a UCX agent (see engine_adapter.nixl_agent.exit_skipping_nixl_teardown), which

@@ -137,3 +137,33 @@ def test_reader_pulls_a_prefix_held_only_on_the_holders_cpu_tier(pair: Pair) -> 
     complete(pair.a, prompt_of(40, seed=32), max_tokens=1)
     assert wait_for(lambda: pair.stat("A", "cpu_pins") >= 1, 15), read_stats(pair.stats["A"])
     assert wait_for(lambda: int(read_stats(pair.stats["A"]).get("cpu_tier_pinned_slots", -1)) == 0, 15)
+
+
+def test_remote_decode_request_is_offloaded_whole_and_stays_after_the_gpu_hold_ends(pair: Pair) -> None:
+    """vLLM PR 40346 / DESIGN flow 4: a do_remote_decode request's blocks all go to the
+    CPU tier, so once the reader has taken the GPU copy (and A freed it) the
+    broker still names A, on tier CPU, for the whole prompt."""
+    prompt = prompt_of(160, seed=41)
+    full_blocks = len(prompt) // BLOCK_SIZE
+    reference = recompute_reference(pair.b, prompt, MAX_TOKENS)
+    pulls_before = pair.stat("B", "pulled_blocks_tier_gpu")
+    first = complete(pair.a, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params = first.get("kv_transfer_params")
+    assert params and params.get("do_remote_prefill") is True
+    second = complete(pair.b, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert output_ids(second) == reference
+    assert wait_for(lambda: pair.stat("B", "pulled_blocks_tier_gpu") == pulls_before + full_blocks, 15), (
+        "B took the GPU hold first (the broker ranks GPU before CPU)"
+    )
+    with BrokerClient(pair.broker.address) as client:
+        engines = {e.engine_id: e for e in client.list_engines().engines}
+        namespace = pb.Namespace(layout_id=engines["A"].layout_id, tenant="")
+        hashes = wire_chain(prompt, BLOCK_SIZE)
+
+        def only_cpu_left() -> bool:
+            matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
+            return [(m.engine_id, m.tier, m.matched_blocks) for m in matches if m.engine_id == "A"] == [
+                ("A", pb.TIER_CPU, full_blocks)
+            ]
+
+        assert wait_for(only_cpu_left, 30), client.resolve(namespace=namespace, block_hashes=hashes)

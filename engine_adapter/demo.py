@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_adapter.launch import EngineProcess, connector_config, free_port
+from engine_adapter.launch import EngineProcess, EngineStartError, connector_config, free_port
 from engine_adapter.tiny_model import build_tiny_model, is_tiny_model_dir
 
 # A system prompt long enough to fill a few 32-token blocks, so even turn 1 has
@@ -153,8 +153,8 @@ def start_stack(workdir: Path, *, proxy_port: int, broker_port: int, threshold: 
         client.wait_ready(timeout=30)
 
     say("[3/4] starting the prefill and decode vLLM engines (CPU, about a minute) ...")
-    engines = {}
-    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+
+    def make_engine(name: str, role: str, attempt: int) -> EngineProcess:
         stats = workdir / f"{name}-stats.json"
         stack.stats[name] = stats
         config = connector_config(
@@ -166,18 +166,33 @@ def start_stack(workdir: Path, *, proxy_port: int, broker_port: int, threshold: 
             # D holds each finished turn (prompt + answer) so the next turn's prefill can pull it.
             multi_turn=(role == "decode"),
         )
-        engines[role] = EngineProcess(
+        return EngineProcess(
             model_dir,
             name=name,
             kv_transfer_config=config,
             served_model_name="tiny",
             max_model_len=4096,
             extra_args=["--enable-prompt-tokens-details"],
-            log_path=workdir / f"{name}.log",
+            log_path=workdir / f"{name}{'-retry' if attempt else ''}.log",
         ).start()
-    stack.prefill, stack.decode = engines["prefill"], engines["decode"]
-    for engine in (stack.prefill, stack.decode):
-        engine.wait_ready(timeout=300, progress=lambda m: say("      " + m))
+
+    stack.prefill = make_engine("prefill-0", "prefill", 0)
+    stack.decode = make_engine("decode-0", "decode", 0)
+    for role in ("prefill", "decode"):
+        engine = stack.prefill if role == "prefill" else stack.decode
+        try:
+            engine.wait_ready(timeout=300, progress=lambda m: say("      " + m))
+        except EngineStartError as e:
+            # Another process may have taken the port picked for it (free ports
+            # are only free when picked): one more try on a new port.
+            say(f"      {engine.name} failed to start, retrying on a new port: {str(e).splitlines()[0]}")
+            engine.stop()
+            engine = make_engine(engine.name, role, 1)
+            if role == "prefill":
+                stack.prefill = engine
+            else:
+                stack.decode = engine
+            engine.wait_ready(timeout=300, progress=lambda m: say("      " + m))
 
     stack.proxy_url = f"http://127.0.0.1:{proxy_port}"
     say(f"[4/4] starting the proxy on {stack.proxy_url} ...")

@@ -669,6 +669,14 @@ class AdapterScheduler:
             )
             return
         load.state = "reading"
+        if load.span is not None:
+            # Which holder rank serves which layers, for the trace: "pp0/tp0:[0,2)".
+            load.span.set_attribute(
+                "kvbroker.source_ranks",
+                ",".join(f"pp{r.pp_rank}/tp{r.tp_rank}:[{r.start_layer},{r.end_layer})" for r in ranks),
+            )
+            load.span.set_attribute("kvbroker.destination_ranks", self.tp_size * self.pp_size)
+            load.span.set_attribute("kvbroker.lease_id", lease.lease_id)
         self._pending_specs.append(
             LoadSpec(
                 request_id=load.request_id,

@@ -417,3 +417,5 @@ def test_spans_continue_the_callers_trace_and_carry_transfer_attributes() -> Non
         pull["kvbroker.source_engine_id"] == "holder" and pull["kvbroker.destination_engine_id"] == "reader"
     )
     assert pull["kvbroker.committed"] is True and pull["kvbroker.tier"] == "TIER_GPU"
+    assert str(pull["kvbroker.source_ranks"]).startswith("pp0/tp0:[")
+    assert pull["kvbroker.destination_ranks"] == 1

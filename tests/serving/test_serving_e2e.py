@@ -159,6 +159,7 @@ def test_one_trace_spans_proxy_broker_and_the_transfer(stack: Any, receiver: Otl
     assert a["kvbroker.blocks"] > 0 and a["kvbroker.bytes"] > 0 and a["kvbroker.tier"]
     assert a["kvbroker.source_engine_id"] == "prefill-0" and a["kvbroker.destination_engine_id"] == "decode-0"
     assert a["kvbroker.lease_id"] and a["kvbroker.duration_ms"] > 0 and a["kvbroker.gb_per_s"] > 0
+    assert str(a["kvbroker.source_ranks"]).startswith("pp0/tp0:[0,")
     assert a["kvbroker.committed"] is True
 
 

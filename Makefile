@@ -51,6 +51,9 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 	$(BIN)/python -m bench.broker_bench
 	$(BIN)/python -m bench.control_plane
 	$(BIN)/python -m bench.data_path
+	$(BIN)/python -m bench.reclaim
+	$(BIN)/python -m bench.multiturn_ttft
+	$(BIN)/python -m bench.summary --write-readme
 
 clean:  ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -27,12 +27,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, load_note, log, shared_cores_note, write_json
-from bench.control_plane import _settings_json, add_common_arguments, guarded, mode_name, settings_from
+from bench.common import REPO_ROOT, load_note, log, shared_cores_note
+from bench.control_plane import add_common_arguments, guarded, mode_name, save_outputs, settings_from
 from bench.measure import Settings, measure_broker, measure_mooncake, measure_redis
 from bench.peers import _env_with_pythonpath
-from bench.plot import matplotlib_missing
-from bench.report import broker_table, memory_table, plot_lookup, targets, targets_table, unavailable_lines
+from bench.report import broker_table, memory_table, targets, targets_table, unavailable_lines
 
 
 def measure_index_alone(s: Settings) -> dict[str, Any]:
@@ -95,29 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\nNot measured here:")
             print("\n".join(missing))
 
-    print(tables.getvalue(), end="")
     name = "broker_bench" if not args.tiny else "broker_bench-tiny"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.txt").write_text(tables.getvalue())
-    path = write_json(
-        name,
-        {"mode": mode_name(args), "settings": _settings_json(s), "results": results, "targets": tgt},
-        args.out_dir,
-    )
-    print(f"\nJSON: {path}")
-    if not args.no_plot:
-        why = matplotlib_missing()
-        if why:
-            print(f"PNG: skipped: {why}")
-        else:
-            png = plot_lookup(
-                results,
-                conc,
-                args.out_dir / f"{name}.png",
-                f"Broker resolve vs the peers of its targets ({mode_name(args)} mode; median, min..max)",
-                shared_cores_note(),
-            )
-            print(f"PNG: {png}")
+    title = f"Broker resolve vs the peers of its targets ({mode_name(args)} mode; median, min..max)"
+    save_outputs(name, tables.getvalue(), args, s, results, tgt, conc, title)
     return 0
 
 

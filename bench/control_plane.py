@@ -128,30 +128,40 @@ def main(argv: list[str] | None = None) -> int:
             print("\nNot measured here:")
             print("\n".join(missing))
 
-    print(tables.getvalue(), end="")
     name = "control_plane" if not args.tiny else "control_plane-tiny"
+    title = f"Lookup of a 64-block chain ({mode_name(args)} mode; bars: median, whiskers: min..max)"
+    save_outputs(name, tables.getvalue(), args, s, results, tgt, conc, title)
+    return 0
+
+
+def save_outputs(
+    name: str,
+    tables: str,
+    args: argparse.Namespace,
+    s: Settings,
+    results: dict[str, Any],
+    tgt: Any,
+    conc: list[int],
+    title: str,
+) -> None:
+    """Print the tables, then write them (.txt), the JSON and the PNG under args.out_dir."""
+    print(tables, end="")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.txt").write_text(tables.getvalue())
+    (args.out_dir / f"{name}.txt").write_text(tables)
     path = write_json(
         name,
         {"mode": mode_name(args), "settings": _settings_json(s), "results": results, "targets": tgt},
         args.out_dir,
     )
     print(f"\nJSON: {path}")
-    if not args.no_plot:
-        why = matplotlib_missing()
-        if why:
-            print(f"PNG: skipped: {why}")
-        else:
-            png = plot_lookup(
-                results,
-                conc,
-                args.out_dir / f"{name}.png",
-                f"Lookup of a 64-block chain ({mode_name(args)} mode; bars: median, whiskers: min..max)",
-                shared_cores_note(),
-            )
-            print(f"PNG: {png}")
-    return 0
+    if args.no_plot:
+        return
+    why = matplotlib_missing()
+    if why:
+        print(f"PNG: skipped: {why}")
+        return
+    png = plot_lookup(results, conc, args.out_dir / f"{name}.png", title, shared_cores_note())
+    print(f"PNG: {png}")
 
 
 def _settings_json(s: Settings) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from typing import Any, TypeAlias
 import grpc
 import grpc.aio
 from kvbroker.v1 import broker_pb2 as pb
+from opentelemetry import context as otel_context
 
 from clients import errors
 from clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient, trace_metadata
@@ -852,10 +853,13 @@ class ThreadedEngineSession:
     def _submit(self, coroutine: Awaitable[Any]) -> concurrent.futures.Future[Any]:
         loop = self._loop
         if loop is not None and not loop.is_closed():
+            # Carry the caller's OpenTelemetry context (its current span) onto the loop
+            # thread, so the broker call's traceparent names the caller's span.
+            wrapped = _with_trace_context(otel_context.get_current(), coroutine)
             try:
-                return asyncio.run_coroutine_threadsafe(coroutine, loop)  # type: ignore[arg-type]
+                return asyncio.run_coroutine_threadsafe(wrapped, loop)
             except RuntimeError:
-                pass  # the loop closed meanwhile
+                wrapped.close()  # the loop closed meanwhile
         # After close() a call fails through its future; it never raises into the caller's thread.
         if inspect.iscoroutine(coroutine):
             coroutine.close()
@@ -912,3 +916,12 @@ class ThreadedEngineSession:
 
     def release(self, lease_id: str, epoch: int = 0) -> concurrent.futures.Future[pb.Lease]:
         return self._submit(self.session.release(lease_id, epoch))
+
+
+async def _with_trace_context(ctx: otel_context.Context, coroutine: Awaitable[Any]) -> Any:
+    """Await ``coroutine`` with ``ctx`` as the current OpenTelemetry context."""
+    token = otel_context.attach(ctx)
+    try:
+        return await coroutine
+    finally:
+        otel_context.detach(token)

@@ -52,7 +52,7 @@ from engine_adapter.metadata import (
     StoreSpec,
 )
 from engine_adapter.topology import check_sizes
-from engine_adapter.tracing import Span, end_span, start_span
+from engine_adapter.tracing import Span, current, end_span, start_span
 
 # Under "vllm." so that vLLM's logging configuration prints our lines.
 logger = logging.getLogger("vllm.kvbroker.scheduler")
@@ -261,7 +261,8 @@ class AdapterScheduler:
             self._fail_load(load, "broker unreachable when the lease was to be taken")
             return
         if plan.hold_lease_id:
-            load.future = link.acquire(plan.hold_lease_id, self.config.lease_ttl_ms)
+            with current(load.span):
+                load.future = link.acquire(plan.hold_lease_id, self.config.lease_ttl_ms)
         else:
             end = plan.first_block + plan.num_blocks
             load.future = link.resolve(
@@ -695,7 +696,8 @@ class AdapterScheduler:
             self._fail_load(load, f"NIXL read failed: {load.failure}")
             return
         load.state = "releasing"
-        load.future = self.link.release(load.lease.lease_id, load.lease.epoch)
+        with current(load.span):
+            load.future = self.link.release(load.lease.lease_id, load.lease.epoch)
 
     def _fail_load(self, load: _Load, reason: str) -> None:
         if load.lease is not None and load.state != "releasing" and self.link is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from opentelemetry import trace
@@ -61,3 +62,10 @@ def end_span(span: Span | None, attributes: Mapping[str, Any], error: str = "") 
     if error:
         span.set_status(Status(StatusCode.ERROR, error))
     span.end()
+
+
+def current(span: Span | None) -> AbstractContextManager[Any]:
+    """Make ``span`` current while a broker call is issued, so the call joins its trace."""
+    if span is None:
+        return nullcontext()
+    return trace.use_span(span, end_on_exit=False)

@@ -161,6 +161,15 @@ def test_one_trace_spans_proxy_broker_and_the_transfer(stack: Any, receiver: Otl
     assert a["kvbroker.lease_id"] and a["kvbroker.duration_ms"] > 0 and a["kvbroker.gb_per_s"] > 0
     assert str(a["kvbroker.source_ranks"]).startswith("pp0/tp0:[0,")
     assert a["kvbroker.committed"] is True
+    # The adapter's lease calls are broker RPCs inside the pull: Release commits the read.
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        spans = [s for s in receiver.snapshot() if s.trace_id == trace_id]
+        if any(s.name.endswith("/Release") for s in spans):
+            break
+        time.sleep(0.5)
+    releases = [s for s in spans if s.service == "kvbroker" and s.name.endswith("/Release")]
+    assert [r.parent_span_id for r in releases] == [pull.span_id], [(s.service, s.name) for s in spans]
 
 
 def test_request_survives_a_dead_prefill_engine(stack: Any) -> None:

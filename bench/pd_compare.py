@@ -486,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in ran:
         for r in setups[n]["rows"]:
             r.pop("ids", None)
+        # Log file names only: the work dir is a machine-specific temporary path.
+        setups[n]["logs"] = {k: Path(v).name for k, v in setups[n]["logs"].items()}
 
     path = write_json(
         "pd_compare",

@@ -63,6 +63,7 @@ def summary(results: Path) -> str:
     for name, title in (
         ("reclaim", "Lease reclamation after kill -9 of the reader"),
         ("multiturn_ttft", "Multi-turn, turn-2 TTFT, pull vs recompute"),
+        ("pd_compare", "P/D three ways: one engine, NixlConnector, kvbroker (TTFT ms p50/p90 per turn)"),
     ):
         d = _load(results, name)
         if d is not None:

@@ -25,6 +25,8 @@ class BrokerConfig:
     max_hashes: int = 16_384
     max_message_bytes: int = 16 * 1024 * 1024
     max_watchers: int = 64
+    max_mirrors: int = 256
+    mirror_chunk: int = 8_192
     ended_lease_history: int = 10_000
     expiry_interval_ms: int = 50
     expiry_batch: int = 1_000
@@ -45,6 +47,7 @@ class BrokerConfig:
             "max_message_bytes",
             "expiry_interval_ms",
             "expiry_batch",
+            "mirror_chunk",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0")
@@ -62,6 +65,8 @@ FIELD_HELP: dict[str, str] = {
     "max_hashes": "most block hashes in one request (hold, resolve, score, inventory lists)",
     "max_message_bytes": "largest gRPC message accepted or sent (RESOURCE_EXHAUSTED beyond)",
     "max_watchers": "most concurrent Watch streams",
+    "max_mirrors": "most concurrent Mirror streams (each costs a copy of every index change of its layout)",
+    "mirror_chunk": "index entries per snapshot step of a new Mirror stream (smaller: shorter pauses)",
     "ended_lease_history": "ended leases kept for ListLeases(include_ended) and precise release errors",
     "expiry_interval_ms": "how often the expiry loop looks for expired leases and sessions",
     "expiry_batch": "most leases or sessions ended per expiry pass (rate limit)",

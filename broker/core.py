@@ -19,6 +19,7 @@ from broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRa
 from broker.events import Notifier, NullNotifier, WatchEvent
 from broker.index import CompactPrefixIndex, PrefixIndex
 from broker.leases import InMemoryLeaseTable, Lease, LeaseTable
+from broker.mirror import MirrorHub
 from broker.model import LeaseState, Namespace, RevokeCause, Tier
 from broker.registry import EngineRecord, EngineRegistry
 from broker.scoring import EngineScore, HolderMatch, rank_holders, score_engines
@@ -77,6 +78,7 @@ class BrokerCore:
         self.index: PrefixIndex = index or CompactPrefixIndex()
         self.leases: LeaseTable = leases or InMemoryLeaseTable(self.config.ended_lease_history)
         self.registry = EngineRegistry()
+        self.mirrors = MirrorHub()
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total = 0
 
@@ -139,6 +141,8 @@ class BrokerCore:
             self.end_session(old.session_id, "ABORTED", "superseded: the engine registered a new session")
         rec = self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
         self._emit(ev.ENGINE, "engine_registered", engine_id=rec.engine_id, detail=rec.layout_id)
+        if rec.ready:
+            self.mirrors.engine(rec.layout_id, rec.snapshot())
         return rec
 
     def end_session(self, session_id: str, code: str = "", message: str = "") -> None:
@@ -153,6 +157,7 @@ class BrokerCore:
             return
         self.registry.remove(rec)
         self.index.drop_holder(rec.engine_id)
+        self.mirrors.engine(rec.layout_id, None, rec.engine_id)
         for lease in self.leases.by_holder(rec.engine_id):
             self._revoke(lease, RevokeCause.HOLDER_GONE, f"holder {rec.engine_id!r} session ended")
         for lease in self.leases.by_reader(rec.engine_id):
@@ -173,7 +178,10 @@ class BrokerCore:
         rec.load = load
 
     def register_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
-        return self.registry.add_rank(engine_id, rank)
+        rec = self.registry.add_rank(engine_id, rank)
+        if rec.ready:
+            self.mirrors.engine(rec.layout_id, rec.snapshot())
+        return rec
 
     # -- inventory -----------------------------------------------------------------
 
@@ -193,14 +201,17 @@ class BrokerCore:
         self._check_hashes(len(removed), "inventory.removed")
         if clear_all:
             dropped = self.index.drop_holder(rec.engine_id, t)
+            self.mirrors.clear_tier(rec.engine_id, ns.layout_id, t)
             self._supersede(rec, None, t, None)
             self._emit(ev.INDEX, "tier_cleared", engine_id=rec.engine_id, blocks=dropped, tier=t)
         if removed:
             n = self.index.remove(rec.engine_id, t, ns, removed)
+            self.mirrors.blocks(rec.engine_id, ns, t, removed=removed)
             self._supersede(rec, ns, t, removed)
             self._emit(ev.INDEX, "blocks_removed", engine_id=rec.engine_id, blocks=n, tier=t)
         if stored:
             n = self.index.add(rec.engine_id, t, ns, stored)
+            self.mirrors.blocks(rec.engine_id, ns, t, stored=stored)
             self._emit(ev.INDEX, "blocks_stored", engine_id=rec.engine_id, blocks=n, tier=t)
 
     def _supersede(
@@ -519,7 +530,13 @@ class BrokerCore:
                 self._revoke(lease, RevokeCause.DRAIN, reason or "holder is draining")
                 revoked += 1
         self._emit(ev.ENGINE, "engine_draining", engine_id=engine_id, detail=reason)
+        if rec.ready:
+            self.mirrors.engine(rec.layout_id, rec.snapshot())
         return revoked
+
+    def mirror_engines(self, layout_id: str) -> list[pb.EngineInfo]:
+        """The engines a new mirror of `layout_id` starts from (ready ones; as resolve names them)."""
+        return [rec.snapshot() for rec in self.registry.all() if rec.layout_id == layout_id and rec.ready]
 
     def engine_blocks(self, rec: EngineRecord) -> dict[Tier, int]:
         return self.index.blocks_of(rec.engine_id)

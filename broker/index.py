@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +46,13 @@ class PrefixIndex(Protocol):
 
     def longest_prefixes(self, namespace: Namespace, hashes: Iterable[int]) -> list[tuple[str, Tier, int]]:
         """(engine_id, tier, matched) per holder with a non-empty prefix of `hashes` from block 0."""
+        ...
+
+    def export(self, layout_id: str, chunk: int) -> Iterator[list[tuple[str, Tier, Namespace, list[int]]]]:
+        """Every (engine, tier, namespace, hashes) of a layout, a chunk of the table per step.
+
+        Safe to interleave with updates between steps (for mirror snapshots): each step
+        reads the state as it is then."""
         ...
 
     def blocks_of(self, engine_id: str) -> dict[Tier, int]: ...
@@ -267,6 +274,21 @@ class CompactPrefixIndex:
         slots = self._slots
         return [(slots[s].engine_id, slots[s].tier, m) for s, m in matched]
 
+    def export(self, layout_id: str, chunk: int) -> Iterator[list[tuple[str, Tier, Namespace, list[int]]]]:
+        keys = list(self._entries)  # 8 bytes a block, for the length of the export
+        for start in range(0, len(keys), chunk):
+            groups: dict[int, list[int]] = {}
+            entries, slots = self._entries, self._slots
+            for key in keys[start : start + chunk]:
+                sid = entries.get(key)
+                if sid is None:
+                    continue
+                for slot in self._live(sid):
+                    ns = slots[slot].namespace
+                    if ns.layout_id == layout_id:
+                        groups.setdefault(slot, []).append(key ^ self._salts[ns])
+            yield [(slots[s].engine_id, slots[s].tier, slots[s].namespace, hs) for s, hs in groups.items()]
+
     def blocks_of(self, engine_id: str) -> dict[Tier, int]:
         counts = {Tier.GPU: 0, Tier.CPU: 0}
         for slot in self._engine_slots.get(engine_id, ()):
@@ -296,7 +318,7 @@ class CompactPrefixIndex:
         entries = self._entries
         cleaned: dict[int, int | None] = {}
         dead = self._sweep_dead
-        for key in itertools.islice(keys, self._sweep_pos, end):
+        for key in keys[self._sweep_pos : end]:
             sid = entries.get(key)
             if sid is None:
                 continue

@@ -60,6 +60,7 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()
         self.servicer.shutting_down = True
         self.notifier.close_all("UNAVAILABLE", "broker is shutting down; reconnect and register again")
+        self.core.mirrors.close_all("broker is shutting down; reconnect for a fresh snapshot")
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

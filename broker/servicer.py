@@ -23,7 +23,8 @@ from broker.channels import Close, SessionChannel, StreamNotifier
 from broker.core import BrokerCore, ResolveResult
 from broker.errors import BrokerError, InvalidArgument
 from broker.leases import Lease
-from broker.model import Namespace
+from broker.mirror import mirror_engine_info
+from broker.model import Namespace, Tier
 from broker.registry import EngineRecord
 from broker.status import status_of
 
@@ -342,3 +343,52 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                     yield item
         finally:
             self.notifier.remove_watcher(watcher)
+
+    # -- Mirror stream -------------------------------------------------------------
+
+    async def Mirror(
+        self, request: pb.MirrorRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.MirrorUpdate]:
+        if not request.layout_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "layout_id is empty; mirror the layout_id an engine got at registration",
+            )
+        hub = self.core.mirrors
+        limit = self.core.config.max_mirrors
+        if hub.subscriber_count() >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{limit} mirrors are connected, the limit (--max-mirrors)",
+            )
+        ready = asyncio.Event()
+        sub = hub.subscribe(request.layout_id, ready.set)
+        try:
+            while not sub.closed:
+                # (Re)sync: changes buffer from this instant; the snapshot follows, then them.
+                sub.restart()
+                engines = self.core.mirror_engines(sub.layout_id)
+                yield pb.MirrorUpdate(
+                    reset=True, engines=[pb.MirrorEngine(engine=mirror_engine_info(e)) for e in engines]
+                )
+                for chunk in self.core.index.export(sub.layout_id, self.core.config.mirror_chunk):
+                    if chunk:
+                        yield pb.MirrorUpdate(blocks=[_mirror_blocks(*held) for held in chunk])
+                    if sub.overflowed or sub.closed:
+                        break
+                else:
+                    yield pb.MirrorUpdate(synced=True)
+                while not sub.overflowed and not sub.closed:
+                    await ready.wait()
+                    ready.clear()
+                    for update in sub.take():
+                        yield update
+                if sub.overflowed:
+                    log.warning("mirror of layout %s fell behind; sending a fresh snapshot", sub.layout_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, sub.closed)
+        finally:
+            hub.unsubscribe(sub)
+
+
+def _mirror_blocks(engine_id: str, tier: Tier, ns: Namespace, hashes: list[int]) -> pb.MirrorBlocks:
+    return pb.MirrorBlocks(engine_id=engine_id, tenant=ns.tenant, tier=pb.Tier.ValueType(tier), stored=hashes)

@@ -1509,3 +1509,127 @@ class WatchEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchEvent: _TypeAlias = WatchEvent  # noqa: Y015
+
+@_typing.final
+class MirrorRequest(_message.Message):
+    """---------------------------------------------------------------------------
+    Index mirror: a live copy of one layout's prefix index, kept by engines
+    (and routers) that want to answer "who holds this prefix?" in process,
+    without a round trip. The stream starts with a snapshot (reset, engines,
+    blocks in chunks, then synced) and goes on with every change, in order.
+    Applying the messages in order as set operations gives the broker's index.
+    ---------------------------------------------------------------------------
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYOUT_ID_FIELD_NUMBER: _builtins.int
+    layout_id: _builtins.str
+    """required: the layout to mirror (all tenants)"""
+    def __init__(
+        self,
+        *,
+        layout_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout_id", b"layout_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MirrorRequest: _TypeAlias = MirrorRequest  # noqa: Y015
+
+@_typing.final
+class MirrorEngine(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    GONE_FIELD_NUMBER: _builtins.int
+    gone: _builtins.bool
+    """the engine's session ended: forget it and its blocks"""
+    @_builtins.property
+    def engine(self) -> Global___EngineInfo:
+        """ranks without agent metadata; ready engines only"""
+
+    def __init__(
+        self,
+        *,
+        engine: Global___EngineInfo | None = ...,
+        gone: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "gone", b"gone"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MirrorEngine: _TypeAlias = MirrorEngine  # noqa: Y015
+
+@_typing.final
+class MirrorBlocks(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    STORED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    CLEAR_TIER_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    tenant: _builtins.str
+    tier: Global___Tier.ValueType
+    clear_tier: _builtins.bool
+    """drop the engine's blocks on this tier (all tenants) first"""
+    @_builtins.property
+    def stored(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def removed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
+        stored: _abc.Iterable[_builtins.int] | None = ...,
+        removed: _abc.Iterable[_builtins.int] | None = ...,
+        clear_tier: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clear_tier", b"clear_tier", "engine_id", b"engine_id", "removed", b"removed", "stored", b"stored", "tenant", b"tenant", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MirrorBlocks: _TypeAlias = MirrorBlocks  # noqa: Y015
+
+@_typing.final
+class MirrorUpdate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESET_FIELD_NUMBER: _builtins.int
+    SYNCED_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    reset: _builtins.bool
+    """forget everything: a new snapshot follows"""
+    synced: _builtins.bool
+    """the snapshot is complete; live changes follow"""
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___MirrorEngine]: ...
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___MirrorBlocks]: ...
+    def __init__(
+        self,
+        *,
+        reset: _builtins.bool = ...,
+        synced: _builtins.bool = ...,
+        engines: _abc.Iterable[Global___MirrorEngine] | None = ...,
+        blocks: _abc.Iterable[Global___MirrorBlocks] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "engines", b"engines", "reset", b"reset", "synced", b"synced"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MirrorUpdate: _TypeAlias = MirrorUpdate  # noqa: Y015

@@ -104,6 +104,11 @@ class KVBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.WatchRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_broker__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.Mirror = channel.unary_stream(
+                '/kvbroker.v1.KVBroker/Mirror',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.MirrorRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.MirrorUpdate.FromString,
+                _registered_method=True)
 
 
 class KVBrokerServicer:
@@ -197,6 +202,12 @@ class KVBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Mirror(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +280,11 @@ def add_KVBrokerServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=kvbroker_dot_v1_dot_broker__pb2.WatchRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_broker__pb2.WatchEvent.SerializeToString,
+            ),
+            'Mirror': grpc.unary_stream_rpc_method_handler(
+                    servicer.Mirror,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.MirrorRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.MirrorUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -649,6 +665,33 @@ class KVBroker:
             '/kvbroker.v1.KVBroker/Watch',
             kvbroker_dot_v1_dot_broker__pb2.WatchRequest.SerializeToString,
             kvbroker_dot_v1_dot_broker__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Mirror(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvbroker.v1.KVBroker/Mirror',
+            kvbroker_dot_v1_dot_broker__pb2.MirrorRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.MirrorUpdate.FromString,
             options,
             channel_credentials,
             insecure,

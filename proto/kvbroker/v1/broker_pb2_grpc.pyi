@@ -62,6 +62,7 @@ class KVBrokerStub:
     Revoke: _grpc.UnaryUnaryMultiCallable[_broker_pb2.RevokeRequest, _broker_pb2.LeaseResponse]
     Drain: _grpc.UnaryUnaryMultiCallable[_broker_pb2.DrainRequest, _broker_pb2.DrainResponse]
     Watch: _grpc.UnaryStreamMultiCallable[_broker_pb2.WatchRequest, _broker_pb2.WatchEvent]
+    Mirror: _grpc.UnaryStreamMultiCallable[_broker_pb2.MirrorRequest, _broker_pb2.MirrorUpdate]
 
 @_typing.type_check_only
 class KVBrokerAsyncStub(KVBrokerStub):
@@ -84,6 +85,7 @@ class KVBrokerAsyncStub(KVBrokerStub):
     Revoke: _aio.UnaryUnaryMultiCallable[_broker_pb2.RevokeRequest, _broker_pb2.LeaseResponse]  # type: ignore[assignment]
     Drain: _aio.UnaryUnaryMultiCallable[_broker_pb2.DrainRequest, _broker_pb2.DrainResponse]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_broker_pb2.WatchRequest, _broker_pb2.WatchEvent]  # type: ignore[assignment]
+    Mirror: _aio.UnaryStreamMultiCallable[_broker_pb2.MirrorRequest, _broker_pb2.MirrorUpdate]  # type: ignore[assignment]
 
 class KVBrokerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -187,5 +189,12 @@ class KVBrokerServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.WatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_broker_pb2.WatchEvent], _abc.AsyncIterator[_broker_pb2.WatchEvent]]: ...
+
+    @_abc_1.abstractmethod
+    def Mirror(
+        self,
+        request: _broker_pb2.MirrorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_broker_pb2.MirrorUpdate], _abc.AsyncIterator[_broker_pb2.MirrorUpdate]]: ...
 
 def add_KVBrokerServicer_to_server(servicer: KVBrokerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,164 @@
+"""Index mirrors: per-subscriber buffers of index changes, for the Mirror stream.
+
+An engine (or router) that keeps a mirror of a layout's index answers "who
+holds this prefix?" in process, in microseconds, instead of a round trip
+per request. The core reports every change here synchronously, in the order
+it applies them; each subscriber buffers the changes of its layout until its
+stream writer takes them, merged into as few messages as possible.
+
+Consistency: a subscription starts buffering the moment it is made; the
+writer then sends a snapshot (taken over several loop turns) and then the
+buffer. Every change is a set operation (add, remove, drop), so applying the
+snapshot and then the changes, in order, ends at the broker's state even
+when the snapshot saw some of those changes already.
+
+A subscriber that falls too far behind is not cut off: its buffer is dropped
+and it is sent a fresh snapshot (the `reset` flag tells the mirror).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvbroker.v1 import broker_pb2 as pb
+
+from broker.model import Namespace, Tier
+
+# Buffered hashes (stored + removed) after which a subscriber is resynced.
+DEFAULT_MAX_PENDING = 2_000_000
+
+
+def mirror_engine_info(info: pb.EngineInfo) -> pb.EngineInfo:
+    """What a mirror needs of an engine: layout, ranks' layer ranges, labels; no NIXL blobs."""
+    out = pb.EngineInfo()
+    out.CopyFrom(info)
+    for rank in out.ranks:
+        rank.ClearField("agent_metadata")
+        for tier in rank.tiers:
+            tier.ClearField("regions")
+    return out
+
+
+@dataclass(eq=False)  # identity-hashed: kept in a set
+class MirrorSubscriber:
+    """One Mirror stream's buffer. Order matters (an engine can go and come back with
+    new blocks), so changes are kept in segments: a message applies its engines, then
+    its blocks; an engine change after buffered blocks starts a new segment."""
+
+    layout_id: str
+    wake: Callable[[], None]
+    max_pending: int = DEFAULT_MAX_PENDING
+    segments: list[tuple[list[pb.MirrorEngine], list[pb.MirrorBlocks]]] = field(default_factory=list)
+    pending: int = 0
+    overflowed: bool = False
+    closed: str = ""  # why the broker ends this stream (shutdown)
+
+    def take(self) -> list[pb.MirrorUpdate]:
+        """Everything buffered, in order, in as few messages as order allows."""
+        out = [pb.MirrorUpdate(engines=e, blocks=b) for e, b in self.segments]
+        self.segments, self.pending = [], 0
+        return out
+
+    def restart(self) -> None:
+        """Drop the buffer: a new snapshot is about to be taken."""
+        self.segments, self.pending = [], 0
+        self.overflowed = False
+
+    def _add_blocks(self, change: pb.MirrorBlocks, size: int) -> None:
+        if self.overflowed:
+            return
+        self.pending += size
+        if self.pending > self.max_pending:
+            self.overflowed = True  # the writer resyncs with a fresh snapshot
+            self.segments = []
+        elif self.segments:
+            self.segments[-1][1].append(change)
+        else:
+            self.segments.append(([], [change]))
+        self.wake()
+
+    def _add_engine(self, change: pb.MirrorEngine) -> None:
+        if self.overflowed:
+            return
+        if not self.segments or self.segments[-1][1]:
+            self.segments.append(([change], []))
+        else:
+            self.segments[-1][0].append(change)
+        self.pending += 1
+        self.wake()
+
+
+class MirrorHub:
+    """The core's side of the mirrors: fan each index change out to the layout's subscribers."""
+
+    def __init__(self) -> None:
+        self._by_layout: dict[str, set[MirrorSubscriber]] = {}
+
+    def subscribe(
+        self, layout_id: str, wake: Callable[[], None], max_pending: int = DEFAULT_MAX_PENDING
+    ) -> MirrorSubscriber:
+        sub = MirrorSubscriber(layout_id, wake, max_pending)
+        self._by_layout.setdefault(layout_id, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: MirrorSubscriber) -> None:
+        subs = self._by_layout.get(sub.layout_id)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._by_layout[sub.layout_id]
+
+    def close_all(self, why: str) -> None:
+        for subs in self._by_layout.values():
+            for sub in subs:
+                sub.closed = why
+                sub.wake()
+
+    def subscriber_count(self) -> int:
+        return sum(len(s) for s in self._by_layout.values())
+
+    def watching(self, layout_id: str) -> bool:
+        return layout_id in self._by_layout
+
+    def blocks(
+        self,
+        engine_id: str,
+        namespace: Namespace,
+        tier: Tier,
+        stored: Sequence[int] = (),
+        removed: Sequence[int] = (),
+    ) -> None:
+        subs = self._by_layout.get(namespace.layout_id)
+        if not subs:
+            return
+        change = pb.MirrorBlocks(
+            engine_id=engine_id,
+            tenant=namespace.tenant,
+            tier=pb.Tier.ValueType(tier),
+            stored=stored,
+            removed=removed,
+        )
+        size = len(stored) + len(removed)
+        for sub in subs:
+            sub._add_blocks(change, size)
+
+    def clear_tier(self, engine_id: str, layout_id: str, tier: Tier) -> None:
+        subs = self._by_layout.get(layout_id)
+        if not subs:
+            return
+        change = pb.MirrorBlocks(engine_id=engine_id, tier=pb.Tier.ValueType(tier), clear_tier=True)
+        for sub in subs:
+            sub._add_blocks(change, 1)
+
+    def engine(self, layout_id: str, info: pb.EngineInfo | None, engine_id: str = "") -> None:
+        """An engine became ready or changed (info), or is gone (info None, engine_id given)."""
+        subs = self._by_layout.get(layout_id)
+        if not subs:
+            return
+        if info is None:
+            msg = pb.MirrorEngine(engine=pb.EngineInfo(engine_id=engine_id), gone=True)
+        else:
+            msg = pb.MirrorEngine(engine=mirror_engine_info(info))
+        for sub in subs:
+            sub._add_engine(msg)

@@ -1,0 +1,193 @@
+"""A live local copy of one layout's prefix index, fed by the broker's Mirror stream.
+
+With a mirror, "who holds the longest prefix of this prompt?" is answered in
+process, in microseconds and without a round trip: the vLLM scheduler can
+decide pull-or-recompute in the same step it sees the request, and a router
+can score engines without asking the broker. Leases still go to the broker
+(only it can promise that blocks stay put), so a mirror's answer is advice:
+the broker's answer to the acquire is what counts.
+
+The mirror is the broker's own index structure (`CompactPrefixIndex`) fed the
+same set operations in the same order, and it filters and ranks holders with
+the broker's own rules, so a synced mirror gives the broker's answer, late by
+the stream's delivery time (about a millisecond on one host; see
+`bench/control_plane.py`). Before the first snapshot completes, and while the
+stream is broken, `resolve` answers None ("ask the broker").
+
+Thread-safety: updates come from the stream's event loop and lookups from any
+thread (the vLLM scheduler); one lock serialises them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+
+from broker.index import CompactPrefixIndex
+from broker.model import Namespace, Tier
+from broker.scoring import EngineScore, HolderMatch, rank_holders, score_engines
+from clients.layout import check_topology
+
+log = logging.getLogger("kvbroker.mirror")
+
+# Index entries swept per applied message (the broker's own clean-up, done locally).
+_MAINTAIN_BUDGET = 5_000
+
+
+@dataclass
+class MirrorStats:
+    updates: int = 0  # messages applied
+    resets: int = 0  # snapshots started (1 + reconnects + resyncs)
+    syncs: int = 0  # snapshots completed
+    last_update_monotonic: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+class IndexMirror:
+    """The index of one layout as the broker has it, for lookups in process."""
+
+    def __init__(self, layout_id: str) -> None:
+        if not layout_id:
+            raise ValueError("IndexMirror needs a layout_id (the one the broker gave at registration)")
+        self.layout_id = layout_id
+        self.stats = MirrorStats()
+        self._lock = threading.Lock()
+        self._index = CompactPrefixIndex()
+        self._engines: dict[str, pb.EngineInfo] = {}
+        self._synced = False
+
+    @property
+    def synced(self) -> bool:
+        """True while the mirror holds a complete snapshot plus every change since."""
+        return self._synced
+
+    def mark_unsynced(self) -> None:
+        """The stream broke: answers may be stale from now on, so give none until resynced."""
+        self._synced = False
+
+    # -- applying the stream ------------------------------------------------------
+
+    def apply(self, update: pb.MirrorUpdate) -> None:
+        with self._lock:
+            if update.reset:
+                self._index = CompactPrefixIndex()
+                self._engines.clear()
+                self._synced = False
+                self.stats.resets += 1
+            for change in update.engines:
+                engine_id = change.engine.engine_id
+                if change.gone:
+                    self._engines.pop(engine_id, None)
+                    self._index.drop_holder(engine_id)
+                else:
+                    self._engines[engine_id] = change.engine
+            for blocks in update.blocks:
+                self._apply_blocks(blocks)
+            if update.synced:
+                self._synced = True
+                self.stats.syncs += 1
+            self._index.maintain(_MAINTAIN_BUDGET)
+            self.stats.updates += 1
+            self.stats.last_update_monotonic = time.monotonic()
+
+    def _apply_blocks(self, blocks: pb.MirrorBlocks) -> None:
+        tier = Tier(blocks.tier)
+        if blocks.clear_tier:
+            self._index.drop_holder(blocks.engine_id, tier)
+        ns = Namespace(self.layout_id, blocks.tenant)
+        if blocks.removed:
+            self._index.remove(blocks.engine_id, tier, ns, blocks.removed)
+        if blocks.stored:
+            self._index.add(blocks.engine_id, tier, ns, blocks.stored)
+
+    # -- lookups ------------------------------------------------------------------
+
+    def resolve(
+        self, tenant: str, hashes: Sequence[int], asker: pb.EngineInfo | None = None
+    ) -> list[pb.HolderMatch] | None:
+        """Holders of the longest prefix per (engine, tier), best first, as the broker's
+        Resolve ranks them (its `matches`, without hold lease ids). None: not synced.
+
+        With `asker`, the asker itself and holders whose topology it cannot read
+        are left out, as the broker does for a session resolve."""
+        if not self._synced:
+            return None
+        with self._lock:
+            found = self._index.longest_prefixes(Namespace(self.layout_id, tenant), hashes)
+            matches: list[HolderMatch] = []
+            for engine_id, tier, n in found:
+                info = self._engines.get(engine_id)
+                if info is None or info.draining:
+                    continue
+                if asker is not None and (
+                    engine_id == asker.engine_id or check_topology(asker, info) is not None
+                ):
+                    continue
+                matches.append(HolderMatch(engine_id, tier, n, info.load))
+        return [
+            pb.HolderMatch(engine_id=m.engine_id, tier=pb.Tier.ValueType(m.tier), matched_blocks=m.matched)
+            for m in rank_holders(matches)
+        ]
+
+    def score(
+        self, tenant: str, hashes: Sequence[int], candidates: Sequence[str] = ()
+    ) -> list[EngineScore] | None:
+        """Like the broker's Score for block hashes: matched prefix per tier per engine."""
+        if not self._synced:
+            return None
+        with self._lock:
+            found = self._index.longest_prefixes(Namespace(self.layout_id, tenant), hashes)
+            wanted = candidates or list(self._engines)
+            engines = {
+                e: (self._engines[e].load, self._engines[e].draining) for e in wanted if e in self._engines
+            }
+        return score_engines(found, engines)
+
+    def engines(self) -> list[pb.EngineInfo]:
+        with self._lock:
+            return list(self._engines.values())
+
+    def total_blocks(self) -> int:
+        with self._lock:
+            return self._index.total_blocks()
+
+
+async def follow(
+    mirror: IndexMirror,
+    channel: grpc.aio.Channel,
+    *,
+    backoff_s: Callable[[int], float] = lambda n: min(5.0, 0.1 * 2**n),
+) -> None:
+    """Keep `mirror` in step with the broker until cancelled: subscribe, apply every
+    message, and after a broken stream mark it unsynced and subscribe again (each new
+    stream starts with a reset and a full snapshot). Run it as a task; cancel to stop."""
+    stub = broker_pb2_grpc.KVBrokerStub(channel)
+    attempt = 0
+    while True:
+        call = stub.Mirror(pb.MirrorRequest(layout_id=mirror.layout_id))
+        try:
+            async for update in call:
+                mirror.apply(update)
+                attempt = 0
+        except grpc.aio.AioRpcError as err:
+            mirror.stats.errors.append(f"{err.code().name}: {err.details()}")
+            del mirror.stats.errors[:-10]
+            if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
+                log.error("index mirror of %s refused: %s; not retrying", mirror.layout_id, err.details())
+                return
+            log.info(
+                "index mirror of %s: stream ended (%s); resubscribing", mirror.layout_id, err.code().name
+            )
+        finally:
+            mirror.mark_unsynced()
+            call.cancel()
+        await asyncio.sleep(backoff_s(attempt))
+        attempt += 1

@@ -1,0 +1,181 @@
+"""The index mirror against a real in-process broker over real gRPC: it syncs, follows
+every change, answers what the broker answers, and resyncs after a broker restart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+
+from broker.config import BrokerConfig
+from broker.server import start_server
+from clients.aio import AsyncBrokerClient
+from clients.hashing import wire_chain
+from clients.mirror import IndexMirror, follow
+from clients.session import Backoff, EngineSession
+
+GPU, CPU = pb.TIER_GPU, pb.TIER_CPU
+CHAIN = wire_chain(list(range(32 * 8)), 32)  # eight full blocks
+OTHER = wire_chain(list(range(1000, 1000 + 32 * 4)), 32)
+
+
+@pytest.fixture
+async def sessions(
+    broker: Any, engine_info: Callable[..., pb.EngineInfo]
+) -> AsyncIterator[Callable[..., Any]]:
+    opened: list[EngineSession] = []
+
+    async def open_session(engine_id: str, **kwargs: Any) -> EngineSession:
+        session = EngineSession(broker.address, engine_info(engine_id), ttl_ms=2_000, **kwargs)
+        opened.append(session)
+        await session.start(wait_connected_s=5.0)
+        return session
+
+    yield open_session
+    for session in opened:
+        await session.close()
+
+
+@pytest.fixture
+async def channel(broker: Any) -> AsyncIterator[grpc.aio.Channel]:
+    ch = grpc.aio.insecure_channel(broker.address)
+    yield ch
+    await ch.close()
+
+
+async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+def answer(matches: Any) -> list[tuple[str, int, int]]:
+    return [(m.engine_id, int(m.tier), m.matched_blocks) for m in matches]
+
+
+async def broker_answer(
+    address: str, layout_id: str, tenant: str, chain: list[int]
+) -> list[tuple[str, int, int]]:
+    async with AsyncBrokerClient(address) as c:
+        response = await c.resolve(
+            pb.ResolveRequest(namespace=pb.Namespace(layout_id=layout_id, tenant=tenant), block_hashes=chain)
+        )
+    return answer(response.matches)
+
+
+async def test_mirror_follows_the_broker(
+    broker: Any, sessions: Any, channel: grpc.aio.Channel, engine_info: Callable[..., pb.EngineInfo]
+) -> None:
+    p0 = await sessions("p0")
+    p1 = await sessions("p1")
+    layout = p0.layout_id
+    p0.announce_stored((layout, "t"), GPU, CHAIN)
+    p1.announce_stored((layout, "t"), CPU, CHAIN[:5])
+    await until_async(lambda: broker_answer(broker.address, layout, "t", CHAIN), 2)
+
+    mirror = IndexMirror(layout)
+    task = asyncio.create_task(follow(mirror, channel))
+    try:
+        await until(lambda: mirror.synced)
+        assert answer(mirror.resolve("t", CHAIN)) == await broker_answer(broker.address, layout, "t", CHAIN)
+        assert answer(mirror.resolve("t", CHAIN)) == [("p0", GPU, 8), ("p1", CPU, 5)]
+        assert mirror.resolve("other-tenant", CHAIN) == []
+
+        # Live changes: stored, removed, a new engine, an engine gone.
+        p1.announce_stored((layout, "t"), GPU, CHAIN[:7])
+        await until(lambda: ("p1", GPU, 7) in answer(mirror.resolve("t", CHAIN)))
+        p0.announce_removed((layout, "t"), GPU, CHAIN[3:4])
+        await until(lambda: ("p0", GPU, 3) in answer(mirror.resolve("t", CHAIN)))
+        p2 = await sessions("p2")
+        p2.announce_stored((layout, "t"), GPU, OTHER)
+        await until(lambda: answer(mirror.resolve("t", OTHER)) == [("p2", GPU, 4)])
+        assert {e.engine_id for e in mirror.engines()} == {"p0", "p1", "p2"}
+        assert all(not r.agent_metadata for e in mirror.engines() for r in e.ranks)
+        await p2.close()
+        await until(lambda: mirror.resolve("t", OTHER) == [])
+        assert "p2" not in {e.engine_id for e in mirror.engines()}
+        assert answer(mirror.resolve("t", CHAIN)) == await broker_answer(broker.address, layout, "t", CHAIN)
+
+        # An asker never sees itself, as in a session resolve.
+        seen_by_p1 = mirror.resolve("t", CHAIN, asker=engine_info("p1"))
+        assert seen_by_p1 is not None and [m.engine_id for m in seen_by_p1] == ["p0"]
+        # A holder whose topology the asker cannot read is left out too.
+        assert mirror.resolve("t", CHAIN, asker=engine_info("p9", tp_size=2)) == []
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def until_async(fetch: Callable[[], Any], n: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(await fetch()) < n:
+        if time.monotonic() > deadline:
+            raise AssertionError("broker never named the holders")
+        await asyncio.sleep(0.01)
+
+
+async def test_empty_layout_is_invalid_argument(channel: grpc.aio.Channel) -> None:
+    stub = broker_pb2_grpc.KVBrokerStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stub.Mirror(pb.MirrorRequest()):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "layout_id" in (info.value.details() or "")
+
+
+async def test_mirror_limit_is_resource_exhausted() -> None:
+    server = await start_server(BrokerConfig(address="127.0.0.1:0", max_mirrors=1, shutdown_grace_s=0.1))
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = broker_pb2_grpc.KVBrokerStub(ch)
+            first = stub.Mirror(pb.MirrorRequest(layout_id="L"))
+            assert (await first.read()).reset
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Mirror(pb.MirrorRequest(layout_id="L")):
+                    pass
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-mirrors" in (info.value.details() or "")
+            first.cancel()
+    finally:
+        await server.stop(0.1)
+
+
+async def test_mirror_resyncs_after_broker_restart(
+    broker: Any, engine_info: Callable[..., pb.EngineInfo]
+) -> None:
+    holder = EngineSession(
+        broker.address, engine_info("p0"), ttl_ms=1_000, backoff=Backoff(initial_s=0.05, max_s=0.2)
+    )
+    await holder.start(wait_connected_s=5.0)
+    layout = holder.layout_id
+    holder.announce_stored((layout, ""), GPU, CHAIN)
+    mirror = IndexMirror(layout)
+    ch = grpc.aio.insecure_channel(broker.address)
+    task = asyncio.create_task(follow(mirror, ch, backoff_s=lambda n: 0.05))
+    try:
+        await until(lambda: mirror.synced and answer(mirror.resolve("", CHAIN)) == [("p0", GPU, 8)])
+        syncs = mirror.stats.syncs
+        await broker.stop(0.1)
+        await until(lambda: not mirror.synced)
+        assert mirror.resolve("", CHAIN) is None, "a mirror cut off from the broker must not answer"
+        restarted = await start_server(BrokerConfig(address=f"127.0.0.1:{broker.port}", shutdown_grace_s=0.1))
+        try:
+            # The engine re-registers and re-announces by itself; the mirror resubscribes.
+            await until(lambda: mirror.synced and mirror.stats.syncs > syncs, timeout=10)
+            await until(lambda: answer(mirror.resolve("", CHAIN) or []) == [("p0", GPU, 8)], timeout=10)
+        finally:
+            await holder.close()
+            await restarted.stop(0.1)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await ch.close()

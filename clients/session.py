@@ -35,7 +35,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 import grpc
@@ -45,6 +45,7 @@ from opentelemetry import context as otel_context
 
 from clients import errors
 from clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient, trace_metadata
+from clients.mirror import IndexMirror, follow
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +283,7 @@ class EngineSession:
         max_hashes_per_update: int = DEFAULT_MAX_HASHES_PER_UPDATE,
         register_timeout_s: float = 5.0,
         resolve_timeout_s: float = DEFAULT_RESOLVE_TIMEOUT_S,
+        mirror_index: bool = False,
     ) -> None:
         if engine is None or not engine.engine_id:
             raise ValueError("EngineSession needs an EngineInfo with an engine_id")
@@ -305,6 +307,10 @@ class EngineSession:
         self.max_hashes_per_update = max_hashes_per_update
         self.register_timeout_s = register_timeout_s
         self.resolve_timeout_s = resolve_timeout_s
+        # With mirror_index, a live copy of the layout's index (clients.mirror), kept
+        # from the first registration on, over the session's channel.
+        self.mirror_index = mirror_index
+        self.mirror: IndexMirror | None = None
 
         self.inventory = InventoryMirror()
         self.registered: pb.Registered | None = None
@@ -601,6 +607,9 @@ class EngineSession:
                 registered.session_ttl_ms,
             )
             self._callback(self.on_connected, registered)
+            if self.mirror_index and self.mirror is None:
+                self.mirror = IndexMirror(registered.layout_id)
+                self._spawn(follow(self.mirror, self.client.channel))
             tasks = [
                 asyncio.ensure_future(self._read_loop(call)),
                 asyncio.ensure_future(self._write_loop(call, outbox)),
@@ -888,6 +897,20 @@ class ThreadedEngineSession:
 
     def add_rank(self, rank: pb.RankInfo) -> None:
         self._call_soon(self.session.add_rank, rank)
+
+    def mirror_resolve(
+        self, namespace: NamespaceLike, block_hashes: Sequence[int]
+    ) -> list[pb.HolderMatch] | None:
+        """The holders the index mirror names (the broker's ranking, this engine left out),
+        at once, from the caller's thread; None without a synced mirror ("ask the broker")."""
+        session = self._session
+        mirror = session.mirror if session is not None else None
+        if mirror is None or not mirror.synced:
+            return None
+        layout_id, tenant = namespace_key(namespace)
+        if layout_id != mirror.layout_id:
+            return None
+        return mirror.resolve(tenant, block_hashes, asker=self._engine)
 
     def resolve_async(
         self, namespace: NamespaceLike, block_hashes: Iterable[int], **kwargs: Any

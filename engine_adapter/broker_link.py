@@ -43,6 +43,10 @@ class BrokerLink(Protocol):
         request_id: str,
     ) -> Future[pb.ResolveResponse]: ...
 
+    def mirror_resolve(self, namespace: pb.Namespace, hashes: list[int]) -> list[pb.HolderMatch] | None:
+        """Holders named by the local index mirror, at once; None means "ask the broker"."""
+        ...
+
     def acquire(self, lease_id: str, ttl_ms: int) -> Future[pb.LeaseResponse]: ...
 
     def hold(
@@ -97,7 +101,13 @@ class SessionBrokerLink:
     """BrokerLink on clients.session.ThreadedEngineSession (the real broker)."""
 
     def __init__(
-        self, address: str, engine: pb.EngineInfo, *, session_ttl_ms: int, expected_ranks: int
+        self,
+        address: str,
+        engine: pb.EngineInfo,
+        *,
+        session_ttl_ms: int,
+        expected_ranks: int,
+        index_mirror: bool = False,
     ) -> None:
         from clients.session import ThreadedEngineSession
 
@@ -112,6 +122,7 @@ class SessionBrokerLink:
             on_revoked=self._on_revoked,
             on_lease_ended=self._on_lease_ended,
             on_pin=self._on_pin,
+            mirror_index=index_mirror,
         )
         self._session.start()
 
@@ -141,6 +152,9 @@ class SessionBrokerLink:
             min_blocks=min_blocks,
             request_id=request_id,
         )
+
+    def mirror_resolve(self, namespace: pb.Namespace, hashes: list[int]) -> list[pb.HolderMatch] | None:
+        return self._session.mirror_resolve(namespace, hashes)
 
     def acquire(self, lease_id: str, ttl_ms: int) -> Future[pb.LeaseResponse]:
         return self._session.acquire(lease_id, ttl_ms)

@@ -37,6 +37,10 @@ class AdapterConfig:
     hold_ttl_ms: int = 30000
     # TTL of a read lease (from claim to release).
     lease_ttl_ms: int = 10000
+    # Keep a live copy of the broker's index for this layout (the Mirror stream),
+    # so that the scheduler decides pull-or-recompute in the step it sees a
+    # request, without a round trip; the lease still comes from the broker.
+    index_mirror: bool = True
     # How long a new request may wait for the broker's answer before it is
     # scheduled without a remote hit (recompute).
     resolve_wait_ms: int = 500

@@ -116,7 +116,11 @@ class BrokerConnector(KVConnectorBase_V1):
                 labels={k: v for k, v in (("role", config.role), ("url", config.url)) if v},
             )
             link = SessionBrokerLink(
-                config.broker_address, engine, session_ttl_ms=config.session_ttl_ms, expected_ranks=tp * pp
+                config.broker_address,
+                engine,
+                session_ttl_ms=config.session_ttl_ms,
+                expected_ranks=tp * pp,
+                index_mirror=config.index_mirror,
             )
         logger.info(
             "kvbroker: engine %s (role %s), broker %s, threshold %d tokens, multi_turn=%s",

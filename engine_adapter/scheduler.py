@@ -77,6 +77,7 @@ class _Lookup:
     decision: Decision | None = None
     logged: bool = False
     span: Span | None = None
+    answered_by: str = "broker"  # or "mirror": the local index mirror answered at once
 
 
 @dataclass
@@ -530,9 +531,30 @@ class AdapterScheduler:
                 "kvbroker.layout_id": lookup.namespace.layout_id,
             },
         )
-        self._submit_resolve(lookup, now)
         self._lookups[req_id] = lookup
+        if self.config.index_mirror and self._answer_from_mirror(lookup):
+            return lookup
+        self._submit_resolve(lookup, now)
         return lookup
+
+    def _answer_from_mirror(self, lookup: _Lookup) -> bool:
+        """Decide from the local index mirror, in this step, when it can answer.
+
+        It cannot while unsynced. Requests whose kv_transfer_params name a holder
+        (P -> D) still ask the broker: its answer carries the id of the hold lease
+        to claim, which the mirror does not know, so P's blocks are freed the
+        moment this engine has read them."""
+        assert self.link is not None
+        if lookup.params.holder_engine_id:
+            return False
+        matches = self.link.mirror_resolve(lookup.namespace, lookup.hashes)
+        if matches is None:
+            return False
+        lookup.response = lookup.last_response = pb.ResolveResponse(matches=matches)
+        lookup.decision = Decision(None, "resolved")
+        lookup.answered_by = "mirror"
+        self.stats.counters["mirror_answers"] += 1
+        return True
 
     def _submit_resolve(self, lookup: _Lookup, now: float) -> None:
         assert self.link is not None
@@ -595,6 +617,7 @@ class AdapterScheduler:
                 "kvbroker.holder_engine_id": plan.holder_engine_id if plan else "",
                 "kvbroker.remote_tokens": plan.num_tokens if plan else 0,
                 "kvbroker.local_tokens": lookup.num_local_tokens,
+                "kvbroker.answered_by": lookup.answered_by,
             },
         )
         lookup.span = None

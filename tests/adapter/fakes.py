@@ -45,6 +45,8 @@ class FakeLink:
         self.closed = False
         self.pin_handler: Any = None
         self.unpin_handler: Any = None
+        # What the index mirror answers (None: not synced, ask the broker).
+        self.mirror_matches: list[pb.HolderMatch] | None = None
 
     def _call(self, name: str, **args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -63,6 +65,9 @@ class FakeLink:
             min_blocks=min_blocks,
             request_id=request_id,
         )
+
+    def mirror_resolve(self, namespace, hashes):  # type: ignore[no-untyped-def]
+        return None if self.mirror_matches is None else list(self.mirror_matches)
 
     def acquire(self, lease_id, ttl_ms):  # type: ignore[no-untyped-def]
         return self._call("acquire", lease_id=lease_id, ttl_ms=ttl_ms)

@@ -419,3 +419,61 @@ def test_spans_continue_the_callers_trace_and_carry_transfer_attributes() -> Non
     assert pull["kvbroker.committed"] is True and pull["kvbroker.tier"] == "TIER_GPU"
     assert str(pull["kvbroker.source_ranks"]).startswith("pp0/tp0:[")
     assert pull["kvbroker.destination_ranks"] == 1
+
+
+# -- the index mirror ----------------------------------------------------------------
+
+
+def mirror_match(blocks: int, engine: str = "holder") -> pb.HolderMatch:
+    return pb.HolderMatch(engine_id=engine, tier=pb.TIER_GPU, matched_blocks=blocks)
+
+
+def test_mirror_answers_in_the_first_step_and_the_lease_still_comes_from_the_broker() -> None:
+    sched, link, _ = make()
+    link.mirror_matches = [mirror_match(4)]
+    req = FakeRequest("r1", num_tokens=140)
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True), "no step waits for the broker"
+    assert link.named("resolve") == [], "the decision took no round trip"
+    assert sched.stats.counters["mirror_answers"] == 1
+    sched.update_state_after_alloc(req, [7, 8, 9, 10, 11], 128)
+    (claim,) = link.named("resolve")
+    assert claim.args["acquire"] and claim.args["min_blocks"] == 4, "the broker grants (or refuses) the lease"
+
+
+def test_mirror_without_a_holder_recomputes_at_once() -> None:
+    sched, link, _ = make()
+    link.mirror_matches = [mirror_match(1)]  # 32 tokens: below the threshold
+    assert sched.get_num_new_matched_tokens(FakeRequest("r1", num_tokens=140), 0) == (0, False)
+    link.mirror_matches = []
+    assert sched.get_num_new_matched_tokens(FakeRequest("r2", num_tokens=140), 0) == (0, False)
+    assert link.named("resolve") == []
+    assert sched.stats.skips["below_threshold"] == 1
+
+
+def test_unsynced_mirror_falls_back_to_the_broker() -> None:
+    sched, link, _ = make()
+    link.mirror_matches = None
+    req = FakeRequest("r1", num_tokens=140)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    resolved(link, match(4))
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+    assert sched.stats.counters["mirror_answers"] == 0
+
+
+def test_hinted_holder_asks_the_broker_for_its_hold_lease() -> None:
+    sched, link, _ = make()
+    link.mirror_matches = [mirror_match(4, engine="p")]
+    params = {"do_remote_prefill": True, "kvbroker": {"holder_engine_id": "p"}}
+    req = FakeRequest("r1", num_tokens=140, kv_transfer_params=params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    resolved(link, match(4, engine="p", hold="hold-p"))
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+    sched.update_state_after_alloc(req, [7, 8, 9, 10, 11], 128)
+    assert [c.args["lease_id"] for c in link.named("acquire")] == ["hold-p"]
+
+
+def test_mirror_can_be_turned_off() -> None:
+    sched, link, _ = make(index_mirror=False)
+    link.mirror_matches = [mirror_match(4)]
+    assert sched.get_num_new_matched_tokens(FakeRequest("r1", num_tokens=140), 0) == (None, False)
+    assert len(link.named("resolve")) == 1

@@ -24,7 +24,7 @@ import grpc
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
-from bench.broker_driver import BrokerProcess, RawSession, make_channels, open_sessions
+from bench.broker_driver import BrokerProcess, RawSession, bench_engine, make_channels, open_sessions
 from bench.common import (
     CHAIN_LEN,
     AsyncOp,
@@ -39,6 +39,7 @@ from bench.common import (
 )
 from bench.grpc_echo import STREAM_METHOD, UNARY_METHOD
 from bench.peers import GrpcEchoPeer, MooncakePeer, PeerUnavailable, RedisPeer, chain_keys
+from clients.mirror import IndexMirror, follow
 
 T = TypeVar("T")
 
@@ -61,6 +62,7 @@ class Settings:
     broker_load_batch: int = 8192
     redis_mem_keys: int = 1_000_000
     mooncake_mem_keys: int = 100_000
+    mirror_lag_samples: int = 300
     ttl_ms: int = 600_000
     broker_args: list[str] = field(default_factory=list)
 
@@ -528,40 +530,30 @@ async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -
             for ch in unary_channels:
                 await ch.close()
 
+        # 3b) The engine-local index mirror: sync, lookups in process, change-to-visible lag.
+        mirror, mirror_task, mirror_channel = await _start_mirror(proc.address, layout_id, out)
+        try:
+            await _measure_mirror(s, proc, out, mirror, reqs, sessions, ns)
+        finally:
+            mirror_task.cancel()
+            await asyncio.gather(mirror_task, return_exceptions=True)
+
         # 4) Inventory rate: each session pipelines InventoryUpdates of 64 blocks, then a barrier.
-        out["inventory"] = {}
-        for c in s.concurrency:
-            senders = sessions[:c]
-            per_client = s.publish_ops_for(c) * 4  # fire-and-forget is cheap; send more to time it well
-            figs, cpu_ns = [], []
-            for rep in range(s.reps):
-                batches = [make_chains(per_client, seed=(5 + c) * 100_000 + rep * 1000 + j) for j in range(c)]
-                cpu0 = cpu_seconds(proc.proc.pid)
-                t0 = time.perf_counter()
-
-                async def push(sess: RawSession, chains_: list[list[int]], j: int) -> None:
-                    tenant = ns(f"p{j % 4}")
-                    for ch in chains_:
-                        await sess.announce(tenant, ch)
-                    await sess.barrier(tenant)
-
-                await asyncio.gather(
-                    *(push(x, b, j) for j, (x, b) in enumerate(zip(senders, batches, strict=True)))
-                )
-                figs.append(c * per_client * CHAIN_LEN / (time.perf_counter() - t0))
-                cpu_ns.append((cpu_seconds(proc.proc.pid) - cpu0) / (c * per_client * CHAIN_LEN) * 1e9)
-            out["inventory"][f"c{c}"] = {
-                "blocks_per_s": {"median": _median(figs), "min": min(figs), "max": max(figs), "runs": figs},
-                "server_cpu_ns_per_block": {
-                    "median": _median(cpu_ns),
-                    "min": min(cpu_ns),
-                    "max": max(cpu_ns),
-                    "runs": cpu_ns,
-                },
-                "batch_blocks": CHAIN_LEN,
-                "messages_per_client": per_client,
-            }
-            log(f"broker inventory c{c} (64-block updates): {_median(figs):,.0f} blocks/s")
+        #    Once with no mirror attached, once with one following every change.
+        out["inventory"] = await _measure_inventory(s, proc, sessions, ns, mirror_task=None)
+        mirror2 = IndexMirror(layout_id)
+        follower = asyncio.create_task(follow(mirror2, mirror_channel))
+        try:
+            while not mirror2.synced:
+                await asyncio.sleep(0.01)
+            out["inventory_with_mirror"] = await _measure_inventory(
+                s, proc, sessions, ns, mirror_task=follower
+            )
+            out["inventory_with_mirror"]["mirror_resets"] = mirror2.stats.resets
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await mirror_channel.close()
 
         # 5) The remaining memory points.
         if with_memory:
@@ -580,6 +572,139 @@ async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -
                 await sess.close()
         for ch in channels:
             await ch.close()
+
+
+async def _measure_inventory(
+    s: Settings,
+    proc: BrokerProcess,
+    sessions: list[RawSession],
+    ns: Callable[[str], pb.Namespace],
+    mirror_task: asyncio.Task[None] | None,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    seed_base = 7_000_000 if mirror_task is not None else 0  # fresh chains for each pass
+    for c in s.concurrency:
+        senders = sessions[:c]
+        per_client = s.publish_ops_for(c) * 4  # fire-and-forget is cheap; send more to time it well
+        figs, cpu_ns = [], []
+        for rep in range(s.reps):
+            batches = [
+                make_chains(per_client, seed=seed_base + (5 + c) * 100_000 + rep * 1000 + j) for j in range(c)
+            ]
+            cpu0 = cpu_seconds(proc.proc.pid)
+            t0 = time.perf_counter()
+
+            async def push(sess: RawSession, chains_: list[list[int]], j: int) -> None:
+                tenant = ns(f"p{j % 4}")
+                for ch in chains_:
+                    await sess.announce(tenant, ch)
+                await sess.barrier(tenant)
+
+            await asyncio.gather(
+                *(push(x, b, j) for j, (x, b) in enumerate(zip(senders, batches, strict=True)))
+            )
+            figs.append(c * per_client * CHAIN_LEN / (time.perf_counter() - t0))
+            cpu_ns.append((cpu_seconds(proc.proc.pid) - cpu0) / (c * per_client * CHAIN_LEN) * 1e9)
+        out[f"c{c}"] = {
+            "blocks_per_s": {"median": _median(figs), "min": min(figs), "max": max(figs), "runs": figs},
+            "server_cpu_ns_per_block": {
+                "median": _median(cpu_ns),
+                "min": min(cpu_ns),
+                "max": max(cpu_ns),
+                "runs": cpu_ns,
+            },
+            "batch_blocks": CHAIN_LEN,
+            "messages_per_client": per_client,
+        }
+        what = "with a mirror following" if mirror_task is not None else "no mirror"
+        log(f"broker inventory c{c} (64-block updates, {what}): {_median(figs):,.0f} blocks/s")
+    return out
+
+
+async def _start_mirror(
+    address: str, layout_id: str, out: dict[str, Any]
+) -> tuple[IndexMirror, asyncio.Task[None], grpc.aio.Channel]:
+    channel = make_channels(address, 1)[0]
+    mirror = IndexMirror(layout_id)
+    t0 = time.perf_counter()
+    task = asyncio.create_task(follow(mirror, channel))
+    while not mirror.synced:
+        if task.done():
+            raise RuntimeError(f"mirror stream failed: {mirror.stats.errors}")
+        await asyncio.sleep(0.01)
+    out["mirror_sync"] = {"blocks": mirror.total_blocks(), "seconds": time.perf_counter() - t0}
+    log(f"mirror: synced {mirror.total_blocks():,} blocks in {out['mirror_sync']['seconds']:.2f}s")
+    return mirror, task, channel
+
+
+async def _measure_mirror(
+    s: Settings,
+    proc: BrokerProcess,
+    out: dict[str, Any],
+    mirror: IndexMirror,
+    reqs: list[tuple[pb.Namespace, list[int]]],
+    sessions: list[RawSession],
+    ns: Callable[[str], pb.Namespace],
+) -> None:
+    """Lookups on the mirror (as the adapter makes them: asker given, pb matches built),
+    from 1 and 16 threads, and how long a change takes to become visible in it."""
+    asker = bench_engine(sessions[-1].engine_id)
+    for n, h in reqs[:8]:
+        got = mirror.resolve(n.tenant, h, asker=asker)
+        if not got or got[0].matched_blocks != CHAIN_LEN:
+            raise RuntimeError(f"mirror resolve is wrong: {got}")
+
+    def op(i: int) -> None:
+        n, h = reqs[i % len(reqs)]
+        mirror.resolve(n.tenant, h, asker=asker)
+
+    out["resolve_mirror"] = {}
+    for c in s.concurrency:
+        runs = [
+            await asyncio.to_thread(closed_loop_threads, [op] * c, s.ops_for(c), s.warmup, proc.proc.pid)
+            for _ in range(s.reps)
+        ]
+        out["resolve_mirror"][f"c{c}"] = aggregate(runs)
+        fig = out["resolve_mirror"][f"c{c}"]
+        log(
+            f"broker resolve on the engine-local mirror c{c}: p50 {fig['p50_us']['median']:.1f} us, "
+            f"{fig['ops_per_s']['median']:,.0f} ops/s"
+        )
+
+    # Lag: an engine announces a fresh chain; how long until the mirror names it.
+    applied = asyncio.Event()
+    plain_apply = mirror.apply
+
+    def apply_and_signal(update: pb.MirrorUpdate) -> None:
+        plain_apply(update)
+        applied.set()
+
+    mirror.apply = apply_and_signal  # type: ignore[method-assign]
+    publisher = sessions[0]
+    lags: list[float] = []
+    try:
+        for k, chain in enumerate(make_chains(s.mirror_lag_samples, seed=4242)):
+            tenant = f"lag{k % 4}"
+            t0 = time.perf_counter()
+            await publisher.announce(ns(tenant), chain)
+            while not mirror.resolve(tenant, chain[:1]):
+                applied.clear()
+                await asyncio.wait_for(applied.wait(), 10)
+            lags.append(time.perf_counter() - t0)
+    finally:
+        mirror.apply = plain_apply  # type: ignore[method-assign]
+    lags.sort()
+    out["mirror_lag"] = {
+        "samples": len(lags),
+        "p50_us": lags[len(lags) // 2] * 1e6,
+        "p99_us": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e6,
+        "max_us": lags[-1] * 1e6,
+        "how": "announce on one engine's session -> visible in another process's mirror",
+    }
+    log(
+        f"mirror lag (announce -> visible): p50 {out['mirror_lag']['p50_us']:.0f} us, "
+        f"p99 {out['mirror_lag']['p99_us']:.0f} us"
+    )
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -70,6 +70,13 @@ def test_control_plane_tiny(tmp_path: Path) -> None:
     for fig in (*broker["resolve_session"].values(), *broker["resolve_unary"].values()):
         assert_figure(fig)
     assert broker["inventory"]["c1"]["blocks_per_s"]["median"] > 0
+    # The engine-local index mirror: synced, answering, and following changes.
+    assert set(broker["resolve_mirror"]) == {"c1", "c4"}
+    for fig in broker["resolve_mirror"].values():
+        assert_figure(fig)
+    assert broker["mirror_sync"]["blocks"] > 0
+    assert 0 < broker["mirror_lag"]["p50_us"] <= broker["mirror_lag"]["p99_us"]
+    assert broker["inventory_with_mirror"]["c1"]["blocks_per_s"]["median"] > 0
     points = broker["memory"]["points"]
     assert [p["blocks_indexed"] >= 5_000 for p in points] == [True, True]
     assert points[-1]["blocks_indexed"] >= 20_000
@@ -83,6 +90,7 @@ def test_control_plane_tiny(tmp_path: Path) -> None:
 def test_broker_bench_tiny(tmp_path: Path) -> None:
     out, doc = run_bench("bench.broker_bench", tmp_path, "--skip", "redis", "--skip", "mooncake")
     assert "resolve over session stream: p50 us" in out
+    assert "resolve on the engine-local index mirror: p50 us" in out
     results = doc["results"]
     assert results["broker"]["available"], results["broker"]
     assert results["broker"]["engines"]["registered"] == 20

@@ -157,10 +157,13 @@ def test_multi_turn_turn_two_on_p_pulls_history_from_d(cluster: Cluster) -> None
     reference = recompute_reference(cluster.p, turn2, MAX_TOKENS)
 
     pulls_before = cluster.stat("P", "pulled_blocks")
+    mirror_before = cluster.stat("P", "mirror_answers")
     assert wait_for(lambda: cluster.stat("D", "held_requests") > 0, 5), "D holds no finished conversation"
     answer2 = complete(cluster.p, turn2, max_tokens=MAX_TOKENS)
     assert output_ids(answer2) == reference
     assert cluster.stat("P", "pulled_blocks") - pulls_before == expected_blocks
+    # P found D's blocks on its own index mirror, without asking the broker first.
+    assert cluster.stat("P", "mirror_answers") > mirror_before
 
 
 def test_multi_turn_short_history_is_recomputed(cluster: Cluster) -> None:

@@ -37,6 +37,9 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily(
             "kvbroker_namespaces", "Namespaces with indexed blocks", value=stats.namespaces
         )
+        yield GaugeMetricFamily(
+            "kvbroker_mirrors", "Connected Mirror streams", value=self._core.mirrors.subscriber_count()
+        )
         live = GaugeMetricFamily("kvbroker_leases", "Live leases by state", labels=["state"])
         ended = CounterMetricFamily("kvbroker_leases_ended", "Ended leases by final state", labels=["state"])
         for state, n in stats.leases_by_state.items():

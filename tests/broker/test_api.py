@@ -424,7 +424,9 @@ async def test_metrics_and_tracing() -> None:
         assert 'kvbroker_rpc_seconds_count{code="OK",method="Stats"} 1.0' in body
         assert 'kvbroker_rpc_seconds_count{code="NOT_FOUND",method="Drain"} 1.0' in body
         assert (
-            "kvbroker_engines 0.0" in body and 'kvbroker_revocations_total{cause="ttl_expired"} 0.0' in body
+            "kvbroker_engines 0.0" in body
+            and "kvbroker_mirrors 0.0" in body
+            and 'kvbroker_revocations_total{cause="ttl_expired"} 0.0' in body
         )
     finally:
         await running.stop(0.5)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 from kvbroker.v1 import broker_pb2 as pb
+
+from clients.session import EngineSession
 
 
 def make_engine_info(engine_id: str, **layout: Any) -> pb.EngineInfo:
@@ -96,3 +99,29 @@ async def broker() -> AsyncIterator[Any]:
         yield server
     finally:
         await server.stop(0.2)
+
+
+@pytest.fixture
+async def sessions(
+    broker: Any, engine_info: Callable[..., pb.EngineInfo]
+) -> AsyncIterator[Callable[..., Any]]:
+    """Factory of started, registered EngineSessions; all closed at the end."""
+    opened: list[EngineSession] = []
+
+    async def open_session(engine_id: str, ttl_ms: int = 2_000, **kwargs: Any) -> EngineSession:
+        session = EngineSession(broker.address, engine_info(engine_id), ttl_ms=ttl_ms, **kwargs)
+        opened.append(session)
+        await session.start(wait_connected_s=5.0)
+        return session
+
+    yield open_session
+    for session in opened:
+        await session.close()
+
+
+async def until(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)

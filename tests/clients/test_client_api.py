@@ -19,6 +19,7 @@ from clients.aio import AsyncBrokerClient
 from clients.hashing import wire_chain
 from clients.session import Backoff, EngineSession, ThreadedEngineSession
 from clients.sync import BrokerClient
+from tests.clients.conftest import until
 
 GPU = pb.TIER_GPU
 CHAIN = wire_chain(list(range(32 * 6)), 32)  # six full blocks
@@ -28,32 +29,6 @@ CHAIN = wire_chain(list(range(32 * 6)), 32)  # six full blocks
 async def client(broker: Any) -> AsyncIterator[AsyncBrokerClient]:
     async with AsyncBrokerClient(broker.address) as c:
         yield c
-
-
-@pytest.fixture
-async def sessions(
-    broker: Any, engine_info: Callable[..., pb.EngineInfo]
-) -> AsyncIterator[Callable[..., Any]]:
-    """Factory of started, registered EngineSessions; all closed at the end."""
-    opened: list[EngineSession] = []
-
-    async def open_session(engine_id: str, ttl_ms: int = 2_000, **kwargs: Any) -> EngineSession:
-        session = EngineSession(broker.address, engine_info(engine_id), ttl_ms=ttl_ms, **kwargs)
-        opened.append(session)
-        await session.start(wait_connected_s=5.0)
-        return session
-
-    yield open_session
-    for session in opened:
-        await session.close()
-
-
-async def _until(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 async def test_unary_errors_are_typed(client: AsyncBrokerClient) -> None:
@@ -92,7 +67,7 @@ async def test_register_announce_and_resolve_over_the_session(
     holder.announce_stored(ns, GPU, CHAIN[:4])
     holder.announce_stored(ns, GPU, CHAIN[4:5])
     holder.announce_removed(ns, GPU, CHAIN[4:5])  # undone before the flush
-    await _until(lambda: holder.inventory.pending_count == 0)
+    await until(lambda: holder.inventory.pending_count == 0)
     response = await reader.resolve(ns, CHAIN)
     assert [(m.engine_id, m.tier, m.matched_blocks) for m in response.matches] == [("p0", GPU, 4)]
     # The tenant is part of the namespace: another tenant sees nothing.
@@ -172,7 +147,7 @@ async def test_resolve_with_acquire_pins_through_on_pin(sessions: Callable[..., 
     ns = (holder.layout_id, "")
     holder.announce_stored(ns, GPU, CHAIN[:3])
     holder.flush()
-    await _until(lambda: holder.inventory.pending_count == 0)
+    await until(lambda: holder.inventory.pending_count == 0)
     await asyncio.sleep(0.05)  # the flush is on the wire; let the broker apply it
     response = await reader.resolve(ns, CHAIN, acquire=True, lease_ttl_ms=5_000)
     assert response.lease.state == pb.LEASE_ACTIVE, response
@@ -454,7 +429,7 @@ async def test_a_busy_engine_sends_few_inventory_messages(engine_info: Callable[
             session.announce_stored(("L", ""), GPU, [h])
         for h in range(0, 3000, 2):
             session.announce_removed(("L", ""), GPU, [h])
-        await _until(lambda: sum(len(u.stored) - len(u.removed) for u in recording.inventory()) == 1500)
+        await until(lambda: sum(len(u.stored) - len(u.removed) for u in recording.inventory()) == 1500)
         updates = recording.inventory()
         # 4,500 calls: a message per 1,024 pending hashes plus the timed flush of the rest.
         assert len(updates) <= 6, [len(u.stored) + len(u.removed) for u in updates]

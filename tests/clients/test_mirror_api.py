@@ -20,6 +20,7 @@ from clients.aio import AsyncBrokerClient
 from clients.hashing import wire_chain
 from clients.mirror import IndexMirror, follow
 from clients.session import Backoff, EngineSession
+from tests.clients.conftest import until
 
 GPU, CPU = pb.TIER_GPU, pb.TIER_CPU
 CHAIN = wire_chain(list(range(32 * 8)), 32)  # eight full blocks
@@ -27,35 +28,10 @@ OTHER = wire_chain(list(range(1000, 1000 + 32 * 4)), 32)
 
 
 @pytest.fixture
-async def sessions(
-    broker: Any, engine_info: Callable[..., pb.EngineInfo]
-) -> AsyncIterator[Callable[..., Any]]:
-    opened: list[EngineSession] = []
-
-    async def open_session(engine_id: str, **kwargs: Any) -> EngineSession:
-        session = EngineSession(broker.address, engine_info(engine_id), ttl_ms=2_000, **kwargs)
-        opened.append(session)
-        await session.start(wait_connected_s=5.0)
-        return session
-
-    yield open_session
-    for session in opened:
-        await session.close()
-
-
-@pytest.fixture
 async def channel(broker: Any) -> AsyncIterator[grpc.aio.Channel]:
     ch = grpc.aio.insecure_channel(broker.address)
     yield ch
     await ch.close()
-
-
-async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.005)
 
 
 def answer(matches: Any) -> list[tuple[str, int, int]]:

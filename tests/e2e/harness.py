@@ -67,9 +67,12 @@ def start_engine(
     name: str,
     broker_address: str,
     role: str,
+    env: dict[str, str] | None = None,
     **extra: Any,
 ) -> tuple[EngineProcess, Path]:
-    """Start (not wait for) an engine with our connector; returns it and its stats file."""
+    """Start (not wait for) an engine with our connector; returns it and its stats file.
+
+    `env` replaces the engine's environment (default: `engine_environment()`)."""
     stats_path = log_dir / f"{name}-stats.json"
     config = connector_config(
         broker_address=broker_address,
@@ -88,6 +91,7 @@ def start_engine(
         block_size=BLOCK_SIZE,
         max_model_len=2048,
         log_path=log_dir / f"{name}.log",
+        env=env,
     )
     engine.start()
     return engine, stats_path
@@ -122,6 +126,19 @@ def complete(
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return dict(json.loads(resp.read()))
+
+
+def reset_prefix_cache(engine: EngineProcess, timeout: float = 30.0) -> None:
+    """Empty the engine's local prefix cache (vLLM's dev endpoint: VLLM_SERVER_DEV_MODE=1)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        request = urllib.request.Request(f"{engine.url}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            if json.loads(response.read() or b"{}").get("success", True):
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{engine.name}: reset_prefix_cache kept failing")
+        time.sleep(0.2)  # blocks still in use by a finishing request
 
 
 def output_ids(answer: dict[str, Any]) -> list[int]:

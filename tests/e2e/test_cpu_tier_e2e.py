@@ -25,7 +25,7 @@ from kvbroker.v1 import broker_pb2 as pb
 
 from clients.hashing import wire_chain
 from clients.sync import BrokerClient
-from engine_adapter.launch import EngineProcess
+from engine_adapter.launch import EngineProcess, engine_environment
 from tests.e2e.harness import (
     BLOCK_SIZE,
     BrokerProcess,
@@ -34,6 +34,7 @@ from tests.e2e.harness import (
     prompt_of,
     read_stats,
     recompute_reference,
+    reset_prefix_cache,
     start_engine,
     wait_for,
 )
@@ -73,7 +74,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             cpu_tier_blocks=CPU_TIER_BLOCKS,
         )
         engines.append(a)
-        b, b_stats = start_engine(model, log_dir, name="B", broker_address=broker.address, role="both")
+        # B can empty its prefix cache (dev endpoint) to read a prompt it has seen again.
+        b_env = {**engine_environment(), "VLLM_SERVER_DEV_MODE": "1"}
+        b, b_stats = start_engine(
+            model, log_dir, name="B", broker_address=broker.address, role="both", env=b_env
+        )
         engines.append(b)
         for engine in engines:
             engine.wait_ready(timeout=400, progress=print)
@@ -167,3 +172,13 @@ def test_remote_decode_request_is_offloaded_whole_and_stays_after_the_gpu_hold_e
             ]
 
         assert wait_for(only_cpu_left, 30), client.resolve(namespace=namespace, block_hashes=hashes)
+
+    # ... and a reader takes it from there: B forgets the prompt and reads it again,
+    # this time from A's CPU copy.
+    reset_prefix_cache(pair.b)
+    cpu_before = pair.stat("B", "pulled_blocks_tier_cpu")
+    third = complete(pair.b, prompt, max_tokens=MAX_TOKENS)
+    assert output_ids(third) == reference, "B's output from A's CPU copy equals a recompute"
+    assert wait_for(lambda: pair.stat("B", "pulled_blocks_tier_cpu") == cpu_before + full_blocks, 15), (
+        read_stats(pair.stats["B"])
+    )

@@ -68,33 +68,66 @@ def start_engine(
     broker_address: str,
     role: str,
     env: dict[str, str] | None = None,
+    max_model_len: int = 2048,
+    session_ttl_ms: int = SESSION_TTL_MS,
+    load_failure_policy: str = "",
     **extra: Any,
 ) -> tuple[EngineProcess, Path]:
     """Start (not wait for) an engine with our connector; returns it and its stats file.
 
-    `env` replaces the engine's environment (default: `engine_environment()`)."""
+    `env` replaces the engine's environment (default: `engine_environment()`);
+    `load_failure_policy` sets vLLM's kv_load_failure_policy (default: vLLM's)."""
     stats_path = log_dir / f"{name}-stats.json"
     config = connector_config(
         broker_address=broker_address,
         engine_id=name,
         role=role,
-        session_ttl_ms=SESSION_TTL_MS,
+        session_ttl_ms=session_ttl_ms,
         resolve_wait_ms=RESOLVE_WAIT_MS,
         acquire_wait_ms=ACQUIRE_WAIT_MS,
         stats_path=str(stats_path),
         **extra,
     )
+    if load_failure_policy:
+        config["kv_load_failure_policy"] = load_failure_policy
     engine = EngineProcess(
         model_dir,
         name=name,
         kv_transfer_config=config,
         block_size=BLOCK_SIZE,
-        max_model_len=2048,
+        max_model_len=max_model_len,
         log_path=log_dir / f"{name}.log",
         env=env,
     )
     engine.start()
     return engine, stats_path
+
+
+def completion_body(
+    engine: EngineProcess,
+    prompt: list[int],
+    *,
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
+    stream: bool = False,
+) -> bytes:
+    """A greedy /v1/completions request body with a token-id prompt."""
+    body: dict[str, Any] = {
+        "model": str(engine.model_dir),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if stream:
+        body["stream"] = True
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return json.dumps(body).encode()
 
 
 def complete(
@@ -106,22 +139,16 @@ def complete(
     cache_salt: str | None = None,
     timeout: float = 120.0,
 ) -> dict[str, Any]:
-    """A greedy /v1/completions call with token-id prompts; returns the JSON answer."""
-    body: dict[str, Any] = {
-        "model": str(engine.model_dir),
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
-    if cache_salt is not None:
-        body["cache_salt"] = cache_salt
+    """A greedy, non-streamed /v1/completions call; returns the JSON answer."""
     req = urllib.request.Request(
         f"{engine.url}/v1/completions",
-        data=json.dumps(body).encode(),
+        data=completion_body(
+            engine,
+            prompt,
+            max_tokens=max_tokens,
+            kv_transfer_params=kv_transfer_params,
+            cache_salt=cache_salt,
+        ),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:

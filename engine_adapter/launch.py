@@ -35,6 +35,15 @@ DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
 
+# Pipeline parallel on vLLM 0.32's CPU backend: in eager mode with an explicit
+# KV cache size the CPU worker skips its warm-up run, and that run is what
+# allocates the buffer a later pipeline stage receives activations in; the
+# first request then dies in sync_and_gather_intermediate_tensors
+# (AssertionError). One Dynamo trace with the eager backend (no Inductor, a few
+# seconds) brings the warm-up back. Use with enforce_eager=False.
+PIPELINE_PARALLEL_CPU_ARGS = ("--compilation-config", '{"mode": 2, "backend": "eager"}')
+
+
 class EngineStartError(RuntimeError):
     """The engine exited or did not become healthy in time; the message has its log tail."""
 
@@ -128,6 +137,7 @@ class EngineProcess:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         served_model_name: str | None = None,
         extra_args: Sequence[str] = (),
+        enforce_eager: bool = True,
         env: Mapping[str, str] | None = None,
         log_path: str | Path | None = None,
         python: str = sys.executable,
@@ -145,6 +155,8 @@ class EngineProcess:
         self.kv_cache_bytes = kv_cache_bytes
         self.served_model_name = served_model_name
         self.extra_args = list(extra_args)
+        # False for pipeline parallel on CPU: see PIPELINE_PARALLEL_CPU_ARGS.
+        self.enforce_eager = enforce_eager
         self.env = engine_environment() if env is None else dict(env)
         if log_path is None:
             log_dir = Path(tempfile.mkdtemp(prefix="kvbroker-engine-"))
@@ -191,9 +203,10 @@ class EngineProcess:
             str(self.max_model_len),
             "--kv-cache-memory-bytes",
             str(self.kv_cache_bytes),
-            "--enforce-eager",
             "--disable-log-stats",
         ]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.kv_transfer_config is not None:

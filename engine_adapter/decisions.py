@@ -20,6 +20,7 @@ SKIP_LOCAL = "local_hit_covers_remote"
 SKIP_THRESHOLD = "below_threshold"
 SKIP_BAD_PARAMS = "malformed_kv_transfer_params"
 SKIP_ERROR = "broker_error"
+SKIP_INCOMPATIBLE = "incompatible_holder"
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,9 @@ class TransferParams:
     lease_id: str = ""
     reader_engine_id: str = ""  # P side: the decoder the router chose, if it says
     trace_context: Mapping[str, str] | None = None
+    # The named holder's parallel sizes, as its answer stated them (0 = not stated).
+    holder_tp_size: int = 0
+    holder_pp_size: int = 0
 
 
 class BadTransferParams(ValueError):
@@ -137,6 +141,14 @@ def parse_transfer_params(params: Any) -> TransferParams:
         raise BadTransferParams(
             "kv_transfer_params.kvbroker.holder_engine_id, lease_id and reader_engine_id must be strings"
         )
+    sizes = {}
+    for key in ("tp_size", "pp_size"):
+        value = broker_part.get(key, 0) or 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadTransferParams(
+                f"kv_transfer_params.kvbroker.{key} must be a positive integer (0 or absent: not stated), got {value!r}"
+            )
+        sizes[key] = value
     trace = params.get("trace_context")
     if trace is not None and not (
         isinstance(trace, Mapping)
@@ -150,6 +162,8 @@ def parse_transfer_params(params: Any) -> TransferParams:
         lease_id=lease_id,
         reader_engine_id=reader,
         trace_context=trace,
+        holder_tp_size=sizes["tp_size"],
+        holder_pp_size=sizes["pp_size"],
     )
 
 

@@ -31,6 +31,7 @@ from engine_adapter.cpu_directory import BlockKey, CpuDirectory
 from engine_adapter.decisions import (
     SKIP_BAD_PARAMS,
     SKIP_ERROR,
+    SKIP_INCOMPATIBLE,
     SKIP_NO_BROKER,
     SKIP_TIMEOUT,
     BadTransferParams,
@@ -511,6 +512,20 @@ class AdapterScheduler:
         except BadTransferParams as e:
             self._skip(req_id, SKIP_BAD_PARAMS, f"{e}; recomputing")
             return None
+        if params.holder_tp_size:
+            # The named holder's answer says its blocks are split for another TP size:
+            # refuse now, with the reason, instead of waiting for a holder the broker filters out.
+            mismatch = check_sizes(
+                reader_tp=self.tp_size,
+                holder_tp=params.holder_tp_size,
+                reader_pp=self.pp_size,
+                holder_pp=params.holder_pp_size or 1,
+            )
+            if mismatch is not None:
+                self._skip(
+                    req_id, SKIP_INCOMPATIBLE, f"holder {params.holder_engine_id}: {mismatch}; recomputing"
+                )
+                return None
         link = self.link
         if link is None or not link.connected or not link.layout_id:
             self._skip(req_id, SKIP_NO_BROKER, "broker unreachable; recomputing")
@@ -636,7 +651,9 @@ class AdapterScheduler:
     def _skip(self, req_id: str, reason: str, detail: str) -> None:
         self.stats.skips[reason] += 1
         self._stats_dirty = True
-        level = logging.WARNING if reason in (SKIP_BAD_PARAMS, SKIP_ERROR) else logging.INFO
+        level = (
+            logging.WARNING if reason in (SKIP_BAD_PARAMS, SKIP_ERROR, SKIP_INCOMPATIBLE) else logging.INFO
+        )
         logger.log(level, "kvbroker: request %s: not pulling (%s): %s", req_id, reason, detail)
 
     # ------------------------------------------------------------------
@@ -888,7 +905,13 @@ class AdapterScheduler:
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
-            "kvbroker": {"holder_engine_id": self.config.engine_id, "num_blocks": num_blocks},
+            "kvbroker": {
+                "holder_engine_id": self.config.engine_id,
+                "num_blocks": num_blocks,
+                # A reader with another TP size refuses at once (engine_adapter/topology.py).
+                "tp_size": self.tp_size,
+                "pp_size": self.pp_size,
+            },
         }
 
     def stats_snapshot(self) -> dict[str, Any]:

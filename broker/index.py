@@ -24,7 +24,7 @@ import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from broker.model import Namespace, Tier
 
@@ -246,32 +246,31 @@ class CompactPrefixIndex:
         if salt is None:
             return []  # nothing was ever stored in this namespace
         get = self._entries.get
-        it = iter(hashes)
-        first = next(it, None)
-        if first is None:
-            return []
-        prev = get(first ^ salt)
-        if prev is None:
-            return []
+        chain = hashes if isinstance(hashes, list | tuple) else list(hashes)
+        if not chain or get(chain[0] ^ salt) is None:
+            return []  # the common miss costs one lookup
+        # Look every block up at C speed, cut at the first block nobody holds.
+        found = list(map(get, [h ^ salt for h in chain]))
+        n = found.index(None) if None in found else len(found)
+        sids = cast(list[int], found[:n])
+        slots = self._slots
+        prev = sids[0]
+        if sids.count(prev) == n:  # one holder set all along (the usual case)
+            return [(slots[s].engine_id, slots[s].tier, n) for s in self._live(prev)]
+        # Holder sets change along the chain: narrow the active set where they do.
         active = self._live(prev)
         matched: list[tuple[int, int]] = []
-        n = 1
-        if active:
-            for h in it:
-                sid = get(h ^ salt)
-                if sid != prev:
-                    if sid is None:
+        for i in range(1, n):
+            sid = sids[i]
+            if sid != prev:
+                narrowed = active & self._live(sid)
+                if narrowed != active:
+                    matched.extend((s, i) for s in active - narrowed)
+                    active = narrowed
+                    if not active:
                         break
-                    narrowed = active & self._live(sid)
-                    if narrowed != active:
-                        matched.extend((s, n) for s in active - narrowed)
-                        active = narrowed
-                        if not active:
-                            break
-                    prev = sid
-                n += 1
-            matched.extend((s, n) for s in active)
-        slots = self._slots
+                prev = sid
+        matched.extend((s, n) for s in active)  # still active: held to the end
         return [(slots[s].engine_id, slots[s].tier, m) for s, m in matched]
 
     def export(self, layout_id: str, chunk: int) -> Iterator[list[tuple[str, Tier, Namespace, list[int]]]]:

@@ -63,6 +63,10 @@ class IndexMirror:
         self._index = CompactPrefixIndex()
         self._engines: dict[str, pb.EngineInfo] = {}
         self._synced = False
+        # check_topology answers for the last asker (an engine asks with the same
+        # EngineInfo every time); forgotten whenever an engine changes.
+        self._compat_asker: pb.EngineInfo | None = None
+        self._compat: dict[str, bool] = {}
 
     @property
     def synced(self) -> bool:
@@ -82,6 +86,8 @@ class IndexMirror:
                 self._engines.clear()
                 self._synced = False
                 self.stats.resets += 1
+            if update.reset or update.engines:
+                self._compat.clear()
             for change in update.engines:
                 engine_id = change.engine.engine_id
                 if change.gone:
@@ -122,20 +128,26 @@ class IndexMirror:
             return None
         with self._lock:
             found = self._index.longest_prefixes(Namespace(self.layout_id, tenant), hashes)
+            if asker is not None and asker is not self._compat_asker:
+                self._compat_asker, self._compat = asker, {}
             matches: list[HolderMatch] = []
             for engine_id, tier, n in found:
                 info = self._engines.get(engine_id)
                 if info is None or info.draining:
                     continue
-                if asker is not None and (
-                    engine_id == asker.engine_id or check_topology(asker, info) is not None
-                ):
+                if asker is not None and (engine_id == asker.engine_id or not self._readable(asker, info)):
                     continue
                 matches.append(HolderMatch(engine_id, tier, n, info.load))
         return [
             pb.HolderMatch(engine_id=m.engine_id, tier=pb.Tier.ValueType(m.tier), matched_blocks=m.matched)
             for m in rank_holders(matches)
         ]
+
+    def _readable(self, asker: pb.EngineInfo, holder: pb.EngineInfo) -> bool:
+        ok = self._compat.get(holder.engine_id)
+        if ok is None:
+            ok = self._compat[holder.engine_id] = check_topology(asker, holder) is None
+        return ok
 
     def score(
         self, tenant: str, hashes: Sequence[int], candidates: Sequence[str] = ()

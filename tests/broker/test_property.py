@@ -22,6 +22,7 @@ from kvbroker.v1 import broker_pb2_grpc
 
 from broker.config import BrokerConfig
 from broker.server import RunningServer, start_server
+from clients.mirror import IndexMirror, follow
 from tests.broker.helpers import engine_info
 from tests.broker.session_util import RawSession
 
@@ -50,6 +51,9 @@ class Harness:
         self.sessions: dict[str, RawSession] = {}
         self.layout_id = ""
         self.lease_ids: list[str] = []
+        # An index mirror that follows everything the random requests do.
+        self.mirror: IndexMirror | None = None
+        self.mirror_task: asyncio.Task[None] | None = None
         self.run(self._start())
 
     def run(self, coro: Awaitable[T], timeout: float = 30) -> T:
@@ -71,6 +75,9 @@ class Harness:
         self.stub = broker_pb2_grpc.KVBrokerStub(self.channel)
 
     async def _stop(self) -> None:
+        if self.mirror_task is not None:
+            self.mirror_task.cancel()
+            await asyncio.gather(self.mirror_task, return_exceptions=True)
         for s in self.sessions.values():
             await s.close()
         await self.channel.close()
@@ -127,6 +134,7 @@ def action(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
                 "register_rank",
                 "raw_bytes",
                 "huge",
+                "mirror",
             ]
         )
     )
@@ -182,8 +190,8 @@ async def apply(h: Harness, name: str, a: dict[str, Any]) -> grpc.StatusCode:
                     inventory=pb.InventoryUpdate(
                         namespace=ns,
                         tier=a["tier"],
-                        stored=a["hashes"],
-                        removed=a["hashes"][:3],
+                        stored=a["hashes"] if a["lease"] % 3 else [],
+                        removed=a["hashes"][:3] if a["lease"] % 3 else a["hashes"],
                         clear_all=a["flag"] and a["lease"] < 5,
                     )
                 )
@@ -252,6 +260,13 @@ async def apply(h: Harness, name: str, a: dict[str, Any]) -> grpc.StatusCode:
             # Arbitrary bytes as a request: they either parse (unknown fields are fine) or gRPC rejects them.
             method = h.channel.unary_unary("/kvbroker.v1.KVBroker/Hold")
             await method(a["bytes"])
+        elif name == "mirror":
+            call = stub.Mirror(pb.MirrorRequest(layout_id=ns.layout_id))
+            try:
+                first = await asyncio.wait_for(call.read(), 5)
+                assert first.reset, first
+            finally:
+                call.cancel()
         elif name == "huge":
             await stub.Resolve(pb.ResolveRequest(namespace=ns, block_hashes=list(range(20_000))))
     except grpc.aio.AioRpcError as err:
@@ -286,6 +301,24 @@ async def check_consistent(h: Harness) -> None:
         assert not lease.reader_engine_id or lease.reader_engine_id in names, lease
         assert len(lease.block_ids) in (0, len(lease.block_hashes))
     assert stats.leases_by_state["revoked"] == sum(stats.revocations_by_cause.values())
+    await check_mirror(h, stats.blocks_indexed)
+
+
+async def check_mirror(h: Harness, blocks_indexed: int) -> None:
+    """The mirror of the engines' layout catches up with the broker's index."""
+    if h.mirror is None:
+        if not h.layout_id:
+            return
+        h.mirror = IndexMirror(h.layout_id)
+        h.mirror_task = asyncio.create_task(follow(h.mirror, h.channel, backoff_s=lambda n: 0.02))
+    mirror = h.mirror
+    for _ in range(200):
+        if mirror.synced and mirror.total_blocks() == blocks_indexed:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(
+        f"mirror holds {mirror.total_blocks()} blocks (synced={mirror.synced}), broker {blocks_indexed}"
+    )
 
 
 @settings(

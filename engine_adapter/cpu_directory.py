@@ -135,10 +135,11 @@ class CpuDirectory:
                 self._unpin_slot(slot)
             return True
 
-    def unpin_all(self) -> int:
-        """The broker session was lost, and with it every lease."""
+    def unpin_all(self, keep_prefix: str = "") -> int:
+        """The broker session was lost, and with it every lease. Pins whose id starts
+        with `keep_prefix` (the engine's own restores, which no lease backs) stay."""
         with self._lock:
-            leases = list(self._pins)
+            leases = [p for p in self._pins if not (keep_prefix and p.startswith(keep_prefix))]
             for lease_id in leases:
                 for slot in self._pins.pop(lease_id):
                     self._unpin_slot(slot)
@@ -149,6 +150,17 @@ class CpuDirectory:
     def slot_of(self, key: BlockKey) -> int | None:
         with self._lock:
             return self._by_key.get(key)
+
+    def ready_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many of `keys`, from the first, are ready here (a prefix this tier can restore)."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                slot = self._by_key.get(key)
+                if slot is None or not self._slots[slot].ready:
+                    break
+                n += 1
+            return n
 
     def is_ready(self, key: BlockKey) -> bool:
         with self._lock:

@@ -51,8 +51,12 @@ def decide_pull(
     block_size: int,
     threshold_tokens: int,
     preferred_holder: str = "",
+    local_cpu_blocks: int = 0,
 ) -> Decision:
     """Pull when the best other holder's prefix beyond the local hit is worth it.
+
+    ``local_cpu_blocks``: how much of the chain this engine's own CPU tier holds;
+    when no other holder has more, the plan restores from there (holder = self).
 
     vLLM must compute at least the prompt's final token itself, so the
     external part ends at ``num_prompt_tokens - 1``; the block holding that
@@ -60,6 +64,10 @@ def decide_pull(
     recomputes the final token into it.
     """
     candidates = [m for m in matches if m.engine_id != self_engine_id and m.matched_blocks > 0]
+    if local_cpu_blocks > 0 and all(local_cpu_blocks >= m.matched_blocks for m in candidates):
+        # This engine's own CPU tier has as much as anyone: a local copy beats any read.
+        own = pb.HolderMatch(engine_id=self_engine_id, tier=pb.TIER_CPU, matched_blocks=local_cpu_blocks)
+        candidates.insert(0, own)
     if not candidates:
         return Decision(None, SKIP_NO_HOLDER, "the broker knows no other holder of this prefix")
     best = candidates[0]

@@ -61,6 +61,8 @@ logger = logging.getLogger("vllm.kvbroker.scheduler")
 # How often a lookup is re-asked while the router's hint says a holder should
 # appear (its hold may reach the broker a moment after its answer reached us).
 _HINT_RETRY_S = 0.02
+# Pin id prefix of restores from our own CPU tier (no broker lease backs them).
+LOCAL_PIN_PREFIX = "local:"
 
 
 @dataclass
@@ -98,6 +100,8 @@ class _Load:
     bytes_read: int = 0
     aborted: bool = False
     span: Span | None = None
+    # Restore from this engine's own CPU tier (no lease): the pin that keeps the slots.
+    local_pin: str = ""
 
 
 @dataclass
@@ -197,15 +201,17 @@ class AdapterScheduler:
                 return None, False
         # Re-decide against the current local hit (it may have grown since).
         decision = lookup.decision
-        if lookup.response is not None:
+        local_cpu = self._local_cpu_blocks(lookup)
+        if lookup.response is not None or local_cpu:
             decision = decide_pull(
-                matches=list(lookup.response.matches),
+                matches=list(lookup.response.matches) if lookup.response is not None else [],
                 self_engine_id=self.config.engine_id,
                 num_prompt_tokens=request.num_tokens,
                 num_local_tokens=num_computed_tokens,
                 block_size=self.block_size,
                 threshold_tokens=self.config.kv_recompute_threshold,
                 preferred_holder=lookup.params.holder_engine_id,
+                local_cpu_blocks=local_cpu,
             )
             lookup.decision = decision
         self._log_decision(req_id, lookup, decision)
@@ -257,6 +263,9 @@ class AdapterScheduler:
         )
         if len(local_ids) != plan.num_blocks:
             self._fail_load(load, f"vLLM allocated {len(local_ids)} blocks, expected {plan.num_blocks}")
+            return
+        if plan.holder_engine_id == self.config.engine_id:
+            self._start_local_restore(load)
             return
         link = self.link
         if link is None or not link.connected:
@@ -527,7 +536,8 @@ class AdapterScheduler:
                 )
                 return None
         link = self.link
-        if link is None or not link.connected or not link.layout_id:
+        broker_up = link is not None and link.connected and bool(link.layout_id)
+        if not broker_up and (self.cpu is None or link is None or not link.layout_id):
             self._skip(req_id, SKIP_NO_BROKER, "broker unreachable; recomputing")
             return None
         hashes = wire_hashes(request.block_hashes)
@@ -547,6 +557,11 @@ class AdapterScheduler:
             },
         )
         self._lookups[req_id] = lookup
+        if not broker_up:
+            # The broker is away; this engine's own CPU tier needs none (see the decision).
+            lookup.decision = Decision(None, SKIP_NO_BROKER, "broker unreachable; recomputing")
+            lookup.answered_by = "none"
+            return lookup
         if self.config.index_mirror and self._answer_from_mirror(lookup):
             return lookup
         self._submit_resolve(lookup, now)
@@ -730,7 +745,50 @@ class AdapterScheduler:
             )
         )
 
+    def _local_cpu_blocks(self, lookup: _Lookup) -> int:
+        """How much of the request's chain this engine's own CPU tier can restore."""
+        if self.cpu is None:
+            return 0
+        ns = lookup.namespace
+        return self.cpu.ready_prefix([(ns.layout_id, ns.tenant, h) for h in lookup.hashes])
+
+    def _start_local_restore(self, load: _Load) -> None:
+        """Copy blocks back from our own CPU tier: no broker, no lease; a pin keeps the slots."""
+        assert self.cpu is not None
+        plan, ns = load.plan, load.namespace
+        chain = load.hashes[plan.first_block : plan.first_block + plan.num_blocks]
+        pin = LOCAL_PIN_PREFIX + load.request_id
+        slots = self.cpu.pin(pin, [(ns.layout_id, ns.tenant, h) for h in chain])
+        if slots is None:
+            self._fail_load(load, "the blocks left the CPU tier before they could be copied back")
+            return
+        load.local_pin = pin
+        load.state = "reading"
+        self._pending_specs.append(
+            LoadSpec(
+                request_id=load.request_id,
+                lease_id=pin,
+                holder_engine_id=self.config.engine_id,
+                tier=pb.TIER_CPU,
+                remote_block_ids=tuple(slots),
+                local_block_ids=load.local_block_ids,
+                holder_ranks=(),
+            )
+        )
+
+    def _unpin_local(self, load: _Load) -> None:
+        if load.local_pin and self.cpu is not None:
+            self.cpu.unpin(load.local_pin)
+        load.local_pin = ""
+
     def _finish_reads(self, load: _Load) -> None:
+        if load.local_pin:
+            self._unpin_local(load)
+            if load.failure:
+                self._fail_load(load, f"copy from the CPU tier failed: {load.failure}")
+            else:
+                self._commit(load, ok=True, reason="restored")
+            return
         assert load.lease is not None and self.link is not None
         if load.failure:
             self._fail_load(load, f"NIXL read failed: {load.failure}")
@@ -740,6 +798,7 @@ class AdapterScheduler:
             load.future = self.link.release(load.lease.lease_id, load.lease.epoch)
 
     def _fail_load(self, load: _Load, reason: str) -> None:
+        self._unpin_local(load)
         if load.lease is not None and load.state != "releasing" and self.link is not None:
             # End the lease at once so the holder frees; the bytes are not used either way.
             self.link.release(load.lease.lease_id, load.lease.epoch)
@@ -769,7 +828,17 @@ class AdapterScheduler:
             error="" if ok else reason,
         )
         load.span = None
-        if ok:
+        if ok and load.plan.holder_engine_id == self.config.engine_id:
+            self.stats.counters["cpu_restores"] += 1
+            self.stats.counters["cpu_restored_blocks"] += load.plan.num_blocks
+            logger.info(
+                "kvbroker: request %s: restored %d blocks (%d bytes) from this engine's CPU tier in %.1f ms",
+                load.request_id,
+                load.plan.num_blocks,
+                load.bytes_read,
+                elapsed_s * 1000.0,
+            )
+        elif ok:
             if load.lease is not None:
                 self.stats.counters[f"pulled_blocks_{_tier_name(load.lease.tier).lower()}"] += (
                     load.plan.num_blocks
@@ -886,7 +955,7 @@ class AdapterScheduler:
             for held in list(self._held.values()):
                 self._free(held, "broker session lost")
             if self.cpu is not None:
-                self.cpu.unpin_all()
+                self.cpu.unpin_all(keep_prefix=LOCAL_PIN_PREFIX)
         self._was_connected = connected
 
     # ------------------------------------------------------------------

@@ -66,6 +66,7 @@ class CpuTierLike(Protocol):
 
     def regions(self) -> list[Any]: ...
     def start_store(self, kv_caches: Any, gpu_block_ids: Sequence[int], slot_ids: Sequence[int]) -> int: ...
+    def start_load(self, slot_ids: Sequence[int], kv_caches: Any, gpu_block_ids: Sequence[int]) -> int: ...
     def poll(self) -> list[int]: ...
     def take_failed(self) -> dict[int, str]: ...
     def close(self) -> None: ...
@@ -123,6 +124,7 @@ class AdapterWorker:
         self.cpu_tier: CpuTierLike | None = None
         self._kv_caches: Any = None
         self._store_of_handle: dict[int, tuple[int, str]] = {}  # copy handle -> (store id, request id)
+        self._restore_of_handle: dict[int, str] = {}  # copy handle (CPU tier -> KV) -> request id
         self._storing: dict[str, int] = {}  # request id -> copies in flight (its blocks stay allocated)
 
     # ------------------------------------------------------------------
@@ -232,13 +234,21 @@ class AdapterWorker:
         self._store_of_handle[handle] = (spec.store_id, spec.request_id)
         self._storing[spec.request_id] = self._storing.get(spec.request_id, 0) + 1
 
-    def _poll_stores(self) -> None:
-        if self.cpu_tier is None or not self._store_of_handle:
+    def _poll_cpu_tier(self) -> None:
+        if self.cpu_tier is None or not (self._store_of_handle or self._restore_of_handle):
             return
         failed = self.cpu_tier.take_failed()
         finished = self.cpu_tier.poll()
         failed.update(self.cpu_tier.take_failed())
         for handle in [*finished, *failed]:
+            restoring = self._restore_of_handle.pop(handle, None)
+            if restoring is not None:
+                reading = self._reading.get(restoring)
+                if reading is not None:
+                    reading.handles.discard(handle)
+                    if handle in failed and not reading.failure:
+                        reading.failure = failed[handle]
+                continue
             owner = self._store_of_handle.pop(handle, None)
             if owner is None:
                 continue
@@ -255,6 +265,9 @@ class AdapterWorker:
     def _start(self, spec: LoadSpec) -> None:
         reading = _Reading(spec, started=self._clock())
         self._reading[spec.request_id] = reading
+        if spec.holder_engine_id == self.engine_id and spec.tier == pb.TIER_CPU:
+            self._start_restore(spec, reading)
+            return
         if self.mover is None:
             reading.failure = "KV memory not registered with NIXL"
             return
@@ -290,9 +303,23 @@ class AdapterWorker:
                 self.block_bytes_per_layer.get(layer, 0) for layer in read.layers
             ) * len(spec.local_block_ids)
 
+    def _start_restore(self, spec: LoadSpec, reading: _Reading) -> None:
+        """Our own CPU tier's slots (spec.remote_block_ids) back into KV blocks: a local copy."""
+        if self.cpu_tier is None or self._kv_caches is None:
+            reading.failure = "no CPU tier on this rank"
+            return
+        try:
+            handle = self.cpu_tier.start_load(spec.remote_block_ids, self._kv_caches, spec.local_block_ids)
+        except Exception as e:  # a bad copy must not take the engine down; the blocks are recomputed
+            reading.failure = f"cannot start the copy from the CPU tier: {e}"
+            return
+        reading.handles.add(handle)
+        self._restore_of_handle[handle] = spec.request_id
+        reading.bytes_total = sum(self.block_bytes_per_layer.values()) * len(spec.local_block_ids)
+
     def poll(self) -> None:
         """Collect finished NIXL reads and CPU tier copies; report each request's outcome once."""
-        self._poll_stores()
+        self._poll_cpu_tier()
         if self.mover is not None and self._handle_owner:
             finished, failed = self.mover.poll()
             for handle in finished:

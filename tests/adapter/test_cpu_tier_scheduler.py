@@ -8,7 +8,7 @@ from kvbroker.v1 import broker_pb2 as pb
 
 from engine_adapter.config import AdapterConfig
 from engine_adapter.cpu_directory import CpuDirectory
-from engine_adapter.metadata import AdapterMetadata, ReadOutcomes, RegionSpec, StoreSpec
+from engine_adapter.metadata import AdapterMetadata, LoadSpec, ReadOutcomes, RegionSpec, StoreSpec
 from engine_adapter.scheduler import AdapterScheduler
 from engine_adapter.worker import AdapterWorker
 from tests.adapter.fakes import FakeClock, FakeLink, FakeMover, FakeRequest, Status, wire
@@ -221,6 +221,7 @@ class FakeCpuTier:
         self.num_slots = num_slots
         self._regions = regions
         self.stores: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.loads: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self.done: list[int] = []
         self.closed = False
 
@@ -229,7 +230,11 @@ class FakeCpuTier:
 
     def start_store(self, kv_caches: Any, gpu_block_ids: Any, slot_ids: Any) -> int:
         self.stores.append((tuple(gpu_block_ids), tuple(slot_ids)))
-        return len(self.stores)
+        return len(self.stores) + len(self.loads)
+
+    def start_load(self, slot_ids: Any, kv_caches: Any, gpu_block_ids: Any) -> int:
+        self.loads.append((tuple(slot_ids), tuple(gpu_block_ids)))
+        return len(self.stores) + len(self.loads)
 
     def poll(self) -> list[int]:
         done, self.done = self.done, []
@@ -273,3 +278,110 @@ def test_worker_registers_the_cpu_tier_and_frees_a_request_only_after_its_copy()
     assert outcomes is not None and outcomes.stores_done == {7: 1} and outcomes.stores_failed == {}
     worker.shutdown()
     assert tiers[0].closed
+
+
+# ---------------------------------------------------------------- restoring from our own CPU tier
+
+
+def stored_chain(sched: AdapterScheduler, blocks: int) -> None:
+    """A finished request's `blocks` full blocks are on this engine's CPU tier (slots 0..)."""
+    sched.request_finished(finished("old", blocks), list(range(1, blocks + 2)))
+    sched.build_connector_meta()
+    store_done(sched, 1)
+
+
+def test_own_cpu_tier_restores_a_prefix_without_the_broker_or_a_lease() -> None:
+    sched, link = make(slots=8)
+    stored_chain(sched, 4)
+    link.mirror_matches = []  # nobody else holds it
+    req = FakeRequest("new", num_tokens=4 * BS + 10)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True), "decided in the first step"
+    sched.update_state_after_alloc(req, [40, 41, 42, 43, 44], 4 * BS)
+    assert link.named("resolve") == [] and link.named("acquire") == [], "no broker round trip, no lease"
+    meta = sched.build_connector_meta()
+    (load,) = meta.loads
+    assert load.holder_engine_id == "holder" and load.tier == pb.TIER_CPU
+    assert load.remote_block_ids == (0, 1, 2, 3) and load.local_block_ids == (40, 41, 42, 43)
+    assert sched.stats_snapshot()["cpu_tier_pinned_slots"] == 4, "the slots cannot be evicted mid-copy"
+    sched.update_connector_output(
+        worker_meta=ReadOutcomes(done={"new": 1}, bytes_read={"new": 512}),
+        finished_sending=None,
+        finished_recving=None,
+    )
+    meta = sched.build_connector_meta()
+    assert [(c.request_id, c.ok) for c in meta.commits] == [("new", True)]
+    stats = sched.stats_snapshot()
+    assert stats["cpu_restored_blocks"] == 4 and stats["cpu_tier_pinned_slots"] == 0
+    assert stats.get("pulls", 0) == 0
+
+
+def test_a_longer_remote_prefix_wins_over_our_cpu_tier() -> None:
+    sched, link = make(slots=8)
+    stored_chain(sched, 2)
+    link.mirror_matches = [pb.HolderMatch(engine_id="other", tier=pb.TIER_GPU, matched_blocks=4)]
+    req = FakeRequest("new", num_tokens=4 * BS + 10)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    sched.update_state_after_alloc(req, [40, 41, 42, 43, 44], 4 * BS)
+    assert link.named("resolve")[-1].args["acquire"], "the remote holder's blocks need a lease"
+
+
+def test_failed_copy_back_recomputes_and_unpins() -> None:
+    sched, link = make(slots=8)
+    stored_chain(sched, 3)
+    link.mirror_matches = []
+    req = FakeRequest("new", num_tokens=3 * BS + 10)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [40, 41, 42, 43], 3 * BS)
+    sched.build_connector_meta()
+    sched.update_connector_output(
+        worker_meta=ReadOutcomes(done={"new": 1}, failed={"new": "copy broke"}),
+        finished_sending=None,
+        finished_recving=None,
+    )
+    meta = sched.build_connector_meta()
+    assert [(c.request_id, c.ok) for c in meta.commits] == [("new", False)]
+    assert sched.stats_snapshot()["cpu_tier_pinned_slots"] == 0
+
+
+def test_own_cpu_tier_serves_while_the_broker_is_away_and_keeps_its_pin_on_session_loss() -> None:
+    sched, link = make(slots=8)
+    stored_chain(sched, 3)
+    link.connected = False
+    req = FakeRequest("new", num_tokens=3 * BS + 10)
+    assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    sched.update_state_after_alloc(req, [40, 41, 42, 43], 3 * BS)
+    meta = sched.build_connector_meta()  # also notices the lost session: lease pins go, ours stays
+    assert len(meta.loads) == 1
+    assert sched.stats_snapshot()["cpu_tier_pinned_slots"] == 3
+    other = FakeRequest("other", num_tokens=3 * BS + 10)
+    other.block_hashes = [bytes([0, 0, 0, 0, 0, 0, 0, 90 + i]) + b"\x00" * 24 for i in range(3)]
+    assert sched.get_num_new_matched_tokens(other, 0) == (0, False), "nothing anywhere: recompute"
+
+
+def test_worker_copies_back_from_its_cpu_tier() -> None:
+    tiers: list[FakeCpuTier] = []
+
+    def factory(regions: list[Any], slots: int) -> FakeCpuTier:
+        tiers.append(FakeCpuTier(regions, slots))
+        return tiers[-1]
+
+    worker = AdapterWorker(
+        engine_id="e",
+        pp_rank=0,
+        tp_rank=0,
+        mover_factory=FakeMover,
+        region_factory=lambda spec: spec,
+        cpu_tier_slots=16,
+        cpu_tier_factory=factory,
+    )
+    worker.register_memory([RegionSpec(layer, 4096 * layer, 64, 64) for layer in range(2)], 100, "DRAM", {})
+    spec = LoadSpec("r", "local:r", "e", pb.TIER_CPU, (5, 6), (30, 31), ())
+    worker.start_load_kv(AdapterMetadata(loads=[spec]))
+    assert tiers[0].loads == [((5, 6), (30, 31))]
+    worker.poll()
+    assert worker.take_outcomes() is None, "still copying"
+    tiers[0].done.append(1)
+    worker.poll()
+    outcomes = worker.take_outcomes()
+    assert outcomes is not None and outcomes.done == {"r": 1} and outcomes.failed == {}
+    assert outcomes.bytes_read == {"r": 2 * 64 * 2}

@@ -213,6 +213,9 @@ class CpuTierBuffer:
 def _run_copies(
     jobs: list[tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]], non_blocking: bool
 ) -> None:
-    for dst, src, runs in jobs:
-        for dst_start, src_start, n in runs:
-            dst[dst_start : dst_start + n].copy_(src[src_start : src_start + n], non_blocking=non_blocking)
+    # vLLM creates the KV cache as inference tensors: writing into them (a copy back
+    # from the tier) is allowed only in inference mode, which this thread is not in.
+    with torch.inference_mode():
+        for dst, src, runs in jobs:
+            for dst_start, src_start, n in runs:
+                dst[dst_start : dst_start + n].copy_(src[src_start : src_start + n], non_blocking=non_blocking)

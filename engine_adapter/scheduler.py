@@ -160,6 +160,9 @@ class AdapterScheduler:
         self.expected_ranks = tp_size * pp_size
         self._clock = clock
         self._lookups: dict[str, _Lookup] = {}
+        # Requests whose load failed: vLLM reschedules them to recompute, and asks us
+        # again; they must not try the same load again (it may fail the same way).
+        self._failed_loads: set[str] = set()
         self._loads: dict[str, _Load] = {}
         self._held: dict[str, _Held] = {}
         self._held_by_lease: dict[str, str] = {}
@@ -188,6 +191,8 @@ class AdapterScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
+        if req_id in self._failed_loads:
+            return 0, False
         lookup = self._lookups.get(req_id)
         now = self._clock()
         if lookup is None:
@@ -349,6 +354,7 @@ class AdapterScheduler:
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._failed_loads.discard(req_id)
         lookup = self._lookups.pop(req_id, None)
         if lookup is not None and lookup.span is not None:
             end_span(lookup.span, {"kvbroker.decision": "request_finished_before_decision"})
@@ -856,6 +862,8 @@ class AdapterScheduler:
                 elapsed * 1000.0,
                 load.lease.lease_id if load.lease else "",
             )
+        if not ok:
+            self._failed_loads.add(load.request_id)
         self._stats_dirty = True
         self._pending_commits.append(Commit(load.request_id, ok, load.local_block_ids, reason))
 

@@ -341,6 +341,10 @@ def test_failed_copy_back_recomputes_and_unpins() -> None:
     meta = sched.build_connector_meta()
     assert [(c.request_id, c.ok) for c in meta.commits] == [("new", False)]
     assert sched.stats_snapshot()["cpu_tier_pinned_slots"] == 0
+    # vLLM reschedules the request to recompute and asks again: no second try.
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.build_connector_meta().loads == []
+    sched.request_finished(req, [40, 41, 42, 43])
 
 
 def test_own_cpu_tier_serves_while_the_broker_is_away_and_keeps_its_pin_on_session_loss() -> None:

@@ -135,3 +135,26 @@ def test_gpu_store_and_load_through_pinned_buffer() -> None:
     for name, v in kv.items():
         assert torch.equal(v[0], original[name][5])
         assert torch.equal(v[1:3], original[name][30:32])
+
+
+def test_load_into_a_kv_cache_made_of_inference_tensors() -> None:
+    """vLLM allocates its KV cache, and calls the connector, in inference mode; the copies
+    run on another thread, which is not."""
+    with torch.inference_mode():
+        kv = cpu_backend_kv_caches(num_layers=2, num_blocks=8, seed=9)
+        original = {k: v.clone() for k, v in kv.items()}
+    assert all(v.is_inference() for v in kv.values())
+    regions, _, _ = regions_from_kv_caches(kv)
+    tier = CpuTierBuffer(regions, num_slots=4, pin_memory=False)
+    try:
+        with torch.inference_mode():
+            stored = tier.start_store(kv, [5, 6], [0, 1])
+        wait_done(tier, stored)
+        with torch.inference_mode():
+            loaded = tier.start_load([1, 0], kv, [2, 3])
+        wait_done(tier, loaded)
+        assert tier.take_failed() == {}
+        for name, v in kv.items():
+            assert torch.equal(v[2], original[name][6]) and torch.equal(v[3], original[name][5])
+    finally:
+        tier.close()

@@ -64,6 +64,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     model = build_tiny_model(log_dir / "model")
     broker = BrokerProcess(log_dir).start()
     engines: list[EngineProcess] = []
+    # Both can empty their prefix cache (vLLM's dev endpoint) to serve a prompt they
+    # have seen again from somewhere else: a peer, or their own CPU tier.
+    dev_env = {**engine_environment(), "VLLM_SERVER_DEV_MODE": "1"}
     try:
         a, a_stats = start_engine(
             model,
@@ -72,12 +75,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             broker_address=broker.address,
             role="both",
             cpu_tier_blocks=CPU_TIER_BLOCKS,
+            env=dev_env,
         )
         engines.append(a)
-        # B can empty its prefix cache (dev endpoint) to read a prompt it has seen again.
-        b_env = {**engine_environment(), "VLLM_SERVER_DEV_MODE": "1"}
         b, b_stats = start_engine(
-            model, log_dir, name="B", broker_address=broker.address, role="both", env=b_env
+            model, log_dir, name="B", broker_address=broker.address, role="both", env=dev_env
         )
         engines.append(b)
         for engine in engines:
@@ -182,3 +184,33 @@ def test_remote_decode_request_is_offloaded_whole_and_stays_after_the_gpu_hold_e
     assert wait_for(lambda: pair.stat("B", "pulled_blocks_tier_cpu") == cpu_before + full_blocks, 15), (
         read_stats(pair.stats["B"])
     )
+
+
+def test_engine_restores_a_prefix_from_its_own_cpu_tier(pair: Pair) -> None:
+    """A's GPU copy is gone (prefix cache emptied); its own CPU tier still has the
+    prompt, so A copies it back instead of recomputing: no broker lease, no NIXL."""
+    prompt = prompt_of(200, seed=51)
+    full_blocks = len(prompt) // BLOCK_SIZE
+    reference = recompute_reference(pair.a, prompt, MAX_TOKENS)
+    assert output_ids(complete(pair.a, prompt, max_tokens=MAX_TOKENS)) == reference
+    with BrokerClient(pair.broker.address) as client:
+        engines = {e.engine_id: e for e in client.list_engines().engines}
+        namespace = pb.Namespace(layout_id=engines["A"].layout_id, tenant="")
+        hashes = wire_chain(prompt, BLOCK_SIZE)
+
+        def on_a_cpu() -> bool:
+            matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
+            return ("A", pb.TIER_CPU, full_blocks) in [
+                (m.engine_id, m.tier, m.matched_blocks) for m in matches
+            ]
+
+        assert wait_for(on_a_cpu, 30), "A's copy reached its CPU tier"
+    reset_prefix_cache(pair.a)
+    restored = pair.stat("A", "cpu_restored_blocks")
+    pulled = pair.stat("A", "pulled_blocks")
+    again = complete(pair.a, prompt, max_tokens=MAX_TOKENS)
+    assert output_ids(again) == reference, "A's output from its own CPU tier equals a recompute"
+    assert wait_for(lambda: pair.stat("A", "cpu_restored_blocks") == restored + full_blocks, 15), read_stats(
+        pair.stats["A"]
+    )
+    assert pair.stat("A", "pulled_blocks") == pulled, "nothing was read from another engine"

@@ -77,6 +77,7 @@ def test_control_plane_tiny(tmp_path: Path) -> None:
     assert broker["mirror_sync"]["blocks"] > 0
     assert 0 < broker["mirror_lag"]["p50_us"] <= broker["mirror_lag"]["p99_us"]
     assert broker["inventory_with_mirror"]["c1"]["blocks_per_s"]["median"] > 0
+    assert broker["inventory_engine_session"]["c4"]["blocks_per_s"]["median"] > 0
     points = broker["memory"]["points"]
     assert [p["blocks_indexed"] >= 5_000 for p in points] == [True, True]
     assert points[-1]["blocks_indexed"] >= 20_000

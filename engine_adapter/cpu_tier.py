@@ -218,4 +218,6 @@ def _run_copies(
     with torch.inference_mode():
         for dst, src, runs in jobs:
             for dst_start, src_start, n in runs:
-                dst[dst_start : dst_start + n].copy_(src[src_start : src_start + n], non_blocking=non_blocking)
+                dst[dst_start : dst_start + n].copy_(
+                    src[src_start : src_start + n], non_blocking=non_blocking
+                )

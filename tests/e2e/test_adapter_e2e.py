@@ -144,6 +144,27 @@ def test_p_to_d_pulls_full_blocks_and_matches_recompute(cluster: Cluster, length
 
 # --------------------------------------------------------------------------- 2. multi-turn D -> P
 
+# How long a change takes to reach an engine's index mirror after the broker has it:
+# about 1 ms (p99) on a quiet host; this covers a loaded 2-core test machine.
+MIRROR_SETTLE_S = 0.5
+
+
+def _wait_until_d_holds(cluster: Cluster, prompt: list[int], blocks: int) -> None:
+    """D announces a finished turn a moment after it answered: wait until the broker
+    names D for the turn's blocks, then for P's index mirror to have it too. (A turn
+    that comes sooner is recomputed: correct, just not pulled.)"""
+    with BrokerClient(cluster.broker.address) as client:
+        layout = next(e.layout_id for e in client.list_engines().engines if e.engine_id == "D")
+        namespace = pb.Namespace(layout_id=layout, tenant="")
+        hashes = wire_chain(prompt, BLOCK_SIZE)
+
+        def named() -> bool:
+            matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
+            return any(m.engine_id == "D" and m.matched_blocks >= blocks for m in matches)
+
+        assert wait_for(named, 10), "the broker never named D for the finished turn"
+    time.sleep(MIRROR_SETTLE_S)
+
 
 def test_multi_turn_turn_two_on_p_pulls_history_from_d(cluster: Cluster) -> None:
     turn1 = prompt_of(200, seed=7)
@@ -159,6 +180,7 @@ def test_multi_turn_turn_two_on_p_pulls_history_from_d(cluster: Cluster) -> None
     pulls_before = cluster.stat("P", "pulled_blocks")
     mirror_before = cluster.stat("P", "mirror_answers")
     assert wait_for(lambda: cluster.stat("D", "held_requests") > 0, 5), "D holds no finished conversation"
+    _wait_until_d_holds(cluster, turn2, (len(history) - 1) // BLOCK_SIZE)
     answer2 = complete(cluster.p, turn2, max_tokens=MAX_TOKENS)
     assert output_ids(answer2) == reference
     assert cluster.stat("P", "pulled_blocks") - pulls_before == expected_blocks
@@ -171,6 +193,7 @@ def test_multi_turn_short_history_is_recomputed(cluster: Cluster) -> None:
     answer1 = output_ids(complete(cluster.d, turn1, max_tokens=10))  # 49 computed: one 32-token block
     turn2 = turn1 + answer1 + prompt_of(10, seed=12)
     reference = recompute_reference(cluster.p, turn2, MAX_TOKENS)
+    _wait_until_d_holds(cluster, turn2, 1)
     below_before = cluster.skips("P", "below_threshold")
     pulls_before = cluster.stat("P", "pulls")
     assert output_ids(complete(cluster.p, turn2, max_tokens=MAX_TOKENS)) == reference

@@ -602,8 +602,6 @@ async def _measure_inventory(
             batches = [
                 make_chains(per_client, seed=seed_base + (5 + c) * 100_000 + rep * 1000 + j) for j in range(c)
             ]
-            cpu0 = cpu_seconds(proc.proc.pid)
-            t0 = time.perf_counter()
 
             async def push(sess: RawSession, chains_: list[list[int]], j: int) -> None:
                 tenant = ns(f"p{j % 4}")
@@ -611,22 +609,16 @@ async def _measure_inventory(
                     await sess.announce(tenant, ch)
                 await sess.barrier(tenant)
 
-            await asyncio.gather(
-                *(push(x, b, j) for j, (x, b) in enumerate(zip(senders, batches, strict=True)))
+            rate, cpu = await _timed_blocks(
+                proc,
+                c * per_client * CHAIN_LEN,
+                asyncio.gather(
+                    *(push(x, b, j) for j, (x, b) in enumerate(zip(senders, batches, strict=True)))
+                ),
             )
-            figs.append(c * per_client * CHAIN_LEN / (time.perf_counter() - t0))
-            cpu_ns.append((cpu_seconds(proc.proc.pid) - cpu0) / (c * per_client * CHAIN_LEN) * 1e9)
-        out[f"c{c}"] = {
-            "blocks_per_s": {"median": _median(figs), "min": min(figs), "max": max(figs), "runs": figs},
-            "server_cpu_ns_per_block": {
-                "median": _median(cpu_ns),
-                "min": min(cpu_ns),
-                "max": max(cpu_ns),
-                "runs": cpu_ns,
-            },
-            "batch_blocks": CHAIN_LEN,
-            "messages_per_client": per_client,
-        }
+            figs.append(rate)
+            cpu_ns.append(cpu)
+        out[f"c{c}"] = _inventory_figure(figs, cpu_ns, batch_blocks=CHAIN_LEN, messages_per_client=per_client)
         what = "with a mirror following" if mirror_task is not None else "no mirror"
         log(f"broker inventory c{c} (64-block updates, {what}): {_median(figs):,.0f} blocks/s")
     return out
@@ -654,8 +646,6 @@ async def _measure_inventory_engine_sessions(
             batches = [
                 make_chains(per_client, seed=9_000_000 + c * 100_000 + rep_ * 1000 + j) for j in range(c)
             ]
-            cpu0 = cpu_seconds(proc.proc.pid)
-            t0 = time.perf_counter()
 
             async def push(sess: EngineSession, chains_: list[list[int]], j: int) -> None:
                 ns = (layout_id, f"s{j % 4}")
@@ -665,28 +655,42 @@ async def _measure_inventory_engine_sessions(
                         await asyncio.sleep(0)  # an engine's scheduler steps between batches
                 await sess.resolve(ns, [0])
 
-            await asyncio.gather(
-                *(push(x, b, j) for j, (x, b) in enumerate(zip(sessions, batches, strict=True)))
+            rate, cpu = await _timed_blocks(
+                proc,
+                c * per_client * CHAIN_LEN,
+                asyncio.gather(
+                    *(push(x, b, j) for j, (x, b) in enumerate(zip(sessions, batches, strict=True)))
+                ),
             )
-            figs.append(c * per_client * CHAIN_LEN / (time.perf_counter() - t0))
-            cpu_ns.append((cpu_seconds(proc.proc.pid) - cpu0) / (c * per_client * CHAIN_LEN) * 1e9)
-
-        out[f"c{c}"] = {
-            "blocks_per_s": {"median": _median(figs), "min": min(figs), "max": max(figs), "runs": figs},
-            "server_cpu_ns_per_block": {
-                "median": _median(cpu_ns),
-                "min": min(cpu_ns),
-                "max": max(cpu_ns),
-                "runs": cpu_ns,
-            },
-            "batch_blocks": CHAIN_LEN,
-            "announces_per_client": per_client,
-            "coalesced_up_to_hashes": sessions[0].flush_max_hashes,
-        }
+            figs.append(rate)
+            cpu_ns.append(cpu)
+        out[f"c{c}"] = _inventory_figure(
+            figs,
+            cpu_ns,
+            batch_blocks=CHAIN_LEN,
+            announces_per_client=per_client,
+            coalesced_up_to_hashes=sessions[0].flush_max_hashes,
+        )
         log(
             f"broker inventory c{c} (EngineSession.announce_stored of 64, coalesced): {_median(figs):,.0f} blocks/s"
         )
     return out
+
+
+async def _timed_blocks(proc: BrokerProcess, blocks: int, work: Awaitable[Any]) -> tuple[float, float]:
+    """Run `work` (which publishes `blocks` blocks); return blocks/s and broker CPU ns per block."""
+    cpu0 = cpu_seconds(proc.proc.pid)
+    t0 = time.perf_counter()
+    await work
+    elapsed = time.perf_counter() - t0
+    return blocks / elapsed, (cpu_seconds(proc.proc.pid) - cpu0) / blocks * 1e9
+
+
+def _inventory_figure(figs: list[float], cpu_ns: list[float], **extra: Any) -> dict[str, Any]:
+    def spread(xs: list[float]) -> dict[str, Any]:
+        return {"median": _median(xs), "min": min(xs), "max": max(xs), "runs": xs}
+
+    return {"blocks_per_s": spread(figs), "server_cpu_ns_per_block": spread(cpu_ns), **extra}
 
 
 async def _start_mirror(

@@ -51,10 +51,13 @@ MAX_TOKENS = 6
 # Small per rank: nine worker processes share the machine.
 KV_CACHE_BYTES = 32 * 1024 * 1024
 MAX_MODEL_LEN = 1024
-# Twice the other e2e modules' TTL: five engines (nine workers) share two
+# Six times the other e2e modules' TTL: five engines (nine workers) share two
 # cores with whatever else runs, and a starved session thread that misses its
 # heartbeats ends the session (and turns a pull into a recompute).
-SESSION_TTL_MS = 10000
+SESSION_TTL_MS = 30000
+# Reads here can stall for seconds: five engines' idle TP/PP workers poll vLLM's
+# shared-memory queues and starve two cores (a read once took 13.7 s in CI).
+LEASE_TTL_MS = 30000
 
 # name -> (tensor-parallel size, pipeline-parallel size)
 ENGINES: dict[str, tuple[int, int]] = {"S": (1, 1), "T1": (2, 1), "T2": (2, 1), "Q1": (1, 2), "Q2": (1, 2)}
@@ -98,6 +101,7 @@ def _start(model: Path, log_dir: Path, name: str, broker_address: str) -> Engine
         engine_id=name,
         role="both",
         session_ttl_ms=SESSION_TTL_MS,
+        lease_ttl_ms=LEASE_TTL_MS,
         resolve_wait_ms=RESOLVE_WAIT_MS,
         acquire_wait_ms=ACQUIRE_WAIT_MS,
         stats_path=str(log_dir / f"{name}-stats.json"),

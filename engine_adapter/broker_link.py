@@ -108,6 +108,7 @@ class SessionBrokerLink:
         session_ttl_ms: int,
         expected_ranks: int,
         index_mirror: bool = False,
+        resolve_timeout_s: float = 2.0,
     ) -> None:
         from clients.session import ThreadedEngineSession
 
@@ -123,6 +124,9 @@ class SessionBrokerLink:
             on_lease_ended=self._on_lease_ended,
             on_pin=self._on_pin,
             mirror_index=index_mirror,
+            # The scheduler keeps its own budgets (resolve_wait_ms, acquire_wait_ms);
+            # the session must not give up on an answer before they run out.
+            resolve_timeout_s=resolve_timeout_s,
         )
         self._session.start()
 

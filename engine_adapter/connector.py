@@ -121,6 +121,7 @@ class BrokerConnector(KVConnectorBase_V1):
                 session_ttl_ms=config.session_ttl_ms,
                 expected_ranks=tp * pp,
                 index_mirror=config.index_mirror,
+                resolve_timeout_s=max(2.0, max(config.resolve_wait_ms, config.acquire_wait_ms) / 1000.0),
             )
         logger.info(
             "kvbroker: engine %s (role %s), broker %s, threshold %d tokens, multi_turn=%s",

@@ -39,6 +39,12 @@ class RawSession:
     async def announce(self, ns: pb.Namespace, tier: int, stored: list[int]) -> None:
         await self.send(inventory=pb.InventoryUpdate(namespace=ns, tier=tier, stored=stored))  # type: ignore[arg-type]
 
+    async def applied(self) -> None:
+        """Wait until the broker has applied everything sent so far (the stream is ordered;
+        another session's calls are not ordered with this one's)."""
+        await self.send(heartbeat=pb.Heartbeat())
+        await self.read_kind("heartbeat_ack")
+
     async def resolve(self, ns: pb.Namespace, hashes: list[int], **kw: object) -> pb.SessionDown:
         seq = await self.send(resolve=pb.ResolveRequest(namespace=ns, block_hashes=hashes, **kw))  # type: ignore[arg-type]
         while True:

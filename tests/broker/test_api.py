@@ -73,6 +73,7 @@ async def test_stream_resolve_heartbeat_and_errors_keep_the_session(stub: Stub) 
     p, d, ns = await pair(stub)
     await p.announce(ns, pb.TIER_GPU, H[:40])
     await p.announce(ns, pb.TIER_CPU, H)
+    await p.applied()
     down = await d.resolve(ns, H)
     got = [(m.engine_id, m.tier, m.matched_blocks) for m in down.resolve.matches]
     assert got == [("P", pb.TIER_CPU, 64), ("P", pb.TIER_GPU, 40)]
@@ -126,6 +127,7 @@ async def test_hold_acquire_release_and_holder_told(stub: Stub) -> None:
 async def test_resolve_acquire_pin_flow_over_the_stream(stub: Stub) -> None:
     p, d, ns = await pair(stub)
     await p.announce(ns, pb.TIER_GPU, H[:16])
+    await p.applied()
     seq = await d.send(
         resolve=pb.ResolveRequest(namespace=ns, block_hashes=H, acquire=True, request_id="req-1")
     )

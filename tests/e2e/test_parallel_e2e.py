@@ -33,9 +33,7 @@ from kvbroker.v1 import broker_pb2 as pb
 from clients.sync import BrokerClient
 from engine_adapter.launch import PIPELINE_PARALLEL_CPU_ARGS, EngineProcess, connector_config
 from tests.e2e.harness import (
-    ACQUIRE_WAIT_MS,
     BLOCK_SIZE,
-    RESOLVE_WAIT_MS,
     BrokerProcess,
     complete,
     output_ids,
@@ -58,6 +56,10 @@ SESSION_TTL_MS = 30000
 # Reads here can stall for seconds: five engines' idle TP/PP workers poll vLLM's
 # shared-memory queues and starve two cores (a read once took 13.7 s in CI).
 LEASE_TTL_MS = 30000
+# The broker's answers can be seconds late for the same reason (a 2 s resolve timed
+# out once, and a holder's announcement took more than 3 s to be indexed).
+RESOLVE_WAIT_MS = 15000
+ACQUIRE_WAIT_MS = 15000
 
 # name -> (tensor-parallel size, pipeline-parallel size)
 ENGINES: dict[str, tuple[int, int]] = {"S": (1, 1), "T1": (2, 1), "T2": (2, 1), "Q1": (1, 2), "Q2": (1, 2)}

@@ -97,6 +97,15 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         print("e2e logs in", log_dir)
 
 
+def broker_matches(pair: Pair, prompt: list[int]) -> list[tuple[str, int, int]]:
+    """(engine, tier, matched blocks) the broker names for `prompt` (tenant "")."""
+    with BrokerClient(pair.broker.address) as client:
+        layout = next(e.layout_id for e in client.list_engines().engines if e.engine_id == "A")
+        namespace = pb.Namespace(layout_id=layout, tenant="")
+        matches = client.resolve(namespace=namespace, block_hashes=wire_chain(prompt, BLOCK_SIZE)).matches
+    return [(m.engine_id, int(m.tier), m.matched_blocks) for m in matches]
+
+
 def test_reader_pulls_a_prefix_held_only_on_the_holders_cpu_tier(pair: Pair) -> None:
     prompt = prompt_of(200, seed=31)
     full_blocks = len(prompt) // BLOCK_SIZE  # 6 full blocks; the 8-token tail is computed
@@ -108,20 +117,12 @@ def test_reader_pulls_a_prefix_held_only_on_the_holders_cpu_tier(pair: Pair) -> 
     assert wait_for(lambda: pair.stat("A", "cpu_stored_blocks") >= full_blocks, 30), read_stats(
         pair.stats["A"]
     )
-    with BrokerClient(pair.broker.address) as client:
-        engines = {e.engine_id: e for e in client.list_engines().engines}
-        namespace = pb.Namespace(layout_id=engines["A"].layout_id, tenant="")
-        hashes = wire_chain(prompt, BLOCK_SIZE)
-
-        def named_on_cpu() -> bool:
-            matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
-            return any(m.engine_id == "A" and m.tier == pb.TIER_CPU for m in matches)
-
-        assert wait_for(named_on_cpu, 30), "the broker names A's CPU tier"
-        matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
-        assert [(m.engine_id, m.tier) for m in matches] == [("A", pb.TIER_CPU)], (
-            "A holds nothing on its GPU tier for readers: only the CPU tier is known"
-        )
+    assert wait_for(lambda: any(m[:2] == ("A", pb.TIER_CPU) for m in broker_matches(pair, prompt)), 30), (
+        "the broker names A's CPU tier"
+    )
+    assert [m[:2] for m in broker_matches(pair, prompt)] == [("A", pb.TIER_CPU)], (
+        "A holds nothing on its GPU tier for readers: only the CPU tier is known"
+    )
 
     second = complete(pair.b, prompt, max_tokens=MAX_TOKENS)
     assert output_ids(second) == reference, "B's output from A's CPU tier equals a recompute"
@@ -162,18 +163,11 @@ def test_remote_decode_request_is_offloaded_whole_and_stays_after_the_gpu_hold_e
     assert wait_for(lambda: pair.stat("B", "pulled_blocks_tier_gpu") == pulls_before + full_blocks, 15), (
         "B took the GPU hold first (the broker ranks GPU before CPU)"
     )
-    with BrokerClient(pair.broker.address) as client:
-        engines = {e.engine_id: e for e in client.list_engines().engines}
-        namespace = pb.Namespace(layout_id=engines["A"].layout_id, tenant="")
-        hashes = wire_chain(prompt, BLOCK_SIZE)
 
-        def only_cpu_left() -> bool:
-            matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
-            return [(m.engine_id, m.tier, m.matched_blocks) for m in matches if m.engine_id == "A"] == [
-                ("A", pb.TIER_CPU, full_blocks)
-            ]
+    def only_cpu_left() -> bool:
+        return [m for m in broker_matches(pair, prompt) if m[0] == "A"] == [("A", pb.TIER_CPU, full_blocks)]
 
-        assert wait_for(only_cpu_left, 30), client.resolve(namespace=namespace, block_hashes=hashes)
+    assert wait_for(only_cpu_left, 30), broker_matches(pair, prompt)
 
     # ... and a reader takes it from there: B forgets the prompt and reads it again,
     # this time from A's CPU copy.
@@ -193,18 +187,9 @@ def test_engine_restores_a_prefix_from_its_own_cpu_tier(pair: Pair) -> None:
     full_blocks = len(prompt) // BLOCK_SIZE
     reference = recompute_reference(pair.a, prompt, MAX_TOKENS)
     assert output_ids(complete(pair.a, prompt, max_tokens=MAX_TOKENS)) == reference
-    with BrokerClient(pair.broker.address) as client:
-        engines = {e.engine_id: e for e in client.list_engines().engines}
-        namespace = pb.Namespace(layout_id=engines["A"].layout_id, tenant="")
-        hashes = wire_chain(prompt, BLOCK_SIZE)
-
-        def on_a_cpu() -> bool:
-            matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
-            return ("A", pb.TIER_CPU, full_blocks) in [
-                (m.engine_id, m.tier, m.matched_blocks) for m in matches
-            ]
-
-        assert wait_for(on_a_cpu, 30), "A's copy reached its CPU tier"
+    assert wait_for(lambda: ("A", pb.TIER_CPU, full_blocks) in broker_matches(pair, prompt), 30), (
+        "A's copy reached its CPU tier"
+    )
     reset_prefix_cache(pair.a)
     restored = pair.stat("A", "cpu_restored_blocks")
     pulled = pair.stat("A", "pulled_blocks")

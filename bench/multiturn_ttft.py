@@ -55,6 +55,9 @@ from clients.sync import BrokerClient
 from engine_adapter.tiny_model import build_tiny_model
 from tests.e2e.harness import BrokerProcess
 
+# P decides on its index mirror, which hears a hold about a millisecond after the
+# broker does (bench/control_plane.py, "mirror lag"); a generous margin.
+MIRROR_SETTLE_S = 0.05
 ANSWER_TOKENS = 32
 NEW_TOKENS = 32
 OUTPUT_TOKENS = 8
@@ -98,6 +101,7 @@ def one_conversation(
     chain = wire_chain(turn1 + answer1[:-1], BLOCK_SIZE)
     if not wait_for(lambda: broker_names_holder(client, "D", chain), 15, 0.02):
         log(f"warning: the broker shows no hold by D of conversation {seed}")
+    time.sleep(MIRROR_SETTLE_S)  # and P's index mirror has heard it too
     turn2 = turn1 + answer1 + prompt_of(NEW_TOKENS, seed + 100_000)
 
     result: dict[str, Any] = {"history": history, "prompt_tokens": len(turn2), "seed": seed}

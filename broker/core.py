@@ -141,8 +141,7 @@ class BrokerCore:
             self.end_session(old.session_id, "ABORTED", "superseded: the engine registered a new session")
         rec = self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
         self._emit(ev.ENGINE, "engine_registered", engine_id=rec.engine_id, detail=rec.layout_id)
-        if rec.ready:
-            self.mirrors.engine(rec.layout_id, rec.snapshot())
+        self._mirror_engine(rec)
         return rec
 
     def end_session(self, session_id: str, code: str = "", message: str = "") -> None:
@@ -179,8 +178,7 @@ class BrokerCore:
 
     def register_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
         rec = self.registry.add_rank(engine_id, rank)
-        if rec.ready:
-            self.mirrors.engine(rec.layout_id, rec.snapshot())
+        self._mirror_engine(rec)
         return rec
 
     # -- inventory -----------------------------------------------------------------
@@ -530,9 +528,13 @@ class BrokerCore:
                 self._revoke(lease, RevokeCause.DRAIN, reason or "holder is draining")
                 revoked += 1
         self._emit(ev.ENGINE, "engine_draining", engine_id=engine_id, detail=reason)
-        if rec.ready:
-            self.mirrors.engine(rec.layout_id, rec.snapshot())
+        self._mirror_engine(rec)
         return revoked
+
+    def _mirror_engine(self, rec: EngineRecord) -> None:
+        """Tell the layout's mirrors about a ready engine (built only when one listens)."""
+        if rec.ready and self.mirrors.watching(rec.layout_id):
+            self.mirrors.engine(rec.layout_id, rec.snapshot())
 
     def mirror_engines(self, layout_id: str) -> list[pb.EngineInfo]:
         """The engines a new mirror of `layout_id` starts from (ready ones; as resolve names them)."""

@@ -241,13 +241,8 @@ class AdapterWorker:
         finished = self.cpu_tier.poll()
         failed.update(self.cpu_tier.take_failed())
         for handle in [*finished, *failed]:
-            restoring = self._restore_of_handle.pop(handle, None)
-            if restoring is not None:
-                reading = self._reading.get(restoring)
-                if reading is not None:
-                    reading.handles.discard(handle)
-                    if handle in failed and not reading.failure:
-                        reading.failure = failed[handle]
+            if handle in self._restore_of_handle:
+                self._handle_done(handle, failed.get(handle, ""), self._restore_of_handle)
                 continue
             owner = self._store_of_handle.pop(handle, None)
             if owner is None:
@@ -348,8 +343,9 @@ class AdapterWorker:
             del self._reading[req_id]
         self._settle_commits()
 
-    def _handle_done(self, handle: int, failure: str) -> None:
-        req_id = self._handle_owner.pop(handle, None)
+    def _handle_done(self, handle: int, failure: str, owners: dict[int, str] | None = None) -> None:
+        """One read (NIXL, or a copy back from the CPU tier: `owners`) of a request ended."""
+        req_id = (self._handle_owner if owners is None else owners).pop(handle, None)
         reading = self._reading.get(req_id) if req_id else None
         if reading is None:
             return

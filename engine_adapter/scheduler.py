@@ -789,7 +789,6 @@ class AdapterScheduler:
 
     def _finish_reads(self, load: _Load) -> None:
         if load.local_pin:
-            self._unpin_local(load)
             if load.failure:
                 self._fail_load(load, f"copy from the CPU tier failed: {load.failure}")
             else:
@@ -804,7 +803,6 @@ class AdapterScheduler:
             load.future = self.link.release(load.lease.lease_id, load.lease.epoch)
 
     def _fail_load(self, load: _Load, reason: str) -> None:
-        self._unpin_local(load)
         if load.lease is not None and load.state != "releasing" and self.link is not None:
             # End the lease at once so the holder frees; the bytes are not used either way.
             self.link.release(load.lease.lease_id, load.lease.epoch)
@@ -820,6 +818,7 @@ class AdapterScheduler:
 
     def _commit(self, load: _Load, *, ok: bool, reason: str) -> None:
         load.state = "done"
+        self._unpin_local(load)  # every load ends here; a restore's slots may be evicted again
         elapsed_s = self._clock() - load.started
         end_span(
             load.span,

@@ -22,6 +22,23 @@ LOOKUP_ROWS: list[tuple[str, str, str]] = [
 ]
 
 
+# The broker's inventory measurements: (result key, row in the side-by-side
+# publishing table, row label in the broker's own table).
+INVENTORY_ROWS: list[tuple[str, str, str]] = [
+    ("inventory", "broker InventoryUpdate of 64 over sessions", "inventory, 64-block updates"),
+    (
+        "inventory_with_mirror",
+        "broker InventoryUpdate of 64, one index mirror following",
+        "inventory, one mirror following",
+    ),
+    (
+        "inventory_engine_session",
+        "broker EngineSession.announce_stored of 64 (coalesced)",
+        "inventory, EngineSession (coalesced)",
+    ),
+]
+
+
 def _fig(results: dict[str, Any], system: str, key: str, c: int) -> dict[str, Any] | None:
     sysres = results.get(system) or {}
     if not sysres.get("available"):
@@ -68,24 +85,9 @@ def publish_table(results: dict[str, Any], concurrency: Sequence[int]) -> str:
             + [fmt_spread(redis["publish"].get(f"c{c}"), "blocks_per_s") for c in concurrency]
         )
     broker = results.get("broker") or {}
-    if broker.get("available") and broker.get("inventory"):
-        rows.append(
-            ["broker InventoryUpdate of 64 over sessions"]
-            + [fmt_spread(broker["inventory"].get(f"c{c}"), "blocks_per_s") for c in concurrency]
-        )
-    if broker.get("available") and broker.get("inventory_with_mirror"):
-        rows.append(
-            ["broker InventoryUpdate of 64, one index mirror following"]
-            + [fmt_spread(broker["inventory_with_mirror"].get(f"c{c}"), "blocks_per_s") for c in concurrency]
-        )
-    if broker.get("available") and broker.get("inventory_engine_session"):
-        rows.append(
-            ["broker EngineSession.announce_stored of 64 (coalesced)"]
-            + [
-                fmt_spread(broker["inventory_engine_session"].get(f"c{c}"), "blocks_per_s")
-                for c in concurrency
-            ]
-        )
+    for key, label, _ in INVENTORY_ROWS:
+        if broker.get("available") and broker.get(key):
+            rows.append([label] + [fmt_spread(broker[key].get(f"c{c}"), "blocks_per_s") for c in concurrency])
     return format_table(headers, rows) if rows else ""
 
 
@@ -296,35 +298,16 @@ def broker_table(results: dict[str, Any], concurrency: Sequence[int]) -> str:
         rows.append(
             [f"{label}: broker CPU us per resolve"] + [fmt_spread(f, "server_cpu_us_per_op") for f in figs]
         )
-    inv = broker.get("inventory") or {}
-    rows.append(
-        ["inventory, 64-block updates: blocks/s"]
-        + [fmt_spread(inv.get(f"c{c}"), "blocks_per_s") for c in concurrency]
-    )
-    rows.append(
-        ["inventory, 64-block updates: broker CPU ns per block"]
-        + [fmt_spread(inv.get(f"c{c}"), "server_cpu_ns_per_block") for c in concurrency]
-    )
-    inv_e = broker.get("inventory_engine_session") or {}
-    if inv_e:
-        rows.append(
-            ["inventory, EngineSession (coalesced): blocks/s"]
-            + [fmt_spread(inv_e.get(f"c{c}"), "blocks_per_s") for c in concurrency]
-        )
-        rows.append(
-            ["inventory, EngineSession (coalesced): broker CPU ns per block"]
-            + [fmt_spread(inv_e.get(f"c{c}"), "server_cpu_ns_per_block") for c in concurrency]
-        )
-    inv_m = broker.get("inventory_with_mirror") or {}
-    if inv_m:
-        rows.append(
-            ["inventory, one mirror following: blocks/s"]
-            + [fmt_spread(inv_m.get(f"c{c}"), "blocks_per_s") for c in concurrency]
-        )
-        rows.append(
-            ["inventory, one mirror following: broker CPU ns per block"]
-            + [fmt_spread(inv_m.get(f"c{c}"), "server_cpu_ns_per_block") for c in concurrency]
-        )
+    for key, _, label in INVENTORY_ROWS:
+        inv = broker.get(key) or {}
+        if inv or key == "inventory":
+            rows.append(
+                [f"{label}: blocks/s"] + [fmt_spread(inv.get(f"c{c}"), "blocks_per_s") for c in concurrency]
+            )
+            rows.append(
+                [f"{label}: broker CPU ns per block"]
+                + [fmt_spread(inv.get(f"c{c}"), "server_cpu_ns_per_block") for c in concurrency]
+            )
     sync = broker.get("mirror_sync")
     if sync:
         rows.append(

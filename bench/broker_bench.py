@@ -28,10 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO_ROOT, load_note, log, shared_cores_note
-from bench.control_plane import add_common_arguments, guarded, mode_name, save_outputs, settings_from
+from bench.control_plane import (
+    add_common_arguments,
+    guarded,
+    mode_name,
+    print_targets,
+    save_outputs,
+    settings_from,
+)
 from bench.measure import Settings, measure_broker, measure_mooncake, measure_redis
 from bench.peers import _env_with_pythonpath
-from bench.report import broker_table, memory_table, targets, targets_table, unavailable_lines
+from bench.report import broker_table, memory_table
 
 
 def measure_index_alone(s: Settings) -> dict[str, Any]:
@@ -85,14 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"In-process index lookup of a held 64-block chain (no RPC): p50 {inproc['lookup_64_p50_us']:.1f} us, "
                 f"p99 {inproc['lookup_64_p99_us']:.1f} us\n"
             )
-        tgt = targets(results, hi_c=conc[-1])
-        if tgt:
-            print("Targets, as ratios to the peers measured in this run:")
-            print(targets_table(tgt))
-        missing = unavailable_lines(results)
-        if missing:
-            print("\nNot measured here:")
-            print("\n".join(missing))
+        tgt = print_targets(results, conc, "Targets, as ratios to the peers measured in this run:")
 
     name = "broker_bench" if not args.tiny else "broker_bench-tiny"
     title = f"Broker resolve vs the peers of its targets ({mode_name(args)} mode; median, min..max)"

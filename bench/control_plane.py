@@ -91,6 +91,19 @@ def guarded(name: str, fn: Any, *a: Any, **kw: Any) -> dict[str, Any]:
         return {"available": False, "reason": f"{type(e).__name__}: {e}"}
 
 
+def print_targets(results: dict[str, Any], conc: list[int], heading: str) -> list[dict[str, Any]]:
+    """Print the target checks and what could not be measured; return the checks."""
+    tgt = targets(results, hi_c=conc[-1])
+    if tgt:
+        print(heading)
+        print(targets_table(tgt))
+    missing = unavailable_lines(results)
+    if missing:
+        print("\nNot measured here:")
+        print("\n".join(missing))
+    return tgt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
@@ -119,14 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         for table in (lookup_table(results, conc), publish_table(results, conc), memory_table(results)):
             if table:
                 print(table + "\n")
-        tgt = targets(results, hi_c=conc[-1])
-        if tgt:
-            print("The broker's targets (issue 2), as ratios to the peers above:")
-            print(targets_table(tgt))
-        missing = unavailable_lines(results)
-        if missing:
-            print("\nNot measured here:")
-            print("\n".join(missing))
+        tgt = print_targets(results, conc, "The broker's targets (issue 2), as ratios to the peers above:")
 
     name = "control_plane" if not args.tiny else "control_plane-tiny"
     title = f"Lookup of a 64-block chain ({mode_name(args)} mode; bars: median, whiskers: min..max)"

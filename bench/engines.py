@@ -20,7 +20,7 @@ from engine_adapter.launch import EngineProcess
 from tests.e2e.harness import (
     BLOCK_SIZE,
     complete,
-    completion_body,
+    completion_request,
     output_ids,
     prompt_of,
     read_stats,
@@ -89,17 +89,13 @@ def stream_ttft(
     Measured at the client, on loopback: includes HTTP, the scheduler's broker
     lookup, any KV pull, the prefill of what is not pulled, and the first step.
     """
-    req = urllib.request.Request(
-        f"{engine.url}/v1/completions",
-        data=completion_body(
-            engine,
-            prompt,
-            max_tokens=max_tokens,
-            kv_transfer_params=kv_transfer_params,
-            cache_salt=cache_salt,
-            stream=True,
-        ),
-        headers={"Content-Type": "application/json"},
+    req = completion_request(
+        engine,
+        prompt,
+        max_tokens=max_tokens,
+        kv_transfer_params=kv_transfer_params,
+        cache_salt=cache_salt,
+        stream=True,
     )
     ids: list[int] = []
     ttft: float | None = None

@@ -103,7 +103,7 @@ def start_engine(
     return engine, stats_path
 
 
-def completion_body(
+def completion_request(
     engine: EngineProcess,
     prompt: list[int],
     *,
@@ -111,8 +111,8 @@ def completion_body(
     kv_transfer_params: dict[str, Any] | None = None,
     cache_salt: str | None = None,
     stream: bool = False,
-) -> bytes:
-    """A greedy /v1/completions request body with a token-id prompt."""
+) -> urllib.request.Request:
+    """A greedy /v1/completions request with a token-id prompt."""
     body: dict[str, Any] = {
         "model": str(engine.model_dir),
         "prompt": prompt,
@@ -127,7 +127,11 @@ def completion_body(
         body["kv_transfer_params"] = kv_transfer_params
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    return json.dumps(body).encode()
+    return urllib.request.Request(
+        f"{engine.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
 
 
 def complete(
@@ -140,16 +144,8 @@ def complete(
     timeout: float = 120.0,
 ) -> dict[str, Any]:
     """A greedy, non-streamed /v1/completions call; returns the JSON answer."""
-    req = urllib.request.Request(
-        f"{engine.url}/v1/completions",
-        data=completion_body(
-            engine,
-            prompt,
-            max_tokens=max_tokens,
-            kv_transfer_params=kv_transfer_params,
-            cache_salt=cache_salt,
-        ),
-        headers={"Content-Type": "application/json"},
+    req = completion_request(
+        engine, prompt, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params, cache_salt=cache_salt
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return dict(json.loads(resp.read()))

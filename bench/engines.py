@@ -8,15 +8,19 @@ chained block hashes match).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.common import load_note, log
 from engine_adapter.launch import EngineProcess
+from engine_adapter.tiny_model import build_tiny_model
 from tests.e2e.harness import (
     BLOCK_SIZE,
     complete,
@@ -33,9 +37,11 @@ from tests.e2e.harness import (
 # turn a pull into a recompute.
 __all__ = [
     "BLOCK_SIZE",
+    "add_run_arguments",
     "broker_engine",
     "complete",
     "output_ids",
+    "prepare_workdir",
     "prompt_of",
     "read_stats",
     "stat",
@@ -69,6 +75,25 @@ def broker_engine(
         load_failure_policy="recompute",
         **extra,
     )
+
+
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags every engine benchmark takes: where to work, where results go, start-up patience."""
+    ap.add_argument("--workdir", type=Path, default=None, help="model and logs (default: a new temp dir)")
+    ap.add_argument(
+        "--out-dir", type=Path, default=None, help="where JSON (and tables) go (default bench/results)"
+    )
+    ap.add_argument(
+        "--start-timeout-s", type=float, default=400.0, help="how long an engine may take to start"
+    )
+
+
+def prepare_workdir(args: argparse.Namespace, prefix: str) -> tuple[Path, Path]:
+    """The run's work dir (--workdir or a new temp dir) and the tiny model built in it."""
+    work = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"work dir {work}; load average {load_note()}")
+    return work, build_tiny_model(work / "model")
 
 
 def stat(path: Path, key: str) -> int:

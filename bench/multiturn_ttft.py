@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -41,9 +40,11 @@ from kvbroker.v1 import broker_pb2 as pb
 from bench.common import format_table, load_note, log, write_json
 from bench.engines import (
     BLOCK_SIZE,
+    add_run_arguments,
     broker_engine,
     complete,
     output_ids,
+    prepare_workdir,
     prompt_of,
     stat,
     stream_ttft,
@@ -52,7 +53,6 @@ from bench.engines import (
 )
 from clients.hashing import wire_chain
 from clients.sync import BrokerClient
-from engine_adapter.tiny_model import build_tiny_model
 from tests.e2e.harness import BrokerProcess
 
 # P decides on its index mirror, which hears a hold about a millisecond after the
@@ -141,15 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--histories", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--workdir", type=Path, default=None, help="model and logs (default: a new temp dir)")
-    ap.add_argument("--out-dir", type=Path, default=None, help="where the JSON goes (default bench/results)")
-    ap.add_argument("--start-timeout-s", type=float, default=400.0)
+    add_run_arguments(ap)
     args = ap.parse_args(argv)
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvbroker-mt-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    log(f"work dir {work}; load average {load_note()}")
-    model = build_tiny_model(work / "model")
+    work, model = prepare_workdir(args, "kvbroker-mt-bench-")
     broker = BrokerProcess(work).start()
     engines = []
     try:

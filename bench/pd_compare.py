@@ -43,7 +43,6 @@ import argparse
 import json
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,15 +51,16 @@ from typing import Any
 from bench.common import format_table, load_note, log, write_json
 from bench.engines import (
     BLOCK_SIZE,
+    add_run_arguments,
     broker_engine,
     complete,
     output_ids,
+    prepare_workdir,
     prompt_of,
     read_stats,
     stream_ttft,
 )
 from engine_adapter.launch import EngineProcess, engine_environment, free_port
-from engine_adapter.tiny_model import build_tiny_model
 from tests.e2e.harness import BrokerProcess
 
 ANSWER_TOKENS = 8
@@ -330,17 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip", action="append", default=[], choices=SETUPS)
-    ap.add_argument("--workdir", type=Path, default=None, help="model and logs (default: a new temp dir)")
-    ap.add_argument(
-        "--out-dir", type=Path, default=None, help="where JSON and table go (default bench/results)"
-    )
-    ap.add_argument("--start-timeout-s", type=float, default=400.0)
+    add_run_arguments(ap)
     args = ap.parse_args(argv)
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvbroker-pd-compare-"))
-    work.mkdir(parents=True, exist_ok=True)
-    log(f"work dir {work}; load average {load_note()}")
-    model = build_tiny_model(work / "model")
+    work, model = prepare_workdir(args, "kvbroker-pd-compare-")
     bpt = kv_bytes_per_token(model)
     setups: dict[str, Any] = {}
     for name in SETUPS:

@@ -37,7 +37,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,10 +44,19 @@ from typing import Any
 from kvbroker.v1 import broker_pb2 as pb
 
 from bench.common import format_table, load_note, log, write_json
-from bench.engines import BLOCK_SIZE, broker_engine, complete, prompt_of, stat, summary, wait_for
+from bench.engines import (
+    BLOCK_SIZE,
+    add_run_arguments,
+    broker_engine,
+    complete,
+    prepare_workdir,
+    prompt_of,
+    stat,
+    summary,
+    wait_for,
+)
 from clients.sync import BrokerClient
 from engine_adapter.launch import EngineProcess, engine_environment, free_port
-from engine_adapter.tiny_model import build_tiny_model
 from tests.e2e.harness import BrokerProcess
 
 PROMPT_TOKENS = 256
@@ -198,15 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nixl-reps", type=int, default=2)
     ap.add_argument("--skip-nixl", action="store_true")
     ap.add_argument("--skip-vllm-reader", action="store_true")
-    ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--out-dir", type=Path, default=None)
-    ap.add_argument("--start-timeout-s", type=float, default=400.0)
+    add_run_arguments(ap)
     args = ap.parse_args(argv)
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvbroker-reclaim-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    log(f"work dir {work}; load average {load_note()}")
-    model = build_tiny_model(work / "model")
+    work, model = prepare_workdir(args, "kvbroker-reclaim-bench-")
     broker = BrokerProcess(work).start()
     engines: list[EngineProcess] = []
     readers: list[subprocess.Popen[bytes]] = []

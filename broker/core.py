@@ -15,6 +15,7 @@ from kvbroker.v1 import broker_pb2 as pb
 from broker import events as ev
 from broker.clock import Clock, MonotonicClock
 from broker.config import BrokerConfig
+from broker.declines import DeclineBook
 from broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from broker.events import Notifier, NullNotifier, WatchEvent
 from broker.index import CompactPrefixIndex, PrefixIndex
@@ -81,6 +82,7 @@ class BrokerCore:
         self.mirrors = MirrorHub()
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total = 0
+        self.declines = DeclineBook()
 
     # -- validation helpers --------------------------------------------------
 
@@ -372,6 +374,12 @@ class BrokerCore:
             if reason is not None:
                 raise FailedPrecondition(f"reader {reader_id!r} cannot read holder {holder_id!r}: {reason}")
         now = self.clock.now()
+        if request_id and self.declines.take(holder_id, request_id, now):
+            raise FailedPrecondition(
+                f"request {request_id!r} of {holder_id!r} was declined before its hold arrived: "
+                "nobody will read it; free the blocks",
+                cause=RevokeCause.DECLINED.label,
+            )
         lease = self.leases.create(
             holder=holder_id,
             reader=reader_id,
@@ -429,6 +437,31 @@ class BrokerCore:
             self.notifier.lease_ended(holder.session_id, lease)
         self._emit(ev.LEASE, "lease_released", engine_id=lease.holder, lease=lease)
         return lease
+
+    def decline(self, holder_id: str, request_id: str, reason: str = "") -> Lease | None:
+        """Nobody will read the holder's unclaimed hold of ``request_id``: end it now.
+
+        Returns the lease it ended, or None when no such hold is live: it may
+        not have arrived yet, and is then refused when it does (or it ended
+        already, and the note expires unused). A claimed (ACTIVE) lease is a
+        reader's and is not ended here.
+        """
+        if not holder_id or not request_id:
+            raise InvalidArgument("a decline names the holder_engine_id and the request_id of the hold")
+        leases = [lease for lease in self.leases.by_holder(holder_id) if lease.request_id == request_id]
+        if not leases:
+            self.declines.add(holder_id, request_id, self.clock.now())
+            return None
+        claimed = [lease for lease in leases if lease.state is not LeaseState.HELD]
+        if claimed:
+            raise FailedPrecondition(
+                f"the hold of request {request_id!r} on {holder_id!r} is {claimed[0].state.label} "
+                f"(lease {claimed[0].lease_id}, reader {claimed[0].reader!r}); only its reader ends it",
+                cause=claimed[0].state.label,
+            )
+        for lease in leases:
+            self._revoke(lease, RevokeCause.DECLINED, reason or "declined: nobody will read it")
+        return leases[0]
 
     def revoke(self, lease_id: str, reason: str = "") -> Lease:
         """Operator revoke."""

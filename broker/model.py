@@ -39,6 +39,7 @@ class RevokeCause(enum.IntEnum):
     HOLDER_REFUSED = 5
     DRAIN = 6
     SUPERSEDED = 7
+    DECLINED = 8
 
     @property
     def label(self) -> str:

@@ -236,6 +236,17 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             await _abort(context, err)
         return self._lease_response(lease)
 
+    async def Decline(
+        self, request: pb.DeclineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeclineResponse:
+        try:
+            lease = self.core.decline(request.holder_engine_id, request.request_id, request.reason)
+        except BrokerError as err:
+            await _abort(context, err)
+        if lease is None:
+            return pb.DeclineResponse()
+        return pb.DeclineResponse(lease=codec.lease_pb(lease, self.core.clock.now()))
+
     async def Resolve(
         self, request: pb.ResolveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResolveResponse:

@@ -204,6 +204,12 @@ class AsyncBrokerClient:
     async def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
         return await self._unary("Stats", pb.StatsRequest(), timeout)
 
+    async def decline(
+        self, request: pb.DeclineRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.DeclineResponse:
+        """Nobody will read this hold (holder_engine_id, request_id): the holder frees it now."""
+        return await self._unary("Decline", build_request(pb.DeclineRequest, request, fields), timeout)
+
     async def revoke(
         self, request: pb.RevokeRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.LeaseResponse:

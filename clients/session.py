@@ -530,6 +530,12 @@ class EngineSession:
     async def renew(self, lease_id: str, ttl_ms: int = 0) -> pb.Lease:
         return (await self.client.renew(lease_id=lease_id, engine_id=self.engine_id, ttl_ms=ttl_ms)).lease
 
+    async def decline(self, holder_engine_id: str, request_id: str, reason: str = "") -> pb.DeclineResponse:
+        """This engine will not read the named hold: its holder frees the blocks now."""
+        return await self.client.decline(
+            holder_engine_id=holder_engine_id, request_id=request_id, reason=reason
+        )
+
     async def release(self, lease_id: str, epoch: int = 0) -> pb.Lease:
         """Commit a read. FailedPrecondition means the lease ended first: discard what was read."""
         return (
@@ -939,6 +945,11 @@ class ThreadedEngineSession:
 
     def release(self, lease_id: str, epoch: int = 0) -> concurrent.futures.Future[pb.Lease]:
         return self._submit(self.session.release(lease_id, epoch))
+
+    def decline(
+        self, holder_engine_id: str, request_id: str, reason: str = ""
+    ) -> concurrent.futures.Future[pb.DeclineResponse]:
+        return self._submit(self.session.decline(holder_engine_id, request_id, reason))
 
 
 async def _with_trace_context(ctx: otel_context.Context, coroutine: Awaitable[Any]) -> Any:

@@ -132,6 +132,12 @@ class BrokerClient:
     def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
         return self._unary("Stats", pb.StatsRequest(), timeout)
 
+    def decline(
+        self, request: pb.DeclineRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.DeclineResponse:
+        """Nobody will read this hold (holder_engine_id, request_id): the holder frees it now."""
+        return self._unary("Decline", build_request(pb.DeclineRequest, request, fields), timeout)
+
     def revoke(
         self, request: pb.RevokeRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.LeaseResponse:

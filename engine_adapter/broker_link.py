@@ -62,6 +62,10 @@ class BrokerLink(Protocol):
 
     def release(self, lease_id: str, epoch: int) -> Future[pb.Lease]: ...
 
+    def decline(self, holder_engine_id: str, request_id: str, reason: str) -> Future[pb.DeclineResponse]:
+        """This engine will not read that hold: the holder frees it now."""
+        ...
+
     def announce_stored(
         self, namespace: pb.Namespace, hashes: list[int], tier: int = pb.TIER_GPU
     ) -> None: ...
@@ -71,6 +75,11 @@ class BrokerLink(Protocol):
     ) -> None: ...
 
     def take_lease_ends(self) -> list[LeaseEndNotice]: ...
+
+    def set_event_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (on the session thread) after a lease-end notice is queued
+        or the connection changes, so holds settle while vLLM's scheduler is idle."""
+        ...
 
     def set_pin_handlers(
         self, pin: Callable[[pb.PinCommand], pb.PinResult], unpin: Callable[[str], None]
@@ -114,6 +123,7 @@ class SessionBrokerLink:
 
         self._ends = LeaseEndQueue()
         self._pin: Callable[[pb.PinCommand], pb.PinResult] | None = None
+        self._listener: Callable[[], None] | None = None
         self._unpin: Callable[[str], None] | None = None
         self._session = ThreadedEngineSession(
             address,
@@ -123,6 +133,8 @@ class SessionBrokerLink:
             on_revoked=self._on_revoked,
             on_lease_ended=self._on_lease_ended,
             on_pin=self._on_pin,
+            on_connected=lambda _registered: self._notify(),
+            on_disconnected=lambda _error: self._notify(),
             mirror_index=index_mirror,
             # The scheduler keeps its own budgets (resolve_wait_ms, acquire_wait_ms);
             # the session must not give up on an answer before they run out.
@@ -186,6 +198,9 @@ class SessionBrokerLink:
     def release(self, lease_id: str, epoch: int) -> Future[pb.Lease]:
         return self._session.release(lease_id, epoch)
 
+    def decline(self, holder_engine_id: str, request_id: str, reason: str) -> Future[pb.DeclineResponse]:
+        return self._session.decline(holder_engine_id, request_id, reason)
+
     def announce_stored(self, namespace: pb.Namespace, hashes: list[int], tier: int = pb.TIER_GPU) -> None:
         self._session.announce_stored(namespace, tier, hashes)
 
@@ -201,6 +216,13 @@ class SessionBrokerLink:
     def take_lease_ends(self) -> list[LeaseEndNotice]:
         return self._ends.take_all()
 
+    def set_event_listener(self, listener: Callable[[], None]) -> None:
+        self._listener = listener
+
+    def _notify(self) -> None:
+        if self._listener is not None:
+            self._listener()
+
     def close(self) -> None:
         self._session.close()
 
@@ -209,6 +231,7 @@ class SessionBrokerLink:
         if self._unpin is not None:
             self._unpin(message.lease.lease_id)
         self._ends.put(LeaseEndNotice(message.lease.lease_id, pb.RevokeCause.Name(message.cause)))
+        self._notify()
 
     def _on_lease_ended(self, message: pb.LeaseEnded) -> None:
         lease = message.lease
@@ -216,6 +239,7 @@ class SessionBrokerLink:
             self._unpin(lease.lease_id)
         cause = "released" if lease.state == pb.LEASE_RELEASED else pb.RevokeCause.Name(lease.cause)
         self._ends.put(LeaseEndNotice(lease.lease_id, cause))
+        self._notify()
 
     def _on_pin(self, command: pb.PinCommand) -> pb.PinResult:
         if self._pin is not None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -208,6 +209,16 @@ class BrokerConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------
     # scheduler side
     # ------------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        # Holds keep their blocks with a reference in this pool, not by keeping the
+        # finished request in vLLM (which vLLM counts as work: the engine would spin).
+        if self._scheduler is not None:
+            self._scheduler.bind_block_pool(gpu_block_pool)
+
+    def has_pending_block_frees(self) -> bool:
+        # Asked when an allocation fails, before vLLM preempts: ended holds give their blocks back now.
+        return self._scheduler is not None and self._scheduler.return_held_blocks()
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -112,6 +112,8 @@ class TransferParams:
     do_remote_prefill: bool = False
     holder_engine_id: str = ""
     lease_id: str = ""
+    # The holder's request id of its hold: a reader that will not pull declines it by this.
+    hold_request_id: str = ""
     reader_engine_id: str = ""  # P side: the decoder the router chose, if it says
     trace_context: Mapping[str, str] | None = None
     # The named holder's parallel sizes, as its answer stated them (0 = not stated).
@@ -145,9 +147,11 @@ def parse_transfer_params(params: Any) -> TransferParams:
     holder = broker_part.get("holder_engine_id", "") or ""
     lease_id = broker_part.get("lease_id", "") or ""
     reader = broker_part.get("reader_engine_id", "") or ""
-    if not all(isinstance(v, str) for v in (holder, lease_id, reader)):
+    hold_request_id = broker_part.get("hold_request_id", "") or ""
+    if not all(isinstance(v, str) for v in (holder, lease_id, reader, hold_request_id)):
         raise BadTransferParams(
-            "kv_transfer_params.kvbroker.holder_engine_id, lease_id and reader_engine_id must be strings"
+            "kv_transfer_params.kvbroker.holder_engine_id, lease_id, hold_request_id and "
+            "reader_engine_id must be strings"
         )
     sizes = {}
     for key in ("tp_size", "pp_size"):
@@ -168,6 +172,7 @@ def parse_transfer_params(params: Any) -> TransferParams:
         do_remote_prefill=flags["do_remote_prefill"],
         holder_engine_id=holder,
         lease_id=lease_id,
+        hold_request_id=hold_request_id,
         reader_engine_id=reader,
         trace_context=trace,
         holder_tp_size=sizes["tp_size"],

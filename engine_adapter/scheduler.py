@@ -11,6 +11,8 @@ request is handed back to vLLM to recompute, with one log line saying why.
 
 from __future__ import annotations
 
+import enum
+import functools
 import json
 import logging
 import os
@@ -21,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -64,6 +66,20 @@ _HINT_RETRY_S = 0.02
 # Pin id prefix of restores from our own CPU tier (no broker lease backs them).
 LOCAL_PIN_PREFIX = "local:"
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run under the scheduler's lock: hold state is shared with the session thread."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with args[0]._lock:  # type: ignore[attr-defined]
+            return method(*args, **kwargs)
+
+    return wrapper
+
 
 @dataclass
 class _Lookup:
@@ -104,6 +120,18 @@ class _Load:
     local_pin: str = ""
 
 
+class HoldPin(enum.Enum):
+    """Who keeps a held request's blocks out of vLLM's free pool."""
+
+    # Our own reference in vLLM's block pool (bind_gpu_block_pool): vLLM frees the
+    # request at once, so an engine that only holds has no work and sleeps.
+    BLOCK_POOL = "block_pool"
+    # vLLM's delay_free_blocks: the request stays in the scheduler until the
+    # worker reports it sent. vLLM counts such a request as work and steps
+    # without pause, so this is only the fallback when no block pool is bound.
+    DELAY_FREE = "delay_free"
+
+
 @dataclass
 class _Held:
     request_id: str
@@ -112,6 +140,7 @@ class _Held:
     block_ids: list[int]
     started: float
     future: Future[pb.Lease] | None
+    pin: HoldPin = HoldPin.DELAY_FREE
     lease_id: str = ""
     freed: bool = False
     announced: bool = False
@@ -166,6 +195,9 @@ class AdapterScheduler:
         self._loads: dict[str, _Load] = {}
         self._held: dict[str, _Held] = {}
         self._held_by_lease: dict[str, str] = {}
+        # Requests whose kv_transfer_params name another engine's hold for them:
+        # request id -> (holder, the holder's request id). Declined unless pulled from.
+        self._named_holds: dict[str, tuple[str, str]] = {}
         self._ended_leases: set[str] = set()
         self._announced: Counter[tuple[str, str, int]] = Counter()
         self._pending_specs: list[LoadSpec] = []
@@ -179,18 +211,51 @@ class AdapterScheduler:
         self._stores: dict[int, _Store] = {}
         self._next_store_id = 1
         self._pending_stores: list[StoreSpec] = []
-        self._pin_lock = threading.Lock()  # pins are answered on the session thread
+        # vLLM's hooks run on the scheduler thread; lease ends, hold replies, pins and
+        # connection changes arrive on the session thread, which settles holds itself
+        # so that an idle engine (no scheduler steps) still frees at once.
+        self._lock = threading.RLock()
+        # vLLM's block pool (bind_block_pool) and the held blocks to give back to it.
+        # Only the scheduler thread may touch the pool: returns wait for its next hook.
+        self._block_pool: Any = None
+        self._pool_returns: list[list[int]] = []
         if config.cpu_tier_blocks > 0:
             self.cpu = CpuDirectory(config.cpu_tier_blocks)
             if link is not None:
                 link.set_pin_handlers(self.pin_cpu_blocks, self.unpin_cpu_blocks)
+        if link is not None:
+            link.set_event_listener(self.on_link_event)
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        """vLLM's block pool: holds then keep their blocks with a pool reference (HoldPin.BLOCK_POOL)."""
+        self._block_pool = block_pool
+
+    def return_held_blocks(self) -> bool:
+        """Give ended holds' blocks back to vLLM's pool (scheduler thread only); True if any."""
+        with self._lock:
+            returns, self._pool_returns = self._pool_returns, []
+        pool = self._block_pool
+        for block_ids in returns:
+            # Last block first: vLLM evicts in the order freed, so the prefix outlives its tail.
+            pool.free_blocks([pool.blocks[i] for i in reversed(block_ids)])
+        return bool(returns)
+
+    @_locked
+    def on_link_event(self) -> None:
+        """Session thread: a lease ended, a hold was answered, or the connection changed."""
+        self._check_connection()
+        self._take_lease_ends()
+        self._advance_holds(self._clock())
+        self._write_stats()
 
     # ------------------------------------------------------------------
     # vLLM hooks
     # ------------------------------------------------------------------
 
+    @_locked
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
+        self.return_held_blocks()
         if req_id in self._failed_loads:
             return 0, False
         lookup = self._lookups.get(req_id)
@@ -224,17 +289,21 @@ class AdapterScheduler:
             return 0, False
         return decision.plan.num_tokens, True
 
+    @_locked
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         req_id = request.request_id
         lookup = self._lookups.pop(req_id, None)
-        if num_external_tokens == 0 or lookup is None or req_id in self._loads:
+        if req_id in self._loads:
             return
-        decision = lookup.decision
-        if decision is None or decision.plan is None:
+        decision = lookup.decision if lookup is not None and num_external_tokens else None
+        plan = decision.plan if decision is not None else None
+        named = self._named_holds.pop(req_id, None)
+        if named is not None and (plan is None or plan.holder_engine_id != named[0]):
+            self._decline(req_id, named, lookup.decision if lookup is not None else None)
+        if lookup is None or plan is None:
             return
-        plan = decision.plan
         if plan.num_tokens != num_external_tokens:
             # vLLM trimmed the external part (e.g. a local sub-block tail); re-plan the block range.
             first = lookup.num_local_tokens // self.block_size
@@ -291,8 +360,10 @@ class AdapterScheduler:
             )
         self.stats.counters["leases_requested"] += 1
 
+    @_locked
     def build_connector_meta(self) -> AdapterMetadata:
         now = self._clock()
+        self.return_held_blocks()
         self._check_connection()
         self._take_lease_ends()
         self._advance_holds(now)
@@ -309,6 +380,7 @@ class AdapterScheduler:
         self._write_stats()
         return meta
 
+    @_locked
     def update_connector_output(
         self,
         *,
@@ -343,18 +415,26 @@ class AdapterScheduler:
         for req_id in finished_recving or ():
             self._loads.pop(req_id, None)
         for req_id in finished_sending or ():
-            held = self._held.pop(req_id, None)
-            if held is not None:
-                # vLLM has now put the blocks back into its free pool.
-                self._held_by_lease.pop(held.lease_id, None)
-                self.stats.counters["holds_returned"] += 1
-                self.stats.counters["held_blocks_returned"] += len(held.block_ids)
-                self._stats_dirty = True
+            held = self._held.get(req_id)
+            if held is not None and held.pin is HoldPin.DELAY_FREE:
+                self._returned(held)  # vLLM has now put the blocks back into its free pool
         self._write_stats()
 
+    def _returned(self, held: _Held) -> None:
+        """The hold is over and its blocks are vLLM's again."""
+        del self._held[held.request_id]
+        self._held_by_lease.pop(held.lease_id, None)
+        self.stats.counters["holds_returned"] += 1
+        self.stats.counters["held_blocks_returned"] += len(held.block_ids)
+        self._stats_dirty = True
+
+    @_locked
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._failed_loads.discard(req_id)
+        named = self._named_holds.pop(req_id, None)
+        if named is not None:
+            self._decline(req_id, named, None)  # finished (aborted) before it was scheduled
         lookup = self._lookups.pop(req_id, None)
         if lookup is not None and lookup.span is not None:
             end_span(lookup.span, {"kvbroker.decision": "request_finished_before_decision"})
@@ -364,32 +444,38 @@ class AdapterScheduler:
             # load finished; the protocol completes normally.
             load.aborted = True
             return False, None
-        held, params = self._hold_finished(request, block_ids)
-        storing = self.cpu is not None and self._store_finished(request, block_ids, held=held)
-        return held or storing, params
+        pin, params = self._hold_finished(request, block_ids)
+        # A CPU-tier copy keeps the request in vLLM (delay_free) until the copy is done;
+        # the worker then reports it freed, unless a delay_free hold still needs it.
+        storing = self.cpu is not None and self._store_finished(
+            request, block_ids, free_after_copy=pin is not HoldPin.DELAY_FREE
+        )
+        return pin is HoldPin.DELAY_FREE or storing, params
 
-    def _hold_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Hold a finished request's blocks for a reader when one will take them."""
+    def _hold_finished(
+        self, request: Any, block_ids: Sequence[int]
+    ) -> tuple[HoldPin | None, dict[str, Any] | None]:
+        """Hold a finished request's blocks for a reader when one will take them; says how they stay."""
         req_id = request.request_id
         try:
             params = parse_transfer_params(request.kv_transfer_params)
         except BadTransferParams as e:
             # Already logged (warning) when the request arrived; one line per request is enough.
             logger.debug("kvbroker: request %s: ignoring kv_transfer_params: %s", req_id, e)
-            return False, None
+            return None, None
         if not (params.do_remote_decode or self.config.multi_turn):
-            return False, None
+            return None, None
         if not _finished_normally(request):
-            return False, None
+            return None, None
         link = self.link
         if link is None or not link.connected or not link.layout_id:
             logger.info("kvbroker: request %s: not holding its blocks: broker unreachable", req_id)
-            return False, self._decode_params(0) if params.do_remote_decode else None
+            return None, self._decode_params(0) if params.do_remote_decode else None
         n = holdable_blocks(
             request.num_computed_tokens, len(request.block_hashes), len(block_ids), self.block_size
         )
         if n == 0:
-            return False, self._decode_params(0) if params.do_remote_decode else None
+            return None, self._decode_params(0) if params.do_remote_decode else None
         namespace = self._namespace(request)
         hashes = wire_hashes(request.block_hashes[:n])
         held_ids = list(block_ids[:n])
@@ -401,10 +487,18 @@ class AdapterScheduler:
             request_id=req_id,
             reader_engine_id=params.reader_engine_id,
         )
-        self._held[req_id] = _Held(req_id, namespace, hashes, held_ids, self._clock(), future)
+        pin = HoldPin.DELAY_FREE
+        if self._block_pool is not None:
+            pool = self._block_pool
+            pool.touch([pool.blocks[i] for i in held_ids])
+            pin = HoldPin.BLOCK_POOL
+        held = _Held(req_id, namespace, hashes, held_ids, self._clock(), future, pin)
+        self._held[req_id] = held
         self.stats.counters["holds_requested"] += 1
         self._stats_dirty = True
-        return True, self._decode_params(n) if params.do_remote_decode else None
+        # The reply may come while vLLM is idle: settle it on the session thread then.
+        future.add_done_callback(lambda _: self.on_link_event())
+        return pin, self._decode_params(n, hold_request_id=req_id) if params.do_remote_decode else None
 
     def shutdown(self) -> None:
         if self.link is not None:
@@ -414,7 +508,7 @@ class AdapterScheduler:
     # CPU offload tier
     # ------------------------------------------------------------------
 
-    def _store_finished(self, request: Any, block_ids: Sequence[int], *, held: bool) -> bool:
+    def _store_finished(self, request: Any, block_ids: Sequence[int], *, free_after_copy: bool) -> bool:
         """Copy the request's full blocks (prefix hits included) to the CPU tier; True if a copy started.
 
         vLLM keeps the blocks (delay_free) until the copy is done: the worker
@@ -448,7 +542,7 @@ class AdapterScheduler:
         gpu_ids = [int(block_ids[position[key]]) for key, _ in allocation.assigned]
         self._stores[store_id] = _Store(request.request_id, slots)
         self._pending_stores.append(StoreSpec(store_id, request.request_id, tuple(gpu_ids), tuple(slots)))
-        if not held:
+        if free_after_copy:
             # The worker reports the request freed once its copy is done.
             self._pending_frees.append(request.request_id)
         self.stats.counters["cpu_stores"] += 1
@@ -486,6 +580,7 @@ class AdapterScheduler:
             else:
                 self.link.announce_removed(namespace, hashes, pb.TIER_CPU)
 
+    @_locked
     def pin_cpu_blocks(self, command: pb.PinCommand) -> pb.PinResult:
         """Broker PinCommand (session thread): pin CPU-tier slots for a reader's lease."""
         lease = command.lease
@@ -496,9 +591,8 @@ class AdapterScheduler:
         ns = lease.namespace
         keys = [(ns.layout_id, ns.tenant, int(h)) for h in lease.block_hashes]
         slots = self.cpu.pin(lease.lease_id, keys)
-        with self._pin_lock:
-            self.stats.counters["cpu_pins" if slots is not None else "cpu_pins_refused"] += 1
-            self._stats_dirty = True
+        self.stats.counters["cpu_pins" if slots is not None else "cpu_pins_refused"] += 1
+        self._stats_dirty = True
         if slots is None:
             return pb.PinResult(
                 lease_id=lease.lease_id, ok=False, error="blocks are not (or no longer) on the CPU tier"
@@ -511,6 +605,7 @@ class AdapterScheduler:
         )
         return pb.PinResult(lease_id=lease.lease_id, ok=True, block_ids=slots)
 
+    @_locked
     def unpin_cpu_blocks(self, lease_id: str) -> None:
         """A lease ended (session thread): its CPU-tier slots may be evicted again."""
         if self.cpu is not None:
@@ -527,6 +622,8 @@ class AdapterScheduler:
         except BadTransferParams as e:
             self._skip(req_id, SKIP_BAD_PARAMS, f"{e}; recomputing")
             return None
+        if params.holder_engine_id and params.hold_request_id:
+            self._named_holds[req_id] = (params.holder_engine_id, params.hold_request_id)
         if params.holder_tp_size:
             # The named holder's answer says its blocks are split for another TP size:
             # refuse now, with the reason, instead of waiting for a holder the broker filters out.
@@ -866,6 +963,19 @@ class AdapterScheduler:
         self._stats_dirty = True
         self._pending_commits.append(Commit(load.request_id, ok, load.local_block_ids, reason))
 
+    def _decline(self, req_id: str, named: tuple[str, str], decision: Decision | None) -> None:
+        """We will not read the hold the router named for us: its holder frees it now, not at its TTL."""
+        holder, hold_request_id = named
+        why = decision.reason if decision is not None and decision.plan is None else "not pulled from it"
+        self.stats.counters["holds_declined"] += 1
+        self._stats_dirty = True
+        if self.link is None or not self.link.connected:
+            return  # the hold ends by its TTL; nothing else can end it
+        logger.info(
+            "kvbroker: request %s: declining %s's hold of request %s (%s)", req_id, holder, hold_request_id, why
+        )
+        self.link.decline(holder, hold_request_id, f"reader {self.config.engine_id}: {why}")
+
     def _release_abandoned(self, future: Future[Any]) -> None:
         """A lease granted after we gave up on it: end it so the holder frees."""
         if future.exception() is not None or self.link is None:
@@ -925,7 +1035,13 @@ class AdapterScheduler:
             return
         held.freed = True
         self._announce(held, stored=False)
-        self._pending_frees.append(held.request_id)
+        if held.pin is HoldPin.BLOCK_POOL:
+            # Our pool reference goes at the scheduler thread's next hook, before any
+            # allocation that could need the blocks; vLLM freed the request long ago.
+            self._pool_returns.append(held.block_ids)
+            self._returned(held)
+        else:
+            self._pending_frees.append(held.request_id)
         self.stats.counters["holds_freed"] += 1
         self._stats_dirty = True
         logger.info(
@@ -975,25 +1091,29 @@ class AdapterScheduler:
         assert self.link is not None
         return pb.Namespace(layout_id=self.link.layout_id, tenant=tenant)
 
-    def _decode_params(self, num_blocks: int) -> dict[str, Any]:
+    def _decode_params(self, num_blocks: int, hold_request_id: str = "") -> dict[str, Any]:
         """kv_transfer_params that make D pull (through the broker) instead of prefill."""
+        broker_part: dict[str, Any] = {
+            "holder_engine_id": self.config.engine_id,
+            "num_blocks": num_blocks,
+            # A reader with another TP size refuses at once (engine_adapter/topology.py).
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+        }
+        if hold_request_id:
+            # Names the hold, so a reader (or the router) that will not read it declines it.
+            broker_part["hold_request_id"] = hold_request_id
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
-            "kvbroker": {
-                "holder_engine_id": self.config.engine_id,
-                "num_blocks": num_blocks,
-                # A reader with another TP size refuses at once (engine_adapter/topology.py).
-                "tp_size": self.tp_size,
-                "pp_size": self.pp_size,
-            },
+            "kvbroker": broker_part,
         }
 
+    @_locked
     def stats_snapshot(self) -> dict[str, Any]:
         live = [h for h in self._held.values() if not h.freed]
-        with self._pin_lock:
-            snapshot = self.stats.as_dict(len(live), sum(len(h.block_ids) for h in live))
+        snapshot = self.stats.as_dict(len(live), sum(len(h.block_ids) for h in live))
         if self.cpu is not None:
             snapshot["cpu_tier_used_slots"] = self.cpu.used_slots()
             snapshot["cpu_tier_pinned_slots"] = self.cpu.pinned_slots()

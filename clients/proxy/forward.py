@@ -16,6 +16,8 @@ serves the whole request without kv_transfer_params (P recomputes nothing it
 already has: its prefix cache still holds the prompt). A 4xx answer is the
 request's fault and goes back to the client unchanged. Once D has started
 streaming, a failure can no longer be hidden: the stream ends with an error event.
+Whenever no D will read P's hold (D rejected the request, no D answered, the
+client left), the proxy declines the hold, so P frees its blocks at once.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
+from clients.errors import BrokerError
 from clients.proxy.config import EngineSpec
 from clients.proxy.engines import EnginePool
 from clients.proxy.routing import Route
@@ -131,10 +134,14 @@ class Forwarder:
         prefill_timeout_s: float = 300.0,
         read_timeout_s: float = 300.0,
         tracer: Tracer | None = None,
+        broker: Any | None = None,
     ) -> None:
         self.tracer = tracer or get_tracer()
         self.http = http
         self.pool = pool
+        # clients.aio.AsyncBrokerClient: to decline P's hold when no D will read it.
+        self.broker = broker
+        self._declines: set[asyncio.Task[None]] = set()
         self.max_attempts = max_attempts
         self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=connect_timeout_s)
         self._decode_timeout = aiohttp.ClientTimeout(
@@ -159,11 +166,27 @@ class Forwarder:
             )
             if p is not None:
                 outcome.prefill = p
-                for d in d_list[: self.max_attempts]:
-                    try:
-                        return await self._decode(request, d, endpoint, body, params, headers, outcome, "pd")
-                    except EngineFailure as e:
-                        self._failed(e, outcome, tried)
+                try:
+                    for d in d_list[: self.max_attempts]:
+                        try:
+                            return await self._decode(
+                                request, d, endpoint, body, params, headers, outcome, "pd"
+                            )
+                        except EngineFailure as e:
+                            self._failed(e, outcome, tried)
+                except RequestRejected as e:
+                    log.warning(
+                        "request %s: decode engine rejected it (HTTP %d): %s",
+                        outcome.request_id,
+                        e.status,
+                        e.body[:300].decode(errors="replace"),
+                    )
+                    self._decline_hold(params, f"the decode engine rejected the request (HTTP {e.status})")
+                    raise
+                except asyncio.CancelledError:
+                    self._decline_hold(params, "the client went away before decode")
+                    raise
+                self._decline_hold(params, "no decode engine answered")
                 outcome.fallback_reason = "no decode engine answered"
                 single = [p, *d_list, *p_list]
             else:
@@ -185,6 +208,31 @@ class Forwarder:
         detail = "; ".join(outcome.failures) or "no engines known"
         outcome.mode = "none"
         return openai_error(503, f"no engine could serve the request: {detail}", "service_unavailable")
+
+    def _decline_hold(self, params: dict[str, Any] | None, reason: str) -> None:
+        """No D will read P's hold: tell the broker, so P frees the blocks now, not at the hold's TTL.
+
+        In the background: the client's answer does not wait on the broker. A D
+        that already claimed the hold keeps it (the broker refuses the decline).
+        """
+        part = params.get("kvbroker") if isinstance(params, dict) else None
+        if self.broker is None or not isinstance(part, dict):
+            return
+        holder, request_id = part.get("holder_engine_id"), part.get("hold_request_id")
+        if not (isinstance(holder, str) and holder and isinstance(request_id, str) and request_id):
+            return
+        task = asyncio.get_running_loop().create_task(self._send_decline(holder, request_id, reason))
+        self._declines.add(task)
+        task.add_done_callback(self._declines.discard)
+
+    async def _send_decline(self, holder: str, request_id: str, reason: str) -> None:
+        try:
+            await self.broker.decline(  # type: ignore[union-attr]
+                holder_engine_id=holder, request_id=request_id, reason=f"proxy: {reason}", timeout=5.0
+            )
+            log.info("declined %s's hold of request %s: %s", holder, request_id, reason)
+        except BrokerError as e:
+            log.warning("could not decline %s's hold of request %s (%s): %s", holder, request_id, reason, e)
 
     def _failed(self, e: EngineFailure, outcome: Outcome, tried: list[EngineSpec]) -> None:
         log.warning("request %s: %s", outcome.request_id, e)

@@ -209,6 +209,7 @@ def build_app(
             prefill_timeout_s=config.prefill_timeout_s,
             read_timeout_s=config.read_timeout_s,
             tracer=tracer,
+            broker=broker,
         ),
         broker=broker,
         tracer=tracer,

@@ -47,6 +47,7 @@ class FakeLink:
         self.unpin_handler: Any = None
         # What the index mirror answers (None: not synced, ask the broker).
         self.mirror_matches: list[pb.HolderMatch] | None = None
+        self.listener: Any = None
 
     def _call(self, name: str, **args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -85,6 +86,9 @@ class FakeLink:
     def release(self, lease_id, epoch):  # type: ignore[no-untyped-def]
         return self._call("release", lease_id=lease_id, epoch=epoch)
 
+    def decline(self, holder_engine_id, request_id, reason):  # type: ignore[no-untyped-def]
+        return self._call("decline", holder=holder_engine_id, request_id=request_id, reason=reason)
+
     def announce_stored(self, namespace, hashes, tier=pb.TIER_GPU):  # type: ignore[no-untyped-def]
         (self.stored if tier == pb.TIER_GPU else self.cpu_stored).extend(hashes)
 
@@ -97,6 +101,14 @@ class FakeLink:
     def take_lease_ends(self) -> list[LeaseEndNotice]:
         ends, self.ends = self.ends, []
         return ends
+
+    def set_event_listener(self, listener):  # type: ignore[no-untyped-def]
+        self.listener = listener
+
+    def end_lease(self, lease_id: str, cause: str) -> None:
+        """A lease-end notice as the session thread delivers it: queued, then the listener."""
+        self.ends.append(LeaseEndNotice(lease_id, cause))
+        self.listener()
 
     def close(self) -> None:
         self.closed = True

@@ -39,7 +39,13 @@ def holder_answer(tp: int, pp: int) -> dict[str, object]:
 
 def test_holder_states_its_parallel_sizes() -> None:
     params = holder_answer(tp=2, pp=2)
-    assert params["kvbroker"] == {"holder_engine_id": "P", "num_blocks": 4, "tp_size": 2, "pp_size": 2}
+    assert params["kvbroker"] == {
+        "holder_engine_id": "P",
+        "num_blocks": 4,
+        "tp_size": 2,
+        "pp_size": 2,
+        "hold_request_id": "p1",
+    }
     parsed = parse_transfer_params(params)
     assert (parsed.holder_tp_size, parsed.holder_pp_size) == (2, 2)
 

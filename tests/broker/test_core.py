@@ -261,3 +261,53 @@ def test_stats_counts():
     assert st.leases_by_state["held"] == 1
     core.update_inventory(p, ns, Tier.CPU, [], [], clear_all=True)
     assert core.stats().blocks_indexed == 64
+
+
+def test_decline_ends_an_unclaimed_hold_at_once_and_tells_the_holder():
+    core, _clock, notes, p, _d, ns = setup_pair()
+    lease = core.hold("P", ns, Tier.GPU, H[:4], [1, 2, 3, 4], 30_000, request_id="req-1")
+    other = core.hold("P", ns, Tier.GPU, H[:4], [5, 6, 7, 8], 30_000, request_id="req-2")
+    assert core.decline("P", "req-1", "reader D recomputed") is lease
+    assert lease.state is LeaseState.REVOKED and lease.cause is RevokeCause.DECLINED
+    assert lease.detail == "reader D recomputed"
+    assert [s.lease for s in notes.to(p.session_id, "ended")] == [lease]
+    assert other.state is LeaseState.HELD  # only the named request's hold
+    assert core.decline("P", "req-1") is None  # again: nothing live, no error
+    assert core.revocations["declined"] == 1
+
+
+def test_a_decline_that_comes_before_its_hold_refuses_the_hold():
+    core, clock, _notes, _p, _d, ns = setup_pair()
+    assert core.decline("P", "req-1", "decode failed") is None
+    with pytest.raises(FailedPrecondition, match="declined before its hold arrived") as caught:
+        core.hold("P", ns, Tier.GPU, H[:4], [1, 2, 3, 4], 30_000, request_id="req-1")
+    assert caught.value.cause == "declined"
+    # Refused once; the same request id may hold again later, and a note does not last forever.
+    core.hold("P", ns, Tier.GPU, H[:4], [1, 2, 3, 4], 30_000, request_id="req-1")
+    core.decline("P", "req-9")
+    clock.advance(61.0)
+    core.hold("P", ns, Tier.GPU, H[:4], [1, 2, 3, 4], 30_000, request_id="req-9")
+
+
+def test_decline_leaves_a_claimed_lease_to_its_reader_and_needs_both_names():
+    core, _clock, _notes, _p, _d, ns = setup_pair()
+    lease = core.hold("P", ns, Tier.GPU, H[:2], [1, 2], 30_000, request_id="req-1")
+    core.acquire(lease.lease_id, "D", 10_000)
+    with pytest.raises(FailedPrecondition, match="only its reader ends it"):
+        core.decline("P", "req-1")
+    assert lease.state is LeaseState.ACTIVE
+    with pytest.raises(InvalidArgument, match="holder_engine_id and the request_id"):
+        core.decline("", "req-1")
+    with pytest.raises(InvalidArgument):
+        core.decline("P", "")
+
+
+def test_the_decline_book_is_bounded():
+    from broker.declines import DeclineBook
+
+    book = DeclineBook(keep_s=60.0, capacity=3)
+    for i in range(10):
+        book.add("P", f"r{i}", now=0.0)
+    assert len(book) == 3
+    assert not book.take("P", "r0", now=1.0) and book.take("P", "r9", now=1.0)
+    assert not book.take("P", "r9", now=1.0)  # once

@@ -39,6 +39,8 @@ class FakeEngine:
     # ok | error500 | reject400 | die_mid_stream | hang
     mode: str = "ok"
     words: int = 4
+    # As a prefill engine: the hold its answer names (default: a made-up request id).
+    hold_request_id: str = ""
     seen: list[Seen] = field(default_factory=list)
     server: TestServer | None = None
 
@@ -100,7 +102,11 @@ class FakeEngine:
                         "do_remote_prefill": True,
                         "do_remote_decode": False,
                         "remote_engine_id": self.name,
-                        "kvbroker": {"holder_engine_id": self.name, "num_blocks": 2},
+                        "kvbroker": {
+                            "holder_engine_id": self.name,
+                            "num_blocks": 2,
+                            "hold_request_id": self.hold_request_id or f"{self.name}-req-{len(self.seen)}",
+                        },
                     },
                 }
             )

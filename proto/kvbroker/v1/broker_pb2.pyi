@@ -107,6 +107,8 @@ class _RevokeCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RevokeCau
     """the holder engine is draining"""
     REVOKE_SUPERSEDED: _RevokeCause.ValueType  # 7
     """the holder replaced the blocks"""
+    REVOKE_DECLINED: _RevokeCause.ValueType  # 8
+    """the reader will not read it (it recomputed, or its request failed)"""
 
 class RevokeCause(_RevokeCause, metaclass=_RevokeCauseEnumTypeWrapper): ...
 
@@ -125,6 +127,8 @@ REVOKE_DRAIN: RevokeCause.ValueType  # 6
 """the holder engine is draining"""
 REVOKE_SUPERSEDED: RevokeCause.ValueType  # 7
 """the holder replaced the blocks"""
+REVOKE_DECLINED: RevokeCause.ValueType  # 8
+"""the reader will not read it (it recomputed, or its request failed)"""
 Global___RevokeCause: _TypeAlias = RevokeCause  # noqa: Y015
 
 @_typing.final
@@ -1131,6 +1135,63 @@ class RevokeRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RevokeRequest: _TypeAlias = RevokeRequest  # noqa: Y015
+
+@_typing.final
+class DeclineRequest(_message.Message):
+    """"Nobody will read this hold": a reader that decided to recompute, or a
+    router whose decode step failed, ends the holder's unclaimed (HELD) lease at
+    once instead of leaving the blocks pinned for the hold TTL. The hold is
+    named as the holder's kv_transfer_params name it (kvbroker.hold_request_id),
+    so the caller needs no lease id. Idempotent; a hold that reaches the broker
+    after its decline is refused. A lease a reader already claimed is not ended.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDER_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    holder_engine_id: _builtins.str
+    request_id: _builtins.str
+    """the holder's request id of the hold"""
+    reason: _builtins.str
+    """free-form, kept as the lease's detail"""
+    def __init__(
+        self,
+        *,
+        holder_engine_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder_engine_id", b"holder_engine_id", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeclineRequest: _TypeAlias = DeclineRequest  # noqa: Y015
+
+@_typing.final
+class DeclineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lease(self) -> Global___Lease:
+        """the ended lease; unset if the hold has not arrived yet"""
+
+    def __init__(
+        self,
+        *,
+        lease: Global___Lease | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeclineResponse: _TypeAlias = DeclineResponse  # noqa: Y015
 
 @_typing.final
 class ScoreRequest(_message.Message):

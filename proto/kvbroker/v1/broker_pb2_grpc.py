@@ -64,6 +64,11 @@ class KVBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_broker__pb2.LeaseResponse.FromString,
                 _registered_method=True)
+        self.Decline = channel.unary_unary(
+                '/kvbroker.v1.KVBroker/Decline',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.DeclineRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.DeclineResponse.FromString,
+                _registered_method=True)
         self.Resolve = channel.unary_unary(
                 '/kvbroker.v1.KVBroker/Resolve',
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.ResolveRequest.SerializeToString,
@@ -146,6 +151,12 @@ class KVBrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decline(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -240,6 +251,11 @@ def add_KVBrokerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvbroker_dot_v1_dot_broker__pb2.ReleaseRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_broker__pb2.LeaseResponse.SerializeToString,
+            ),
+            'Decline': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decline,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.DeclineRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.DeclineResponse.SerializeToString,
             ),
             'Resolve': grpc.unary_unary_rpc_method_handler(
                     servicer.Resolve,
@@ -449,6 +465,33 @@ class KVBroker:
             '/kvbroker.v1.KVBroker/Release',
             kvbroker_dot_v1_dot_broker__pb2.ReleaseRequest.SerializeToString,
             kvbroker_dot_v1_dot_broker__pb2.LeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KVBroker/Decline',
+            kvbroker_dot_v1_dot_broker__pb2.DeclineRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.DeclineResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,7 @@ class KVBrokerStub:
     Acquire: _grpc.UnaryUnaryMultiCallable[_broker_pb2.AcquireRequest, _broker_pb2.LeaseResponse]
     Renew: _grpc.UnaryUnaryMultiCallable[_broker_pb2.RenewRequest, _broker_pb2.LeaseResponse]
     Release: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ReleaseRequest, _broker_pb2.LeaseResponse]
+    Decline: _grpc.UnaryUnaryMultiCallable[_broker_pb2.DeclineRequest, _broker_pb2.DeclineResponse]
     Resolve: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ResolveRequest, _broker_pb2.ResolveResponse]
     """unary form; engines use the session"""
     Score: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ScoreRequest, _broker_pb2.ScoreResponse]
@@ -74,6 +75,7 @@ class KVBrokerAsyncStub(KVBrokerStub):
     Acquire: _aio.UnaryUnaryMultiCallable[_broker_pb2.AcquireRequest, _broker_pb2.LeaseResponse]  # type: ignore[assignment]
     Renew: _aio.UnaryUnaryMultiCallable[_broker_pb2.RenewRequest, _broker_pb2.LeaseResponse]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_broker_pb2.ReleaseRequest, _broker_pb2.LeaseResponse]  # type: ignore[assignment]
+    Decline: _aio.UnaryUnaryMultiCallable[_broker_pb2.DeclineRequest, _broker_pb2.DeclineResponse]  # type: ignore[assignment]
     Resolve: _aio.UnaryUnaryMultiCallable[_broker_pb2.ResolveRequest, _broker_pb2.ResolveResponse]  # type: ignore[assignment]
     """unary form; engines use the session"""
     Score: _aio.UnaryUnaryMultiCallable[_broker_pb2.ScoreRequest, _broker_pb2.ScoreResponse]  # type: ignore[assignment]
@@ -130,6 +132,13 @@ class KVBrokerServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.ReleaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.LeaseResponse, _abc.Awaitable[_broker_pb2.LeaseResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Decline(
+        self,
+        request: _broker_pb2.DeclineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.DeclineResponse, _abc.Awaitable[_broker_pb2.DeclineResponse]]: ...
 
     @_abc_1.abstractmethod
     def Resolve(

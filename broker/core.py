@@ -83,6 +83,8 @@ class BrokerCore:
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total = 0
         self.declines = DeclineBook()
+        self.stalls_forgiven = 0
+        self.stalled_s_forgiven = 0.0
 
     # -- validation helpers --------------------------------------------------
 
@@ -594,6 +596,18 @@ class BrokerCore:
         )
 
     # -- expiry ----------------------------------------------------------------------------
+
+    def forgive_stall(self, stalled_s: float) -> None:
+        """The broker itself did not run for ``stalled_s`` seconds (a starved or paused host).
+
+        Heartbeats sent meanwhile are still unread in its sockets, so silence
+        that long is the broker's, not the engines': every session gets that
+        time back before the next expiry pass. A peer that is really frozen
+        still misses its TTL counted over time the broker was running.
+        """
+        self.registry.extend_sessions(stalled_s)
+        self.stalls_forgiven += 1
+        self.stalled_s_forgiven += stalled_s
 
     def expire(self, budget: int | None = None) -> int:
         """One rate-limited pass: end expired sessions and leases, then tidy the index."""

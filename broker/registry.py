@@ -185,6 +185,11 @@ class EngineRegistry:
                 out.append(rec)
         return out
 
+    def extend_sessions(self, seconds: float) -> None:
+        """Move every session deadline later (the queue catches up lazily, as after a heartbeat)."""
+        for rec in self._by_session.values():
+            rec.deadline += seconds
+
     def incompatibility(self, reader: EngineRecord, holder: EngineRecord) -> str | None:
         """Why `reader` cannot read `holder`'s blocks (None = it can); cached per session pair."""
         key = (reader.session_id, holder.session_id, holder.ranks_version)

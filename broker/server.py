@@ -70,10 +70,22 @@ class RunningServer:
             extra.shutdown()
 
 
+# A wake-up later than this past its time means the broker itself did not run.
+STALL_S = 0.25
+
+
 async def _expiry_loop(core: BrokerCore) -> None:
     interval = core.config.expiry_interval_ms / 1000
     while True:
+        before = core.clock.now()
         await asyncio.sleep(interval)
+        stalled = core.clock.now() - before - interval
+        if stalled > STALL_S:
+            log.warning(
+                "broker did not run for %.2f s (a starved or paused host): sessions get that time back",
+                stalled,
+            )
+            core.forgive_stall(stalled)
         core.expire()
 
 

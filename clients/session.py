@@ -3,8 +3,13 @@
 ``EngineSession`` (asyncio) keeps one bidirectional ``Session`` stream open:
 
 - registers the engine, then heartbeats every third of the session TTL (or
-  the interval the broker asks for) and gives the stream up when nothing at
-  all came back for a whole TTL;
+  the interval the broker asks for). The broker decides whether the session
+  lives; this side gives the stream up only when nothing at all came back for
+  ``SILENCE_TTLS`` TTLs (a dead broker breaks the stream, and a frozen one
+  fails the channel's keepalive pings, long before that). A reconnect
+  supersedes the old session and ends its leases, so waiting out a broker that
+  was only starved is the cheaper mistake. Time this process itself did not
+  run (a timer firing late) is not counted as the broker's silence;
 - reconnects with exponential back-off and jitter; after a reconnect (a
   broken stream, a broker restart) it registers again and re-announces its
   whole inventory from a local mirror, so the broker's soft state comes back
@@ -58,6 +63,10 @@ DEFAULT_SESSION_TTL_MS = 10_000
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0
 # Larger than any sane flush, smaller than any sane broker limit on hash lists.
 DEFAULT_MAX_HASHES_PER_UPDATE = 4096
+# A timer firing later than this past its time means this process did not run.
+STALL_S = 0.25
+# Give the stream up after this many session TTLs without a word from the broker.
+SILENCE_TTLS = 3
 
 
 def namespace_key(namespace: NamespaceLike) -> tuple[str, str]:
@@ -246,7 +255,7 @@ def _chunked_updates(
 
 
 class _GaveUp(Exception):
-    """The broker answered nothing for a whole session TTL."""
+    """The broker answered nothing for SILENCE_TTLS session TTLs."""
 
 
 class EngineSession:
@@ -283,6 +292,7 @@ class EngineSession:
         max_hashes_per_update: int = DEFAULT_MAX_HASHES_PER_UPDATE,
         register_timeout_s: float = 5.0,
         resolve_timeout_s: float = DEFAULT_RESOLVE_TIMEOUT_S,
+        lease_call_timeout_s: float | None = None,
         mirror_index: bool = False,
     ) -> None:
         if engine is None or not engine.engine_id:
@@ -307,6 +317,10 @@ class EngineSession:
         self.max_hashes_per_update = max_hashes_per_update
         self.register_timeout_s = register_timeout_s
         self.resolve_timeout_s = resolve_timeout_s
+        # Deadline of hold/acquire/renew/release/decline calls (None: the client's own). An
+        # engine sets it to its lease TTL: on a loaded host a release answered late but within
+        # the lease still commits the read, where a short deadline would throw the read away.
+        self.lease_call_timeout_s = lease_call_timeout_s
         # With mirror_index, a live copy of the layout's index (clients.mirror), kept
         # from the first registration on, over the session's channel.
         self.mirror_index = mirror_index
@@ -520,26 +534,44 @@ class EngineSession:
             ttl_ms=ttl_ms,
             reader_engine_id=reader_engine_id,
             request_id=request_id,
+            timeout=self.lease_call_timeout_s,
         )
         return response.lease
 
     async def acquire(self, lease_id: str, ttl_ms: int = 0) -> pb.LeaseResponse:
         """Claim a hold lease as its reader; the response carries the holder's transfer details."""
-        return await self.client.acquire(lease_id=lease_id, reader_engine_id=self.engine_id, ttl_ms=ttl_ms)
+        return await self.client.acquire(
+            lease_id=lease_id,
+            reader_engine_id=self.engine_id,
+            ttl_ms=ttl_ms,
+            timeout=self.lease_call_timeout_s,
+        )
 
     async def renew(self, lease_id: str, ttl_ms: int = 0) -> pb.Lease:
-        return (await self.client.renew(lease_id=lease_id, engine_id=self.engine_id, ttl_ms=ttl_ms)).lease
+        return (
+            await self.client.renew(
+                lease_id=lease_id, engine_id=self.engine_id, ttl_ms=ttl_ms, timeout=self.lease_call_timeout_s
+            )
+        ).lease
 
     async def decline(self, holder_engine_id: str, request_id: str, reason: str = "") -> pb.DeclineResponse:
         """This engine will not read the named hold: its holder frees the blocks now."""
         return await self.client.decline(
-            holder_engine_id=holder_engine_id, request_id=request_id, reason=reason
+            holder_engine_id=holder_engine_id,
+            request_id=request_id,
+            reason=reason,
+            timeout=self.lease_call_timeout_s,
         )
 
     async def release(self, lease_id: str, epoch: int = 0) -> pb.Lease:
         """Commit a read. FailedPrecondition means the lease ended first: discard what was read."""
         return (
-            await self.client.release(lease_id=lease_id, reader_engine_id=self.engine_id, epoch=epoch)
+            await self.client.release(
+                lease_id=lease_id,
+                reader_engine_id=self.engine_id,
+                epoch=epoch,
+                timeout=self.lease_call_timeout_s,
+            )
         ).lease
 
     # -- the connection loop -------------------------------------------------
@@ -685,10 +717,26 @@ class EngineSession:
         while True:
             ttl_s = self.session_ttl_s
             interval_s = self.heartbeat_interval_s
-            await asyncio.sleep(max(0.02, min(interval_s, ttl_s / 10.0)))
+            nap_s = max(0.02, min(interval_s, ttl_s / 10.0))
+            before = time.monotonic()
+            await asyncio.sleep(nap_s)
             now = time.monotonic()
-            if now - self._last_heard > ttl_s:
-                raise _GaveUp(f"broker answered nothing for {ttl_s:g} s (the session TTL)")
+            stalled = now - before - nap_s
+            if stalled > STALL_S:
+                # This process did not run (a starved or paused host): the broker's answers
+                # may be waiting unread in the socket, so the silence is ours, not the
+                # broker's. Do not count it; send a heartbeat now instead.
+                log.warning(
+                    "session of %s: this process did not run for %.2f s; heartbeating now",
+                    self.engine_id,
+                    stalled,
+                )
+                self._last_heard = min(now, self._last_heard + stalled)
+                last_sent = now - interval_s
+            if now - self._last_heard > SILENCE_TTLS * ttl_s:
+                raise _GaveUp(
+                    f"broker answered nothing for {SILENCE_TTLS * ttl_s:g} s ({SILENCE_TTLS} session TTLs)"
+                )
             if now - last_sent >= interval_s:
                 self._seq += 1
                 load = self._load() if self._load is not None else self._load_value

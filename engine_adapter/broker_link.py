@@ -118,6 +118,7 @@ class SessionBrokerLink:
         expected_ranks: int,
         index_mirror: bool = False,
         resolve_timeout_s: float = 2.0,
+        lease_call_timeout_s: float | None = None,
     ) -> None:
         from clients.session import ThreadedEngineSession
 
@@ -139,6 +140,7 @@ class SessionBrokerLink:
             # The scheduler keeps its own budgets (resolve_wait_ms, acquire_wait_ms);
             # the session must not give up on an answer before they run out.
             resolve_timeout_s=resolve_timeout_s,
+            lease_call_timeout_s=lease_call_timeout_s,
         )
         self._session.start()
 

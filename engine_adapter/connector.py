@@ -123,6 +123,8 @@ class BrokerConnector(KVConnectorBase_V1):
                 expected_ranks=tp * pp,
                 index_mirror=config.index_mirror,
                 resolve_timeout_s=max(2.0, max(config.resolve_wait_ms, config.acquire_wait_ms) / 1000.0),
+                # A release answered late still commits the read while the lease lives.
+                lease_call_timeout_s=max(5.0, config.lease_ttl_ms / 1000.0),
             )
         logger.info(
             "kvbroker: engine %s (role %s), broker %s, threshold %d tokens, multi_turn=%s",
@@ -276,7 +278,8 @@ def _rank_registrar(config: AdapterConfig) -> Any:
         if not clients:
             from clients.sync import BrokerClient
 
-            clients.append(BrokerClient(config.broker_address, timeout=2.0))
+            # A loaded broker may answer in seconds; a timed-out refresh is only retried.
+            clients.append(BrokerClient(config.broker_address, timeout=10.0))
         clients[0].register_rank(engine_id=config.engine_id, rank=rank)
 
     return register

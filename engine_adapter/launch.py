@@ -317,6 +317,22 @@ class EngineProcess:
                 continue
         return out
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, s) used so far by each live process of the engine's group,
+        keyed "name[pid]" (Linux /proc; empty elsewhere)."""
+        if self.proc is None:
+            return {}
+        tick = os.sysconf("SC_CLK_TCK")
+        out: dict[str, float] = {}
+        for pid, name, _state in self._group_processes():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+                # utime and stime are fields 14 and 15 of stat; 12 and 13 after the name.
+                out[f"{name}[{pid}]"] = (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, IndexError, ValueError):
+                continue
+        return out
+
     def deprioritize_workers(self, niceness: int = 10) -> int:
         """Lower the CPU priority of the engine's worker processes; returns how many.
 

@@ -972,7 +972,11 @@ class AdapterScheduler:
         if self.link is None or not self.link.connected:
             return  # the hold ends by its TTL; nothing else can end it
         logger.info(
-            "kvbroker: request %s: declining %s's hold of request %s (%s)", req_id, holder, hold_request_id, why
+            "kvbroker: request %s: declining %s's hold of request %s (%s)",
+            req_id,
+            holder,
+            hold_request_id,
+            why,
         )
         self.link.decline(holder, hold_request_id, f"reader {self.config.engine_id}: {why}")
 

@@ -603,9 +603,7 @@ def test_a_request_refused_or_aborted_before_it_is_scheduled_declines_the_hold()
     refused = FakeRequest("d1", num_tokens=140, kv_transfer_params=tp_mismatch)
     assert sched.get_num_new_matched_tokens(refused, 0) == (0, False)
     sched.update_state_after_alloc(refused, [1, 2, 3, 4, 5], 0)
-    aborted = FakeRequest(
-        "d2", num_tokens=140, kv_transfer_params=NAMED, status=Status("FINISHED_ABORTED")
-    )
+    aborted = FakeRequest("d2", num_tokens=140, kv_transfer_params=NAMED, status=Status("FINISHED_ABORTED"))
     assert sched.get_num_new_matched_tokens(aborted, 0) == (None, False)
     sched.request_finished(aborted, [])
     assert _declines(link) == [("p", "p-req"), ("p", "p-req")]

@@ -311,3 +311,23 @@ def test_the_decline_book_is_bounded():
     assert len(book) == 3
     assert not book.take("P", "r0", now=1.0) and book.take("P", "r9", now=1.0)
     assert not book.take("P", "r9", now=1.0)  # once
+
+
+def test_a_stalled_broker_gives_sessions_back_the_time_it_did_not_run():
+    core, clock, notes, p, d, _ns = setup_pair()  # session TTL 3 s
+    clock.advance(2.0)
+    core.heartbeat(d, 0.0)
+    # The broker's host starves it for 5 s: P's and D's heartbeats wait unread in its sockets.
+    clock.advance(5.0)
+    core.forgive_stall(5.0)
+    core.expire()
+    assert notes.to(p.session_id, "close") == [] and notes.to(d.session_id, "close") == []
+    assert core.stalls_forgiven == 1
+    # A peer that is really frozen is still caught, over time the broker did run.
+    core.heartbeat(d, 0.0)
+    clock.advance(2.9)
+    core.heartbeat(d, 0.0)
+    clock.advance(0.2)
+    core.expire()
+    assert notes.to(p.session_id, "close")[0].detail == "DEADLINE_EXCEEDED"
+    assert notes.to(d.session_id, "close") == []

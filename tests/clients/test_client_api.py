@@ -296,7 +296,7 @@ class _SilentBroker(broker_pb2_grpc.KVBrokerServicer):
                 )
 
 
-async def test_session_gives_up_after_a_silent_ttl_and_reconnects(
+async def test_session_gives_up_after_three_silent_ttls_and_reconnects(
     engine_info: Callable[..., pb.EngineInfo], recorder: Callable[[], Any]
 ) -> None:
     server = grpc.aio.server()
@@ -314,10 +314,11 @@ async def test_session_gives_up_after_a_silent_ttl_and_reconnects(
     try:
         started = time.monotonic()
         await session.start(wait_connected_s=5.0)
-        (error,) = await events.wait_for("disconnected", timeout=3.0)
+        (error,) = await events.wait_for("disconnected", timeout=5.0)
         gave_up_after = time.monotonic() - started
         assert isinstance(error, errors.Unavailable) and "answered nothing" in error.message
-        assert 0.4 <= gave_up_after < 1.5
+        # SILENCE_TTLS (3) TTLs of 0.4 s: the broker, not this side, decides a session's end.
+        assert 1.2 <= gave_up_after < 2.3
         await events.wait_for("connected", count=2, timeout=3.0)
         assert silent.registrations >= 2
     finally:

@@ -3,13 +3,18 @@
 (a) kill -9 (or freeze) one side of a lease and the other side is told within
     the session TTL + 1 s; the measured delay is printed;
 (b) kill -9 and restart the broker: an engine session re-registers and
-    re-announces by itself, and resolve answers as before.
+    re-announces by itself, and resolve answers as before;
+(c) starvation is not death: a broker paused (SIGSTOP) for two session TTLs,
+    or CPU hogs beside broker and engines for three, ends no session and no
+    lease, while a frozen engine (SIGSTOP, in (a)) is still caught by its TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -195,3 +200,60 @@ async def _eventually(probe: Callable[[], Any], expected: Any, timeout: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"expected {expected}, last got {got!r}")
         await asyncio.sleep(0.05)
+
+
+async def _assert_lease_still_active(address: str, lease: pb.Lease) -> None:
+    async with AsyncBrokerClient(address) as client:
+        leases = {le.lease_id: le for le in (await client.list_leases(engine_id="d0")).leases}
+    assert leases[lease.lease_id].state == pb.LEASE_ACTIVE
+
+
+async def test_a_paused_broker_ends_no_session_and_no_lease(
+    broker_process: BrokerProcess, engine_processes: list[EngineProcess], open_session: Callable[..., Any]
+) -> None:
+    """The extreme of a starved broker host: the broker does not run at all (SIGSTOP) for two
+    session TTLs. The engines' heartbeats wait unread in its sockets, so when it runs again
+    the silence was its own: no session ends, no engine gives its session up, no lease is lost."""
+    timeline = Timeline()
+    holder = await open_session("p0", timeline)
+    reader, lease = await _reader_process_with_active_lease(broker_process, engine_processes, holder)
+    assert broker_process.proc is not None
+    broker_process.proc.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(2 * TTL_MS / 1000)
+    finally:
+        broker_process.proc.send_signal(signal.SIGCONT)
+    await asyncio.sleep(2 * TTL_MS / 1000)  # heartbeats flow again for a while
+    assert [k for k, _, _ in timeline.events if k in ("disconnected", "revoked", "lease_ended")] == []
+    assert holder.registrations == 1 and holder.connected
+    await _assert_lease_still_active(broker_process.address, lease)
+    assert reader.proc.poll() is None
+    assert "did not run for" in broker_process.log_path.read_text()
+
+
+async def test_sessions_survive_cpu_hogs_for_longer_than_a_ttl(
+    broker_process: BrokerProcess, engine_processes: list[EngineProcess], open_session: Callable[..., Any]
+) -> None:
+    """Busy processes, two per core and ahead of the broker and the engines in CPU
+    priority where this user may raise it, run for three session TTLs beside a broker, a
+    holder session (this process) and a reader process with an active lease."""
+    timeline = Timeline()
+    holder = await open_session("p0", timeline)
+    _reader, lease = await _reader_process_with_active_lease(broker_process, engine_processes, holder)
+    hog = "import os, time\ntry:\n    os.nice(-10)\nexcept OSError:\n    pass\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
+    seconds = 3 * TTL_MS / 1000
+    hogs = [
+        await asyncio.create_subprocess_exec(sys.executable, "-c", hog.format(s=seconds))
+        for _ in range(2 * (os.cpu_count() or 1))
+    ]
+    try:
+        for proc in hogs:
+            await proc.wait()
+    finally:
+        for proc in hogs:
+            if proc.returncode is None:
+                proc.kill()
+    await asyncio.sleep(TTL_MS / 1000)
+    assert [k for k, _, _ in timeline.events if k in ("disconnected", "revoked", "lease_ended")] == []
+    assert holder.registrations == 1
+    await _assert_lease_still_active(broker_process.address, lease)

@@ -295,11 +295,11 @@ class AdapterScheduler:
     ) -> None:
         req_id = request.request_id
         lookup = self._lookups.pop(req_id, None)
+        named = self._named_holds.pop(req_id, None)
         if req_id in self._loads:
             return
         decision = lookup.decision if lookup is not None and num_external_tokens else None
         plan = decision.plan if decision is not None else None
-        named = self._named_holds.pop(req_id, None)
         if named is not None and (plan is None or plan.holder_engine_id != named[0]):
             self._decline(req_id, named, lookup.decision if lookup is not None else None)
         if lookup is None or plan is None:

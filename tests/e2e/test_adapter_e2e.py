@@ -142,6 +142,33 @@ def test_p_to_d_pulls_full_blocks_and_matches_recompute(cluster: Cluster, length
     assert released, "the broker recorded no released P->D lease"
 
 
+def test_a_reader_that_has_the_prompt_declines_the_hold_and_the_holder_frees_at_once(
+    cluster: Cluster,
+) -> None:
+    prompt = prompt_of(150, seed=151)
+    complete(cluster.d, prompt, max_tokens=1)  # D computes the prompt itself first
+    declined_before = cluster.stat("D", "holds_declined")
+    returned_before = cluster.stat("P", "holds_returned")
+    pulled_before = cluster.stat("D", "pulled_blocks")
+
+    _, params = _p_to_d(cluster, prompt)
+    complete(cluster.d, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    answered = time.monotonic()
+
+    # D's own prefix cache covers what P holds: D reads nothing and tells the broker so.
+    assert cluster.stat("D", "pulled_blocks") == pulled_before
+    assert cluster.stat("D", "holds_declined") == declined_before + 1
+    assert wait_for(lambda: cluster.stat("P", "holds_returned") > returned_before, 1.0, 0.01), (
+        "P kept the declined blocks for more than a second"
+    )
+    print(f"\nP freed the declined hold {time.monotonic() - answered:.3f} s after D answered")
+    with BrokerClient(cluster.broker.address) as client:
+        leases = client.list_leases(engine_id="P", include_ended=True).leases
+    hold_request_id = params["kvbroker"]["hold_request_id"]
+    (lease,) = [le for le in leases if le.request_id == hold_request_id]
+    assert lease.state == pb.LEASE_REVOKED and lease.cause == pb.REVOKE_DECLINED
+
+
 # --------------------------------------------------------------------------- 2. multi-turn D -> P
 
 # How long a change takes to reach an engine's index mirror after the broker has it:

@@ -104,6 +104,32 @@ def test_pd_request_pulls_from_prefill_and_matches_single_engine(stack: Any) -> 
     assert answer["choices"][0]["text"] == single["choices"][0]["text"]
 
 
+def test_a_request_the_decode_engine_rejects_ends_the_prefill_hold_at_once(stack: Any) -> None:
+    """vLLM refuses max_tokens -1 before our connector sees the request: the proxy declines
+    P's hold, so P frees the prompt's blocks now instead of after the hold TTL (30 s)."""
+    import urllib.error
+
+    from kvbroker.v1 import broker_pb2 as pb
+
+    body = {"model": "tiny", "prompt": PROMPT + " rejected", "max_tokens": -1}
+    with pytest.raises(urllib.error.HTTPError) as rejected:
+        post(stack.proxy_url + "/v1/completions", body, "e2e-reject-1")
+    answered = time.monotonic()
+    assert rejected.value.code == 400
+
+    def declined() -> list[Any]:
+        return [
+            x
+            for x in leases_of(stack.broker_address, "e2e-reject-1")
+            if x.holder_engine_id == "prefill-0" and x.state == pb.LEASE_REVOKED
+        ]
+
+    while not declined() and time.monotonic() - answered < 1.0:
+        time.sleep(0.02)
+    (lease,) = declined()
+    assert lease.cause == pb.REVOKE_DECLINED
+
+
 def test_streamed_multi_turn_chat(stack: Any) -> None:
     from engine_adapter.demo import SYSTEM_PROMPT, chat_turn
 

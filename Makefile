@@ -52,6 +52,7 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 	$(BIN)/python -m bench.control_plane
 	$(BIN)/python -m bench.data_path
 	$(BIN)/python -m bench.reclaim
+	$(BIN)/python -m bench.idle_hold
 	$(BIN)/python -m bench.multiturn_ttft
 	$(BIN)/python -m bench.pd_compare
 	$(BIN)/python -m bench.summary --write-readme

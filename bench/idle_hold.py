@@ -7,9 +7,10 @@ for the next turn) must idle like an engine with no requests: on a GPU host a
 spinning engine burns a CPU core for as long as conversations are held.
 
 One vLLM engine at a time (tiny random-weight model, CPU build), measured over
-three windows of --window-s seconds each; CPU is user + system time of every
-process of the engine (API server, engine core, workers) from /proc, divided
-by the window, so 1.00 is one whole core:
+three windows of --window-s seconds each, each starting 2 s after the engine's
+last request (vLLM's workers busy-poll for about a second after a message);
+CPU is user + system time of every process of the engine (API server, engine
+core, workers) from /proc, divided by the window, so 1.00 is one whole core:
 
 - **idle**: started and warmed up, no request;
 - **holding**: it has prefilled a 256-token prompt with
@@ -47,6 +48,9 @@ from tests.e2e.harness import BrokerProcess
 
 PROMPT_TOKENS = 256
 TARGET_CORES = 0.05  # the bar: under 5% of a core while only holding
+# vLLM's workers busy-poll their message queue for about a second after the last
+# message: every window starts this long after the engine's last request.
+SETTLE_S = 2.0
 
 
 def cpu_window(engine: EngineProcess, window_s: float) -> dict[str, Any]:
@@ -84,18 +88,20 @@ def measure_kvbroker(work: Path, model: Path, window_s: float, start_timeout_s: 
     try:
         engine.wait_ready(start_timeout_s)
         complete(engine, prompt_of(64, 1), max_tokens=4)  # warm up
-        time.sleep(2.0)
+        time.sleep(SETTLE_S)
         idle = cpu_window(engine, window_s)
         params = hold_request(engine, 2)
         client = BrokerClient(broker.address)
         if not wait_for(lambda: stat(stats, "held_requests") == 1, 15):
             raise RuntimeError("P reports no held request")
+        time.sleep(SETTLE_S)
         holding = cpu_window(engine, window_s)
         still_held = stat(stats, "held_requests") == 1
         part = params["kvbroker"]
         client.decline(holder_engine_id=part["holder_engine_id"], request_id=part["hold_request_id"])
         if not wait_for(lambda: stat(stats, "holds_returned") == 1, 15):
             raise RuntimeError("P did not free the declined hold")
+        time.sleep(SETTLE_S)
         after = cpu_window(engine, window_s)
         client.close()
         return {"idle": idle, "holding": holding, "after": after, "held_whole_window": still_held}
@@ -109,10 +115,11 @@ def measure_nixl(work: Path, model: Path, window_s: float, start_timeout_s: floa
     try:
         engine.wait_ready(start_timeout_s)
         complete(engine, prompt_of(64, 1), max_tokens=4)
-        time.sleep(2.0)
+        time.sleep(SETTLE_S)
         idle = cpu_window(engine, window_s)
         started = time.monotonic()
         hold_request(engine, 2)
+        time.sleep(SETTLE_S)
         holding = cpu_window(engine, min(window_s, NIXL_DEFAULT_LEASE_S - 10))
         still_held = NIXL_RELEASE_LINE not in engine.log_path.read_text(errors="replace")
         released = wait_for(
@@ -121,6 +128,7 @@ def measure_nixl(work: Path, model: Path, window_s: float, start_timeout_s: floa
             0.1,
         )
         log(f"NixlConnector released after {time.monotonic() - started:.1f} s: {released}")
+        time.sleep(SETTLE_S)
         after = cpu_window(engine, window_s)
         return {"idle": idle, "holding": holding, "after": after, "held_whole_window": still_held}
     finally:
@@ -161,14 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         ["connector", "idle", "holding", "after hold ended", "held all window", f"holding < {TARGET_CORES}"],
         rows,
     )
-    print(title)
-    print(table)
+    lines = [title, table]
     for name, result in setups.items():
         busiest = sorted(result["holding"]["per_process"].items(), key=lambda kv: -kv[1])[:3]
-        print(f"{name} holding, busiest processes: " + ", ".join(f"{n} {c:.3f}" for n, c in busiest))
+        lines.append(f"{name} holding, busiest processes: " + ", ".join(f"{n} {c:.3f}" for n, c in busiest))
+    print("\n".join(lines))
     write_json(
         "idle_hold",
         {
+            "table": "\n".join(lines[1:]),
             "prompt_tokens": PROMPT_TOKENS,
             "window_s": args.window_s,
             "target_cores": TARGET_CORES,

@@ -62,6 +62,7 @@ def summary(results: Path) -> str:
         out.append("```\n" + _targets(results) + "\n```")
     for name, title in (
         ("reclaim", "Lease reclamation after kill -9 of the reader"),
+        ("idle_hold", "Engine CPU while it only holds blocks for a reader (cores; 1.00 = one core)"),
         ("multiturn_ttft", "Multi-turn, turn-2 TTFT, pull vs recompute"),
         ("pd_compare", "P/D three ways: one engine, NixlConnector, kvbroker (TTFT ms p50/p90 per turn)"),
     ):

@@ -96,7 +96,12 @@ async def test_prefill_then_decode_with_returned_params(engines: Any, proxy: Any
     assert pre.body["prompt"] == COMPLETION["prompt"]
     (dec,) = d.completions()
     assert dec.body["max_tokens"] == 8
-    assert dec.body["kv_transfer_params"]["kvbroker"] == {"holder_engine_id": "P", "num_blocks": 2}
+    # P's answer, passed on unchanged (its hold named, so a failed decode can decline it).
+    assert dec.body["kv_transfer_params"]["kvbroker"] == {
+        "holder_engine_id": "P",
+        "num_blocks": 2,
+        "hold_request_id": "P-req-1",
+    }
     assert dec.body["kv_transfer_params"]["do_remote_prefill"] is True
     # One request id end to end, so engine logs and broker leases line up.
     assert pre.headers["X-Request-Id"] == dec.headers["X-Request-Id"] == headers["X-Request-Id"] == "req-1"

@@ -44,7 +44,8 @@ class AdapterConfig:
     # How long a new request may wait for the broker's answer before it is
     # scheduled without a remote hit (recompute).
     resolve_wait_ms: int = 500
-    # How long a claimed load may wait for the broker to grant the lease.
+    # How long a claimed load may wait for the broker to grant the lease. Both waits
+    # count only time the scheduler runs (a gap over 0.25 s between checks counts 0.25 s).
     acquire_wait_ms: int = 2000
     # D side: hold a finished request's blocks (prompt + answer) so that the
     # next turn's prefill, wherever it runs, can pull them.

@@ -66,8 +66,28 @@ _HINT_RETRY_S = 0.02
 # Pin id prefix of restores from our own CPU tier (no broker lease backs them).
 LOCAL_PIN_PREFIX = "local:"
 
+# A wait on the broker counts at most this much of one gap between two checks: a
+# longer gap means this process did not run (a stalled host) or ran one long model
+# step, and the broker's answer may be waiting unread; that is not the broker's delay.
+_MAX_COUNTED_GAP_S = 0.25
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+
+
+@dataclass
+class _Budget:
+    """How long a wait on the broker may take, counted while this scheduler checks it."""
+
+    limit_s: float
+    last: float
+    used_s: float = 0.0
+
+    def left(self, now: float) -> float:
+        """Seconds left after counting the time since the last check (capped at _MAX_COUNTED_GAP_S)."""
+        self.used_s += min(max(0.0, now - self.last), _MAX_COUNTED_GAP_S)
+        self.last = now
+        return self.limit_s - self.used_s
 
 
 def _locked(method: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -88,6 +108,7 @@ class _Lookup:
     namespace: pb.Namespace
     hashes: list[int]
     started: float
+    budget: _Budget
     future: Future[pb.ResolveResponse] | None = None
     last_submit: float = 0.0
     response: pb.ResolveResponse | None = None
@@ -107,9 +128,9 @@ class _Load:
     hashes: list[int]
     local_block_ids: tuple[int, ...]
     started: float
+    budget: _Budget
     state: str = "acquiring"  # acquiring -> reading -> releasing -> done
     future: Future[Any] | None = None
-    deadline: float = 0.0
     lease: pb.Lease | None = None
     ranks_done: int = 0
     failure: str = ""
@@ -320,7 +341,7 @@ class AdapterScheduler:
             hashes=lookup.hashes,
             local_block_ids=local_ids,
             started=now,
-            deadline=now + self.config.acquire_wait_ms / 1000.0,
+            budget=_Budget(self.config.acquire_wait_ms / 1000.0, now),
         )
         self._loads[req_id] = load
         load.span = start_span(
@@ -647,7 +668,12 @@ class AdapterScheduler:
         if not hashes:
             return None  # shorter than one block: nothing anyone could hold
         lookup = _Lookup(
-            request_id=req_id, params=params, namespace=self._namespace(request), hashes=hashes, started=now
+            request_id=req_id,
+            params=params,
+            namespace=self._namespace(request),
+            hashes=hashes,
+            started=now,
+            budget=_Budget(self.config.resolve_wait_ms / 1000.0, now),
         )
         lookup.span = start_span(
             "kvbroker.resolve",
@@ -702,7 +728,7 @@ class AdapterScheduler:
         lookup.last_submit = now
 
     def _poll_lookup(self, lookup: _Lookup, now: float) -> Decision | None:
-        budget_left = lookup.started + self.config.resolve_wait_ms / 1000.0 - now
+        budget_left = lookup.budget.left(now)
         future = lookup.future
         hint = lookup.params.holder_engine_id
         if future is not None and future.done():
@@ -782,7 +808,7 @@ class AdapterScheduler:
         if load.state == "acquiring":
             future = load.future
             if future is None or not future.done():
-                if now > load.deadline:
+                if load.budget.left(now) < 0:
                     self._fail_load(
                         load, f"lease not granted within acquire_wait_ms={self.config.acquire_wait_ms}"
                     )

@@ -113,7 +113,11 @@ def test_resolve_wait_budget_then_no_remote_hit() -> None:
     sched, _link, clock = make()
     req = FakeRequest("r1", num_tokens=140)
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
-    clock.advance(0.6)
+    clock.advance(0.25)  # resolve_wait_ms is 0.5 s, counted while the scheduler asks
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    clock.advance(0.2)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    clock.advance(0.1)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert sched.stats.skips["broker_timeout"] == 1
 
@@ -165,7 +169,9 @@ def test_hinted_holder_that_never_appears_uses_what_the_broker_knows(
         assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
         if not link.named("resolve")[-1].future.done():  # type: ignore[union-attr]
             resolved(link, match(4, engine="other"))
-    clock.advance(0.5)
+    clock.advance(0.25)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    clock.advance(0.25)
     with caplog.at_level("WARNING", logger="vllm.kvbroker.scheduler"):
         assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
     assert "ghost (lease nope)" in caplog.text
@@ -259,7 +265,10 @@ def test_refused_or_slow_lease_recomputes() -> None:
     resolved(link, match(4))
     sched.get_num_new_matched_tokens(req2, 0)
     sched.update_state_after_alloc(req2, [1, 2, 3, 4, 5], 128)
-    clock.advance(3.0)
+    for _ in range(8):  # acquire_wait_ms is 2 s, counted while the scheduler steps
+        clock.advance(0.25)
+        assert sched.build_connector_meta().commits == []
+    clock.advance(0.1)
     assert [c.ok for c in sched.build_connector_meta().commits] == [False]
     # A grant that arrives after we gave up is released at once.
     link.named("acquire")[1].future.set_result(pb.LeaseResponse(lease=lease_for(req2, 4, "late")))  # type: ignore[union-attr]
@@ -607,3 +616,29 @@ def test_a_request_refused_or_aborted_before_it_is_scheduled_declines_the_hold()
     assert sched.get_num_new_matched_tokens(aborted, 0) == (None, False)
     sched.request_finished(aborted, [])
     assert _declines(link) == [("p", "p-req"), ("p", "p-req")]
+
+
+def test_a_stalled_process_does_not_use_up_the_broker_budgets() -> None:
+    """The whole host stalls for 9 s (seen in CI: every process, the broker too): the
+    broker's answers wait unread, so that gap is not counted against resolve or acquire."""
+    sched, link, clock = make()
+    req = FakeRequest("r1", num_tokens=140)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    clock.advance(9.0)  # resolve_wait_ms is 0.5 s
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    resolved(link, match(4))
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+    sched.update_state_after_alloc(req, [7, 8, 9, 10, 11], 128)
+    clock.advance(9.0)  # acquire_wait_ms is 2 s
+    assert sched.build_connector_meta().commits == []
+    link.named("acquire")[0].future.set_result(  # type: ignore[union-attr]
+        pb.LeaseResponse(lease=lease_for(req, 4), holder=holder_info())
+    )
+    assert len(sched.build_connector_meta().loads) == 1
+    # Time the scheduler does run still counts: a broker that stays silent is given up on.
+    req2 = FakeRequest("r2", num_tokens=140, block_hashes=[bytes([9]) * 32] * 4)
+    sched.get_num_new_matched_tokens(req2, 0)
+    for _ in range(6):
+        clock.advance(0.1)
+        decision = sched.get_num_new_matched_tokens(req2, 0)
+    assert decision == (0, False)

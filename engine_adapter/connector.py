@@ -218,6 +218,11 @@ class BrokerConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.bind_block_pool(gpu_block_pool)
 
+    def has_pending_push_work(self) -> bool:
+        # Ended holds whose pool reference is still ours: one more step gives it back.
+        # (An idle engine steps again on its next message, e.g. a prefix-cache reset.)
+        return self._scheduler is not None and self._scheduler.has_pool_returns()
+
     def has_pending_block_frees(self) -> bool:
         # Asked when an allocation fails, before vLLM preempts: ended holds give their blocks back now.
         return self._scheduler is not None and self._scheduler.return_held_blocks()

@@ -251,6 +251,10 @@ class AdapterScheduler:
         """vLLM's block pool: holds then keep their blocks with a pool reference (HoldPin.BLOCK_POOL)."""
         self._block_pool = block_pool
 
+    def has_pool_returns(self) -> bool:
+        """Ended holds whose blocks still wait for return_held_blocks."""
+        return bool(self._pool_returns)
+
     def return_held_blocks(self) -> bool:
         """Give ended holds' blocks back to vLLM's pool (scheduler thread only); True if any."""
         with self._lock:

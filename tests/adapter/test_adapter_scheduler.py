@@ -547,7 +547,9 @@ def test_ended_holds_give_their_blocks_back_before_vllm_would_preempt() -> None:
     link.named("hold")[0].future.set_result(pb.Lease(lease_id="h1"))  # type: ignore[union-attr]
     assert sched.return_held_blocks() is False  # the hold is live: nothing to give back
     link.end_lease("h1", "released")
+    assert sched.has_pool_returns() is True  # vLLM's has_pending_push_work: step once more
     assert sched.return_held_blocks() is True  # vLLM's has_pending_block_frees: retry, do not preempt
+    assert sched.has_pool_returns() is False
     assert pool.get_num_free_blocks() == 7
 
 

@@ -107,7 +107,6 @@ class _Lookup:
     params: TransferParams
     namespace: pb.Namespace
     hashes: list[int]
-    started: float
     budget: _Budget
     future: Future[pb.ResolveResponse] | None = None
     last_submit: float = 0.0
@@ -676,7 +675,6 @@ class AdapterScheduler:
             params=params,
             namespace=self._namespace(request),
             hashes=hashes,
-            started=now,
             budget=_Budget(self.config.resolve_wait_ms / 1000.0, now),
         )
         lookup.span = start_span(
@@ -978,14 +976,13 @@ class AdapterScheduler:
             self.stats.counters["pulls"] += 1
             self.stats.counters["pulled_blocks"] += load.plan.num_blocks
             self.stats.counters["pulled_bytes"] += load.bytes_read
-            elapsed = self._clock() - load.started
             logger.info(
                 "kvbroker: request %s: pulled %d blocks (%d bytes) from %s in %.1f ms, lease %s released",
                 load.request_id,
                 load.plan.num_blocks,
                 load.bytes_read,
                 load.plan.holder_engine_id,
-                elapsed * 1000.0,
+                elapsed_s * 1000.0,
                 load.lease.lease_id if load.lease else "",
             )
         if not ok:

@@ -29,7 +29,7 @@ protos-check: $(STAMP)  ## fail if generated code is stale
 lint: $(STAMP)  ## ruff (lint + format check) and mypy
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
+	$(BIN)/python scripts/typecheck.py
 
 test: $(STAMP) protos-check lint  ## the full test suite (what CI runs)
 	$(BIN)/python -m pytest -ra
@@ -38,10 +38,10 @@ test-fast: $(STAMP)  ## tests that need no vLLM engine
 	$(BIN)/python -m pytest -ra -m "not vllm"
 
 run: $(STAMP)  ## the main job: broker + P and D vLLM engines + proxy on this machine, a 3-turn chat, then stop
-	$(BIN)/python -m engine_adapter.demo
+	$(BIN)/python -m kvbroker.tools.demo
 
 up: $(STAMP)  ## the same stack, kept running for your own requests (Ctrl-C stops it)
-	$(BIN)/python -m engine_adapter.demo --keep-running
+	$(BIN)/python -m kvbroker.tools.demo --keep-running
 
 bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/results/
 	$(BIN)/pip install -q -e '.[cpu,dev,bench]'

@@ -1,6 +1,6 @@
 """The broker's own figures (issue 2), with the ratios to the peers its targets are held against.
 
-Starts a real broker process (``python -m broker``), registers 1,000 engines over
+Starts a real broker process (``python -m kvbroker.broker``), registers 1,000 engines over
 real session streams, loads the index to 1M and 10M random blocks through those
 sessions, and measures for a 64-block chain: resolve latency p50/p99 with 1 and 16
 concurrent clients over the session stream (the engine path) and over unary

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
-from kvbroker.v1 import broker_pb2 as pb
-from kvbroker.v1 import broker_pb2_grpc
 
 from bench.common import ManagedProcess, free_port, rss_bytes
 from bench.peers import _env_with_pythonpath
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
 
 # Messages of a 10M-block load are big; lift grpc's 4 MiB default on our side.
 CHANNEL_OPTIONS = [
@@ -75,14 +75,14 @@ def bench_engine(engine_id: str) -> pb.EngineInfo:
 
 
 class BrokerProcess:
-    """``python -m broker --address 127.0.0.1:PORT [extra args]`` as a child process."""
+    """``python -m kvbroker.broker --address 127.0.0.1:PORT [extra args]`` as a child process."""
 
     def __init__(self, log_dir: Path, extra_args: Sequence[str] = ()):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc = ManagedProcess(
             "broker",
-            [sys.executable, "-m", "broker", "--address", self.address, *extra_args],
+            [sys.executable, "-m", "kvbroker.broker", "--address", self.address, *extra_args],
             log_dir / "broker.log",
             env=_env_with_pythonpath(),
         )

@@ -60,7 +60,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra argument for `python -m broker` (repeatable), e.g. --broker-arg=--max-hashes=100000",
+        help="extra argument for `python -m kvbroker.broker` (repeatable), e.g. --broker-arg=--max-hashes=100000",
     )
     p.add_argument(
         "--skip", action="append", default=[], choices=PEERS, help="leave a system out (repeatable)"

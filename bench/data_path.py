@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from bench.common import RESULTS_DIR, log, write_json
-from engine_adapter.nixl_agent import exit_skipping_nixl_teardown
+from kvbroker.engine_adapter.nixl_agent import exit_skipping_nixl_teardown
 
 NUM_LAYERS = 2  # regions per side; bytes per transfer are split evenly over them
 TIER_BASE = 100  # tier id of the first block size (one registered tier per size)
@@ -83,7 +83,7 @@ def layer_buffers(plan: SizePlan, fill: bool) -> torch.Tensor:
 
 
 def regions_of(buf: torch.Tensor) -> list[Any]:
-    from engine_adapter.kv_regions import Region
+    from kvbroker.engine_adapter.kv_regions import Region
 
     block = buf.shape[2]
     return [Region(layer, buf[layer].data_ptr(), block, block) for layer in range(buf.shape[0])]
@@ -93,7 +93,7 @@ def regions_of(buf: torch.Tensor) -> list[Any]:
 
 
 def holder_main(conn: Connection, sizes: list[SizePlan]) -> None:
-    from engine_adapter.block_mover import BlockMover
+    from kvbroker.engine_adapter.block_mover import BlockMover
 
     mover = BlockMover(HOLDER)
     buffers = []
@@ -116,7 +116,7 @@ class RawNixlReader:
     """The same reads with direct nixl_agent calls: what a careful user of NIXL would write."""
 
     def __init__(self, holder_metadata: bytes) -> None:
-        from engine_adapter.nixl_agent import create_agent, real_nixl
+        from kvbroker.engine_adapter.nixl_agent import create_agent, real_nixl
 
         self.agent = create_agent(real_nixl(), "bench-raw-reader")
         self.peer = self.agent.add_remote_agent(holder_metadata)
@@ -194,7 +194,7 @@ def summary(nbytes: int, seconds: list[float]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine_adapter.block_mover import BlockMover
+    from kvbroker.engine_adapter.block_mover import BlockMover
 
     sizes = plans(args.sizes, args.mib)
     ctx = mp.get_context("spawn")
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where data_path.json goes")
     p.add_argument("--name", default="data_path", help="JSON file name without .json (default data_path)")
     args = p.parse_args(argv)
-    from engine_adapter.nixl_agent import nixl_available
+    from kvbroker.engine_adapter.nixl_agent import nixl_available
 
     if not nixl_available():
         print(

@@ -1,7 +1,7 @@
 """Shared parts of the engine benchmarks (multi-turn TTFT, lease reclamation).
 
 Real processes only: a broker process, vLLM engines started by
-`engine_adapter.launch.EngineProcess`, requests over HTTP with token-id prompts
+`kvbroker.tools.launch.EngineProcess`, requests over HTTP with token-id prompts
 (so a turn-2 prompt is token-identical to turn 1's prompt + answer and the
 chained block hashes match).
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import load_note, log
-from engine_adapter.launch import EngineProcess
-from engine_adapter.tiny_model import build_tiny_model
+from kvbroker.tools.launch import EngineProcess
+from kvbroker.tools.tiny_model import build_tiny_model
 from tests.e2e.harness import (
     BLOCK_SIZE,
     complete,

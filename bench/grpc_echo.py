@@ -13,6 +13,7 @@ import signal
 from collections.abc import AsyncIterator
 
 import grpc
+
 from kvbroker.v1 import broker_pb2 as pb
 
 UNARY_METHOD = "/bench.Echo/Unary"

@@ -42,8 +42,8 @@ from bench.engines import (
     wait_for,
 )
 from bench.reclaim import NIXL_DEFAULT_LEASE_S, NIXL_RELEASE_LINE, nixl_engine
-from clients.sync import BrokerClient
-from engine_adapter.launch import EngineProcess
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.tools.launch import EngineProcess
 from tests.e2e.harness import BrokerProcess
 
 PROMPT_TOKENS = 256

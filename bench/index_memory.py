@@ -1,7 +1,7 @@
 """The broker's prefix index alone, in a fresh process: memory per block and in-process lookup time.
 
 This isolates the index from gRPC and from the rest of the broker: a fresh Python
-process builds ``broker.index.CompactPrefixIndex`` with the same shape of data as the
+process builds ``kvbroker.common.index.CompactPrefixIndex`` with the same shape of data as the
 process benchmark (random 64-bit hashes announced by N engines in 16 namespaces)
 and reports the RSS delta per indexed block at each size, the rate of ``add`` and
 the time of ``longest_prefixes`` over a held 64-block chain (what a resolve costs
@@ -31,8 +31,8 @@ def _rss() -> int:
 
 
 def measure(sizes: list[int], engines: int, batch: int = 8192) -> dict[str, object]:
-    from broker.index import CompactPrefixIndex
-    from broker.model import Namespace, Tier
+    from kvbroker.common.index import CompactPrefixIndex
+    from kvbroker.common.model import Namespace, Tier
 
     rng = random.Random(3)
     namespaces = [Namespace("bench-layout", f"m{i}") for i in range(16)]

@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from kvbroker.v1 import broker_pb2 as pb
-from kvbroker.v1 import broker_pb2_grpc
 
 from bench.broker_driver import BrokerProcess, RawSession, bench_engine, make_channels, open_sessions
 from bench.common import (
@@ -39,8 +37,10 @@ from bench.common import (
 )
 from bench.grpc_echo import STREAM_METHOD, UNARY_METHOD
 from bench.peers import GrpcEchoPeer, MooncakePeer, PeerUnavailable, RedisPeer, chain_keys
-from clients.mirror import IndexMirror, follow
-from clients.session import EngineSession
+from kvbroker.clients.mirror import IndexMirror, follow
+from kvbroker.clients.session import EngineSession
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
 
 T = TypeVar("T")
 

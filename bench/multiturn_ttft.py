@@ -35,8 +35,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvbroker.v1 import broker_pb2 as pb
-
 from bench.common import format_table, load_note, log, write_json
 from bench.engines import (
     BLOCK_SIZE,
@@ -51,8 +49,9 @@ from bench.engines import (
     summary,
     wait_for,
 )
-from clients.hashing import wire_chain
-from clients.sync import BrokerClient
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.common.hashing import wire_chain
+from kvbroker.v1 import broker_pb2 as pb
 from tests.e2e.harness import BrokerProcess
 
 # P decides on its index mirror, which hears a hold about a millisecond after the

@@ -20,7 +20,7 @@ stopped before the next one starts; the machine is shared):
   `multi_turn` on). Per turn: P with `max_tokens 1` and
   `{"do_remote_decode": true, "do_remote_prefill": false, "kvbroker":
   {"reader_engine_id": "D"}}`, then D streamed with P's returned params (what
-  `clients.proxy` does). P finds any history it lacks through the broker.
+  `kvbroker.clients.proxy` does). P finds any history it lacks through the broker.
 
 Workload: per prompt length L and repetition, a 3-turn conversation: turn 1 =
 L token ids; turn k+1 = turn k's prompt + its greedy answer (ANSWER tokens) +
@@ -60,7 +60,7 @@ from bench.engines import (
     read_stats,
     stream_ttft,
 )
-from engine_adapter.launch import EngineProcess, engine_environment, free_port
+from kvbroker.tools.launch import EngineProcess, engine_environment, free_port
 from tests.e2e.harness import BrokerProcess
 
 ANSWER_TOKENS = 8

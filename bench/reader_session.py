@@ -17,10 +17,9 @@ import argparse
 import asyncio
 import sys
 
+from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
-
-from clients.aio import AsyncBrokerClient
-from clients.session import EngineSession
 
 
 async def run(broker: str, engine_id: str, like: str, ttl_ms: int) -> None:

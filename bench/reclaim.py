@@ -41,8 +41,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvbroker.v1 import broker_pb2 as pb
-
 from bench.common import format_table, load_note, log, write_json
 from bench.engines import (
     BLOCK_SIZE,
@@ -55,8 +53,9 @@ from bench.engines import (
     summary,
     wait_for,
 )
-from clients.sync import BrokerClient
-from engine_adapter.launch import EngineProcess, engine_environment, free_port
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.tools.launch import EngineProcess, engine_environment, free_port
+from kvbroker.v1 import broker_pb2 as pb
 from tests.e2e.harness import BrokerProcess
 
 PROMPT_TOKENS = 256

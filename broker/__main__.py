@@ -1,16 +1,16 @@
-"""`python -m broker`: the same as `kvbroker serve`."""
+"""`python -m kvbroker.broker`: the same as `kvbroker serve`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from broker.server import add_serve_arguments, serve_main
+from kvbroker.broker.server import add_serve_arguments, serve_main
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m broker",
+        prog="python -m kvbroker.broker",
         description="KV cache broker: who holds which KV blocks, and who may read them until when.",
     )
     add_serve_arguments(parser)

@@ -12,12 +12,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvbroker.broker import codec
+from kvbroker.broker.clock import Clock
+from kvbroker.broker.events import WatchEvent
+from kvbroker.broker.leases import Lease
 from kvbroker.v1 import broker_pb2 as pb
-
-from broker import codec
-from broker.clock import Clock
-from broker.events import WatchEvent
-from broker.leases import Lease
 
 PinWaiter = Callable[[Lease], None]
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from kvbroker.broker.core import ResolveResult, ScoreResult, Stats
+from kvbroker.broker.events import WatchEvent
+from kvbroker.broker.leases import Lease
+from kvbroker.broker.registry import EngineRecord
+from kvbroker.common.model import Namespace
+from kvbroker.common.scoring import HolderMatch
 from kvbroker.v1 import broker_pb2 as pb
-
-from broker.core import ResolveResult, ScoreResult, Stats
-from broker.events import WatchEvent
-from broker.leases import Lease
-from broker.model import Namespace
-from broker.registry import EngineRecord
-from broker.scoring import HolderMatch
 
 
 def namespace(msg: pb.Namespace) -> Namespace:

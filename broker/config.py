@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from broker.errors import InvalidArgument
+from kvbroker.broker.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,20 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvbroker.broker import events as ev
+from kvbroker.broker.clock import Clock, MonotonicClock
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.declines import DeclineBook
+from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from kvbroker.broker.events import Notifier, NullNotifier, WatchEvent
+from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable
+from kvbroker.broker.mirror import MirrorHub
+from kvbroker.broker.registry import EngineRecord, EngineRegistry
+from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
+from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.common.scoring import EngineScore, HolderMatch, rank_holders, score_engines
 from kvbroker.v1 import broker_pb2 as pb
-
-from broker import events as ev
-from broker.clock import Clock, MonotonicClock
-from broker.config import BrokerConfig
-from broker.declines import DeclineBook
-from broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from broker.events import Notifier, NullNotifier, WatchEvent
-from broker.index import CompactPrefixIndex, PrefixIndex
-from broker.leases import InMemoryLeaseTable, Lease, LeaseTable
-from broker.mirror import MirrorHub
-from broker.model import LeaseState, Namespace, RevokeCause, Tier
-from broker.registry import EngineRecord, EngineRegistry
-from broker.scoring import EngineScore, HolderMatch, rank_holders, score_engines
 
 CAUSE_LABELS = [c.label for c in RevokeCause if c is not RevokeCause.NONE]
 
@@ -518,7 +517,7 @@ class BrokerCore:
             if fp is None:
                 raise NotFound(f"no engine has registered layout_id {ns.layout_id!r}; cannot hash token ids")
             self._check_hashes(len(token_ids) // block_size, "token_ids (in blocks)")
-            from clients.hashing import wire_chain  # imported late: written by the clients area
+            from kvbroker.common.hashing import wire_chain  # imported late: written by the clients area
 
             hashes = wire_chain(token_ids, block_size, fp.hash_algo or "sha256", ns.tenant or None)
         engines: dict[str, tuple[float, bool]] = {}

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from broker.leases import Lease
-from broker.model import Tier
+from kvbroker.broker.leases import Lease
+from kvbroker.common.model import Tier
 
 INDEX, LEASE, ENGINE = "index", "lease", "engine"
 

@@ -20,9 +20,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from broker.errors import FailedPrecondition, NotFound, PermissionDenied
-from broker.expiry import ExpiryQueue
-from broker.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied
+from kvbroker.broker.expiry import ExpiryQueue
+from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 
 
 @dataclass(slots=True)

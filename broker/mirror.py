@@ -21,9 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
-
-from broker.model import Namespace, Tier
 
 # Buffered hashes (stored + removed) after which a subscriber is resynced.
 DEFAULT_MAX_PENDING = 2_000_000

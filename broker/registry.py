@@ -12,11 +12,10 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+from kvbroker.broker.errors import InvalidArgument, NotFound
+from kvbroker.broker.expiry import ExpiryQueue
+from kvbroker.common.layout import DEFAULT_HASH_ALGO, check_topology, layout_id
 from kvbroker.v1 import broker_pb2 as pb
-
-from broker.errors import InvalidArgument, NotFound
-from broker.expiry import ExpiryQueue
-from clients.layout import DEFAULT_HASH_ALGO, check_topology, layout_id
 
 KNOWN_HASH_ALGOS = ("sha256", "sha256_cbor")
 

@@ -1,6 +1,6 @@
 """Running the broker: `start_server` (in-process, for tests) and `serve_main` (the command).
 
-`python -m broker` and `kvbroker serve` both land in `serve_main`. Every
+`python -m kvbroker.broker` and `kvbroker serve` both land in `serve_main`. Every
 flag has an environment variable (KVBROKER_<NAME>); see broker/config.py.
 """
 
@@ -18,19 +18,19 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from broker.channels import StreamNotifier
-from broker.clock import Clock, MonotonicClock
-from broker.config import FIELD_HELP, BrokerConfig, env_name
-from broker.core import BrokerCore
-from broker.decode_guard import DecodeGuardInterceptor
-from broker.errors import InvalidArgument
-from broker.metrics import MetricsInterceptor, start_metrics_http
-from broker.servicer import BrokerServicer
-from broker.tracing import TracingInterceptor, make_tracer_provider, otlp_endpoint
+from kvbroker.broker.channels import StreamNotifier
+from kvbroker.broker.clock import Clock, MonotonicClock
+from kvbroker.broker.config import FIELD_HELP, BrokerConfig, env_name
+from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.decode_guard import DecodeGuardInterceptor
+from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.metrics import MetricsInterceptor, start_metrics_http
+from kvbroker.broker.servicer import BrokerServicer
+from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider, otlp_endpoint
+from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 
 log = logging.getLogger("kvbroker")
 

@@ -14,19 +14,19 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+
+from kvbroker.broker import codec
+from kvbroker.broker import events as ev
+from kvbroker.broker.channels import Close, SessionChannel, StreamNotifier
+from kvbroker.broker.core import BrokerCore, ResolveResult
+from kvbroker.broker.errors import BrokerError, InvalidArgument
+from kvbroker.broker.leases import Lease
+from kvbroker.broker.mirror import mirror_engine_info
+from kvbroker.broker.registry import EngineRecord
+from kvbroker.broker.status import status_of
+from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-
-from broker import codec
-from broker import events as ev
-from broker.channels import Close, SessionChannel, StreamNotifier
-from broker.core import BrokerCore, ResolveResult
-from broker.errors import BrokerError, InvalidArgument
-from broker.leases import Lease
-from broker.mirror import mirror_engine_info
-from broker.model import Namespace, Tier
-from broker.registry import EngineRecord
-from broker.status import status_of
 
 log = logging.getLogger("kvbroker.servicer")
 

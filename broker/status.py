@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from broker import errors
+from kvbroker.broker import errors
 
 STATUS_OF_ERROR: dict[type[errors.BrokerError], grpc.StatusCode] = {
     errors.NotFound: grpc.StatusCode.NOT_FOUND,

@@ -8,7 +8,7 @@ the response message::
         lease = (await client.hold(holder_engine_id="p0", namespace=ns, ...)).lease
         await client.release(lease_id=lease.lease_id, reader_engine_id="d0")
 
-Failures raise ``clients.errors.BrokerError`` subclasses. When OpenTelemetry
+Failures raise ``kvbroker.clients.errors.BrokerError`` subclasses. When OpenTelemetry
 has a current span, its W3C trace context travels in the call's metadata so
 broker spans join the caller's trace.
 """
@@ -22,12 +22,12 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 from google.protobuf.message import Message
-from kvbroker.v1 import broker_pb2 as pb
-from kvbroker.v1 import broker_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from clients import errors
+from kvbroker.clients import errors
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 5.0

@@ -28,13 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+
+from kvbroker.common.index import CompactPrefixIndex
+from kvbroker.common.layout import check_topology
+from kvbroker.common.model import Namespace, Tier
+from kvbroker.common.scoring import EngineScore, HolderMatch, rank_holders, score_engines
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-
-from broker.index import CompactPrefixIndex
-from broker.model import Namespace, Tier
-from broker.scoring import EngineScore, HolderMatch, rank_holders, score_engines
-from clients.layout import check_topology
 
 log = logging.getLogger("kvbroker.mirror")
 

@@ -45,12 +45,12 @@ from typing import Any, TypeAlias
 
 import grpc
 import grpc.aio
-from kvbroker.v1 import broker_pb2 as pb
 from opentelemetry import context as otel_context
 
-from clients import errors
-from clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient, trace_metadata
-from clients.mirror import IndexMirror, follow
+from kvbroker.clients import errors
+from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient, trace_metadata
+from kvbroker.clients.mirror import IndexMirror, follow
+from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""Blocking client for the broker: the same methods as ``clients.aio.AsyncBrokerClient``.
+"""Blocking client for the broker: the same methods as ``kvbroker.clients.aio.AsyncBrokerClient``.
 
 For scripts, the CLI and routers without an event loop. Do not call it from
-vLLM's scheduler thread: use ``clients.session.ThreadedEngineSession`` there,
+vLLM's scheduler thread: use ``kvbroker.clients.session.ThreadedEngineSession`` there,
 whose calls return futures instead of blocking.
 """
 
@@ -12,11 +12,9 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from kvbroker.v1 import broker_pb2 as pb
-from kvbroker.v1 import broker_pb2_grpc
 
-from clients import errors
-from clients.aio import (
+from kvbroker.clients import errors
+from kvbroker.clients.aio import (
     DEFAULT_ADDRESS,
     DEFAULT_TIMEOUT_S,
     ENGINE_ID_METADATA,
@@ -24,6 +22,8 @@ from clients.aio import (
     channel_options,
     trace_metadata,
 )
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
 
 
 class BrokerClient:

@@ -12,7 +12,7 @@ KV_RECOMPUTE_THRESHOLD="${KV_RECOMPUTE_THRESHOLD:-64}"
 MULTI_TURN="${MULTI_TURN:-false}"
 BLOCK_SIZE="${BLOCK_SIZE:-32}"
 KV_CONFIG=$(cat <<JSON
-{"kv_connector": "BrokerConnector", "kv_connector_module_path": "engine_adapter.connector",
+{"kv_connector": "BrokerConnector", "kv_connector_module_path": "kvbroker.engine_adapter.connector",
  "kv_role": "kv_both",
  "kv_connector_extra_config": {"broker_address": "${BROKER_ADDRESS}", "engine_id": "${ENGINE_ID}",
    "role": "${ROLE}", "url": "${ENGINE_URL}", "kv_recompute_threshold": ${KV_RECOMPUTE_THRESHOLD},

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from engine_adapter.kv_regions import Region
-from engine_adapter.nixl_agent import NIXL_LOCK, NixlApi, create_agent, real_nixl
+from kvbroker.engine_adapter.kv_regions import Region
+from kvbroker.engine_adapter.nixl_agent import NIXL_LOCK, NixlApi, create_agent, real_nixl
 
 log = logging.getLogger(__name__)
 

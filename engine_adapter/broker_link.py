@@ -120,7 +120,7 @@ class SessionBrokerLink:
         resolve_timeout_s: float = 2.0,
         lease_call_timeout_s: float | None = None,
     ) -> None:
-        from clients.session import ThreadedEngineSession
+        from kvbroker.clients.session import ThreadedEngineSession
 
         self._ends = LeaseEndQueue()
         self._pin: Callable[[pb.PinCommand], pb.PinResult] | None = None

@@ -3,7 +3,7 @@
 Load it into a stock vLLM server with::
 
     --kv-transfer-config '{"kv_connector": "BrokerConnector",
-                           "kv_connector_module_path": "engine_adapter.connector",
+                           "kv_connector_module_path": "kvbroker.engine_adapter.connector",
                            "kv_role": "kv_both",
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"broker_address": "broker:50051"}}'
@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvbroker.v1 import broker_pb2 as pb
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -26,8 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from engine_adapter.config import AdapterConfig
-from engine_adapter.metadata import AdapterMetadata, RegionSpec
+from kvbroker.engine_adapter.config import AdapterConfig
+from kvbroker.engine_adapter.metadata import AdapterMetadata, RegionSpec
+from kvbroker.v1 import broker_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from engine_adapter.scheduler import AdapterScheduler
-    from engine_adapter.worker import AdapterWorker
+    from kvbroker.engine_adapter.scheduler import AdapterScheduler
+    from kvbroker.engine_adapter.worker import AdapterWorker
 
 logger = logging.getLogger("vllm.kvbroker.connector")
 
@@ -94,8 +94,8 @@ class BrokerConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------
 
     def _make_scheduler(self, vllm_config: VllmConfig) -> AdapterScheduler:
-        from engine_adapter.broker_link import SessionBrokerLink
-        from engine_adapter.scheduler import AdapterScheduler
+        from kvbroker.engine_adapter.broker_link import SessionBrokerLink
+        from kvbroker.engine_adapter.scheduler import AdapterScheduler
 
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
@@ -145,7 +145,7 @@ class BrokerConnector(KVConnectorBase_V1):
     def _make_worker(self) -> AdapterWorker:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-        from engine_adapter.worker import AdapterWorker
+        from kvbroker.engine_adapter.worker import AdapterWorker
 
         config = self.adapter_config
         registrar = _rank_registrar(config) if config.broker_enabled else None
@@ -165,7 +165,7 @@ class BrokerConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from engine_adapter.kv_regions import regions_from_kv_caches
+        from kvbroker.engine_adapter.kv_regions import regions_from_kv_caches
 
         assert self._worker is not None
         regions, num_blocks, mem_type = regions_from_kv_caches(kv_caches)
@@ -258,19 +258,19 @@ class BrokerConnector(KVConnectorBase_V1):
 
 
 def _make_mover(agent_name: str) -> Any:
-    from engine_adapter.block_mover import BlockMover
+    from kvbroker.engine_adapter.block_mover import BlockMover
 
     return BlockMover(agent_name)
 
 
 def _make_cpu_tier(regions: list[Any], num_slots: int) -> Any:
-    from engine_adapter.cpu_tier import CpuTierBuffer
+    from kvbroker.engine_adapter.cpu_tier import CpuTierBuffer
 
     return CpuTierBuffer(regions, num_slots)  # pinned host memory iff CUDA is available
 
 
 def _region_from_spec(spec: RegionSpec) -> Any:
-    from engine_adapter.kv_regions import Region
+    from kvbroker.engine_adapter.kv_regions import Region
 
     return Region(spec.layer, spec.base_addr, spec.block_stride, spec.block_bytes, spec.device_id)
 
@@ -281,7 +281,7 @@ def _rank_registrar(config: AdapterConfig) -> Any:
 
     def register(rank: pb.RankInfo) -> None:
         if not clients:
-            from clients.sync import BrokerClient
+            from kvbroker.clients.sync import BrokerClient
 
             # A loaded broker may answer in seconds; a timed-out refresh is only retried.
             clients.append(BrokerClient(config.broker_address, timeout=10.0))

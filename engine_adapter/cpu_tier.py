@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine_adapter.kv_regions import Region
+from kvbroker.engine_adapter.kv_regions import Region
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
-from kvbroker.v1 import broker_pb2 as pb
-
-from engine_adapter.broker_link import BrokerLink
-from engine_adapter.config import AdapterConfig
-from engine_adapter.cpu_directory import BlockKey, CpuDirectory
-from engine_adapter.decisions import (
+from kvbroker.engine_adapter.broker_link import BrokerLink
+from kvbroker.engine_adapter.config import AdapterConfig
+from kvbroker.engine_adapter.cpu_directory import BlockKey, CpuDirectory
+from kvbroker.engine_adapter.decisions import (
     SKIP_BAD_PARAMS,
     SKIP_ERROR,
     SKIP_INCOMPATIBLE,
@@ -45,7 +43,7 @@ from engine_adapter.decisions import (
     parse_transfer_params,
     wire_hashes,
 )
-from engine_adapter.metadata import (
+from kvbroker.engine_adapter.metadata import (
     AdapterMetadata,
     Commit,
     HolderRank,
@@ -54,8 +52,9 @@ from engine_adapter.metadata import (
     RegionSpec,
     StoreSpec,
 )
-from engine_adapter.topology import check_sizes
-from engine_adapter.tracing import Span, current, end_span, start_span
+from kvbroker.engine_adapter.topology import check_sizes
+from kvbroker.engine_adapter.tracing import Span, current, end_span, start_span
+from kvbroker.v1 import broker_pb2 as pb
 
 # Under "vllm." so that vLLM's logging configuration prints our lines.
 logger = logging.getLogger("vllm.kvbroker.scheduler")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine_adapter.metadata import HolderRank
+from kvbroker.engine_adapter.metadata import HolderRank
 
 
 class TopologyError(ValueError):

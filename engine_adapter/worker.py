@@ -18,9 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvbroker.v1 import broker_pb2 as pb
-
-from engine_adapter.metadata import (
+from kvbroker.engine_adapter.metadata import (
     VERSION,
     AdapterMetadata,
     Commit,
@@ -29,7 +27,8 @@ from engine_adapter.metadata import (
     RegionSpec,
     StoreSpec,
 )
-from engine_adapter.topology import TopologyError, plan_layer_reads
+from kvbroker.engine_adapter.topology import TopologyError, plan_layer_reads
+from kvbroker.v1 import broker_pb2 as pb
 
 logger = logging.getLogger("vllm.kvbroker.worker")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapter.nixl_agent import exit_skipping_nixl_teardown, nixl_agents_created
+from kvbroker.engine_adapter.nixl_agent import exit_skipping_nixl_teardown, nixl_agents_created
 
 _exit_status: list[int] = []
 

@@ -1,8 +1,8 @@
 """OpenAI-compatible P/D proxy that routes with the broker's prefix scores.
 
-`python -m clients.proxy --help` lists the flags. In code::
+`python -m kvbroker.clients.proxy --help` lists the flags. In code::
 
-    from clients.proxy import ProxyConfig, EngineSpec, build_app
+    from kvbroker.clients.proxy import ProxyConfig, EngineSpec, build_app
     app = build_app(ProxyConfig(engines=(EngineSpec(url, "prefill"), EngineSpec(url2, "decode")),
                                 broker="127.0.0.1:50051"))
 
@@ -11,7 +11,12 @@ Modules: config (flags, ProxyConfig), engines (the engine pool), routing
 server (the aiohttp app), tracing (OpenTelemetry).
 """
 
-from clients.proxy.config import EngineSpec, ProxyConfig
-from clients.proxy.server import build_app
+try:
+    import aiohttp  # noqa: F401
+except ImportError as exc:  # the proxy is an extra: the broker's clients do not need aiohttp
+    raise ImportError("the P/D proxy needs aiohttp: pip install 'kvbroker[proxy]'") from exc
+
+from kvbroker.clients.proxy.config import EngineSpec, ProxyConfig
+from kvbroker.clients.proxy.server import build_app
 
 __all__ = ["EngineSpec", "ProxyConfig", "build_app"]

@@ -1,4 +1,4 @@
-"""`python -m clients.proxy`: run the P/D proxy until SIGINT/SIGTERM."""
+"""`python -m kvbroker.clients.proxy`: run the P/D proxy until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 
 from aiohttp import web
 
-from clients.proxy.config import ProxyConfig, build_parser, config_from_args
-from clients.proxy.server import build_app
-from clients.proxy.tracing import setup_tracing
+from kvbroker.clients.proxy.config import ProxyConfig, build_parser, config_from_args
+from kvbroker.clients.proxy.server import build_app
+from kvbroker.clients.proxy.tracing import setup_tracing
 
 
 async def run(config: ProxyConfig) -> None:

@@ -83,7 +83,7 @@ def _env(name: str, default: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     d = ProxyConfig()
     parser = argparse.ArgumentParser(
-        prog="python -m clients.proxy",
+        prog="python -m kvbroker.clients.proxy",
         description=(
             "OpenAI-compatible P/D proxy. Each request is prefilled on a prefill engine "
             "(kv_transfer_params do_remote_decode, max_tokens=1) and then decoded on a decode "

@@ -15,9 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvbroker.clients.proxy.config import ROLES, EngineSpec, normalize_url
 from kvbroker.v1 import broker_pb2 as pb
-
-from clients.proxy.config import ROLES, EngineSpec, normalize_url
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -111,7 +110,7 @@ class EnginePool:
         self._engines = engines
 
     async def refresh(self, broker) -> bool:  # broker: clients.aio.AsyncBrokerClient
-        from clients.errors import BrokerError
+        from kvbroker.clients.errors import BrokerError
 
         try:
             response = await broker.list_engines(timeout=2.0)

@@ -33,11 +33,11 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
-from clients.errors import BrokerError
-from clients.proxy.config import EngineSpec
-from clients.proxy.engines import EnginePool
-from clients.proxy.routing import Route
-from clients.proxy.tracing import current_context_carrier, get_tracer
+from kvbroker.clients.errors import BrokerError
+from kvbroker.clients.proxy.config import EngineSpec
+from kvbroker.clients.proxy.engines import EnginePool
+from kvbroker.clients.proxy.routing import Route
+from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
 
 log = logging.getLogger("kvbroker.proxy")
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from kvbroker.v1 import broker_pb2 as pb
 
-from clients.hashing import wire_chain
-from clients.proxy.config import EngineSpec
-from clients.proxy.engines import EngineLayout, EnginePool
+from kvbroker.clients.proxy.config import EngineSpec
+from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
+from kvbroker.common.hashing import wire_chain
+from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -188,7 +188,7 @@ class Router:
         self._rotation = 0
 
     async def route(self, endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> Route:
-        from clients.errors import BrokerError
+        from kvbroker.clients.errors import BrokerError
 
         prefill = self.pool.candidates("prefill")
         decode = self.pool.candidates("decode")

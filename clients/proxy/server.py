@@ -16,11 +16,11 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from clients.proxy.config import ProxyConfig
-from clients.proxy.engines import EnginePool
-from clients.proxy.forward import EngineFailure, Forwarder, Outcome, RequestRejected, openai_error
-from clients.proxy.routing import Route, Router
-from clients.proxy.tracing import get_tracer
+from kvbroker.clients.proxy.config import ProxyConfig
+from kvbroker.clients.proxy.engines import EnginePool
+from kvbroker.clients.proxy.forward import EngineFailure, Forwarder, Outcome, RequestRejected, openai_error
+from kvbroker.clients.proxy.routing import Route, Router
+from kvbroker.clients.proxy.tracing import get_tracer
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -191,7 +191,7 @@ def build_app(
     """
     tracer = get_tracer(tracer_provider)
     if broker is None and config.broker:
-        from clients.aio import AsyncBrokerClient
+        from kvbroker.clients.aio import AsyncBrokerClient
 
         broker = AsyncBrokerClient(config.broker)
     pool = EnginePool(config.engines, cooldown_s=config.cooldown_s)

@@ -7,9 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbroker.engine_adapter.broker_link import LeaseEndNotice
 from kvbroker.v1 import broker_pb2 as pb
-
-from engine_adapter.broker_link import LeaseEndNotice
 
 
 class FakeClock:

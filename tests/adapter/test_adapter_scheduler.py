@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kvbroker.v1 import broker_pb2 as pb
 
-from clients import errors
-from engine_adapter.broker_link import LeaseEndNotice
-from engine_adapter.config import AdapterConfig
-from engine_adapter.metadata import ReadOutcomes
-from engine_adapter.scheduler import AdapterScheduler
+from kvbroker.clients import errors
+from kvbroker.engine_adapter.broker_link import LeaseEndNotice
+from kvbroker.engine_adapter.config import AdapterConfig
+from kvbroker.engine_adapter.metadata import ReadOutcomes
+from kvbroker.engine_adapter.scheduler import AdapterScheduler
+from kvbroker.v1 import broker_pb2 as pb
 from tests.adapter.fakes import FakeClock, FakeLink, FakeRequest, Status, holder_info, wire
 
 BS = 32
@@ -388,7 +388,7 @@ def test_spans_continue_the_callers_trace_and_carry_transfer_attributes() -> Non
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from engine_adapter import tracing
+    from kvbroker.engine_adapter import tracing
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from kvbroker.v1 import broker_pb2 as pb
 
-from engine_adapter.metadata import AdapterMetadata, Commit, HolderRank, LoadSpec, RegionSpec
-from engine_adapter.topology import TopologyError, check_sizes, plan_layer_reads
-from engine_adapter.worker import AdapterWorker
+from kvbroker.engine_adapter.metadata import AdapterMetadata, Commit, HolderRank, LoadSpec, RegionSpec
+from kvbroker.engine_adapter.topology import TopologyError, check_sizes, plan_layer_reads
+from kvbroker.engine_adapter.worker import AdapterWorker
+from kvbroker.v1 import broker_pb2 as pb
 from tests.adapter.fakes import FakeMover
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbroker.engine_adapter.config import AdapterConfig
+from kvbroker.engine_adapter.cpu_directory import CpuDirectory
+from kvbroker.engine_adapter.metadata import AdapterMetadata, LoadSpec, ReadOutcomes, RegionSpec, StoreSpec
+from kvbroker.engine_adapter.scheduler import AdapterScheduler
+from kvbroker.engine_adapter.worker import AdapterWorker
 from kvbroker.v1 import broker_pb2 as pb
-
-from engine_adapter.config import AdapterConfig
-from engine_adapter.cpu_directory import CpuDirectory
-from engine_adapter.metadata import AdapterMetadata, LoadSpec, ReadOutcomes, RegionSpec, StoreSpec
-from engine_adapter.scheduler import AdapterScheduler
-from engine_adapter.worker import AdapterWorker
 from tests.adapter.fakes import FakeClock, FakeLink, FakeMover, FakeRequest, Status, wire
 
 BS = 32

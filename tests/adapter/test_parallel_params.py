@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapter.config import AdapterConfig
-from engine_adapter.decisions import BadTransferParams, parse_transfer_params
-from engine_adapter.scheduler import AdapterScheduler
+from kvbroker.engine_adapter.config import AdapterConfig
+from kvbroker.engine_adapter.decisions import BadTransferParams, parse_transfer_params
+from kvbroker.engine_adapter.scheduler import AdapterScheduler
 from tests.adapter.fakes import FakeClock, FakeLink, FakeRequest
 
 BS = 32

@@ -4,10 +4,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from kvbroker.v1 import broker_pb2_grpc
 
-from broker.config import BrokerConfig
-from broker.server import RunningServer, start_server
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.server import RunningServer, start_server
+from kvbroker.v1 import broker_pb2_grpc
 
 
 @pytest.fixture

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvbroker.broker.clock import FakeClock
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.events import WatchEvent
+from kvbroker.broker.leases import Lease
 from kvbroker.v1 import broker_pb2 as pb
-
-from broker.clock import FakeClock
-from broker.config import BrokerConfig
-from broker.core import BrokerCore
-from broker.events import WatchEvent
-from broker.leases import Lease
 
 
 def fingerprint(**overrides: object) -> pb.LayoutFingerprint:

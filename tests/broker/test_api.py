@@ -10,14 +10,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from kvbroker.v1 import broker_pb2 as pb
-from kvbroker.v1 import broker_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from broker.config import BrokerConfig
-from broker.server import RunningServer, start_server
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.server import RunningServer, start_server
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
 from tests.broker.helpers import engine_info
 from tests.broker.session_util import RawSession
 
@@ -435,7 +435,7 @@ async def test_metrics_and_tracing() -> None:
 
 
 async def test_score_by_token_ids_uses_vllm_hashes(stub: Stub) -> None:
-    from clients.hashing import wire_chain
+    from kvbroker.common.hashing import wire_chain
 
     p, _d, ns = await pair(stub)
     tokens = list(range(100, 100 + 32 * 5 + 7))  # 5 full blocks and a partial one

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied
-from broker.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied
+from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from tests.broker.helpers import engine_info, make_core
 
 H = list(range(1000, 1064))  # a 64-block chain
@@ -303,7 +303,7 @@ def test_decline_leaves_a_claimed_lease_to_its_reader_and_needs_both_names():
 
 
 def test_the_decline_book_is_bounded():
-    from broker.declines import DeclineBook
+    from kvbroker.broker.declines import DeclineBook
 
     book = DeclineBook(keep_s=60.0, capacity=3)
     for i in range(10):

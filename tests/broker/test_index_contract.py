@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from broker.index import CompactPrefixIndex, PrefixIndex
-from broker.model import Namespace, Tier
+from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
+from kvbroker.common.model import Namespace, Tier
 
 BACKENDS: dict[str, Callable[[], PrefixIndex]] = {"compact-in-memory": CompactPrefixIndex}
 NS = Namespace("layout-a", "")

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from broker.errors import FailedPrecondition, NotFound, PermissionDenied
-from broker.leases import InMemoryLeaseTable, Lease, LeaseTable
-from broker.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied
+from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable
+from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 
 BACKENDS: dict[str, Callable[[], LeaseTable]] = {"in-memory": lambda: InMemoryLeaseTable(history=4)}
 NS = Namespace("layout", "")

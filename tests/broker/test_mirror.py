@@ -8,12 +8,12 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvbroker.v1 import broker_pb2 as pb
 
-from broker.core import BrokerCore
-from broker.mirror import MirrorHub, mirror_engine_info
-from broker.model import Namespace, Tier
-from clients.mirror import IndexMirror
+from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.mirror import MirrorHub, mirror_engine_info
+from kvbroker.clients.mirror import IndexMirror
+from kvbroker.common.model import Namespace, Tier
+from kvbroker.v1 import broker_pb2 as pb
 from tests.broker.helpers import engine_info, make_core
 
 ENGINES = ["e0", "e1", "e2"]

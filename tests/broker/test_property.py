@@ -17,12 +17,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.server import RunningServer, start_server
+from kvbroker.clients.mirror import IndexMirror, follow
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-
-from broker.config import BrokerConfig
-from broker.server import RunningServer, start_server
-from clients.mirror import IndexMirror, follow
 from tests.broker.helpers import engine_info
 from tests.broker.session_util import RawSession
 

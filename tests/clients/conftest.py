@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from kvbroker.v1 import broker_pb2 as pb
 
-from clients.session import EngineSession
+from kvbroker.clients.session import EngineSession
+from kvbroker.v1 import broker_pb2 as pb
 
 
 def make_engine_info(engine_id: str, **layout: Any) -> pb.EngineInfo:
@@ -83,8 +83,8 @@ def recorder() -> Callable[[], Recorder]:
 @pytest.fixture
 async def broker() -> AsyncIterator[Any]:
     """A real broker (grpc.aio server) in this process on a free port."""
-    server_module = pytest.importorskip("broker.server")
-    from broker.config import BrokerConfig
+    server_module = pytest.importorskip("kvbroker.broker.server")
+    from kvbroker.broker.config import BrokerConfig
 
     config = BrokerConfig(
         address="127.0.0.1:0",

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from kvbroker.v1 import broker_pb2 as pb
 
-from clients import cli
-from clients.hashing import wire_chain
-from clients.session import EngineSession
+from kvbroker.clients.session import EngineSession
+from kvbroker.common.hashing import wire_chain
+from kvbroker.tools import cli
+from kvbroker.v1 import broker_pb2 as pb
 
 GPU = pb.TIER_GPU
 TOKENS = list(range(1000, 1000 + 32 * 3 + 5))  # three full blocks of 32 and a partial one
@@ -70,7 +70,7 @@ def test_help_explains_every_command(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_serve_help_shows_the_broker_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("broker.server")
+    pytest.importorskip("kvbroker.broker.server")
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["serve", "--help"])
     assert exit_info.value.code == 0
@@ -203,7 +203,16 @@ async def test_watch_prints_events(broker: Any, engine_info: Callable[..., pb.En
 def test_console_script_runs() -> None:
     """The installed `kvbroker` entry point is this module's main."""
     result = subprocess.run(
-        [sys.executable, "-m", "clients.cli", "--broker", "127.0.0.1:1", "--timeout", "0.5", "engines"],
+        [
+            sys.executable,
+            "-m",
+            "kvbroker.tools.cli",
+            "--broker",
+            "127.0.0.1:1",
+            "--timeout",
+            "0.5",
+            "engines",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -11,14 +11,14 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+
+from kvbroker.clients import errors
+from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.session import Backoff, EngineSession, ThreadedEngineSession
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-
-from clients import errors
-from clients.aio import AsyncBrokerClient
-from clients.hashing import wire_chain
-from clients.session import Backoff, EngineSession, ThreadedEngineSession
-from clients.sync import BrokerClient
 from tests.clients.conftest import until
 
 GPU = pb.TIER_GPU
@@ -203,8 +203,8 @@ async def test_watch_streams_engine_events(
 async def test_session_reregisters_and_reannounces_after_broker_restart(
     broker: Any, engine_info: Callable[..., pb.EngineInfo], recorder: Callable[[], Any]
 ) -> None:
-    from broker.config import BrokerConfig
-    from broker.server import start_server
+    from kvbroker.broker.config import BrokerConfig
+    from kvbroker.broker.server import start_server
 
     events = recorder()
     holder = EngineSession(

@@ -6,11 +6,11 @@ import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvbroker.v1 import broker_pb2 as pb
 
-from clients import errors
-from clients.aio import build_request, trace_metadata
-from clients.session import Backoff, InventoryMirror
+from kvbroker.clients import errors
+from kvbroker.clients.aio import build_request, trace_metadata
+from kvbroker.clients.session import Backoff, InventoryMirror
+from kvbroker.v1 import broker_pb2 as pb
 
 GPU = pb.TIER_GPU
 KEY = ("layout", "tenant", GPU)

@@ -9,11 +9,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from kvbroker.v1 import broker_pb2 as pb
 
-from clients import errors
-from clients.aio import AsyncBrokerClient
-from clients.proxy import EngineSpec, ProxyConfig, build_app
+from kvbroker.clients import errors
+from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.proxy import EngineSpec, ProxyConfig, build_app
+from kvbroker.v1 import broker_pb2 as pb
 from tests.clients.conftest import until
 from tests.serving.fake_engine import FakeEngine
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from clients import hashing
+from kvbroker.common import hashing
 
 vllm_kv = pytest.importorskip("vllm.v1.core.kv_cache_utils", reason="vLLM is not installed")
 vllm_hashing = pytest.importorskip("vllm.utils.hashing")

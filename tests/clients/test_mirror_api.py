@@ -11,15 +11,15 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.server import start_server
+from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.mirror import IndexMirror, follow
+from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-
-from broker.config import BrokerConfig
-from broker.server import start_server
-from clients.aio import AsyncBrokerClient
-from clients.hashing import wire_chain
-from clients.mirror import IndexMirror, follow
-from clients.session import Backoff, EngineSession
 from tests.clients.conftest import until
 
 GPU, CPU = pb.TIER_GPU, pb.TIER_CPU

@@ -49,10 +49,10 @@ class PeerSpec:
 
 
 def peer_main(conn: Connection, spec: PeerSpec) -> None:
-    from engine_adapter.block_mover import BlockMover
-    from engine_adapter.cpu_tier import CpuTierBuffer
-    from engine_adapter.kv_regions import regions_from_kv_caches
-    from engine_adapter.nixl_agent import exit_skipping_nixl_teardown
+    from kvbroker.engine_adapter.block_mover import BlockMover
+    from kvbroker.engine_adapter.cpu_tier import CpuTierBuffer
+    from kvbroker.engine_adapter.kv_regions import regions_from_kv_caches
+    from kvbroker.engine_adapter.nixl_agent import exit_skipping_nixl_teardown
 
     kv = cpu_backend_kv_caches(seed=spec.seed, device=spec.device, **spec.kv_kwargs())
     regions, num_blocks, mem_type = regions_from_kv_caches(kv)
@@ -122,9 +122,9 @@ class Peer:
 
 class Reader:
     def __init__(self, name: str, spec: PeerSpec) -> None:
-        from engine_adapter.block_mover import BlockMover
-        from engine_adapter.cpu_tier import CpuTierBuffer
-        from engine_adapter.kv_regions import regions_from_kv_caches
+        from kvbroker.engine_adapter.block_mover import BlockMover
+        from kvbroker.engine_adapter.cpu_tier import CpuTierBuffer
+        from kvbroker.engine_adapter.kv_regions import regions_from_kv_caches
 
         self.kv = cpu_backend_kv_caches(seed=None, device=spec.device, **spec.kv_kwargs())
         regions, n, mem = regions_from_kv_caches(self.kv)

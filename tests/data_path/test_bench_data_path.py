@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_adapter.nixl_agent import nixl_available
+from kvbroker.engine_adapter.nixl_agent import nixl_available
 
 REPO = Path(__file__).resolve().parents[2]
 

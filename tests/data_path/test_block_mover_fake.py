@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine_adapter.block_mover import BlockMover
-from engine_adapter.fake_nixl import FakeFabric
-from engine_adapter.kv_regions import Region, regions_from_kv_caches
+from kvbroker.engine_adapter.block_mover import BlockMover
+from kvbroker.engine_adapter.kv_regions import Region, regions_from_kv_caches
+from tests.data_path.fake_nixl import FakeFabric
 from tests.data_path.kv_fixtures import LAYER_NAME, cpu_backend_kv_caches, legacy_split_kv_caches
 
 GPU, CPU = 1, 2

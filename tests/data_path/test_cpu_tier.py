@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from engine_adapter.cpu_tier import CpuTierBuffer
-from engine_adapter.kv_regions import regions_from_kv_caches
+from kvbroker.engine_adapter.cpu_tier import CpuTierBuffer
+from kvbroker.engine_adapter.kv_regions import regions_from_kv_caches
 from tests.data_path.kv_fixtures import LAYER_NAME, cpu_backend_kv_caches, legacy_split_kv_caches
 
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine_adapter.kv_regions import regions_from_kv_caches
-from engine_adapter.nixl_agent import nixl_available
+from kvbroker.engine_adapter.kv_regions import regions_from_kv_caches
+from kvbroker.engine_adapter.nixl_agent import nixl_available
 from tests.data_path.kv_fixtures import cpu_backend_kv_caches
 from tests.data_path.nixl_peer import CPU, GPU, Peer, PeerSpec, Reader
 

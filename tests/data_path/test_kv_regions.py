@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from engine_adapter.kv_regions import (
+from kvbroker.engine_adapter.kv_regions import (
     Region,
     layer_index_from_name,
     regions_from_kv_caches,

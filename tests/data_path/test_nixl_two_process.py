@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_adapter.nixl_agent import nixl_available
+from kvbroker.engine_adapter.nixl_agent import nixl_available
 from tests.data_path.nixl_peer import CPU, GPU, Peer, PeerSpec, Reader
 
 pytestmark = [

@@ -18,8 +18,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from clients.sync import BrokerClient
-from engine_adapter.launch import EngineProcess, connector_config, free_port
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.tools.launch import EngineProcess, connector_config, free_port
 
 BLOCK_SIZE = 32
 # Generous budgets: the tests share two cores with three engines (and maybe other
@@ -30,7 +30,7 @@ ACQUIRE_WAIT_MS = 5000
 
 
 class BrokerProcess:
-    """`python -m broker` on a free port, with its log in a file."""
+    """`python -m kvbroker.broker` on a free port, with its log in a file."""
 
     def __init__(self, log_dir: Path, port: int | None = None) -> None:
         self.port = port or free_port()
@@ -41,7 +41,7 @@ class BrokerProcess:
     def start(self) -> BrokerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker", "--address", self.address, "--log-level", "info"],
+            [sys.executable, "-m", "kvbroker.broker", "--address", self.address, "--log-level", "info"],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -205,7 +205,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
 if __name__ == "__main__":
     import tempfile
 
-    from engine_adapter.tiny_model import build_tiny_model
+    from kvbroker.tools.tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="kvbroker-e2e-"))
     model = build_tiny_model(work / "model")

@@ -24,12 +24,11 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+from kvbroker.clients.session import ThreadedEngineSession
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.common.hashing import wire_chain
+from kvbroker.tools.launch import EngineProcess
 from kvbroker.v1 import broker_pb2 as pb
-
-from clients.hashing import wire_chain
-from clients.session import ThreadedEngineSession
-from clients.sync import BrokerClient
-from engine_adapter.launch import EngineProcess
 from tests.e2e.harness import (
     BLOCK_SIZE,
     SESSION_TTL_MS,
@@ -69,7 +68,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    from engine_adapter.tiny_model import build_tiny_model
+    from kvbroker.tools.tiny_model import build_tiny_model
 
     log_dir = tmp_path_factory.mktemp("e2e")
     model = build_tiny_model(log_dir / "model")

@@ -21,11 +21,10 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.common.hashing import wire_chain
+from kvbroker.tools.launch import EngineProcess, engine_environment
 from kvbroker.v1 import broker_pb2 as pb
-
-from clients.hashing import wire_chain
-from clients.sync import BrokerClient
-from engine_adapter.launch import EngineProcess, engine_environment
 from tests.e2e.harness import (
     BLOCK_SIZE,
     BrokerProcess,
@@ -58,7 +57,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    from engine_adapter.tiny_model import build_tiny_model
+    from kvbroker.tools.tiny_model import build_tiny_model
 
     log_dir = tmp_path_factory.mktemp("e2e-cpu-tier")
     model = build_tiny_model(log_dir / "model")

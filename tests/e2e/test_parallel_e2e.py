@@ -28,10 +28,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.tools.launch import PIPELINE_PARALLEL_CPU_ARGS, EngineProcess, connector_config
 from kvbroker.v1 import broker_pb2 as pb
-
-from clients.sync import BrokerClient
-from engine_adapter.launch import PIPELINE_PARALLEL_CPU_ARGS, EngineProcess, connector_config
 from tests.e2e.harness import (
     BLOCK_SIZE,
     BrokerProcess,
@@ -148,7 +147,7 @@ def _fully_ranked(client: BrokerClient) -> set[str]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    from engine_adapter.tiny_model import build_tiny_model
+    from kvbroker.tools.tiny_model import build_tiny_model
 
     reason = _multi_rank_unsupported()
     if reason is not None:

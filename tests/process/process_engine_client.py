@@ -16,9 +16,8 @@ import json
 import sys
 from typing import Any
 
+from kvbroker.clients.session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
-
-from clients.session import EngineSession
 
 
 def say(event: str, **fields: Any) -> None:

@@ -42,7 +42,7 @@ class BrokerProcess:
     def start(self, timeout: float = 30.0) -> None:
         log = open(self.log_path, "a")  # noqa: SIM115 - the child keeps writing to it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "clients.cli", "serve", "--address", self.address, *self.extra],
+            [sys.executable, "-m", "kvbroker.tools.cli", "serve", "--address", self.address, *self.extra],
             cwd=REPO,
             env=_env(),
             stdout=log,

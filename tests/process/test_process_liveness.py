@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from kvbroker.v1 import broker_pb2 as pb
 from process_engine_client import engine_info
 from process_harness import BrokerProcess, EngineProcess
 
-from clients.aio import AsyncBrokerClient
-from clients.session import Backoff, EngineSession
+from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.v1 import broker_pb2 as pb
 
 pytestmark = pytest.mark.timeout(90)
 

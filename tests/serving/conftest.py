@@ -11,6 +11,6 @@ import pytest
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from engine_adapter.tiny_model import build_tiny_model
+    from kvbroker.tools.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -61,7 +61,7 @@ def test_files_the_compose_file_names_exist() -> None:
 
 
 def test_proxy_environment_uses_real_proxy_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    from clients.proxy.config import build_parser, config_from_args
+    from kvbroker.clients.proxy.config import build_parser, config_from_args
 
     env = _load()["services"]["proxy"]["environment"]
     for key, value in env.items():
@@ -81,7 +81,7 @@ def test_proxy_environment_uses_real_proxy_variables(monkeypatch: pytest.MonkeyP
 
 
 def test_broker_environment_names_broker_flags() -> None:
-    from broker.config import BrokerConfig, env_name
+    from kvbroker.broker.config import BrokerConfig, env_name
 
     known = {env_name(f) for f in BrokerConfig.__dataclass_fields__}
     for key in _load()["services"]["broker"]["environment"]:
@@ -90,7 +90,7 @@ def test_broker_environment_names_broker_flags() -> None:
 
 
 def test_engine_entrypoint_sets_only_known_connector_keys() -> None:
-    from engine_adapter.config import AdapterConfig
+    from kvbroker.engine_adapter.config import AdapterConfig
 
     script = (ROOT / "deploy" / "engine-entrypoint.sh").read_text()
     extra = script.split('"kv_connector_extra_config":', 1)[1]
@@ -99,3 +99,17 @@ def test_engine_entrypoint_sets_only_known_connector_keys() -> None:
         AdapterConfig.__dataclass_fields__
     )
     assert '"kv_connector": "BrokerConnector"' in script
+
+
+def test_images_copy_every_folder_of_the_package() -> None:
+    """Each source folder pyproject maps into `kvbroker` is copied into both images."""
+    import tomllib
+
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].values()
+    tops = {Path(folder).parts[0] for folder in folders}
+    for dockerfile in ("Dockerfile.broker", "Dockerfile.engine"):
+        text = (ROOT / "deploy" / dockerfile).read_text()
+        for top in tops:
+            assert f"COPY {top} ./{top}" in text, f"{dockerfile} does not copy {top}/"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_adapter.launch import EngineProcess, EngineStartError
+from kvbroker.tools.launch import EngineProcess, EngineStartError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from clients.proxy import EngineSpec, ProxyConfig, build_app
-from engine_adapter.launch import free_port
+from kvbroker.clients.proxy import EngineSpec, ProxyConfig, build_app
+from kvbroker.tools.launch import free_port
 from tests.serving.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)
@@ -263,7 +263,7 @@ async def test_trace_context_reaches_engines_in_headers_and_kv_transfer_params(
 
 
 def test_help_explains_every_flag() -> None:
-    from clients.proxy.config import build_parser
+    from kvbroker.clients.proxy.config import build_parser
 
     parser = build_parser()
     for action in parser._actions:
@@ -272,7 +272,7 @@ def test_help_explains_every_flag() -> None:
 
 
 def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from clients.proxy.config import build_parser, config_from_args
+    from kvbroker.clients.proxy.config import build_parser, config_from_args
 
     monkeypatch.setenv("KVBROKER_PROXY_DECODE", "d1=http://h1:8001/, h2:8002")
     monkeypatch.setenv("KVBROKER_PROXY_PORT", "9001")

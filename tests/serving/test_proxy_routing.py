@@ -10,12 +10,12 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from kvbroker.v1 import broker_pb2 as pb
 
-from clients.hashing import wire_chain
-from clients.proxy import EngineSpec, ProxyConfig, build_app
-from clients.proxy.engines import EngineLayout, EnginePool
-from clients.proxy.routing import namespace_tenant, order_engines, tokenize_body
+from kvbroker.clients.proxy import EngineSpec, ProxyConfig, build_app
+from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
+from kvbroker.clients.proxy.routing import namespace_tenant, order_engines, tokenize_body
+from kvbroker.common.hashing import wire_chain
+from kvbroker.v1 import broker_pb2 as pb
 from tests.serving.fake_engine import FakeEngine, chat_text, fake_tokens
 
 pytestmark = pytest.mark.timeout(30)
@@ -46,8 +46,8 @@ def engine_info(engine_id: str, role: str, url: str) -> pb.EngineInfo:
 
 @pytest.fixture
 async def broker() -> AsyncIterator[Any]:
-    server_module = pytest.importorskip("broker.server")
-    from broker.config import BrokerConfig
+    server_module = pytest.importorskip("kvbroker.broker.server")
+    from kvbroker.broker.config import BrokerConfig
 
     server = await server_module.start_server(
         BrokerConfig(
@@ -61,8 +61,8 @@ async def broker() -> AsyncIterator[Any]:
 @pytest.fixture
 async def stack(broker: Any) -> AsyncIterator[dict[str, Any]]:
     """Fake engines P, D1, D2 registered with the real broker (labels role, url); a proxy that discovers them."""
-    from clients.aio import AsyncBrokerClient
-    from clients.session import EngineSession
+    from kvbroker.clients.aio import AsyncBrokerClient
+    from kvbroker.clients.session import EngineSession
 
     fakes = {name: await FakeEngine(name).start() for name in ("P", "D1", "D2")}
     sessions = {}

@@ -34,8 +34,8 @@ def receiver() -> Iterator[OtlpReceiver]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[Any]:
     pytest.importorskip("vllm")
-    from engine_adapter.demo import start_stack
-    from engine_adapter.launch import free_port
+    from kvbroker.tools.demo import start_stack
+    from kvbroker.tools.launch import free_port
 
     workdir = tmp_path_factory.mktemp("serving-e2e")
     # Every process of the stack (broker, engines, proxy) inherits these and
@@ -72,7 +72,7 @@ def stats(path: Path) -> dict[str, Any]:
 
 
 def leases_of(address: str, request_id: str) -> list[Any]:
-    from clients.sync import BrokerClient
+    from kvbroker.clients.sync import BrokerClient
 
     with BrokerClient(address) as client:
         return [x for x in client.list_leases(include_ended=True).leases if request_id in x.request_id]
@@ -131,7 +131,7 @@ def test_a_request_the_decode_engine_rejects_ends_the_prefill_hold_at_once(stack
 
 
 def test_streamed_multi_turn_chat(stack: Any) -> None:
-    from engine_adapter.demo import SYSTEM_PROMPT, chat_turn
+    from kvbroker.tools.demo import SYSTEM_PROMPT, chat_turn
 
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "first question"}]
     first = chat_turn(stack.proxy_url, messages, "e2e-chat-1", max_tokens=12)

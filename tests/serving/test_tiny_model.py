@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_adapter.tiny_model import build_tiny_model, is_tiny_model_dir
+from kvbroker.tools.tiny_model import build_tiny_model, is_tiny_model_dir
 
 
 def test_build_is_deterministic(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ Everything is deterministic from `seed`: two builds with the same arguments
 produce byte-identical weights and the same tokenizer, so engines built from
 separate directories still agree on token ids and block hashes.
 
-CLI: `python -m engine_adapter.tiny_model OUT_DIR [--layers N] [--seed S] ...`
+CLI: `python -m kvbroker.tools.tiny_model OUT_DIR [--layers N] [--seed S] ...`
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def is_tiny_model_dir(path: str | Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m engine_adapter.tiny_model",
+        prog="python -m kvbroker.tools.tiny_model",
         description="Build a tiny random-weight Llama model and tokenizer for vLLM, offline.",
     )
     parser.add_argument("out_dir", help="directory to write config.json, model.safetensors, tokenizer files")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_adapter.nixl_agent import NixlApi
+from kvbroker.engine_adapter.nixl_agent import NixlApi
 
 
 class FakeNixlError(Exception):

@@ -101,7 +101,7 @@ def connector_config(
     extra_config.update(extra)
     return {
         "kv_connector": "BrokerConnector",
-        "kv_connector_module_path": "engine_adapter.connector",
+        "kv_connector_module_path": "kvbroker.engine_adapter.connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra_config,
     }

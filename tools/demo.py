@@ -1,11 +1,11 @@
 """One command that shows the whole system working on a CPU machine.
 
-    python -m engine_adapter.demo                 # build, start, chat 3 turns, stop
-    python -m engine_adapter.demo --keep-running  # ... then keep the stack up until Ctrl-C
+    python -m kvbroker.tools.demo                 # build, start, chat 3 turns, stop
+    python -m kvbroker.tools.demo --keep-running  # ... then keep the stack up until Ctrl-C
 
-It builds the tiny model, starts the broker (`python -m broker`), a prefill
+It builds the tiny model, starts the broker (`python -m kvbroker.broker`), a prefill
 and a decode vLLM engine with our BrokerConnector, and the P/D proxy
-(`python -m clients.proxy`), then runs a multi-turn chat through the proxy
+(`python -m kvbroker.clients.proxy`), then runs a multi-turn chat through the proxy
 and prints per turn: time to first token, which engines served it, tokens
 pulled over NIXL versus computed (and from which engine and tier), transfer
 GB/s, and each lease's lifecycle as the broker saw it. Everything it started
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_adapter.launch import EngineProcess, EngineStartError, connector_config, free_port
-from engine_adapter.tiny_model import build_tiny_model, is_tiny_model_dir
+from kvbroker.tools.launch import EngineProcess, EngineStartError, connector_config, free_port
+from kvbroker.tools.tiny_model import build_tiny_model, is_tiny_model_dir
 
 # A system prompt long enough to fill a few 32-token blocks, so even turn 1 has
 # whole blocks for P to hold and D to pull.
@@ -144,10 +144,10 @@ def start_stack(workdir: Path, *, proxy_port: int, broker_port: int, threshold: 
     say(f"[2/4] starting the broker on {stack.broker_address} ...")
     stack.broker = ChildProcess(
         "broker",
-        [sys.executable, "-m", "broker", "--address", stack.broker_address],
+        [sys.executable, "-m", "kvbroker.broker", "--address", stack.broker_address],
         workdir / "broker.log",
     ).start()
-    from clients.sync import BrokerClient
+    from kvbroker.clients.sync import BrokerClient
 
     with BrokerClient(stack.broker_address) as client:
         client.wait_ready(timeout=30)
@@ -201,7 +201,7 @@ def start_stack(workdir: Path, *, proxy_port: int, broker_port: int, threshold: 
         [
             sys.executable,
             "-m",
-            "clients.proxy",
+            "kvbroker.clients.proxy",
             "--host",
             "127.0.0.1",
             "--port",
@@ -224,7 +224,7 @@ class LeaseWatcher:
     """Collects the broker's lease events in a background thread."""
 
     def __init__(self, address: str) -> None:
-        from clients.sync import BrokerClient
+        from kvbroker.clients.sync import BrokerClient
 
         self.events: list[Any] = []
         self._client = BrokerClient(address)
@@ -232,7 +232,7 @@ class LeaseWatcher:
         self._thread.start()
 
     def _run(self) -> None:
-        from clients.errors import BrokerError
+        from kvbroker.clients.errors import BrokerError
 
         try:
             for event in self._client.watch(lease_events=True):
@@ -410,7 +410,7 @@ def print_access(stack: Stack) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m engine_adapter.demo",
+        prog="python -m kvbroker.tools.demo",
         description="Start broker + prefill and decode vLLM engines + P/D proxy locally and run a multi-turn chat.",
     )
     parser.add_argument(

@@ -18,11 +18,11 @@ from typing import Any, TextIO
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
-from kvbroker.v1 import broker_pb2 as pb
 
-from clients import errors
-from clients.aio import DEFAULT_ADDRESS
-from clients.sync import BrokerClient
+from kvbroker.clients import errors
+from kvbroker.clients.aio import DEFAULT_ADDRESS
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.v1 import broker_pb2 as pb
 
 ADDRESS_ENV = "KVBROKER_ADDR"
 
@@ -305,7 +305,7 @@ def cmd_score(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> in
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from broker import server  # the broker's own dependencies load only for `serve`
+    from kvbroker.broker import server  # the broker's own dependencies load only for `serve`
 
     return server.serve_main(args)
 
@@ -460,7 +460,7 @@ def build_parser(
 
 def _serve_arguments() -> Callable[[argparse.ArgumentParser], None] | None:
     try:
-        from broker import server
+        from kvbroker.broker import server
     except ImportError:
         return None
     return server.add_serve_arguments

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker.model import Tier
+from kvbroker.common.model import Tier
 
 
 @dataclass(slots=True)

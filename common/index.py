@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, cast
 
-from broker.model import Namespace, Tier
+from kvbroker.common.model import Namespace, Tier
 
 MASK64 = (1 << 64) - 1
 

@@ -1,0 +1,161 @@
+"""The package's shape: one `kvbroker` namespace, and imports that only run down the layers.
+
+    kvbroker.tools                    cli, demo, launcher, tiny model      (may use anything)
+    kvbroker.engine_adapter           what vLLM loads                     -> clients, common, v1
+    kvbroker.broker  kvbroker.clients never each other                    -> common, v1
+    kvbroker.common                   layouts, hashing, index, ranking    -> v1
+    kvbroker.v1                       the generated API
+
+docs/architecture.md draws the same picture.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+PACKAGE_DIRS = {name: ROOT / folder for name, folder in CONFIG["package-dir"].items()}
+
+# What each layer may import from inside kvbroker (besides itself).
+ALLOWED = {
+    "kvbroker.v1": set(),
+    "kvbroker.common": {"kvbroker.v1"},
+    "kvbroker.broker": {"kvbroker.v1", "kvbroker.common"},
+    "kvbroker.clients": {"kvbroker.v1", "kvbroker.common"},
+    "kvbroker.engine_adapter": {"kvbroker.v1", "kvbroker.common", "kvbroker.clients"},
+    "kvbroker.tools": {
+        "kvbroker.v1",
+        "kvbroker.common",
+        "kvbroker.broker",
+        "kvbroker.clients",
+        "kvbroker.engine_adapter",
+    },
+}
+OLD_TOP_LEVEL = {"broker", "clients", "engine_adapter", "common", "tools"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the wheel, by its dotted name."""
+    out: dict[str, Path] = {}
+    for package in CONFIG["packages"]:
+        folder = _folder_of(package)
+        for path in folder.glob("*.py"):
+            name = package if path.name == "__init__.py" else f"{package}.{path.stem}"
+            out[name] = path
+    return out
+
+
+def _folder_of(package: str) -> Path:
+    for name in sorted(PACKAGE_DIRS, key=len, reverse=True):
+        if package == name or package.startswith(name + "."):
+            rest = package[len(name) :].strip(".")
+            return PACKAGE_DIRS[name].joinpath(*rest.split(".")) if rest else PACKAGE_DIRS[name]
+    raise AssertionError(f"{package} is not under any package-dir entry")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            # `from kvbroker.common import index` imports kvbroker.common.index
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _layer(module: str) -> str:
+    for layer in sorted(ALLOWED, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return "kvbroker"
+
+
+def test_every_package_folder_is_in_the_wheel_list() -> None:
+    """A subpackage left out of pyproject's list would silently be missing from the wheel."""
+    listed = set(CONFIG["packages"])
+    for name, folder in PACKAGE_DIRS.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder)
+            package = ".".join([name, *rel.parts]) if rel.parts else name
+            assert package in listed, f"{init.parent} has an __init__.py but {package} is not in pyproject"
+
+
+def test_imports_only_run_down_the_layers() -> None:
+    wrong = []
+    for module, path in _modules().items():
+        layer = _layer(module)
+        for line, target in _imports(path):
+            if target.split(".")[0] in OLD_TOP_LEVEL:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} (use kvbroker.*)")
+            if not target.startswith("kvbroker.") or layer == "kvbroker":
+                continue
+            target_layer = _layer(target)
+            if target_layer != layer and target_layer not in ALLOWED[layer]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {target} ({target_layer})")
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_tests_and_bench_use_the_namespace() -> None:
+    wrong = []
+    for folder in ("tests", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for line, target in _imports(path):
+                if target.split(".")[0] in OLD_TOP_LEVEL:
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_plugin_package_holds_only_what_vllm_loads() -> None:
+    """Every module of kvbroker.engine_adapter is reached from the connector vLLM imports."""
+    modules = {m: p for m, p in _modules().items() if m.startswith("kvbroker.engine_adapter")}
+    seen: set[str] = set()
+    todo = ["kvbroker.engine_adapter.connector", "kvbroker.engine_adapter"]
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in modules:
+            continue
+        seen.add(module)
+        todo += [target for _, target in _imports(modules[module])]
+    assert set(modules) - seen == set(), "not loaded by vLLM; move it out of the plugin package"
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_only_kvbroker(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("kvbroker-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    outside = [n for n in names if not n.startswith(("kvbroker/", "kvbroker-"))]
+    assert outside == []
+    expected = {
+        f"{m.replace('.', '/')}{'/__init__' if p.name == '__init__.py' else ''}.py"
+        for m, p in _modules().items()
+    }
+    assert expected <= set(names), f"missing from the wheel: {sorted(expected - set(names))[:5]}"
+    assert "kvbroker/v1/broker.proto" in names and "kvbroker/py.typed" in names

@@ -4,7 +4,9 @@ Pure functions over the proto messages, shared by the broker and the clients.
 
 - `layout_id` covers what must be equal for a block to mean the same bytes
   (model, dtype, block size, layer count, KV heads, head size, hash algorithm,
-  kv_layout). TP and PP sizes are left out: topology is checked separately.
+  kv_layout, and, when stated, the engine's version and kvbroker's
+  engine-to-engine block format `KV_PROTOCOL_VERSION`). TP and PP sizes are
+  left out: topology is checked separately.
 - `check_topology` requires equal TP (a reader rank reads its own head
   shard) and lets PP differ (a reader gathers each layer from the holder rank
   whose layer range owns it), as long as the holder's ranks cover every layer.
@@ -20,6 +22,16 @@ from kvbroker.v1 import broker_pb2 as pb
 DEFAULT_HASH_ALGO = "sha256"
 LAYOUT_ID_LEN = 16
 
+# kvbroker's engine-to-engine block format, part of the layout identity. Raise
+# it whenever a reader of the old format would misread a holder of the new one.
+#   1: per-layer MemoryRegions (base_addr + block * block_stride), one NIXL agent
+#      per (pp_rank, tp_rank), tiers GPU and CPU with their own regions.
+KV_PROTOCOL_VERSION = 1
+
+# Fields added to the fingerprint after layout ids were first issued: part of
+# the id only when set, so an engine that does not state them keeps its id.
+_OPTIONAL_FIELDS = ("engine_version", "kv_protocol")
+
 
 def layout_id(fp: pb.LayoutFingerprint) -> str:
     """A deterministic short id (16 hex chars) over the read-compatibility fields of `fp`."""
@@ -33,8 +45,19 @@ def layout_id(fp: pb.LayoutFingerprint) -> str:
         "hash_algo": fp.hash_algo or DEFAULT_HASH_ALGO,
         "kv_layout": fp.kv_layout,
     }
+    for name in _OPTIONAL_FIELDS:
+        if getattr(fp, name):
+            fields[name] = getattr(fp, name)
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(canonical).hexdigest()[:LAYOUT_ID_LEN]
+
+
+def layout_difference(a: pb.LayoutFingerprint, b: pb.LayoutFingerprint) -> str:
+    """Which identity fields differ, e.g. "engine_version 'vllm 0.32.0' vs 'vllm 0.33.0'"."""
+    names = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size")
+    names += ("hash_algo", "kv_layout", *_OPTIONAL_FIELDS)
+    diffs = [f"{n} {getattr(a, n)!r} vs {getattr(b, n)!r}" for n in names if getattr(a, n) != getattr(b, n)]
+    return "; ".join(diffs) or "same fields"
 
 
 def check_topology(reader: pb.EngineInfo, holder: pb.EngineInfo) -> str | None:
@@ -43,7 +66,7 @@ def check_topology(reader: pb.EngineInfo, holder: pb.EngineInfo) -> str | None:
     if layout_id(rl) != layout_id(hl):
         return (
             f"layouts differ: reader {reader.engine_id!r} has layout {layout_id(rl)}, "
-            f"holder {holder.engine_id!r} has {layout_id(hl)}"
+            f"holder {holder.engine_id!r} has {layout_id(hl)} ({layout_difference(rl, hl)})"
         )
     reader_tp, holder_tp = rl.tp_size or 1, hl.tp_size or 1
     if reader_tp != holder_tp:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -25,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvbroker.common.layout import KV_PROTOCOL_VERSION
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.metadata import AdapterMetadata, RegionSpec
 from kvbroker.v1 import broker_pb2 as pb
@@ -63,6 +65,8 @@ def layout_fingerprint(vllm_config: VllmConfig) -> pb.LayoutFingerprint:
         pp_size=int(parallel.pipeline_parallel_size),
         hash_algo=str(cache.prefix_caching_hash_algo),
         kv_layout=f"kv_cache_dtype={cache.cache_dtype}",
+        engine_version=f"vllm {vllm.__version__}",
+        kv_protocol=KV_PROTOCOL_VERSION,
     )
 
 

@@ -29,6 +29,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+# The format's history. A worker refuses metadata of another version (both
+# sides of one engine load the same package, so a mismatch means a mixed
+# install, not a peer of another release).
+#   1: LoadSpec / Commit / ReadOutcomes: lease-committed pulls; `frees` for
+#      held requests whose lease ended.
+#   2: the CPU tier: StoreSpec, ReadOutcomes.stores_done / stores_failed and
+#      HolderRank.mem_type. (HolderRank.num_blocks came later with a default:
+#      both sides are one install, so an added defaulted field needs no bump.)
 VERSION = 2
 
 

@@ -27,6 +27,7 @@ pytest.importorskip("nixl")
 from kvbroker.clients.session import ThreadedEngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
+from kvbroker.common.layout import KV_PROTOCOL_VERSION
 from kvbroker.tools.launch import EngineProcess
 from kvbroker.v1 import broker_pb2 as pb
 from tests.e2e.harness import (
@@ -277,6 +278,11 @@ def test_incompatible_holder_is_not_read(cluster: Cluster) -> None:
     reference = recompute_reference(cluster.d, prompt, MAX_TOKENS)
     with BrokerClient(cluster.broker.address) as client:
         d_info = next(e for e in client.list_engines().engines if e.engine_id == "D")
+    import vllm
+
+    # The engine states its vLLM version and our block format: both are part of its layout id.
+    assert d_info.layout.engine_version == f"vllm {vllm.__version__}"
+    assert d_info.layout.kv_protocol == KV_PROTOCOL_VERSION
     layout = pb.LayoutFingerprint()
     layout.CopyFrom(d_info.layout)
     layout.tp_size = 2

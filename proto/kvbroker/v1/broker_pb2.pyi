@@ -149,6 +149,8 @@ class LayoutFingerprint(_message.Message):
     PP_SIZE_FIELD_NUMBER: _builtins.int
     HASH_ALGO_FIELD_NUMBER: _builtins.int
     KV_LAYOUT_FIELD_NUMBER: _builtins.int
+    ENGINE_VERSION_FIELD_NUMBER: _builtins.int
+    KV_PROTOCOL_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     dtype: _builtins.str
     block_size: _builtins.int
@@ -163,6 +165,16 @@ class LayoutFingerprint(_message.Message):
     """vLLM prefix_caching_hash_algo: sha256 | sha256_cbor"""
     kv_layout: _builtins.str
     """free-form extra (e.g. attention backend layout)"""
+    engine_version: _builtins.str
+    """The engine's name and version, e.g. "vllm 0.32.0". Blocks written by one
+    engine version are read only by the same version (its hashing, kernels and
+    cache layout may change between releases). Empty: not stated.
+    """
+    kv_protocol: _builtins.int
+    """kvbroker's engine-to-engine block format (kvbroker.common.layout
+    KV_PROTOCOL_VERSION): how a holder's regions, ranks and tiers are laid out
+    for readers. 0: not stated.
+    """
     def __init__(
         self,
         *,
@@ -176,10 +188,12 @@ class LayoutFingerprint(_message.Message):
         pp_size: _builtins.int = ...,
         hash_algo: _builtins.str = ...,
         kv_layout: _builtins.str = ...,
+        engine_version: _builtins.str = ...,
+        kv_protocol: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "hash_algo", b"hash_algo", "head_size", b"head_size", "kv_layout", b"kv_layout", "model", b"model", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pp_size", b"pp_size", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "engine_version", b"engine_version", "hash_algo", b"hash_algo", "head_size", b"head_size", "kv_layout", b"kv_layout", "kv_protocol", b"kv_protocol", "model", b"model", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pp_size", b"pp_size", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,9 +10,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -23,13 +22,14 @@ from prometheus_client import CollectorRegistry
 
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.clock import Clock, MonotonicClock
-from kvbroker.broker.config import FIELD_HELP, BrokerConfig, env_name
+from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.decode_guard import DecodeGuardInterceptor
 from kvbroker.broker.errors import InvalidArgument
 from kvbroker.broker.metrics import MetricsInterceptor, start_metrics_http
 from kvbroker.broker.servicer import BrokerServicer
 from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider, otlp_endpoint
+from kvbroker.common import settings
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 
 log = logging.getLogger("kvbroker")
@@ -168,34 +168,15 @@ async def start_server(
 # -- command line ---------------------------------------------------------------------
 
 
-def _env_default(name: str, default: Any, parser: argparse.ArgumentParser) -> Any:
-    raw = os.environ.get(env_name(name))
-    if raw is None:
-        return default
-    try:
-        return type(default)(raw)
-    except ValueError:
-        parser.error(f"{env_name(name)}={raw!r} is not a valid {type(default).__name__}")
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per BrokerConfig field; defaults come from KVBROKER_* variables."""
-    defaults = BrokerConfig()
     group = parser.add_argument_group("broker", "each flag can also be set by the environment variable shown")
-    for f in fields(BrokerConfig):
-        default = getattr(defaults, f.name)
-        group.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=type(default),
-            default=_env_default(f.name, default, parser),
-            metavar=type(default).__name__.upper(),
-            help=f"{FIELD_HELP[f.name]} [env {env_name(f.name)}; default: %(default)s]",
-        )
+    settings.add_arguments(group, BrokerConfig, ENV_PREFIX, error=parser.error)
 
 
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
-    return BrokerConfig(**{f.name: getattr(args, f.name) for f in fields(BrokerConfig)})
+    config: BrokerConfig = settings.from_args(BrokerConfig, args)
+    return config
 
 
 async def _serve(config: BrokerConfig) -> None:

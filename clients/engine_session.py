@@ -23,6 +23,7 @@ from typing import Any
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient
+from kvbroker.clients.clock import SessionClock
 from kvbroker.clients.inventory import (
     DEFAULT_MAX_HASHES_PER_UPDATE,
     InventoryKey,
@@ -50,6 +51,10 @@ class EngineSession(SessionStream):
     ``on_pin(PinCommand)`` returns a ``PinResult`` (or an awaitable or a
     ``concurrent.futures.Future`` of one); without an ``on_pin`` every pin is
     refused.
+
+    ``clock`` (a ``kvbroker.clients.clock.SessionClock``; monotonic time by
+    default) decides heartbeats, the silence limit, stall forgiveness and the
+    reconnect back-off: a test passes a ``ManualClock`` and moves it.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class EngineSession(SessionStream):
         resolve_timeout_s: float = DEFAULT_RESOLVE_TIMEOUT_S,
         lease_call_timeout_s: float | None = None,
         mirror_index: bool = False,
+        clock: SessionClock | None = None,
     ) -> None:
         if engine is None or not engine.engine_id:
             raise ValueError("EngineSession needs an EngineInfo with an engine_id")
@@ -93,6 +99,7 @@ class EngineSession(SessionStream):
             load=load,
             backoff=backoff,
             register_timeout_s=register_timeout_s,
+            clock=clock,
         )
         self.flush_interval_s = flush_interval_s
         self.flush_max_hashes = flush_max_hashes

@@ -29,7 +29,6 @@ import dataclasses
 import inspect
 import logging
 import random
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
@@ -38,6 +37,7 @@ import grpc.aio
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient, trace_metadata
+from kvbroker.clients.clock import MonotonicClock, SessionClock
 from kvbroker.v1 import broker_pb2 as pb
 
 # One logger for the whole session, named as before the session module was split.
@@ -100,6 +100,7 @@ class SessionStream:
         load: Callable[[], float] | None,
         backoff: Backoff,
         register_timeout_s: float,
+        clock: SessionClock | None,
     ) -> None:
         self.engine = pb.EngineInfo()
         self.engine.CopyFrom(engine)
@@ -117,6 +118,8 @@ class SessionStream:
         self._load_value = 0.0
         self.backoff = backoff
         self.register_timeout_s = register_timeout_s
+        # Heartbeats, the silence limit, stall forgiveness and back-off all go by this clock.
+        self.clock: SessionClock = clock if clock is not None else MonotonicClock()
 
         self.registered: pb.Registered | None = None
         self.registrations = 0  # successful registrations so far (1 + reconnects)
@@ -262,7 +265,7 @@ class SessionStream:
                 log.warning("session of %s: %s", self.engine_id, error)
             delay = self.backoff.delay(attempt)
             attempt += 1
-            await asyncio.sleep(delay)
+            await self.clock.sleep(delay)
 
     def _mark_disconnected(self) -> bool:
         was_connected = self.connected
@@ -283,7 +286,7 @@ class SessionStream:
             self._outbox = outbox
             self.registered = registered
             self.registrations += 1
-            self._last_heard = time.monotonic()
+            self._last_heard = self.clock.now()
             self._resync(registered, outbox)
             self._connected.set()
             log.info(
@@ -346,7 +349,7 @@ class SessionStream:
                 raise errors.from_rpc_error(err) from None
             if message is grpc.aio.EOF:
                 raise errors.Unavailable("broker ended the session stream")
-            self._last_heard = time.monotonic()
+            self._last_heard = self.clock.now()
             self._dispatch(message)
 
     async def _write_loop(self, call: Any, outbox: asyncio.Queue[pb.SessionUp]) -> None:
@@ -360,14 +363,15 @@ class SessionStream:
                 raise errors.Unavailable("session stream closed while sending") from None
 
     async def _heartbeat_loop(self, outbox: asyncio.Queue[pb.SessionUp]) -> None:
-        last_sent = time.monotonic()
+        clock = self.clock
+        last_sent = clock.now()
         while True:
             ttl_s = self.session_ttl_s
             interval_s = self.heartbeat_interval_s
             nap_s = max(0.02, min(interval_s, ttl_s / 10.0))
-            before = time.monotonic()
-            await asyncio.sleep(nap_s)
-            now = time.monotonic()
+            before = clock.now()
+            await clock.sleep(nap_s)
+            now = clock.now()
             stalled = now - before - nap_s
             if stalled > STALL_S:
                 # This process did not run (a starved or paused host): the broker's answers

@@ -21,6 +21,7 @@ from opentelemetry import context as otel_context
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import DEFAULT_ADDRESS
+from kvbroker.clients.clock import SessionClock
 from kvbroker.clients.engine_session import EngineSession
 from kvbroker.clients.inventory import NamespaceLike, namespace_key
 from kvbroker.v1 import broker_pb2 as pb
@@ -34,13 +35,24 @@ class ThreadedEngineSession:
     Callbacks run on the session thread; hand work to your own thread-safe
     structures there. ``on_pin`` may return a ``concurrent.futures.Future``
     that the caller's thread completes later.
+
+    ``options`` are ``EngineSession``'s. ``clock`` is the session's clock (see
+    ``EngineSession``); a ``ManualClock`` may be moved from any thread.
     """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, engine: pb.EngineInfo | None = None, **options: Any):
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        engine: pb.EngineInfo | None = None,
+        *,
+        clock: SessionClock | None = None,
+        **options: Any,
+    ):
         if engine is None or not engine.engine_id:
             raise ValueError("ThreadedEngineSession needs an EngineInfo with an engine_id")
         self.address = address
         self._engine = engine
+        self._clock = clock
         self._options = options
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -98,7 +110,7 @@ class ThreadedEngineSession:
             self._submit(self.session.wait_connected(wait_connected_s)).result()
 
     async def _make_session(self) -> EngineSession:
-        session = EngineSession(self.address, self._engine, **self._options)
+        session = EngineSession(self.address, self._engine, clock=self._clock, **self._options)
         await session.start()
         return session
 

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
@@ -383,7 +384,8 @@ class SessionStream:
                     stalled,
                 )
                 self._last_heard = min(now, self._last_heard + stalled)
-                last_sent = now - interval_s
+                # Due now whatever the interval (now - (now - interval) may round below it).
+                last_sent = -math.inf
             if now - self._last_heard > SILENCE_TTLS * ttl_s:
                 raise _GaveUp(
                     f"broker answered nothing for {SILENCE_TTLS * ttl_s:g} s ({SILENCE_TTLS} session TTLs)"

@@ -128,6 +128,33 @@ async def test_the_session_gives_up_after_three_silent_ttls_on_its_clock_and_bac
     assert clock.waiting() == []  # closing let go of the clock
 
 
+async def test_a_stall_of_this_process_is_not_counted_as_the_brokers_silence(
+    quiet: tuple[str, _QuietBroker],
+    engine_info: Callable[..., pb.EngineInfo],
+    recorder: Callable[[], Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    address, broker = quiet
+    clock = ManualClock()
+    events = recorder()
+    session = EngineSession(address, engine_info("p0"), clock=clock, **events.callbacks())
+    try:
+        await session.start(wait_connected_s=5.0)
+        registered_at = clock.now()
+        while clock.now() - registered_at < 1.0 - EPS:  # a second of silence, nap by nap
+            await step(clock)
+        await until(lambda: broker.heartbeats() == 6)  # every four naps: 0.16 s >= the 0.13 s interval
+        await step(clock, late=1.0)  # this process did not run for a second
+        await until(lambda: broker.heartbeats() == 7)  # so it heartbeats at once
+        assert "did not run for 1.00 s" in caplog.text
+        gave_up_at = await step_until_disconnected(clock, events)
+        # The second of the stall is not the broker's silence: SILENCE_TTLS TTLs are counted without it.
+        limit = SILENCE_TTLS * TTL_S
+        assert limit - EPS < gave_up_at - registered_at - 1.0 <= limit + NAP_S + EPS
+    finally:
+        await session.close()
+
+
 async def test_the_threaded_session_heartbeats_on_its_clock(
     quiet: tuple[str, _QuietBroker], engine_info: Callable[..., pb.EngineInfo]
 ) -> None:

@@ -174,33 +174,42 @@ class EngineSession(SessionStream):
 
         Raises Unavailable at once when the session is not connected.
         """
-        if not self.connected or self._outbox is None:
-            raise errors.Unavailable(f"engine {self.engine_id} has no live broker session")
+        self._live_outbox()  # Unavailable at once when not connected
         layout_id, tenant = namespace_key(namespace)
-        self._seq += 1
-        seq = self._seq
-        future: asyncio.Future[pb.ResolveResponse] = asyncio.get_running_loop().create_future()
-        self._resolves[seq] = future
-        self._outbox.put_nowait(
-            pb.SessionUp(
-                seq=seq,
-                resolve=pb.ResolveRequest(
-                    namespace=pb.Namespace(layout_id=layout_id or self.layout_id, tenant=tenant),
-                    block_hashes=list(block_hashes),
-                    acquire=acquire,
-                    lease_ttl_ms=lease_ttl_ms,
-                    min_blocks=min_blocks,
-                    request_id=request_id,
-                ),
-            )
+        request = pb.SessionUp(
+            resolve=pb.ResolveRequest(
+                namespace=pb.Namespace(layout_id=layout_id or self.layout_id, tenant=tenant),
+                block_hashes=list(block_hashes),
+                acquire=acquire,
+                lease_ttl_ms=lease_ttl_ms,
+                min_blocks=min_blocks,
+                request_id=request_id,
+            ),
         )
         limit = self.resolve_timeout_s if timeout is None else timeout
-        try:
-            return await asyncio.wait_for(future, limit)
-        except TimeoutError:
-            raise errors.DeadlineExceeded(f"resolve got no answer within {limit:g} s") from None
-        finally:
-            self._resolves.pop(seq, None)
+        response: pb.ResolveResponse = await self._request(request, limit, "resolve")
+        return response
+
+    async def applied(self, timeout: float | None = None) -> None:
+        """Return once the broker has applied everything this session was told before the call.
+
+        Pending inventory changes go out now (as ``flush()``), then a heartbeat;
+        the broker handles one session's stream in order and acknowledges the
+        heartbeat after all of it, so when this returns every earlier
+        ``announce_*`` / ``clear_tier`` (and pin result) is in the broker's
+        index, and any resolve or score that starts afterwards, from any
+        client, sees it. A change the broker refused counts as handled (it is
+        logged, as always).
+
+        Raises Unavailable at once when the session is not connected (the
+        changes stay in the mirror and the next registration sends them all:
+        wait for ``on_connected`` and call again), or when the stream breaks
+        before the acknowledgement; DeadlineExceeded after ``timeout``
+        (default ``resolve_timeout_s``).
+        """
+        self._live_outbox()  # Unavailable at once when not connected
+        self.flush()
+        await self._barrier(self.resolve_timeout_s if timeout is None else timeout)
 
     async def hold(
         self,

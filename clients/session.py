@@ -19,6 +19,9 @@
   messages;
 - resolves over the stream (replies matched by sequence number), which costs
   far less than a unary call;
+- ``await applied()`` returns once the broker has applied everything the
+  session was told before the call (a heartbeat's acknowledgement, which the
+  broker sends only after handling every earlier message of the stream);
 - hands ``PinCommand`` to ``on_pin`` and sends back its ``PinResult``, and
   reports ``LeaseRevoked`` / ``LeaseEnded`` / ``DrainCommand`` to callbacks.
 
@@ -28,11 +31,16 @@ once, and resolve/hold/acquire/renew/release return
 ``concurrent.futures.Future`` objects; a future that is not done is simply
 "not ready yet", so the caller never waits on the broker.
 
+Both take ``clock=`` (monotonic by default) for heartbeats, the silence
+limit, stall forgiveness and back-off.
+
 This module gathers the public names; the code lives in
 
 - ``kvbroker.clients.session_stream``: the stream itself (registration,
   heartbeats, silence and stall handling, reconnects with ``Backoff``, the
-  broker's commands and callbacks);
+  broker's commands and callbacks, replies matched by seq, the barrier);
+- ``kvbroker.clients.clock``: the clock those timing decisions go by
+  (``MonotonicClock``; ``ManualClock`` for tests);
 - ``kvbroker.clients.inventory``: ``InventoryMirror``, what the engine holds
   and the changes not yet sent;
 - ``kvbroker.clients.engine_session``: ``EngineSession``, the stream plus

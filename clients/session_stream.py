@@ -11,7 +11,11 @@
   was only starved is the cheaper mistake. Time this process itself did not
   run (a timer firing late) is not counted as the broker's silence;
 - reconnects with exponential back-off and jitter (``Backoff``), and
-  registers again;
+  registers again; heartbeats, silence, stalls and back-off all go by one
+  injected clock (``kvbroker.clients.clock``);
+- matches replies to requests by sequence number (``_request``), and offers
+  a barrier (``_barrier``): the broker handles one session's stream in order,
+  so the acknowledgement of a heartbeat proves every earlier message handled;
 - hands ``PinCommand`` to ``on_pin`` and sends back its ``PinResult``, and
   reports ``LeaseRevoked`` / ``LeaseEnded`` / ``DrainCommand`` to callbacks.
 
@@ -129,7 +133,8 @@ class SessionStream:
 
         self._seq = 0
         self._outbox: asyncio.Queue[pb.SessionUp] | None = None
-        self._resolves: dict[int, asyncio.Future[pb.ResolveResponse]] = {}
+        # Requests on the stream waiting for the reply with their seq (resolves, barriers).
+        self._replies: dict[int, asyncio.Future[Any]] = {}
         self._connected = asyncio.Event()
         self._run_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -273,10 +278,10 @@ class SessionStream:
         self._connected.clear()
         self._outbox = None
         self._cancel_flush()
-        for future in self._resolves.values():
+        for future in self._replies.values():
             if not future.done():
                 future.set_exception(errors.Unavailable("broker session lost before the answer came"))
-        self._resolves.clear()
+        self._replies.clear()
         return was_connected
 
     async def _connect_and_serve(self) -> None:
@@ -392,9 +397,13 @@ class SessionStream:
                 )
             if now - last_sent >= interval_s:
                 self._seq += 1
-                load = self._load() if self._load is not None else self._load_value
-                outbox.put_nowait(pb.SessionUp(seq=self._seq, heartbeat=pb.Heartbeat(load=load)))
+                outbox.put_nowait(
+                    pb.SessionUp(seq=self._seq, heartbeat=pb.Heartbeat(load=self._current_load()))
+                )
                 last_sent = now
+
+    def _current_load(self) -> float:
+        return self._load() if self._load is not None else self._load_value
 
     def _send(self, message: pb.SessionUp) -> None:
         if self._outbox is not None:
@@ -402,12 +411,50 @@ class SessionStream:
             message.seq = self._seq
             self._outbox.put_nowait(message)
 
+    def _live_outbox(self) -> asyncio.Queue[pb.SessionUp]:
+        """The stream's outbox; Unavailable when the session is not connected."""
+        if not self.connected or self._outbox is None:
+            raise errors.Unavailable(f"engine {self.engine_id} has no live broker session")
+        return self._outbox
+
+    async def _request(self, message: pb.SessionUp, timeout: float, what: str) -> Any:
+        """Send ``message`` behind everything queued so far; the broker's reply with its seq.
+
+        Raises Unavailable at once when not connected, or when the stream breaks
+        before the reply; DeadlineExceeded after ``timeout``.
+        """
+        outbox = self._live_outbox()
+        self._seq += 1
+        seq = message.seq = self._seq
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._replies[seq] = future
+        outbox.put_nowait(message)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(f"{what} got no answer within {timeout:g} s") from None
+        finally:
+            self._replies.pop(seq, None)
+
+    async def _barrier(self, timeout: float) -> None:
+        """Return once the broker has handled every message sent on this stream before the call.
+
+        The broker reads one session's stream in order and answers a heartbeat
+        (heartbeat_ack, same seq) only after handling it, so the ack proves
+        that everything queued before the heartbeat was handled too.
+        """
+        heartbeat = pb.SessionUp(heartbeat=pb.Heartbeat(load=self._current_load()))
+        await self._request(heartbeat, timeout, "the barrier heartbeat")
+
     # -- messages from the broker -------------------------------------------
 
     def _dispatch(self, message: pb.SessionDown) -> None:
         kind = message.WhichOneof("msg")
         if kind == "resolve":
             self._settle(message.seq, result=message.resolve)
+        elif kind == "heartbeat_ack":
+            # Answers a barrier (_barrier); any other heartbeat's ack only proves the broker alive.
+            self._settle(message.seq, result=message.heartbeat_ack)
         elif kind == "error":
             error = errors.from_code_name(message.error.code, message.error.message)
             if not self._settle(message.seq, error=error):
@@ -421,15 +468,15 @@ class SessionStream:
         elif kind == "drain":
             log.warning("broker drains engine %s: %s", self.engine_id, message.drain.reason)
             self._callback(self.on_drain, message.drain)
-        # heartbeat_ack and a repeated registered only prove the broker is alive.
+        # A repeated registered only proves the broker is alive.
 
     def _settle(
         self,
         seq: int,
-        result: pb.ResolveResponse | None = None,
+        result: pb.ResolveResponse | pb.Heartbeat | None = None,
         error: errors.BrokerError | None = None,
     ) -> bool:
-        future = self._resolves.get(seq)
+        future = self._replies.get(seq)
         if future is None or future.done():
             return False
         if error is not None:

@@ -209,6 +209,28 @@ class ThreadedEngineSession:
     ) -> concurrent.futures.Future[pb.DeclineResponse]:
         return self._submit(self.session.decline(holder_engine_id, request_id, reason))
 
+    def applied_async(self, timeout: float | None = None) -> concurrent.futures.Future[None]:
+        """A future that completes once the broker has applied everything this session was told
+        before the call (``EngineSession.applied``); changes announced from this thread before
+        the call are included."""
+        return self._submit(self.session.applied(timeout))
+
+    def applied(self, timeout: float | None = None) -> None:
+        """Block until the broker has applied everything this session was told before the call.
+
+        For set-up code and tests: the scheduler must never wait on the broker
+        (use ``applied_async`` there). Raises as ``EngineSession.applied``.
+        """
+        limit = self.session.resolve_timeout_s if timeout is None else timeout
+        future = self.applied_async(limit)
+        try:
+            future.result(limit + 1.0)  # the session answers within limit unless its loop is stuck
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise errors.DeadlineExceeded(
+                f"session of {self.engine_id} did not answer within {limit:g} s"
+            ) from None
+
 
 async def _with_trace_context(ctx: otel_context.Context, coroutine: Awaitable[Any]) -> Any:
     """Await ``coroutine`` with ``ctx`` as the current OpenTelemetry context."""

@@ -107,7 +107,7 @@ class LeaseEndQueue:
 
 
 class SessionBrokerLink:
-    """BrokerLink on clients.session.ThreadedEngineSession (the real broker)."""
+    """BrokerLink on clients.threaded_session.ThreadedEngineSession (the real broker)."""
 
     def __init__(
         self,
@@ -120,7 +120,7 @@ class SessionBrokerLink:
         resolve_timeout_s: float = 2.0,
         lease_call_timeout_s: float | None = None,
     ) -> None:
-        from kvbroker.clients.session import ThreadedEngineSession
+        from kvbroker.clients.threaded_session import ThreadedEngineSession
 
         self._ends = LeaseEndQueue()
         self._pin: Callable[[pb.PinCommand], pb.PinResult] | None = None

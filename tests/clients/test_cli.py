@@ -92,7 +92,7 @@ def test_unreachable_broker_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
 async def test_engines_table_and_json(broker: Any, engines: dict[str, EngineSession]) -> None:
     engines["p0"].announce_stored((engines["p0"].layout_id, ""), GPU, [1, 2, 3])
     engines["p0"].flush()
-    await asyncio.sleep(0.05)
+    await engines["p0"].applied()
     code, text = await run_cli("--broker", broker.address, "engines")
     assert code == 0
     lines = text.splitlines()
@@ -162,7 +162,7 @@ async def test_score_by_tokens_agrees_with_our_hashes(broker: Any, engines: dict
     # p0 announces the hashes we compute; the broker hashes the token ids itself.
     p0.announce_stored((p0.layout_id, ""), GPU, wire_chain(TOKENS, 32)[:2])
     p0.flush()
-    await asyncio.sleep(0.05)
+    await p0.applied()
     tokens = ",".join(map(str, TOKENS))
     code, text = await run_cli(
         "--broker", broker.address, "score", "--layout-id", p0.layout_id, "--tokens", tokens

@@ -14,6 +14,7 @@ import pytest
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.clock import ManualClock
 from kvbroker.clients.session import Backoff, EngineSession, ThreadedEngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
@@ -68,6 +69,7 @@ async def test_register_announce_and_resolve_over_the_session(
     holder.announce_stored(ns, GPU, CHAIN[4:5])
     holder.announce_removed(ns, GPU, CHAIN[4:5])  # undone before the flush
     await until(lambda: holder.inventory.pending_count == 0)
+    await holder.applied()  # the timed flush is on the wire; the broker has applied it
     response = await reader.resolve(ns, CHAIN)
     assert [(m.engine_id, m.tier, m.matched_blocks) for m in response.matches] == [("p0", GPU, 4)]
     # The tenant is part of the namespace: another tenant sees nothing.
@@ -147,8 +149,7 @@ async def test_resolve_with_acquire_pins_through_on_pin(sessions: Callable[..., 
     ns = (holder.layout_id, "")
     holder.announce_stored(ns, GPU, CHAIN[:3])
     holder.flush()
-    await until(lambda: holder.inventory.pending_count == 0)
-    await asyncio.sleep(0.05)  # the flush is on the wire; let the broker apply it
+    await holder.applied()  # the broker has applied the announcement
     response = await reader.resolve(ns, CHAIN, acquire=True, lease_ttl_ms=5_000)
     assert response.lease.state == pb.LEASE_ACTIVE, response
     assert list(response.lease.block_ids) == [100, 101, 102]
@@ -164,10 +165,35 @@ async def test_a_refused_pin_gives_no_lease(sessions: Callable[..., Any]) -> Non
     ns = (holder.layout_id, "")
     holder.announce_stored(ns, GPU, CHAIN[:2])
     holder.flush()
-    await asyncio.sleep(0.05)
+    await holder.applied()
     response = await reader.resolve(ns, CHAIN, acquire=True)
     assert response.skipped_reason == "holder_refused"
     assert response.lease.state != pb.LEASE_ACTIVE
+
+
+async def test_applied_returns_once_the_broker_has_every_earlier_change(
+    sessions: Callable[..., Any], client: AsyncBrokerClient
+) -> None:
+    holder = await sessions("p0", flush_interval_s=60.0)  # no timed flush: applied() sends them
+    ns = (holder.layout_id, "")
+    holder.announce_stored(ns, GPU, range(1, 10_001))  # three messages of at most 4,096 hashes
+    holder.announce_removed(ns, GPU, range(1, 5_001))
+    holder.announce_stored(ns, pb.TIER_CPU, [7, 8])
+    holder.clear_tier(pb.TIER_CPU)
+    holder.announce_stored(ns, GPU, [20_000])  # pending when applied() is called
+    await holder.applied()
+    (engine,) = (await client.list_engines()).engines
+    assert (engine.blocks_gpu, engine.blocks_cpu) == (5_001, 0)
+
+
+async def test_applied_while_disconnected_fails_at_once(engine_info: Callable[..., pb.EngineInfo]) -> None:
+    session = EngineSession("127.0.0.1:1", engine_info("p0"))
+    await session.start()
+    try:
+        with pytest.raises(errors.Unavailable, match="no live broker session"):
+            await session.applied()
+    finally:
+        await session.close()
 
 
 async def test_drain_reaches_the_engine(
@@ -218,7 +244,7 @@ async def test_session_reregisters_and_reannounces_after_broker_restart(
     ns = (holder.layout_id, "t")
     holder.announce_stored(ns, GPU, CHAIN[:5])
     holder.flush()
-    await asyncio.sleep(0.05)
+    await holder.applied()
     async with AsyncBrokerClient(broker.address) as c:
         before = await c.resolve(
             namespace=pb.Namespace(layout_id=holder.layout_id, tenant="t"), block_hashes=CHAIN
@@ -231,13 +257,9 @@ async def test_session_reregisters_and_reannounces_after_broker_restart(
     try:
         await events.wait_for("connected", count=2, timeout=10.0)
         assert holder.registrations == 2
+        # The re-announcement went out before the session counted as connected.
+        await holder.applied()
         async with AsyncBrokerClient(restarted.address) as c:
-            await _until_async(
-                lambda: c.resolve(
-                    namespace=pb.Namespace(layout_id=holder.layout_id, tenant="t"), block_hashes=CHAIN
-                ),
-                lambda r: bool(r.matches),
-            )
             after = await c.resolve(
                 namespace=pb.Namespace(layout_id=holder.layout_id, tenant="t"), block_hashes=CHAIN
             )
@@ -245,14 +267,6 @@ async def test_session_reregisters_and_reannounces_after_broker_restart(
     finally:
         await holder.close()
         await restarted.stop(0.1)
-
-
-async def _until_async(call: Callable[[], Any], accept: Callable[[Any], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not accept(await call()):
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 async def test_resolve_while_disconnected_fails_at_once(engine_info: Callable[..., pb.EngineInfo]) -> None:
@@ -344,10 +358,8 @@ async def test_threaded_session_never_blocks_the_caller(
         assert time.monotonic() - started < 0.05  # neither call waited for the broker
         assert isinstance(future, concurrent.futures.Future)
         response = await asyncio.wrap_future(future)
-        deadline = time.monotonic() + 5.0
-        while not response.matches and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-            response = await asyncio.wrap_future(reader.resolve_async(ns, CHAIN))
+        await asyncio.to_thread(holder.applied)  # blocks its caller until the broker applied the announce
+        response = await asyncio.wrap_future(reader.resolve_async(ns, CHAIN))
         assert response.matches[0].matched_blocks == 4
         lease = await asyncio.wrap_future(
             holder.hold(ns, GPU, CHAIN[:2], [3, 4], 5_000, reader_engine_id="d0")
@@ -365,6 +377,8 @@ async def test_threaded_session_never_blocks_the_caller(
     with pytest.raises(errors.Unavailable):
         late.result(timeout=1.0)
     assert not holder.connected
+    with pytest.raises(errors.Unavailable):
+        holder.applied(timeout=1.0)
 
 
 class _MetadataRecorder(broker_pb2_grpc.KVBrokerServicer):
@@ -445,6 +459,39 @@ async def test_a_busy_engine_sends_few_inventory_messages(engine_info: Callable[
             session.announce_removed(("L", ""), GPU, [h])
         await asyncio.sleep(0.05)
         assert len(recording.inventory()) == len(updates)
+    finally:
+        await session.close()
+        await server.stop(0)
+
+
+async def test_applied_flushes_then_waits_for_the_ack_of_a_heartbeat_sent_behind(
+    engine_info: Callable[..., pb.EngineInfo],
+) -> None:
+    server = grpc.aio.server()
+    recording = _RecordingBroker()  # acknowledges nothing
+    broker_pb2_grpc.add_KVBrokerServicer_to_server(recording, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    # A clock that stands still: no heartbeat of the session's own on the wire.
+    session = EngineSession(
+        f"127.0.0.1:{port}", engine_info("p0"), flush_interval_s=60.0, clock=ManualClock()
+    )
+    try:
+        await session.start(wait_connected_s=5.0)
+        session.announce_stored(("L", ""), GPU, [1, 2, 3])
+        with pytest.raises(errors.DeadlineExceeded):
+            await session.applied(timeout=0.2)
+        await until(lambda: len(recording.received) == 3)
+        register, inventory, heartbeat = recording.received
+        assert [m.WhichOneof("msg") for m in recording.received] == ["register", "inventory", "heartbeat"]
+        assert list(inventory.inventory.stored) == [1, 2, 3]
+        assert register.seq < inventory.seq < heartbeat.seq
+        # The stream breaks before the acknowledgement: the barrier fails, it never passes.
+        waiting = asyncio.ensure_future(session.applied(timeout=30.0))
+        await until(lambda: len(recording.received) == 4)
+        await server.stop(0)
+        with pytest.raises(errors.Unavailable):
+            await asyncio.wait_for(waiting, 10.0)
     finally:
         await session.close()
         await server.stop(0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -99,6 +98,7 @@ async def announce(stack: dict[str, Any], holder: str, messages: list[dict[str, 
     assert len(hashes) >= 2
     session.announce_stored(pb.Namespace(layout_id=session.layout_id, tenant=""), tier, hashes)
     session.flush()
+    await session.applied()  # the broker has applied it: the proxy's next Score sees it
 
 
 async def test_engines_are_discovered_from_the_broker(stack: dict[str, Any]) -> None:
@@ -112,7 +112,6 @@ async def test_next_turn_goes_to_the_engine_holding_the_history(stack: dict[str,
     await announce(
         stack, "D2", [*turn1, {"role": "assistant", "content": "an index of blocks " * 3}], pb.TIER_GPU
     )
-    await asyncio.sleep(0.1)
     turn2 = [
         *turn1,
         {"role": "assistant", "content": "an index of blocks " * 3},
@@ -128,7 +127,6 @@ async def test_next_turn_goes_to_the_engine_holding_the_history(stack: dict[str,
     # A different conversation held by D1 on its CPU tier only goes to D1.
     other = [{"role": "user", "content": "tell me a different story please " * 3}]
     await announce(stack, "D1", other, pb.TIER_CPU)
-    await asyncio.sleep(0.1)
     _, decode, _ = await chat(stack, [*other, {"role": "assistant", "content": "ok"}])
     assert decode == "D1"
 

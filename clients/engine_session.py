@@ -1,0 +1,293 @@
+"""``EngineSession``: an engine's session with the broker, kept alive and resynchronised by itself.
+
+On top of the stream (``kvbroker.clients.session_stream``: registration,
+heartbeats, reconnects, the broker's commands) it
+
+- records ``announce_stored`` / ``announce_removed`` in an ``InventoryMirror``
+  (``kvbroker.clients.inventory``) and coalesces them over a few milliseconds
+  (or until N hashes are pending) into few ``InventoryUpdate`` messages;
+- after every registration (a broken stream, a broker restart) re-announces
+  the whole inventory from that mirror, so the broker's soft state comes back
+  without the engine doing anything;
+- resolves over the stream (replies matched by sequence number), which costs
+  far less than a unary call, and makes the lease calls on the same channel;
+- with ``mirror_index``, keeps a live copy of the layout's index
+  (``kvbroker.clients.mirror``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvbroker.clients import errors
+from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient
+from kvbroker.clients.clock import SessionClock
+from kvbroker.clients.inventory import (
+    DEFAULT_MAX_HASHES_PER_UPDATE,
+    InventoryKey,
+    InventoryMirror,
+    NamespaceLike,
+    namespace_key,
+)
+from kvbroker.clients.mirror import IndexMirror, follow
+from kvbroker.clients.session_stream import DEFAULT_SESSION_TTL_MS, Backoff, SessionStream
+from kvbroker.v1 import broker_pb2 as pb
+
+DEFAULT_RESOLVE_TIMEOUT_S = 2.0
+# One shared default (Backoff is frozen), as a default argument would be.
+DEFAULT_BACKOFF = Backoff()
+
+
+class EngineSession(SessionStream):
+    """One engine's session stream, kept alive and resynchronised by itself.
+
+    Create it inside a running event loop, ``await start()``, and ``await
+    close()`` at the end. Callbacks may be plain functions or coroutines;
+    they run on the session's loop and must not block it. An exception in a
+    callback is logged and never ends the session.
+
+    ``on_pin(PinCommand)`` returns a ``PinResult`` (or an awaitable or a
+    ``concurrent.futures.Future`` of one); without an ``on_pin`` every pin is
+    refused.
+
+    ``clock`` (a ``kvbroker.clients.clock.SessionClock``; monotonic time by
+    default) decides heartbeats, the silence limit, stall forgiveness and the
+    reconnect back-off: a test passes a ``ManualClock`` and moves it.
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        engine: pb.EngineInfo | None = None,
+        *,
+        ttl_ms: int = DEFAULT_SESSION_TTL_MS,
+        expected_ranks: int = 0,
+        client: AsyncBrokerClient | None = None,
+        on_revoked: Callable[[pb.LeaseRevoked], Any] | None = None,
+        on_lease_ended: Callable[[pb.LeaseEnded], Any] | None = None,
+        on_pin: Callable[[pb.PinCommand], Any] | None = None,
+        on_drain: Callable[[pb.DrainCommand], Any] | None = None,
+        on_connected: Callable[[pb.Registered], Any] | None = None,
+        on_disconnected: Callable[[errors.BrokerError | None], Any] | None = None,
+        load: Callable[[], float] | None = None,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        flush_interval_s: float = 0.005,
+        flush_max_hashes: int = 1024,
+        max_hashes_per_update: int = DEFAULT_MAX_HASHES_PER_UPDATE,
+        register_timeout_s: float = 5.0,
+        resolve_timeout_s: float = DEFAULT_RESOLVE_TIMEOUT_S,
+        lease_call_timeout_s: float | None = None,
+        mirror_index: bool = False,
+        clock: SessionClock | None = None,
+    ) -> None:
+        if engine is None or not engine.engine_id:
+            raise ValueError("EngineSession needs an EngineInfo with an engine_id")
+        super().__init__(
+            address,
+            engine,
+            ttl_ms=ttl_ms,
+            expected_ranks=expected_ranks,
+            client=client,
+            on_revoked=on_revoked,
+            on_lease_ended=on_lease_ended,
+            on_pin=on_pin,
+            on_drain=on_drain,
+            on_connected=on_connected,
+            on_disconnected=on_disconnected,
+            load=load,
+            backoff=backoff,
+            register_timeout_s=register_timeout_s,
+            clock=clock,
+        )
+        self.flush_interval_s = flush_interval_s
+        self.flush_max_hashes = flush_max_hashes
+        self.max_hashes_per_update = max_hashes_per_update
+        self.resolve_timeout_s = resolve_timeout_s
+        # Deadline of hold/acquire/renew/release/decline calls (None: the client's own). An
+        # engine sets it to its lease TTL: on a loaded host a release answered late but within
+        # the lease still commits the read, where a short deadline would throw the read away.
+        self.lease_call_timeout_s = lease_call_timeout_s
+        # With mirror_index, a live copy of the layout's index (clients.mirror), kept
+        # from the first registration on, over the session's channel.
+        self.mirror_index = mirror_index
+        self.mirror: IndexMirror | None = None
+
+        self.inventory = InventoryMirror()
+        self._flush_handle: asyncio.TimerHandle | None = None
+
+    # -- inventory -----------------------------------------------------------
+
+    def _key(self, namespace: NamespaceLike, tier: int) -> InventoryKey:
+        layout_id, tenant = namespace_key(namespace)
+        return (layout_id or self.layout_id, tenant, int(tier))
+
+    def announce_stored(self, namespace: NamespaceLike, tier: int, block_hashes: Iterable[int]) -> None:
+        """Record blocks this engine now holds; sent within ``flush_interval_s``. Never blocks."""
+        self.inventory.stored(self._key(namespace, tier), block_hashes)
+        self._schedule_flush()
+
+    def announce_removed(self, namespace: NamespaceLike, tier: int, block_hashes: Iterable[int]) -> None:
+        """Record blocks this engine no longer holds. Never blocks."""
+        self.inventory.removed(self._key(namespace, tier), block_hashes)
+        self._schedule_flush()
+
+    def clear_tier(self, tier: int, namespace: NamespaceLike | None = None) -> None:
+        """Forget everything on ``tier`` (in one namespace, or in all of them)."""
+        if namespace is None:
+            self.inventory.clear_tier(int(tier))
+        else:
+            self.inventory.clear(self._key(namespace, tier))
+        self._schedule_flush()
+
+    def flush(self) -> None:
+        """Send pending inventory changes now (if connected)."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if not self.connected or self._outbox is None:
+            return  # the mirror keeps them; the next registration sends everything
+        for update in self.inventory.take_updates(self.max_hashes_per_update):
+            self._send(pb.SessionUp(inventory=update))
+
+    def _schedule_flush(self) -> None:
+        if self.inventory.pending_count >= self.flush_max_hashes:
+            self.flush()
+        elif self._flush_handle is None and self.connected:
+            self._flush_handle = asyncio.get_running_loop().call_later(self.flush_interval_s, self.flush)
+
+    # -- resolve and lease calls -------------------------------------------
+
+    async def resolve(
+        self,
+        namespace: NamespaceLike,
+        block_hashes: Iterable[int],
+        *,
+        acquire: bool = False,
+        lease_ttl_ms: int = 0,
+        min_blocks: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> pb.ResolveResponse:
+        """Who holds the longest prefix of ``block_hashes`` (and, with ``acquire``, a lease on it).
+
+        Raises Unavailable at once when the session is not connected.
+        """
+        self._live_outbox()  # Unavailable at once when not connected
+        layout_id, tenant = namespace_key(namespace)
+        request = pb.SessionUp(
+            resolve=pb.ResolveRequest(
+                namespace=pb.Namespace(layout_id=layout_id or self.layout_id, tenant=tenant),
+                block_hashes=list(block_hashes),
+                acquire=acquire,
+                lease_ttl_ms=lease_ttl_ms,
+                min_blocks=min_blocks,
+                request_id=request_id,
+            ),
+        )
+        limit = self.resolve_timeout_s if timeout is None else timeout
+        response: pb.ResolveResponse = await self._request(request, limit, "resolve")
+        return response
+
+    async def applied(self, timeout: float | None = None) -> None:
+        """Return once the broker has applied everything this session was told before the call.
+
+        Pending inventory changes go out now (as ``flush()``), then a heartbeat;
+        the broker handles one session's stream in order and acknowledges the
+        heartbeat after all of it, so when this returns every earlier
+        ``announce_*`` / ``clear_tier`` (and pin result) is in the broker's
+        index, and any resolve or score that starts afterwards, from any
+        client, sees it. A change the broker refused counts as handled (it is
+        logged, as always).
+
+        Raises Unavailable at once when the session is not connected (the
+        changes stay in the mirror and the next registration sends them all:
+        wait for ``on_connected`` and call again), or when the stream breaks
+        before the acknowledgement; DeadlineExceeded after ``timeout``
+        (default ``resolve_timeout_s``).
+        """
+        self._live_outbox()  # Unavailable at once when not connected
+        self.flush()
+        await self._barrier(self.resolve_timeout_s if timeout is None else timeout)
+
+    async def hold(
+        self,
+        namespace: NamespaceLike,
+        tier: int,
+        block_hashes: Iterable[int],
+        block_ids: Iterable[int],
+        ttl_ms: int,
+        *,
+        reader_engine_id: str = "",
+        request_id: str = "",
+    ) -> pb.Lease:
+        """Promise to keep blocks for a reader (this engine is the holder)."""
+        layout_id, tenant = namespace_key(namespace)
+        response = await self.client.hold(
+            holder_engine_id=self.engine_id,
+            namespace=pb.Namespace(layout_id=layout_id or self.layout_id, tenant=tenant),
+            tier=tier,
+            block_hashes=list(block_hashes),
+            block_ids=list(block_ids),
+            ttl_ms=ttl_ms,
+            reader_engine_id=reader_engine_id,
+            request_id=request_id,
+            timeout=self.lease_call_timeout_s,
+        )
+        return response.lease
+
+    async def acquire(self, lease_id: str, ttl_ms: int = 0) -> pb.LeaseResponse:
+        """Claim a hold lease as its reader; the response carries the holder's transfer details."""
+        return await self.client.acquire(
+            lease_id=lease_id,
+            reader_engine_id=self.engine_id,
+            ttl_ms=ttl_ms,
+            timeout=self.lease_call_timeout_s,
+        )
+
+    async def renew(self, lease_id: str, ttl_ms: int = 0) -> pb.Lease:
+        return (
+            await self.client.renew(
+                lease_id=lease_id, engine_id=self.engine_id, ttl_ms=ttl_ms, timeout=self.lease_call_timeout_s
+            )
+        ).lease
+
+    async def decline(self, holder_engine_id: str, request_id: str, reason: str = "") -> pb.DeclineResponse:
+        """This engine will not read the named hold: its holder frees the blocks now."""
+        return await self.client.decline(
+            holder_engine_id=holder_engine_id,
+            request_id=request_id,
+            reason=reason,
+            timeout=self.lease_call_timeout_s,
+        )
+
+    async def release(self, lease_id: str, epoch: int = 0) -> pb.Lease:
+        """Commit a read. FailedPrecondition means the lease ended first: discard what was read."""
+        return (
+            await self.client.release(
+                lease_id=lease_id,
+                reader_engine_id=self.engine_id,
+                epoch=epoch,
+                timeout=self.lease_call_timeout_s,
+            )
+        ).lease
+
+    # -- hooks into the stream ------------------------------------------------
+
+    def _resync(self, registered: pb.Registered, outbox: asyncio.Queue[pb.SessionUp]) -> None:
+        # Changes announced before the first registration named no layout yet.
+        self.inventory.adopt_layout(registered.layout_id)
+        # The broker's view is rebuilt from the mirror before anything else is sent.
+        for update in self.inventory.full_sync_updates(self.max_hashes_per_update):
+            outbox.put_nowait(pb.SessionUp(inventory=update))
+
+    def _on_serving(self, registered: pb.Registered) -> None:
+        if self.mirror_index and self.mirror is None:
+            self.mirror = IndexMirror(registered.layout_id)
+            self._spawn(follow(self.mirror, self.client.channel))
+
+    def _cancel_flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None

@@ -308,14 +308,12 @@ def test_incompatible_holder_is_not_read(cluster: Cluster) -> None:
         hashes = wire_chain(prompt, BLOCK_SIZE)
         fake.announce_stored(namespace, pb.TIER_GPU, hashes)
         fake.hold(namespace, pb.TIER_GPU, hashes, list(range(len(hashes))), 30000).result(5)
+        fake.applied(timeout=5)  # the broker has applied the announcement
         with BrokerClient(cluster.broker.address) as client:
             # The fake really holds the prompt (an anonymous resolve names it) ...
-            assert wait_for(
-                lambda: any(
-                    m.engine_id == fake_id and m.matched_blocks == len(hashes)
-                    for m in client.resolve(namespace=namespace, block_hashes=hashes).matches
-                ),
-                5,
+            assert any(
+                m.engine_id == fake_id and m.matched_blocks == len(hashes)
+                for m in client.resolve(namespace=namespace, block_hashes=hashes).matches
             )
         failed_before = cluster.stat("D", "pulls_failed")
         no_holder_before = cluster.skips("D", "no_holder")

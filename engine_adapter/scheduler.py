@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import enum
 import functools
-import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from kvbroker.engine_adapter.broker_link import BrokerLink
@@ -52,6 +49,7 @@ from kvbroker.engine_adapter.metadata import (
     RegionSpec,
     StoreSpec,
 )
+from kvbroker.engine_adapter.stats import SchedulerStats, StatsWriter
 from kvbroker.engine_adapter.topology import check_sizes
 from kvbroker.engine_adapter.tracing import Span, current, end_span, start_span
 from kvbroker.v1 import broker_pb2 as pb
@@ -175,20 +173,6 @@ class _Store:
     failure: str = ""
 
 
-@dataclass
-class SchedulerStats:
-    counters: Counter[str] = field(default_factory=Counter)
-    skips: Counter[str] = field(default_factory=Counter)
-
-    def as_dict(self, held_requests: int, held_blocks: int) -> dict[str, Any]:
-        return {
-            **dict(self.counters),
-            "skips": dict(self.skips),
-            "held_requests": held_requests,
-            "held_blocks": held_blocks,
-        }
-
-
 class AdapterScheduler:
     def __init__(
         self,
@@ -224,7 +208,8 @@ class AdapterScheduler:
         self._pending_frees: list[str] = []
         self._was_connected = False
         self.stats = SchedulerStats()
-        self._stats_dirty = True
+        # Writes stats_path on its own thread, from snapshots taken here.
+        self._stats_writer = StatsWriter(config.stats_path) if config.stats_path else None
         # CPU offload tier (cpu_tier_blocks > 0): slot directory and copies in flight.
         self.cpu: CpuDirectory | None = None
         self._stores: dict[int, _Store] = {}
@@ -269,7 +254,7 @@ class AdapterScheduler:
         self._check_connection()
         self._take_lease_ends()
         self._advance_holds(self._clock())
-        self._write_stats()
+        self._publish_stats()
 
     # ------------------------------------------------------------------
     # vLLM hooks
@@ -381,7 +366,7 @@ class AdapterScheduler:
                 min_blocks=end,
                 request_id=req_id,
             )
-        self.stats.counters["leases_requested"] += 1
+        self.stats.count("leases_requested")
 
     @_locked
     def build_connector_meta(self) -> AdapterMetadata:
@@ -400,7 +385,7 @@ class AdapterScheduler:
         )
         self._pending_specs, self._pending_commits, self._pending_frees = [], [], []
         self._pending_stores = []
-        self._write_stats()
+        self._publish_stats()
         return meta
 
     @_locked
@@ -441,15 +426,14 @@ class AdapterScheduler:
             held = self._held.get(req_id)
             if held is not None and held.pin is HoldPin.DELAY_FREE:
                 self._returned(held)  # vLLM has now put the blocks back into its free pool
-        self._write_stats()
+        self._publish_stats()
 
     def _returned(self, held: _Held) -> None:
         """The hold is over and its blocks are vLLM's again."""
         del self._held[held.request_id]
         self._held_by_lease.pop(held.lease_id, None)
-        self.stats.counters["holds_returned"] += 1
-        self.stats.counters["held_blocks_returned"] += len(held.block_ids)
-        self._stats_dirty = True
+        self.stats.count("holds_returned")
+        self.stats.count("held_blocks_returned", len(held.block_ids))
 
     @_locked
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -517,8 +501,7 @@ class AdapterScheduler:
             pin = HoldPin.BLOCK_POOL
         held = _Held(req_id, namespace, hashes, held_ids, self._clock(), future, pin)
         self._held[req_id] = held
-        self.stats.counters["holds_requested"] += 1
-        self._stats_dirty = True
+        self.stats.count("holds_requested")
         # The reply may come while vLLM is idle: settle it on the session thread then.
         future.add_done_callback(lambda _: self.on_link_event())
         return pin, self._decode_params(n, hold_request_id=req_id) if params.do_remote_decode else None
@@ -526,6 +509,9 @@ class AdapterScheduler:
     def shutdown(self) -> None:
         if self.link is not None:
             self.link.close()
+        if self._stats_writer is not None:
+            self._stats_writer.submit(self.stats_snapshot())  # once more: the final counts
+            self._stats_writer.close()
 
     # ------------------------------------------------------------------
     # CPU offload tier
@@ -552,11 +538,10 @@ class AdapterScheduler:
         position = {key: i for i, key in enumerate(keys)}
         allocation = self.cpu.allocate(keys)
         if allocation.evicted:
-            self.stats.counters["cpu_evicted_blocks"] += len(allocation.evicted)
+            self.stats.count("cpu_evicted_blocks", len(allocation.evicted))
             self._announce_cpu(allocation.evicted, stored=False)
-        self.stats.counters["cpu_store_skipped_present"] += allocation.skipped_present
-        self.stats.counters["cpu_store_no_room"] += allocation.no_room
-        self._stats_dirty = True
+        self.stats.count("cpu_store_skipped_present", allocation.skipped_present)
+        self.stats.count("cpu_store_no_room", allocation.no_room)
         if not allocation.assigned:
             return False
         store_id = self._next_store_id
@@ -568,7 +553,7 @@ class AdapterScheduler:
         if free_after_copy:
             # The worker reports the request freed once its copy is done.
             self._pending_frees.append(request.request_id)
-        self.stats.counters["cpu_stores"] += 1
+        self.stats.count("cpu_stores")
         return True
 
     def _finish_store(self, store_id: int) -> None:
@@ -576,7 +561,7 @@ class AdapterScheduler:
         store = self._stores.pop(store_id)
         if store.failure:
             self.cpu.discard(store.slots)
-            self.stats.counters["cpu_stores_failed"] += 1
+            self.stats.count("cpu_stores_failed")
             logger.warning(
                 "kvbroker: request %s: copy of %d blocks to the CPU tier failed: %s",
                 store.request_id,
@@ -585,10 +570,9 @@ class AdapterScheduler:
             )
         else:
             ready = self.cpu.mark_ready(store.slots)
-            self.stats.counters["cpu_stored_blocks"] += len(ready)
+            self.stats.count("cpu_stored_blocks", len(ready))
             self._announce_cpu(ready, stored=True)
             logger.debug("kvbroker: request %s: %d blocks on the CPU tier", store.request_id, len(ready))
-        self._stats_dirty = True
 
     def _announce_cpu(self, keys: Sequence[BlockKey], *, stored: bool) -> None:
         if self.link is None:
@@ -614,8 +598,7 @@ class AdapterScheduler:
         ns = lease.namespace
         keys = [(ns.layout_id, ns.tenant, int(h)) for h in lease.block_hashes]
         slots = self.cpu.pin(lease.lease_id, keys)
-        self.stats.counters["cpu_pins" if slots is not None else "cpu_pins_refused"] += 1
-        self._stats_dirty = True
+        self.stats.count("cpu_pins" if slots is not None else "cpu_pins_refused")
         if slots is None:
             return pb.PinResult(
                 lease_id=lease.lease_id, ok=False, error="blocks are not (or no longer) on the CPU tier"
@@ -713,7 +696,7 @@ class AdapterScheduler:
         lookup.response = lookup.last_response = pb.ResolveResponse(matches=matches)
         lookup.decision = Decision(None, "resolved")
         lookup.answered_by = "mirror"
-        self.stats.counters["mirror_answers"] += 1
+        self.stats.count("mirror_answers")
         return True
 
     def _submit_resolve(self, lookup: _Lookup, now: float) -> None:
@@ -794,8 +777,7 @@ class AdapterScheduler:
             )
 
     def _skip(self, req_id: str, reason: str, detail: str) -> None:
-        self.stats.skips[reason] += 1
-        self._stats_dirty = True
+        self.stats.skip(reason)
         level = (
             logging.WARNING if reason in (SKIP_BAD_PARAMS, SKIP_ERROR, SKIP_INCOMPATIBLE) else logging.INFO
         )
@@ -930,7 +912,7 @@ class AdapterScheduler:
         if load.lease is not None and load.state != "releasing" and self.link is not None:
             # End the lease at once so the holder frees; the bytes are not used either way.
             self.link.release(load.lease.lease_id, load.lease.epoch)
-        self.stats.counters["pulls_failed"] += 1
+        self.stats.count("pulls_failed")
         logger.warning(
             "kvbroker: request %s: pull of %d blocks from %s failed, recomputing them: %s",
             load.request_id,
@@ -958,8 +940,8 @@ class AdapterScheduler:
         )
         load.span = None
         if ok and load.plan.holder_engine_id == self.config.engine_id:
-            self.stats.counters["cpu_restores"] += 1
-            self.stats.counters["cpu_restored_blocks"] += load.plan.num_blocks
+            self.stats.count("cpu_restores")
+            self.stats.count("cpu_restored_blocks", load.plan.num_blocks)
             logger.info(
                 "kvbroker: request %s: restored %d blocks (%d bytes) from this engine's CPU tier in %.1f ms",
                 load.request_id,
@@ -969,12 +951,10 @@ class AdapterScheduler:
             )
         elif ok:
             if load.lease is not None:
-                self.stats.counters[f"pulled_blocks_{_tier_name(load.lease.tier).lower()}"] += (
-                    load.plan.num_blocks
-                )
-            self.stats.counters["pulls"] += 1
-            self.stats.counters["pulled_blocks"] += load.plan.num_blocks
-            self.stats.counters["pulled_bytes"] += load.bytes_read
+                self.stats.count(f"pulled_blocks_{_tier_name(load.lease.tier).lower()}", load.plan.num_blocks)
+            self.stats.count("pulls")
+            self.stats.count("pulled_blocks", load.plan.num_blocks)
+            self.stats.count("pulled_bytes", load.bytes_read)
             logger.info(
                 "kvbroker: request %s: pulled %d blocks (%d bytes) from %s in %.1f ms, lease %s released",
                 load.request_id,
@@ -986,15 +966,13 @@ class AdapterScheduler:
             )
         if not ok:
             self._failed_loads.add(load.request_id)
-        self._stats_dirty = True
         self._pending_commits.append(Commit(load.request_id, ok, load.local_block_ids, reason))
 
     def _decline(self, req_id: str, named: tuple[str, str], decision: Decision | None) -> None:
         """We will not read the hold the router named for us: its holder frees it now, not at its TTL."""
         holder, hold_request_id = named
         why = decision.reason if decision is not None and decision.plan is None else "not pulled from it"
-        self.stats.counters["holds_declined"] += 1
-        self._stats_dirty = True
+        self.stats.count("holds_declined")
         if self.link is None or not self.link.connected:
             return  # the hold ends by its TTL; nothing else can end it
         logger.info(
@@ -1072,8 +1050,7 @@ class AdapterScheduler:
             self._returned(held)
         else:
             self._pending_frees.append(held.request_id)
-        self.stats.counters["holds_freed"] += 1
-        self._stats_dirty = True
+        self.stats.count("holds_freed")
         logger.info(
             "kvbroker: request %s: freeing %d held blocks: %s", held.request_id, len(held.block_ids), why
         )
@@ -1149,19 +1126,12 @@ class AdapterScheduler:
             snapshot["cpu_tier_pinned_slots"] = self.cpu.pinned_slots()
         return snapshot
 
-    def _write_stats(self) -> None:
-        if not self._stats_dirty or not self.config.stats_path:
+    def _publish_stats(self) -> None:
+        """Hand changed counters to the writer thread: no file I/O on vLLM's scheduler thread."""
+        if self._stats_writer is None or not self.stats.dirty:
             return
-        self._stats_dirty = False
-        path = self.config.stats_path
-        directory = os.path.dirname(path) or "."
-        try:
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".stats-")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.stats_snapshot(), f)
-            os.replace(tmp, path)
-        except OSError as e:
-            logger.warning("kvbroker: cannot write stats to %s: %s", path, e)
+        self.stats.dirty = False
+        self._stats_writer.submit(self.stats_snapshot())
 
 
 def _tier_name(tier: int) -> str:

@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+# Under "vllm." so that vLLM's logging configuration prints our lines.
 logger = logging.getLogger("vllm.kvbroker.scheduler")
 
 # At most one write per this many seconds while the counters keep changing.

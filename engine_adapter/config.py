@@ -56,7 +56,8 @@ class AdapterConfig:
     # Tenant added to the namespace (with the request's cache_salt).
     tenant: str = ""
     # Optional file the scheduler side rewrites with its counters (JSON), for
-    # tests and operators; empty = off.
+    # tests and operators, from a background thread (engine_adapter/stats.py);
+    # empty = off.
     stats_path: str = ""
 
     @classmethod

@@ -64,7 +64,8 @@ class AdapterConfig:
     tenant: str = setting("", "Tenant added to the namespace (with the request's cache_salt).")
     stats_path: str = setting(
         "",
-        "Optional file the scheduler side rewrites with its counters (JSON), for tests and operators; empty = off.",
+        "Optional file the scheduler side rewrites with its counters (JSON), for tests and operators, "
+        "from a background thread (engine_adapter/stats.py); empty = off.",
     )
 
     @classmethod

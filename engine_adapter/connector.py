@@ -9,8 +9,10 @@ Load it into a stock vLLM server with::
                            "kv_connector_extra_config": {"broker_address": "broker:50051"}}'
 
 A thin facade: the scheduler role delegates to ``AdapterScheduler``
-(engine_adapter/scheduler.py), the worker role to ``AdapterWorker``
+(engine_adapter/scheduler.py, which composes lookups.py, loads.py, holds.py,
+cpu_stores.py and stats.py), the worker role to ``AdapterWorker``
 (engine_adapter/worker.py). Extra config keys: engine_adapter/config.py.
+docs/adapter.md lists the modules.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def test_never_the_final_prompt_token() -> None:
     resolved(link, match(4))
     assert sched.get_num_new_matched_tokens(req, 0) == (127, True)
     sched.update_state_after_alloc(req, [10, 11, 12, 13], 127)
-    load = sched._loads["r1"]
+    load = sched.loads.active["r1"]
     assert load.plan.num_blocks == 4 and load.local_block_ids == (10, 11, 12, 13)
 
 

@@ -1,0 +1,409 @@
+"""Loads of the scheduler side: take the lease, have the worker read, release to commit.
+
+A planned pull (lookups.py decided it) becomes a ``Load`` once vLLM has
+allocated its blocks: ``acquiring`` (claim the holder's hold lease, or Resolve
+with acquire) -> ``reading`` (a LoadSpec for every worker rank, which NIXL-READs
+the holder's blocks) -> ``releasing`` -> done. Release commits the read: only
+a released lease reports the blocks loaded; anything else (lease refused or not
+granted within ``acquire_wait_ms``, incompatible holder, failed read, failed
+release) commits them as failed and vLLM recomputes them. A restore from this
+engine's own CPU tier needs no broker: a local pin keeps the slots while the
+worker copies them back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvbroker.engine_adapter.decisions import PullPlan
+from kvbroker.engine_adapter.lookups import Budget, Lookup
+from kvbroker.engine_adapter.metadata import Commit, HolderRank, LoadSpec, ReadOutcomes, RegionSpec
+from kvbroker.engine_adapter.scheduler_context import SchedulerContext, tier_name
+from kvbroker.engine_adapter.topology import check_sizes
+from kvbroker.engine_adapter.tracing import Span, current, end_span, start_span
+from kvbroker.v1 import broker_pb2 as pb
+
+# Under "vllm." so that vLLM's logging configuration prints our lines.
+logger = logging.getLogger("vllm.kvbroker.scheduler")
+
+# Pin id prefix of restores from our own CPU tier (no broker lease backs them).
+LOCAL_PIN_PREFIX = "local:"
+
+
+@dataclass
+class Load:
+    request_id: str
+    plan: PullPlan
+    namespace: pb.Namespace
+    hashes: list[int]
+    local_block_ids: tuple[int, ...]
+    started: float
+    budget: Budget
+    state: str = "acquiring"  # acquiring -> reading -> releasing -> done
+    future: Future[Any] | None = None
+    lease: pb.Lease | None = None
+    ranks_done: int = 0
+    failure: str = ""
+    bytes_read: int = 0
+    aborted: bool = False
+    span: Span | None = None
+    # Restore from this engine's own CPU tier (no lease): the pin that keeps the slots.
+    local_pin: str = ""
+
+
+class Loads:
+    def __init__(self, ctx: SchedulerContext) -> None:
+        self._ctx = ctx
+        # Loads until vLLM reports them received (finished_recving), done or not.
+        self.active: dict[str, Load] = {}
+        # Requests whose load failed: vLLM reschedules them to recompute, and asks us
+        # again; they must not try the same load again (it may fail the same way).
+        self.failed: set[str] = set()
+        self._pending_specs: list[LoadSpec] = []
+        self._pending_commits: list[Commit] = []
+
+    # ------------------------------------------------------------------
+    # what the scheduler's hooks call
+    # ------------------------------------------------------------------
+
+    def start(
+        self, lookup: Lookup, plan: PullPlan, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """vLLM allocated the request's blocks: take the lease (or the local pin) for the plan."""
+        ctx = self._ctx
+        req_id = lookup.request_id
+        if plan.num_tokens != num_external_tokens:
+            # vLLM trimmed the external part (e.g. a local sub-block tail); re-plan the block range.
+            first = lookup.num_local_tokens // ctx.block_size
+            end = -(-(lookup.num_local_tokens + num_external_tokens) // ctx.block_size)
+            plan = PullPlan(
+                plan.holder_engine_id, plan.tier, plan.hold_lease_id, first, end - first, num_external_tokens
+            )
+        local_ids = tuple(block_ids[plan.first_block : plan.first_block + plan.num_blocks])
+        now = ctx.clock()
+        load = Load(
+            request_id=req_id,
+            plan=plan,
+            namespace=lookup.namespace,
+            hashes=lookup.hashes,
+            local_block_ids=local_ids,
+            started=now,
+            budget=Budget(ctx.config.acquire_wait_ms / 1000.0, now),
+        )
+        self.active[req_id] = load
+        load.span = start_span(
+            "kvbroker.pull",
+            lookup.params.trace_context,
+            {
+                "kvbroker.request_id": req_id,
+                "kvbroker.blocks": plan.num_blocks,
+                "kvbroker.tier": tier_name(plan.tier),
+                "kvbroker.source_engine_id": plan.holder_engine_id,
+                "kvbroker.destination_engine_id": ctx.config.engine_id,
+                "kvbroker.hold_lease_id": plan.hold_lease_id,
+            },
+        )
+        if len(local_ids) != plan.num_blocks:
+            self._fail(load, f"vLLM allocated {len(local_ids)} blocks, expected {plan.num_blocks}")
+            return
+        if plan.holder_engine_id == ctx.config.engine_id:
+            self._start_local_restore(load)
+            return
+        link = ctx.link
+        if link is None or not link.connected:
+            self._fail(load, "broker unreachable when the lease was to be taken")
+            return
+        if plan.hold_lease_id:
+            with current(load.span):
+                load.future = link.acquire(plan.hold_lease_id, ctx.config.lease_ttl_ms)
+        else:
+            end = plan.first_block + plan.num_blocks
+            load.future = link.resolve(
+                lookup.namespace,
+                lookup.hashes[:end],
+                acquire=True,
+                lease_ttl_ms=ctx.config.lease_ttl_ms,
+                min_blocks=end,
+                request_id=req_id,
+            )
+        ctx.stats.count("leases_requested")
+
+    def advance(self, now: float) -> None:
+        """Check every load's pending broker call (a step of the scheduler)."""
+        for load in list(self.active.values()):
+            self._advance(load, now)
+
+    def on_outcomes(self, outcomes: ReadOutcomes) -> None:
+        """The worker ranks' read results; a load's reads are done when every rank reported."""
+        for req_id, reason in outcomes.failed.items():
+            load = self.active.get(req_id)
+            if load is not None and not load.failure:
+                load.failure = reason
+        for req_id, count in outcomes.done.items():
+            load = self.active.get(req_id)
+            if load is None or load.state != "reading":
+                continue
+            load.ranks_done += count
+            load.bytes_read += outcomes.bytes_read.get(req_id, 0)
+            if load.ranks_done >= self._ctx.expected_ranks:
+                self._finish_reads(load)
+
+    def received(self, req_id: str) -> None:
+        """vLLM reports the request's load finished (finished_recving)."""
+        self.active.pop(req_id, None)
+
+    def abort(self, req_id: str) -> bool:
+        """The request finished while loading; True if it was. The protocol completes normally:
+        vLLM keeps its blocks until we report the load finished."""
+        load = self.active.get(req_id)
+        if load is None:
+            return False
+        load.aborted = True
+        return True
+
+    def take_specs(self) -> list[LoadSpec]:
+        specs, self._pending_specs = self._pending_specs, []
+        return specs
+
+    def take_commits(self) -> list[Commit]:
+        commits, self._pending_commits = self._pending_commits, []
+        return commits
+
+    # ------------------------------------------------------------------
+    # one load
+    # ------------------------------------------------------------------
+
+    def _advance(self, load: Load, now: float) -> None:
+        if load.state == "acquiring":
+            future = load.future
+            if future is None or not future.done():
+                if load.budget.left(now) < 0:
+                    self._fail(
+                        load, f"lease not granted within acquire_wait_ms={self._ctx.config.acquire_wait_ms}"
+                    )
+                    if future is not None:
+                        future.add_done_callback(self._release_abandoned)
+                return
+            error = future.exception()
+            if error is not None:
+                self._fail(load, f"lease refused: {error}")
+                return
+            self._start_reads(load, future.result())
+        elif load.state == "releasing":
+            future = load.future
+            if future is None or not future.done():
+                return
+            error = future.exception()
+            if error is not None:
+                self._fail(load, f"release failed, the read is not committed: {error}")
+                return
+            self._commit(load, ok=True, reason="released")
+
+    def _start_reads(self, load: Load, response: pb.ResolveResponse | pb.LeaseResponse) -> None:
+        ctx = self._ctx
+        lease = response.lease if response.HasField("lease") else None
+        if lease is None or not lease.lease_id:
+            skipped = getattr(response, "skipped_reason", "") or "no lease"
+            self._fail(load, f"broker granted no lease ({skipped})")
+            return
+        load.lease = lease
+        holder = response.holder
+        reason = check_sizes(
+            reader_tp=ctx.tp_size,
+            holder_tp=holder.layout.tp_size or 1,
+            reader_pp=ctx.pp_size,
+            holder_pp=holder.layout.pp_size or 1,
+        )
+        if reason is None:
+            remote_ids, reason = _remote_block_ids(lease, load.hashes, load.plan)
+        if reason is None:
+            ranks, reason = _holder_ranks(holder, lease.tier)
+        if reason is not None:
+            self._fail(load, f"holder {holder.engine_id or lease.holder_engine_id} incompatible: {reason}")
+            return
+        load.state = "reading"
+        if load.span is not None:
+            # Which holder rank serves which layers, for the trace: "pp0/tp0:[0,2)".
+            load.span.set_attribute(
+                "kvbroker.source_ranks",
+                ",".join(f"pp{r.pp_rank}/tp{r.tp_rank}:[{r.start_layer},{r.end_layer})" for r in ranks),
+            )
+            load.span.set_attribute("kvbroker.destination_ranks", ctx.tp_size * ctx.pp_size)
+            load.span.set_attribute("kvbroker.lease_id", lease.lease_id)
+        self._pending_specs.append(
+            LoadSpec(
+                request_id=load.request_id,
+                lease_id=lease.lease_id,
+                holder_engine_id=lease.holder_engine_id,
+                tier=int(lease.tier),
+                remote_block_ids=tuple(remote_ids),
+                local_block_ids=load.local_block_ids,
+                holder_ranks=tuple(ranks),
+            )
+        )
+
+    def _start_local_restore(self, load: Load) -> None:
+        """Copy blocks back from our own CPU tier: no broker, no lease; a pin keeps the slots."""
+        cpu = self._ctx.cpu
+        assert cpu is not None
+        plan, ns = load.plan, load.namespace
+        chain = load.hashes[plan.first_block : plan.first_block + plan.num_blocks]
+        pin = LOCAL_PIN_PREFIX + load.request_id
+        slots = cpu.pin(pin, [(ns.layout_id, ns.tenant, h) for h in chain])
+        if slots is None:
+            self._fail(load, "the blocks left the CPU tier before they could be copied back")
+            return
+        load.local_pin = pin
+        load.state = "reading"
+        self._pending_specs.append(
+            LoadSpec(
+                request_id=load.request_id,
+                lease_id=pin,
+                holder_engine_id=self._ctx.config.engine_id,
+                tier=pb.TIER_CPU,
+                remote_block_ids=tuple(slots),
+                local_block_ids=load.local_block_ids,
+                holder_ranks=(),
+            )
+        )
+
+    def _unpin_local(self, load: Load) -> None:
+        if load.local_pin and self._ctx.cpu is not None:
+            self._ctx.cpu.unpin(load.local_pin)
+        load.local_pin = ""
+
+    def _finish_reads(self, load: Load) -> None:
+        if load.local_pin:
+            if load.failure:
+                self._fail(load, f"copy from the CPU tier failed: {load.failure}")
+            else:
+                self._commit(load, ok=True, reason="restored")
+            return
+        link = self._ctx.link
+        assert load.lease is not None and link is not None
+        if load.failure:
+            self._fail(load, f"NIXL read failed: {load.failure}")
+            return
+        load.state = "releasing"
+        with current(load.span):
+            load.future = link.release(load.lease.lease_id, load.lease.epoch)
+
+    def _fail(self, load: Load, reason: str) -> None:
+        link = self._ctx.link
+        if load.lease is not None and load.state != "releasing" and link is not None:
+            # End the lease at once so the holder frees; the bytes are not used either way.
+            link.release(load.lease.lease_id, load.lease.epoch)
+        self._ctx.stats.count("pulls_failed")
+        logger.warning(
+            "kvbroker: request %s: pull of %d blocks from %s failed, recomputing them: %s",
+            load.request_id,
+            load.plan.num_blocks,
+            load.plan.holder_engine_id,
+            reason,
+        )
+        self._commit(load, ok=False, reason=reason)
+
+    def _commit(self, load: Load, *, ok: bool, reason: str) -> None:
+        stats = self._ctx.stats
+        load.state = "done"
+        self._unpin_local(load)  # every load ends here; a restore's slots may be evicted again
+        elapsed_s = self._ctx.clock() - load.started
+        end_span(
+            load.span,
+            {
+                "kvbroker.lease_id": load.lease.lease_id if load.lease else "",
+                "kvbroker.bytes": load.bytes_read,
+                "kvbroker.duration_ms": elapsed_s * 1000.0,
+                "kvbroker.gb_per_s": load.bytes_read / elapsed_s / 1e9 if elapsed_s > 0 else 0.0,
+                "kvbroker.committed": ok,
+                "kvbroker.skip_reason": "" if ok else reason,
+            },
+            error="" if ok else reason,
+        )
+        load.span = None
+        if ok and load.plan.holder_engine_id == self._ctx.config.engine_id:
+            stats.count("cpu_restores")
+            stats.count("cpu_restored_blocks", load.plan.num_blocks)
+            logger.info(
+                "kvbroker: request %s: restored %d blocks (%d bytes) from this engine's CPU tier in %.1f ms",
+                load.request_id,
+                load.plan.num_blocks,
+                load.bytes_read,
+                elapsed_s * 1000.0,
+            )
+        elif ok:
+            if load.lease is not None:
+                stats.count(f"pulled_blocks_{tier_name(load.lease.tier).lower()}", load.plan.num_blocks)
+            stats.count("pulls")
+            stats.count("pulled_blocks", load.plan.num_blocks)
+            stats.count("pulled_bytes", load.bytes_read)
+            logger.info(
+                "kvbroker: request %s: pulled %d blocks (%d bytes) from %s in %.1f ms, lease %s released",
+                load.request_id,
+                load.plan.num_blocks,
+                load.bytes_read,
+                load.plan.holder_engine_id,
+                elapsed_s * 1000.0,
+                load.lease.lease_id if load.lease else "",
+            )
+        if not ok:
+            self.failed.add(load.request_id)
+        self._pending_commits.append(Commit(load.request_id, ok, load.local_block_ids, reason))
+
+    def _release_abandoned(self, future: Future[Any]) -> None:
+        """A lease granted after we gave up on it: end it so the holder frees."""
+        link = self._ctx.link
+        if future.exception() is not None or link is None:
+            return
+        lease = future.result().lease
+        if lease.lease_id:
+            link.release(lease.lease_id, lease.epoch)
+
+
+def _remote_block_ids(lease: pb.Lease, hashes: list[int], plan: PullPlan) -> tuple[list[int], str | None]:
+    """Holder block ids for the planned chain positions, matched by hash."""
+    if len(lease.block_ids) != len(lease.block_hashes):
+        return [], f"lease has {len(lease.block_hashes)} hashes but {len(lease.block_ids)} block ids"
+    by_hash = dict(zip(lease.block_hashes, lease.block_ids, strict=True))
+    ids: list[int] = []
+    for pos in range(plan.first_block, plan.first_block + plan.num_blocks):
+        block_id = by_hash.get(hashes[pos]) if pos < len(hashes) else None
+        if block_id is None:
+            return [], f"the lease does not cover block {pos} of the prompt"
+        ids.append(block_id)
+    return ids, None
+
+
+def _holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], str | None]:
+    ranks: list[HolderRank] = []
+    for rank in holder.ranks:
+        capacity = max((int(t.num_blocks) for t in rank.tiers if t.tier == tier), default=0)
+        regions = [
+            RegionSpec(r.layer, r.base_addr, r.block_stride, r.block_bytes, r.device_id)
+            for t in rank.tiers
+            if t.tier == tier
+            for r in t.regions
+        ]
+        if not rank.agent_name or not regions:
+            continue
+        mem_type = next((t.mem_type for t in rank.tiers if t.tier == tier), "")
+        ranks.append(
+            HolderRank(
+                pp_rank=rank.pp_rank,
+                tp_rank=rank.tp_rank,
+                agent_name=rank.agent_name,
+                agent_metadata=bytes(rank.agent_metadata),
+                start_layer=rank.start_layer,
+                end_layer=rank.end_layer,
+                regions=tuple(regions),
+                num_blocks=capacity,
+                mem_type=mem_type,
+            )
+        )
+    if not ranks:
+        return [], f"the holder has registered no rank with memory on tier {tier_name(tier)}"
+    return ranks, None

@@ -1,0 +1,61 @@
+"""What the parts of the scheduler side share: configuration, broker link, clock, counters.
+
+``AdapterScheduler`` (engine_adapter/scheduler.py) owns one ``SchedulerContext``
+and hands it to each part: lookups (lookups.py), loads (loads.py), holds
+(holds.py) and CPU-tier stores (cpu_stores.py). The parts never call each
+other's hooks; the scheduler composes them. All of it runs under the
+scheduler's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbroker.engine_adapter.broker_link import BrokerLink
+from kvbroker.engine_adapter.config import AdapterConfig
+from kvbroker.engine_adapter.cpu_directory import CpuDirectory
+from kvbroker.engine_adapter.stats import SchedulerStats
+from kvbroker.v1 import broker_pb2 as pb
+
+
+@dataclass
+class SchedulerContext:
+    config: AdapterConfig
+    link: BrokerLink | None
+    block_size: int
+    tp_size: int
+    pp_size: int
+    clock: Callable[[], float]
+    stats: SchedulerStats
+    # The CPU offload tier's slot directory (cpu_tier_blocks > 0), else None.
+    cpu: CpuDirectory | None
+    # Requests the worker is to report freed in the next step: ended delay_free
+    # holds (holds.py) and finished CPU-tier copies (cpu_stores.py).
+    pending_frees: list[str] = field(default_factory=list)
+
+    @property
+    def expected_ranks(self) -> int:
+        """Worker ranks that each report a read or a copy before it counts as done."""
+        return self.tp_size * self.pp_size
+
+    def take_frees(self) -> list[str]:
+        frees, self.pending_frees = self.pending_frees, []
+        return frees
+
+    def namespace(self, request: Any) -> pb.Namespace:
+        salt = getattr(request, "cache_salt", None) or ""
+        tenant = f"{self.config.tenant}/{salt}" if self.config.tenant else salt
+        assert self.link is not None
+        return pb.Namespace(layout_id=self.link.layout_id, tenant=tenant)
+
+
+def tier_name(tier: int) -> str:
+    return pb.Tier.Name(tier)  # type: ignore[arg-type]
+
+
+def finished_normally(request: Any) -> bool:
+    status = getattr(request, "status", None)
+    name = getattr(status, "name", str(status))
+    return name in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")

@@ -1,7 +1,9 @@
 """The gRPC servicer: decode, call the domain core, encode. Nothing else.
 
-Domain errors become gRPC statuses through the one table in broker/status.py;
-any other exception is a bug and is left to gRPC (UNKNOWN), never dressed up.
+Domain errors become gRPC statuses through the one table in broker/status.py,
+their cause (kvbroker.common.causes) riding along as a google.rpc.ErrorInfo in
+the grpc-status-details-bin trailer, or in SessionError.cause on the Session
+stream; any other exception is a bug and is left to gRPC (UNKNOWN), never dressed up.
 The Session stream is the engines' fast path: a reader loop answers resolves
 directly (one write per reply); a writer loop drains the session's queue of
 notifications. Both write under one lock, since a stream takes one write at a time.
@@ -23,7 +25,8 @@ from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
-from kvbroker.broker.status import status_of
+from kvbroker.broker.status import abort, abort_with, status_of, trailers
+from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
@@ -33,12 +36,13 @@ log = logging.getLogger("kvbroker.servicer")
 ENGINE_ID_METADATA = "kvbroker-engine-id"
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: BrokerError) -> None:
-    await context.abort(status_of(err), err.message)
-
-
 def _session_error(seq: int, err: BrokerError) -> pb.SessionDown:
-    return pb.SessionDown(seq=seq, error=pb.SessionError(code=status_of(err).name, message=err.message))
+    return pb.SessionDown(
+        seq=seq,
+        error=pb.SessionError(
+            code=status_of(err).name, message=err.message, cause=err.cause, metadata=err.metadata
+        ),
+    )
 
 
 class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
@@ -56,15 +60,17 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         if first is None:
             return
         if first.WhichOneof("msg") != "register":
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the first Session message must be 'register', got {first.WhichOneof('msg') or 'nothing'}",
+                Cause.BAD_REQUEST,
             )
         reg = first.register
         try:
             rec = self.core.register(reg.engine, reg.session_ttl_ms, reg.expected_ranks)
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
             return
         channel = self.notifier.attach(rec.session_id)
         lock = asyncio.Lock()
@@ -87,11 +93,16 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 item = await channel.queue.get()
                 if isinstance(item, Close):
                     if item.code:  # the broker ended the session
+                        code = grpc.StatusCode[item.code]
+                        about = {"engine_id": rec.engine_id}
+                        error = pb.SessionError(code=item.code, message=item.message)
+                        if item.cause:
+                            error.cause = item.cause
+                            error.metadata.update(about)
+                            context.set_trailing_metadata(trailers(code, item.message, item.cause, about))
                         async with lock:
-                            await context.write(
-                                pb.SessionDown(error=pb.SessionError(code=item.code, message=item.message))
-                            )
-                        context.set_code(grpc.StatusCode[item.code])
+                            await context.write(pb.SessionDown(error=error))
+                        context.set_code(code)
                         context.set_details(item.message)
                     break
                 async with lock:
@@ -186,7 +197,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             self.core.register_rank(request.engine_id, request.rank)
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         return pb.RegisterRankResponse()
 
     def _lease_response(self, lease: Lease, holder: EngineRecord | None = None) -> pb.LeaseResponse:
@@ -208,7 +219,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 request.request_id,
             )
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         return self._lease_response(lease)
 
     async def Acquire(
@@ -217,14 +228,14 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             lease, holder = self.core.acquire(request.lease_id, request.reader_engine_id, request.ttl_ms)
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         return self._lease_response(lease, holder)
 
     async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         try:
             lease = self.core.renew(request.lease_id, request.engine_id, request.ttl_ms)
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         return self._lease_response(lease)
 
     async def Release(
@@ -233,7 +244,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             lease = self.core.release(request.lease_id, request.reader_engine_id, request.epoch)
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         return self._lease_response(lease)
 
     async def Decline(
@@ -242,7 +253,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             lease = self.core.decline(request.holder_engine_id, request.request_id, request.reason)
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         if lease is None:
             return pb.DeclineResponse()
         return pb.DeclineResponse(lease=codec.lease_pb(lease, self.core.clock.now()))
@@ -264,7 +275,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 request_id=request.request_id,
             )
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         if result.pending and result.lease is not None:
             settled: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
 
@@ -288,7 +299,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 request.candidates,
             )
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         return codec.score_pb(result)
 
     async def ListEngines(
@@ -316,14 +327,14 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             lease = self.core.revoke(request.lease_id, request.reason)
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         return self._lease_response(lease)
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
         try:
             revoked = self.core.drain(request.engine_id, request.reason)
         except BrokerError as err:
-            await _abort(context, err)
+            await abort_with(context, err)
         return pb.DrainResponse(leases_revoked=revoked)
 
     async def Watch(
@@ -340,16 +351,22 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         } or {ev.INDEX, ev.LEASE, ev.ENGINE}  # nothing chosen means everything
         limit = self.core.config.max_watchers
         if self.notifier.watcher_count() >= limit:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{limit} watchers are connected, the limit (--max-watchers)",
+                Cause.TOO_MANY_WATCHERS,
+                {"limit": str(limit)},
             )
         watcher = self.notifier.add_watcher(frozenset(wanted))
         try:
             while True:
                 item = await watcher.queue.get()
                 if isinstance(item, Close):
-                    await context.abort(grpc.StatusCode[item.code], item.message)
+                    code = grpc.StatusCode[item.code]
+                    if item.cause:
+                        await abort(context, code, item.message, item.cause)
+                    await context.abort(code, item.message)
                 else:
                     yield item
         finally:
@@ -361,16 +378,21 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         self, request: pb.MirrorRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MirrorUpdate]:
         if not request.layout_id:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "layout_id is empty; mirror the layout_id an engine got at registration",
+                Cause.BAD_REQUEST,
             )
         hub = self.core.mirrors
         limit = self.core.config.max_mirrors
         if hub.subscriber_count() >= limit:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{limit} mirrors are connected, the limit (--max-mirrors)",
+                Cause.TOO_MANY_MIRRORS,
+                {"limit": str(limit)},
             )
         ready = asyncio.Event()
         sub = hub.subscribe(request.layout_id, ready.set)
@@ -396,7 +418,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                         yield update
                 if sub.overflowed:
                     log.warning("mirror of layout %s fell behind; sending a fresh snapshot", sub.layout_id)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, sub.closed)
+            # Only the broker's shutdown closes a mirror (MirrorHub.close_all).
+            await abort(context, grpc.StatusCode.UNAVAILABLE, sub.closed, Cause.SHUTTING_DOWN)
         finally:
             hub.unsubscribe(sub)
 

@@ -686,7 +686,7 @@ class EngineSession:
             raise errors.Unavailable("broker closed the session stream during registration")
         kind = reply.WhichOneof("msg")
         if kind == "error":
-            raise errors.from_code_name(reply.error.code, reply.error.message)
+            raise errors.from_session_error(reply.error)
         if kind != "registered":
             raise errors.Internal(f"broker answered the registration with {kind!r}")
         return reply.registered
@@ -756,7 +756,7 @@ class EngineSession:
         if kind == "resolve":
             self._settle(message.seq, result=message.resolve)
         elif kind == "error":
-            error = errors.from_code_name(message.error.code, message.error.message)
+            error = errors.from_session_error(message.error)
             if not self._settle(message.seq, error=error):
                 log.warning("broker reported on session of %s: %s", self.engine_id, error)
         elif kind == "revoked":

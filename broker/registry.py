@@ -111,7 +111,7 @@ class EngineRegistry:
         rec = self._by_session.get(session_id)
         if rec is None:
             raise NotFound(
-                f"unknown session {session_id!r}", Cause.UNKNOWN_SESSION, {"session_id": session_id}
+                f"unknown session {session_id!r}", Cause.UNKNOWN_ENGINE, {"session_id": session_id}
             )
         return rec
 

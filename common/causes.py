@@ -45,7 +45,6 @@ class Cause(StrEnum):
     # Engines, layouts, names.
     UNKNOWN_ENGINE = "unknown_engine"
     UNKNOWN_LEASE = "unknown_lease"
-    UNKNOWN_SESSION = "unknown_session"
     UNKNOWN_LAYOUT = "unknown_layout"
     LAYOUT_MISMATCH = "layout_mismatch"
     INCOMPATIBLE = "incompatible"
@@ -143,7 +142,6 @@ CAUSES: dict[Cause, CauseInfo] = {
         "no such lease: it never existed, or ended longer ago than the broker's history keeps",
         "treat the lease as ended: discard and recompute",
     ),
-    Cause.UNKNOWN_SESSION: CauseInfo("NOT_FOUND", "no such session", "register again"),
     Cause.UNKNOWN_LAYOUT: CauseInfo(
         "NOT_FOUND",
         "no live engine has registered this layout id (Score by token ids needs its block size)",

@@ -30,8 +30,8 @@ Causes are stable lowercase words; a new one may be added, none is renamed:
                   holder_refused, drain, superseded, declined (the
                   RevokeCause names, lowercase, without REVOKE_), released
   lease misuse    stale_epoch, wrong_lease_state, not_party, not_holder
-  names, layouts  unknown_engine, unknown_lease, unknown_session,
-                  unknown_layout, layout_mismatch, incompatible, draining
+  names, layouts  unknown_engine, unknown_lease, unknown_layout,
+                  layout_mismatch, incompatible, draining
   requests        bad_request, out_of_range
   streams ended   session_superseded, session_expired, shutting_down,
                   too_many_watchers, watcher_behind, too_many_mirrors

@@ -25,7 +25,7 @@ from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
-from kvbroker.broker.status import abort, abort_with, status_of, trailers
+from kvbroker.broker.status import abort, status_of, trailers
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -34,6 +34,10 @@ from kvbroker.v1 import broker_pb2_grpc
 log = logging.getLogger("kvbroker.servicer")
 
 ENGINE_ID_METADATA = "kvbroker-engine-id"
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: BrokerError) -> None:
+    await abort(context, status_of(err), err.message, err.cause, err.metadata)
 
 
 def _session_error(seq: int, err: BrokerError) -> pb.SessionDown:
@@ -70,7 +74,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             rec = self.core.register(reg.engine, reg.session_ttl_ms, reg.expected_ranks)
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
             return
         channel = self.notifier.attach(rec.session_id)
         lock = asyncio.Lock()
@@ -197,7 +201,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             self.core.register_rank(request.engine_id, request.rank)
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         return pb.RegisterRankResponse()
 
     def _lease_response(self, lease: Lease, holder: EngineRecord | None = None) -> pb.LeaseResponse:
@@ -219,7 +223,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 request.request_id,
             )
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         return self._lease_response(lease)
 
     async def Acquire(
@@ -228,14 +232,14 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             lease, holder = self.core.acquire(request.lease_id, request.reader_engine_id, request.ttl_ms)
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         return self._lease_response(lease, holder)
 
     async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         try:
             lease = self.core.renew(request.lease_id, request.engine_id, request.ttl_ms)
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         return self._lease_response(lease)
 
     async def Release(
@@ -244,7 +248,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             lease = self.core.release(request.lease_id, request.reader_engine_id, request.epoch)
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         return self._lease_response(lease)
 
     async def Decline(
@@ -253,7 +257,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             lease = self.core.decline(request.holder_engine_id, request.request_id, request.reason)
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         if lease is None:
             return pb.DeclineResponse()
         return pb.DeclineResponse(lease=codec.lease_pb(lease, self.core.clock.now()))
@@ -275,7 +279,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 request_id=request.request_id,
             )
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         if result.pending and result.lease is not None:
             settled: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
 
@@ -299,7 +303,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 request.candidates,
             )
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         return codec.score_pb(result)
 
     async def ListEngines(
@@ -327,14 +331,14 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             lease = self.core.revoke(request.lease_id, request.reason)
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         return self._lease_response(lease)
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
         try:
             revoked = self.core.drain(request.engine_id, request.reason)
         except BrokerError as err:
-            await abort_with(context, err)
+            await _abort(context, err)
         return pb.DrainResponse(leases_revoked=revoked)
 
     async def Watch(

@@ -49,8 +49,3 @@ async def abort(
     """End the call with `code` and `message`, its cause in the details trailer."""
     await context.abort(code, message, trailing_metadata=trailers(code, message, cause, metadata))
     raise AssertionError("context.abort returned")  # it always raises
-
-
-async def abort_with(context: grpc.aio.ServicerContext, err: errors.BrokerError) -> NoReturn:
-    """End the call with a domain error."""
-    await abort(context, status_of(err), err.message, err.cause, err.metadata)

@@ -16,6 +16,7 @@ from kvbroker.broker import codec
 from kvbroker.broker.clock import Clock
 from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.leases import Lease
+from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 
 PinWaiter = Callable[[Lease], None]
@@ -27,6 +28,16 @@ class Close:
 
     code: str
     message: str
+    cause: Cause | None = None
+
+
+# The core ends a session for exactly these reasons, one status code each
+# (BrokerCore.register: a new session of the same engine id; BrokerCore.expire:
+# no heartbeat within the TTL); the server's shutdown names its own cause.
+SESSION_END_CAUSES: dict[str, Cause] = {
+    "ABORTED": Cause.SESSION_SUPERSEDED,
+    "DEADLINE_EXCEEDED": Cause.SESSION_EXPIRED,
+}
 
 
 @dataclass(slots=True)
@@ -91,17 +102,17 @@ class StreamNotifier:
     def drain(self, session_id: str, reason: str) -> None:
         self._send(session_id, pb.SessionDown(drain=pb.DrainCommand(reason=reason)))
 
-    def close_session(self, session_id: str, code: str, message: str) -> None:
+    def close_session(self, session_id: str, code: str, message: str, cause: Cause | None = None) -> None:
         channel = self._channels.get(session_id)
         if channel is not None and channel.closed is None:
-            channel.closed = Close(code, message)
+            channel.closed = Close(code, message, cause or SESSION_END_CAUSES.get(code))
             channel.queue.put_nowait(channel.closed)
 
-    def close_all(self, code: str, message: str) -> None:
+    def close_all(self, code: str, message: str, cause: Cause | None = None) -> None:
         for session_id in list(self._channels):
-            self.close_session(session_id, code, message)
+            self.close_session(session_id, code, message, cause)
         for watcher in list(self._watchers):
-            watcher.queue.put_nowait(Close(code, message))
+            watcher.queue.put_nowait(Close(code, message, cause))
 
     # -- pins ------------------------------------------------------------------
 
@@ -144,7 +155,11 @@ class StreamNotifier:
                 # A watcher that cannot keep up is cut off, never silently skipped.
                 watcher.overflowed = True
                 watcher.queue.put_nowait(
-                    Close("RESOURCE_EXHAUSTED", f"watcher fell {self._watch_queue} events behind; reconnect")
+                    Close(
+                        "RESOURCE_EXHAUSTED",
+                        f"watcher fell {self._watch_queue} events behind; reconnect",
+                        Cause.WATCHER_BEHIND,
+                    )
                 )
             else:
                 watcher.queue.put_nowait(msg)

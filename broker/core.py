@@ -16,9 +16,10 @@ from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.declines import DeclineBook
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from kvbroker.broker.events import Notifier, NullNotifier, WatchEvent
-from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable
+from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
 from kvbroker.broker.mirror import MirrorHub
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
+from kvbroker.common.causes import Cause
 from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from kvbroker.common.scoring import EngineScore, HolderMatch, rank_holders, score_engines
@@ -123,7 +124,8 @@ class BrokerCore:
         if ns.layout_id != rec.layout_id:
             raise FailedPrecondition(
                 f"namespace layout_id {ns.layout_id!r} does not match engine {rec.engine_id!r}'s "
-                f"layout {rec.layout_id!r}; blocks never cross layouts"
+                f"layout {rec.layout_id!r}; blocks never cross layouts",
+                Cause.LAYOUT_MISMATCH,
             )
 
     def _emit(self, category: str, kind: str, **kw: object) -> None:
@@ -320,7 +322,7 @@ class BrokerCore:
     ) -> Lease:
         lease = self.leases.get(lease_id)
         if lease.holder != rec.engine_id:
-            raise FailedPrecondition(f"lease {lease_id} is not held by {rec.engine_id!r}")
+            raise FailedPrecondition(f"lease {lease_id} is not held by {rec.engine_id!r}", Cause.NOT_HOLDER)
         if not lease.state.live:
             return lease  # too late (pin timeout or a session ended); already settled
         if not ok:
@@ -364,7 +366,9 @@ class BrokerCore:
         holder = self.registry.get(holder_id)
         self._check_layout(holder, ns)
         if holder.draining:
-            raise FailedPrecondition(f"engine {holder_id!r} is draining and takes no new holds")
+            raise FailedPrecondition(
+                f"engine {holder_id!r} is draining and takes no new holds", Cause.DRAINING
+            )
         if reader_id:
             if reader_id == holder_id:
                 raise InvalidArgument(
@@ -373,7 +377,9 @@ class BrokerCore:
             reader = self.registry.get(reader_id)
             reason = self.registry.incompatibility(reader, holder)
             if reason is not None:
-                raise FailedPrecondition(f"reader {reader_id!r} cannot read holder {holder_id!r}: {reason}")
+                raise FailedPrecondition(
+                    f"reader {reader_id!r} cannot read holder {holder_id!r}: {reason}", Cause.INCOMPATIBLE
+                )
         now = self.clock.now()
         if request_id and self.declines.take(holder_id, request_id, now):
             raise FailedPrecondition(
@@ -414,7 +420,7 @@ class BrokerCore:
             reason = self.registry.incompatibility(reader, holder)
             if reason is not None:
                 raise FailedPrecondition(
-                    f"reader {reader_id!r} cannot read holder {lease.holder!r}: {reason}"
+                    f"reader {reader_id!r} cannot read holder {lease.holder!r}: {reason}", Cause.INCOMPATIBLE
                 )
         if lease.holder == reader_id:
             raise InvalidArgument("an engine cannot acquire its own hold")
@@ -458,7 +464,7 @@ class BrokerCore:
             raise FailedPrecondition(
                 f"the hold of request {request_id!r} on {holder_id!r} is {claimed[0].state.label} "
                 f"(lease {claimed[0].lease_id}, reader {claimed[0].reader!r}); only its reader ends it",
-                cause=claimed[0].state.label,
+                cause=Cause.WRONG_LEASE_STATE,
             )
         for lease in leases:
             self._revoke(lease, RevokeCause.DECLINED, reason or "declined: nobody will read it")
@@ -471,7 +477,7 @@ class BrokerCore:
             how = lease.state.label
             if lease.cause is not RevokeCause.NONE:
                 how += f", cause {lease.cause.label}"
-            raise FailedPrecondition(f"lease {lease_id} already ended ({how})", cause=lease.cause.label)
+            raise FailedPrecondition(f"lease {lease_id} already ended ({how})", cause=ended_cause(lease))
         self._revoke(lease, RevokeCause.OPERATOR, reason or "revoked by an operator")
         return lease
 
@@ -515,7 +521,10 @@ class BrokerCore:
             block_size = fp.block_size
         if token_ids:
             if fp is None:
-                raise NotFound(f"no engine has registered layout_id {ns.layout_id!r}; cannot hash token ids")
+                raise NotFound(
+                    f"no engine has registered layout_id {ns.layout_id!r}; cannot hash token ids",
+                    Cause.UNKNOWN_LAYOUT,
+                )
             self._check_hashes(len(token_ids) // block_size, "token_ids (in blocks)")
             from kvbroker.common.hashing import wire_chain  # imported late: written by the clients area
 

@@ -1,7 +1,7 @@
 """An interceptor that answers undecodable unary requests with INVALID_ARGUMENT.
 
 Left alone, grpc.aio reports a protobuf DecodeError as UNKNOWN; bad bytes are
-bad input and get a precise status like any other.
+bad input and get a precise status like any other (cause bad_request).
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+
+from kvbroker.broker.status import abort
+from kvbroker.common.causes import Cause
 
 
 class _Malformed:
@@ -49,9 +52,11 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Malformed):
-                await context.abort(
+                await abort(
+                    context,
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"request to {method} is not a valid message: {request.reason}",
+                    Cause.BAD_REQUEST,
                 )
             return await inner(request, context)
 
@@ -69,9 +74,11 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             async def checked() -> AsyncIterator[Any]:
                 async for request in request_iterator:
                     if isinstance(request, _Malformed):
-                        await context.abort(
+                        await abort(
+                            context,
                             grpc.StatusCode.INVALID_ARGUMENT,
                             f"message on {method} is not a valid message: {request.reason}",
+                            Cause.BAD_REQUEST,
                         )
                     yield request
 

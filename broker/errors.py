@@ -1,18 +1,39 @@
 """The broker's domain errors: a short list of named exceptions.
 
 Each maps to exactly one gRPC status code in broker/status.py. Messages are
-meant for a person: they name the offending field and the limit.
+meant for a person: they name the offending field and the limit. Each error
+also names its `cause` from the shared vocabulary (kvbroker.common.causes),
+which travels to clients as data (an ErrorInfo reason), never inside the
+message; `metadata` holds the ids it is about (lease_id, engine_id, state).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
+from kvbroker.common.causes import Cause
+
 
 class BrokerError(Exception):
-    """Base of all domain errors; never raised directly."""
+    """Base of all domain errors; never raised directly.
 
-    def __init__(self, message: str) -> None:
+    `cause` may be given as a Cause or its value (a RevokeCause label is one);
+    a class without a `default_cause` needs it.
+    """
+
+    default_cause: ClassVar[Cause | None] = None
+
+    def __init__(
+        self, message: str, cause: Cause | str | None = None, metadata: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
+        chosen = Cause(cause) if cause else self.default_cause
+        if chosen is None:
+            raise TypeError(f"{type(self).__name__} needs a cause: {message}")
+        self.cause: Cause = chosen
+        self.metadata: dict[str, str] = dict(metadata or {})
 
 
 class NotFound(BrokerError):
@@ -22,25 +43,27 @@ class NotFound(BrokerError):
 class InvalidArgument(BrokerError):
     """Malformed input: missing field, bad enum, mismatched list lengths."""
 
+    default_cause = Cause.BAD_REQUEST
+
 
 class OutOfRange(BrokerError):
     """A number outside its allowed range (TTLs, list lengths)."""
+
+    default_cause = Cause.OUT_OF_RANGE
 
 
 class FailedPrecondition(BrokerError):
     """The request is well formed but the state does not allow it.
 
-    `cause` is the lowercase revoke cause when the lease already ended
-    (e.g. "ttl_expired"), else "".
+    `cause` says which state: a lease-end cause when the lease already ended
+    (e.g. "ttl_expired", "released"), else e.g. "draining", "layout_mismatch".
     """
-
-    def __init__(self, message: str, cause: str = "") -> None:
-        super().__init__(message)
-        self.cause = cause
 
 
 class PermissionDenied(BrokerError):
     """The engine is not a party of the lease it tries to act on."""
+
+    default_cause = Cause.NOT_PARTY
 
 
 class AlreadyExists(BrokerError):

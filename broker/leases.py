@@ -22,6 +22,7 @@ from typing import Protocol
 
 from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied
 from kvbroker.broker.expiry import ExpiryQueue
+from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 
 
@@ -84,14 +85,27 @@ class LeaseTable(Protocol):
     def live_counts(self) -> dict[LeaseState, int]: ...
 
 
+def ended_cause(lease: Lease) -> Cause:
+    """Why an ended lease ended: "released", or its revoke cause."""
+    return Cause.RELEASED if lease.state is LeaseState.RELEASED else Cause(lease.cause.label)
+
+
+def about(lease: Lease, **more: str) -> dict[str, str]:
+    """An error's metadata: the lease, its state, and `more` ids."""
+    return {"lease_id": lease.lease_id, "state": lease.state.label, **more}
+
+
 def _ended_error(lease: Lease) -> FailedPrecondition:
     if lease.state is LeaseState.RELEASED:
-        return FailedPrecondition(f"lease {lease.lease_id} was already released", cause="released")
+        return FailedPrecondition(
+            f"lease {lease.lease_id} was already released", Cause.RELEASED, about(lease)
+        )
     detail = f": {lease.detail}" if lease.detail else ""
     return FailedPrecondition(
         f"lease {lease.lease_id} was revoked ({lease.cause.label}){detail}; "
         "discard anything read under it and recompute",
-        cause=lease.cause.label,
+        ended_cause(lease),
+        about(lease),
     )
 
 
@@ -147,7 +161,11 @@ class InMemoryLeaseTable:
     def get(self, lease_id: str) -> Lease:
         lease = self._live.get(lease_id) or self._ended.get(lease_id)
         if lease is None:
-            raise NotFound(f"unknown lease {lease_id!r} (never existed, or ended long ago)")
+            raise NotFound(
+                f"unknown lease {lease_id!r} (never existed, or ended long ago)",
+                Cause.UNKNOWN_LEASE,
+                {"lease_id": lease_id},
+            )
         return lease
 
     def _get_live(self, lease_id: str) -> Lease:
@@ -162,10 +180,15 @@ class InMemoryLeaseTable:
         lease = self._get_live(lease_id)
         if lease.state is not LeaseState.HELD:
             raise FailedPrecondition(
-                f"lease {lease_id} is {lease.state.label}; only a held lease can be acquired"
+                f"lease {lease_id} is {lease.state.label}; only a held lease can be acquired",
+                Cause.WRONG_LEASE_STATE,
+                about(lease),
             )
         if lease.reader and lease.reader != reader:
-            raise PermissionDenied(f"lease {lease_id} is held for reader {lease.reader!r}, not {reader!r}")
+            raise PermissionDenied(
+                f"lease {lease_id} is held for reader {lease.reader!r}, not {reader!r}",
+                metadata=about(lease, engine_id=reader),
+            )
         if not lease.reader:
             lease.reader = reader
             self._by_reader.setdefault(reader, set()).add(lease_id)
@@ -179,9 +202,16 @@ class InMemoryLeaseTable:
     def activate(self, lease_id: str, holder: str, block_ids: Sequence[int], now: float) -> Lease:
         lease = self._get_live(lease_id)
         if lease.holder != holder:
-            raise PermissionDenied(f"lease {lease_id} belongs to holder {lease.holder!r}, not {holder!r}")
+            raise PermissionDenied(
+                f"lease {lease_id} belongs to holder {lease.holder!r}, not {holder!r}",
+                metadata=about(lease, engine_id=holder),
+            )
         if lease.state is not LeaseState.PENDING:
-            raise FailedPrecondition(f"lease {lease_id} is {lease.state.label}, not pending a pin")
+            raise FailedPrecondition(
+                f"lease {lease_id} is {lease.state.label}, not pending a pin",
+                Cause.WRONG_LEASE_STATE,
+                about(lease),
+            )
         lease.block_ids = tuple(block_ids)
         lease.state = LeaseState.ACTIVE
         lease.epoch += 1
@@ -192,9 +222,16 @@ class InMemoryLeaseTable:
     def renew(self, lease_id: str, engine_id: str, ttl_s: float, now: float) -> Lease:
         lease = self._get_live(lease_id)
         if engine_id not in (lease.holder, lease.reader):
-            raise PermissionDenied(f"engine {engine_id!r} is neither holder nor reader of lease {lease_id}")
+            raise PermissionDenied(
+                f"engine {engine_id!r} is neither holder nor reader of lease {lease_id}",
+                metadata=about(lease, engine_id=engine_id),
+            )
         if lease.state is LeaseState.PENDING:
-            raise FailedPrecondition(f"lease {lease_id} is pending a pin; renew it once it is active")
+            raise FailedPrecondition(
+                f"lease {lease_id} is pending a pin; renew it once it is active",
+                Cause.WRONG_LEASE_STATE,
+                about(lease),
+            )
         # Renew only extends: a shorter TTL never cuts a promise already made.
         if now + ttl_s > lease.deadline:
             lease.deadline = now + ttl_s
@@ -205,14 +242,20 @@ class InMemoryLeaseTable:
         lease = self._get_live(lease_id)
         if lease.state is not LeaseState.ACTIVE:
             raise FailedPrecondition(
-                f"lease {lease_id} is {lease.state.label}; only an active lease can be released"
+                f"lease {lease_id} is {lease.state.label}; only an active lease can be released",
+                Cause.WRONG_LEASE_STATE,
+                about(lease),
             )
         if reader != lease.reader:
-            raise PermissionDenied(f"lease {lease_id} is read by {lease.reader!r}, not {reader!r}")
+            raise PermissionDenied(
+                f"lease {lease_id} is read by {lease.reader!r}, not {reader!r}",
+                metadata=about(lease, engine_id=reader),
+            )
         if epoch and epoch != lease.epoch:
             raise FailedPrecondition(
                 f"lease {lease_id} is at epoch {lease.epoch}, release named epoch {epoch}",
-                cause="stale_epoch",
+                Cause.STALE_EPOCH,
+                about(lease, epoch=str(lease.epoch)),
             )
         lease.state = LeaseState.RELEASED
         lease.epoch += 1

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kvbroker.broker.errors import InvalidArgument, NotFound
 from kvbroker.broker.expiry import ExpiryQueue
+from kvbroker.common.causes import Cause
 from kvbroker.common.layout import DEFAULT_HASH_ALGO, check_topology, layout_id
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -96,7 +97,11 @@ class EngineRegistry:
     def get(self, engine_id: str) -> EngineRecord:
         rec = self._engines.get(engine_id)
         if rec is None:
-            raise NotFound(f"unknown engine {engine_id!r}: it has no live session (register it first)")
+            raise NotFound(
+                f"unknown engine {engine_id!r}: it has no live session (register it first)",
+                Cause.UNKNOWN_ENGINE,
+                {"engine_id": engine_id},
+            )
         return rec
 
     def find(self, engine_id: str) -> EngineRecord | None:
@@ -105,7 +110,9 @@ class EngineRegistry:
     def by_session(self, session_id: str) -> EngineRecord:
         rec = self._by_session.get(session_id)
         if rec is None:
-            raise NotFound(f"unknown session {session_id!r}")
+            raise NotFound(
+                f"unknown session {session_id!r}", Cause.UNKNOWN_ENGINE, {"session_id": session_id}
+            )
         return rec
 
     def all(self) -> list[EngineRecord]:

@@ -30,6 +30,7 @@ from kvbroker.broker.metrics import MetricsInterceptor, start_metrics_http
 from kvbroker.broker.servicer import BrokerServicer
 from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider, otlp_endpoint
 from kvbroker.common import settings
+from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 
 log = logging.getLogger("kvbroker")
@@ -59,7 +60,9 @@ class RunningServer:
         grace = self.core.config.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         self.servicer.shutting_down = True
-        self.notifier.close_all("UNAVAILABLE", "broker is shutting down; reconnect and register again")
+        self.notifier.close_all(
+            "UNAVAILABLE", "broker is shutting down; reconnect and register again", Cause.SHUTTING_DOWN
+        )
         self.core.mirrors.close_all("broker is shutting down; reconnect for a fresh snapshot")
         if self._expiry_task is not None:
             self._expiry_task.cancel()

@@ -1,7 +1,9 @@
 """The gRPC servicer: decode, call the domain core, encode. Nothing else.
 
-Domain errors become gRPC statuses through the one table in broker/status.py;
-any other exception is a bug and is left to gRPC (UNKNOWN), never dressed up.
+Domain errors become gRPC statuses through the one table in broker/status.py,
+their cause (kvbroker.common.causes) riding along as a google.rpc.ErrorInfo in
+the grpc-status-details-bin trailer, or in SessionError.cause on the Session
+stream; any other exception is a bug and is left to gRPC (UNKNOWN), never dressed up.
 The Session stream is the engines' fast path: a reader loop answers resolves
 directly (one write per reply); a writer loop drains the session's queue of
 notifications. Both write under one lock, since a stream takes one write at a time.
@@ -23,7 +25,8 @@ from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
-from kvbroker.broker.status import status_of
+from kvbroker.broker.status import abort, status_of, trailers
+from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
@@ -34,11 +37,16 @@ ENGINE_ID_METADATA = "kvbroker-engine-id"
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: BrokerError) -> None:
-    await context.abort(status_of(err), err.message)
+    await abort(context, status_of(err), err.message, err.cause, err.metadata)
 
 
 def _session_error(seq: int, err: BrokerError) -> pb.SessionDown:
-    return pb.SessionDown(seq=seq, error=pb.SessionError(code=status_of(err).name, message=err.message))
+    return pb.SessionDown(
+        seq=seq,
+        error=pb.SessionError(
+            code=status_of(err).name, message=err.message, cause=err.cause, metadata=err.metadata
+        ),
+    )
 
 
 class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
@@ -56,9 +64,11 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         if first is None:
             return
         if first.WhichOneof("msg") != "register":
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the first Session message must be 'register', got {first.WhichOneof('msg') or 'nothing'}",
+                Cause.BAD_REQUEST,
             )
         reg = first.register
         try:
@@ -87,11 +97,16 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 item = await channel.queue.get()
                 if isinstance(item, Close):
                     if item.code:  # the broker ended the session
+                        code = grpc.StatusCode[item.code]
+                        about = {"engine_id": rec.engine_id}
+                        error = pb.SessionError(code=item.code, message=item.message)
+                        if item.cause:
+                            error.cause = item.cause
+                            error.metadata.update(about)
+                            context.set_trailing_metadata(trailers(code, item.message, item.cause, about))
                         async with lock:
-                            await context.write(
-                                pb.SessionDown(error=pb.SessionError(code=item.code, message=item.message))
-                            )
-                        context.set_code(grpc.StatusCode[item.code])
+                            await context.write(pb.SessionDown(error=error))
+                        context.set_code(code)
                         context.set_details(item.message)
                     break
                 async with lock:
@@ -340,16 +355,22 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         } or {ev.INDEX, ev.LEASE, ev.ENGINE}  # nothing chosen means everything
         limit = self.core.config.max_watchers
         if self.notifier.watcher_count() >= limit:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{limit} watchers are connected, the limit (--max-watchers)",
+                Cause.TOO_MANY_WATCHERS,
+                {"limit": str(limit)},
             )
         watcher = self.notifier.add_watcher(frozenset(wanted))
         try:
             while True:
                 item = await watcher.queue.get()
                 if isinstance(item, Close):
-                    await context.abort(grpc.StatusCode[item.code], item.message)
+                    code = grpc.StatusCode[item.code]
+                    if item.cause:
+                        await abort(context, code, item.message, item.cause)
+                    await context.abort(code, item.message)
                 else:
                     yield item
         finally:
@@ -361,16 +382,21 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         self, request: pb.MirrorRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MirrorUpdate]:
         if not request.layout_id:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "layout_id is empty; mirror the layout_id an engine got at registration",
+                Cause.BAD_REQUEST,
             )
         hub = self.core.mirrors
         limit = self.core.config.max_mirrors
         if hub.subscriber_count() >= limit:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{limit} mirrors are connected, the limit (--max-mirrors)",
+                Cause.TOO_MANY_MIRRORS,
+                {"limit": str(limit)},
             )
         ready = asyncio.Event()
         sub = hub.subscribe(request.layout_id, ready.set)
@@ -396,7 +422,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                         yield update
                 if sub.overflowed:
                     log.warning("mirror of layout %s fell behind; sending a fresh snapshot", sub.layout_id)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, sub.closed)
+            # Only the broker's shutdown closes a mirror (MirrorHub.close_all).
+            await abort(context, grpc.StatusCode.UNAVAILABLE, sub.closed, Cause.SHUTTING_DOWN)
         finally:
             hub.unsubscribe(sub)
 

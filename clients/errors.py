@@ -2,46 +2,28 @@
 
 Every failed call raises a subclass of ``BrokerError`` carrying the gRPC
 ``code`` and the broker's ``message`` (written for a person: it names the
-field and the limit). ``FailedPrecondition.cause`` says why a lease ended
-(``"ttl_expired"``, ``"reader_gone"``, ...) when the broker reported one.
-``retryable`` tells a caller whether trying again later can help.
+field and the limit). ``cause`` is the broker's reason as data, a value of
+``kvbroker.common.causes.Cause`` (e.g. ``FailedPrecondition.cause`` says why a
+lease ended: ``"ttl_expired"``, ``"released"``, ...), read from the
+``google.rpc.ErrorInfo`` the broker sends in ``grpc-status-details-bin`` or
+from ``SessionError.cause`` on the session stream; ``""`` when the error has
+none (e.g. one gRPC itself raised). ``metadata`` holds the ids it is about
+(``lease_id``, ``engine_id``, ...). ``retryable`` tells a caller whether
+trying again later can help.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Mapping
 
 import grpc
 
-# The broker's revoke causes, lowercase, as it writes them in messages and metadata.
-REVOKE_CAUSES = (
-    "ttl_expired",
-    "reader_gone",
-    "holder_gone",
-    "operator",
-    "holder_refused",
-    "drain",
-    "superseded",
-)
-# Trailing-metadata key the broker may use to carry a lease's end cause.
-CAUSE_METADATA_KEY = "kvbroker-cause"
+from kvbroker.common.causes import LEASE_ENDED, Cause
+from kvbroker.common.error_details import error_info
+from kvbroker.v1 import broker_pb2 as pb
 
-# Until the broker sends the cause in metadata, read it from its message:
-# "lease L was revoked (reader_gone): ...", "... was already released", "... release named epoch N".
-_CAUSE_PATTERNS = (
-    (re.compile(r"\((" + "|".join(REVOKE_CAUSES) + r")\)"), None),
-    (re.compile(r"was already released"), "released"),
-    (re.compile(r"release named epoch"), "stale_epoch"),
-)
-
-
-def cause_in_message(message: str) -> str:
-    """The lease-end cause a broker message names, or ""."""
-    for pattern, fixed in _CAUSE_PATTERNS:
-        found = pattern.search(message)
-        if found:
-            return fixed or found.group(1)
-    return ""
+# The causes that end a lease by revoking it (RevokeCause labels); LEASE_ENDED adds "released".
+REVOKE_CAUSES: tuple[str, ...] = tuple(str(c) for c in LEASE_ENDED if c is not Cause.RELEASED)
 
 
 class BrokerError(Exception):
@@ -50,11 +32,19 @@ class BrokerError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     retryable = False
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: grpc.StatusCode | None = None,
+        cause: str = "",
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+        self.cause = str(cause)
+        self.metadata: dict[str, str] = dict(metadata or {})
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -82,10 +72,6 @@ class FailedPrecondition(BrokerError):
     """Well formed, but the state forbids it: e.g. releasing a revoked lease, or an incompatible layout."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None, cause: str = "") -> None:
-        super().__init__(message, code)
-        self.cause = cause
 
 
 class PermissionDenied(BrokerError):
@@ -177,27 +163,33 @@ ERROR_OF_STATUS: dict[grpc.StatusCode, type[BrokerError]] = {
 }
 
 
-def from_status(code: grpc.StatusCode, message: str, cause: str = "") -> BrokerError:
-    """The typed error for a status code and message."""
+def from_status(
+    code: grpc.StatusCode, message: str, cause: str = "", metadata: Mapping[str, str] | None = None
+) -> BrokerError:
+    """The typed error for a status code, message and the broker's cause."""
     cls = ERROR_OF_STATUS.get(code, Unknown)
-    if cls is FailedPrecondition:
-        return FailedPrecondition(message, code, cause=cause or cause_in_message(message))
-    return cls(message, code)
+    return cls(message, code, cause, metadata)
 
 
-def from_code_name(code_name: str, message: str) -> BrokerError:
-    """The typed error for a status code given by name, as in a SessionError message."""
+def from_code_name(
+    code_name: str, message: str, cause: str = "", metadata: Mapping[str, str] | None = None
+) -> BrokerError:
+    """The typed error for a status code given by name, as in a SessionError."""
     code = getattr(grpc.StatusCode, code_name.upper(), grpc.StatusCode.UNKNOWN)
-    return from_status(code, message)
+    return from_status(code, message, cause, metadata)
+
+
+def from_session_error(error: pb.SessionError) -> BrokerError:
+    """The typed error for a SessionError on the session stream (its cause is a field)."""
+    return from_code_name(error.code, error.message, error.cause, error.metadata)
 
 
 def from_rpc_error(err: grpc.RpcError) -> BrokerError:
-    """Translate an error raised by a gRPC stub (sync or aio)."""
+    """Translate an error raised by a gRPC stub (sync or aio); the cause comes from its ErrorInfo."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(err)
-    cause = ""
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-    for key, value in trailing or ():
-        if key == CAUSE_METADATA_KEY:
-            cause = value.decode() if isinstance(value, bytes) else str(value)
-    return from_status(code, details, cause)
+    info = error_info(trailing)
+    if info is None:
+        return from_status(code, details)
+    return from_status(code, details, info.cause, info.metadata)

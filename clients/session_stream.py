@@ -342,7 +342,7 @@ class SessionStream:
             raise errors.Unavailable("broker closed the session stream during registration")
         kind = reply.WhichOneof("msg")
         if kind == "error":
-            raise errors.from_code_name(reply.error.code, reply.error.message)
+            raise errors.from_session_error(reply.error)
         if kind != "registered":
             raise errors.Internal(f"broker answered the registration with {kind!r}")
         return reply.registered
@@ -456,7 +456,7 @@ class SessionStream:
             # Answers a barrier (_barrier); any other heartbeat's ack only proves the broker alive.
             self._settle(message.seq, result=message.heartbeat_ack)
         elif kind == "error":
-            error = errors.from_code_name(message.error.code, message.error.message)
+            error = errors.from_session_error(message.error)
             if not self._settle(message.seq, error=error):
                 log.warning("broker reported on session of %s: %s", self.engine_id, error)
         elif kind == "revoked":

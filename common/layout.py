@@ -54,8 +54,17 @@ def layout_id(fp: pb.LayoutFingerprint) -> str:
 
 def layout_difference(a: pb.LayoutFingerprint, b: pb.LayoutFingerprint) -> str:
     """Which identity fields differ, e.g. "engine_version 'vllm 0.32.0' vs 'vllm 0.33.0'"."""
-    names = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size")
-    names += ("hash_algo", "kv_layout", *_OPTIONAL_FIELDS)
+    names = (
+        "model",
+        "dtype",
+        "block_size",
+        "num_layers",
+        "num_kv_heads",
+        "head_size",
+        "hash_algo",
+        "kv_layout",
+    )
+    names += _OPTIONAL_FIELDS
     diffs = [f"{n} {getattr(a, n)!r} vs {getattr(b, n)!r}" for n in names if getattr(a, n) != getattr(b, n)]
     return "; ".join(diffs) or "same fields"
 

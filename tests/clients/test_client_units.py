@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvbroker.clients import errors
 from kvbroker.clients.aio import build_request, trace_metadata
 from kvbroker.clients.session import Backoff, InventoryMirror
+from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 
 GPU = pb.TIER_GPU
@@ -48,29 +49,37 @@ def test_every_status_code_has_an_error_class() -> None:
         assert code in errors.ERROR_OF_STATUS, code
 
 
-def test_failed_precondition_carries_the_revoke_cause() -> None:
+def test_the_cause_is_data_and_never_read_from_the_message() -> None:
     err = errors.from_status(
         grpc.StatusCode.FAILED_PRECONDITION,
         "lease l1 was revoked (reader_gone): reader 'd' session ended; discard anything read under it",
     )
-    assert isinstance(err, errors.FailedPrecondition)
-    assert err.cause == "reader_gone"
+    assert isinstance(err, errors.FailedPrecondition) and err.cause == ""
     err = errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "lease l1 was already released")
-    assert isinstance(err, errors.FailedPrecondition) and err.cause == "released"
+    assert isinstance(err, errors.FailedPrecondition) and err.cause == ""
     err = errors.from_status(
-        grpc.StatusCode.FAILED_PRECONDITION, "lease l1 is held; only an active lease can be released"
+        grpc.StatusCode.FAILED_PRECONDITION, "ended", cause="ttl_expired", metadata={"lease_id": "l1"}
     )
-    assert isinstance(err, errors.FailedPrecondition) and err.cause == ""
-    err = errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "layouts differ", cause="")
-    assert isinstance(err, errors.FailedPrecondition) and err.cause == ""
-    err = errors.from_status(grpc.StatusCode.FAILED_PRECONDITION, "ended", cause="ttl_expired")
-    assert isinstance(err, errors.FailedPrecondition) and err.cause == "ttl_expired"
+    assert isinstance(err, errors.FailedPrecondition)
+    assert err.cause == "ttl_expired" == Cause.TTL_EXPIRED and err.metadata == {"lease_id": "l1"}
+    # Every error type carries a cause; a cause this client does not know passes through.
+    err = errors.from_status(grpc.StatusCode.NOT_FOUND, "x", cause="some_future_cause")
+    assert isinstance(err, errors.NotFound) and err.cause == "some_future_cause"
+    # The positional signature of FailedPrecondition is unchanged: (message, code, cause).
+    assert errors.FailedPrecondition("m", None, "released").cause == "released"
 
 
 def test_session_error_code_names() -> None:
     assert isinstance(errors.from_code_name("NOT_FOUND", "x"), errors.NotFound)
     assert isinstance(errors.from_code_name("invalid_argument", "x"), errors.InvalidArgument)
     assert isinstance(errors.from_code_name("NO_SUCH_CODE", "x"), errors.Unknown)
+    err = errors.from_session_error(
+        pb.SessionError(
+            code="FAILED_PRECONDITION", message="m", cause="draining", metadata={"engine_id": "P"}
+        )
+    )
+    assert isinstance(err, errors.FailedPrecondition)
+    assert (err.cause, err.metadata, err.message) == ("draining", {"engine_id": "P"}, "m")
 
 
 def test_build_request_from_fields_or_message() -> None:

@@ -14,6 +14,31 @@ Conventions
   absolute clock reading.
 - A namespace is a layout id (see LayoutFingerprint) plus a tenant string
   (tenant or vLLM cache_salt). Prefixes never match across namespaces.
+
+Errors
+Every error the broker reports names its cause as data, never only in the
+message (which is for a person). A failed call (unary, or a stream the
+broker ends) uses gRPC's standard rich error model: the
+`grpc-status-details-bin` trailing metadata holds a google.rpc.Status (same
+code and message as the call's status) with one google.rpc.ErrorInfo
+detail: domain "kvbroker.v1", reason the cause, metadata the ids the error
+is about (lease_id, engine_id, state, epoch, session_id, limit: those that
+apply). On the Session stream an error answering one message is a
+SessionError with the same cause and metadata, and the stream goes on.
+Causes are stable lowercase words; a new one may be added, none is renamed:
+  lease ended     ttl_expired, reader_gone, holder_gone, operator,
+                  holder_refused, drain, superseded, declined (the
+                  RevokeCause names, lowercase, without REVOKE_), released
+  lease misuse    stale_epoch, wrong_lease_state, not_party, not_holder
+  names, layouts  unknown_engine, unknown_lease, unknown_layout,
+                  layout_mismatch, incompatible, draining
+  requests        bad_request, out_of_range
+  streams ended   session_superseded, session_expired, shutting_down,
+                  too_many_watchers, watcher_behind, too_many_mirrors
+ResolveResponse.skipped_reason uses the same words (and no_holder,
+below_min). docs/clients.md tabulates each: status code, meaning, what to
+do. Errors gRPC itself makes (deadline, message too large, cancelled)
+carry no ErrorInfo.
 """
 
 from collections import abc as _abc
@@ -581,7 +606,9 @@ class ResolveResponse(_message.Message):
     HOLDER_FIELD_NUMBER: _builtins.int
     SKIPPED_REASON_FIELD_NUMBER: _builtins.int
     skipped_reason: _builtins.str
-    """why no lease: no_holder, below_min, incompatible, refused"""
+    """Why no lease, when acquire was asked: no_holder, below_min, or the cause
+    that ended a lease still pending its pin (holder_refused, holder_gone, ...).
+    """
     @_builtins.property
     def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___HolderMatch]:
         """best first: longest, GPU before CPU"""
@@ -802,22 +829,58 @@ Global___DrainCommand: _TypeAlias = DrainCommand  # noqa: Y015
 
 @_typing.final
 class SessionError(_message.Message):
+    """An error on the Session stream: the answer to the SessionUp of the same
+    seq (the session goes on), or, with seq 0, why the broker ends the stream
+    (the stream's status then says the same).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     code: _builtins.str
     """gRPC status code name"""
     message: _builtins.str
+    """for a person"""
+    cause: _builtins.str
+    """the cause (see Errors above); ErrorInfo.reason of a failed call"""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """ids the error is about; ErrorInfo.metadata of a failed call"""
+
     def __init__(
         self,
         *,
         code: _builtins.str = ...,
         message: _builtins.str = ...,
+        cause: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "code", b"code", "message", b"message", "metadata", b"metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

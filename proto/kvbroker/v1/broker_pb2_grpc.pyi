@@ -14,6 +14,31 @@ Conventions
   absolute clock reading.
 - A namespace is a layout id (see LayoutFingerprint) plus a tenant string
   (tenant or vLLM cache_salt). Prefixes never match across namespaces.
+
+Errors
+Every error the broker reports names its cause as data, never only in the
+message (which is for a person). A failed call (unary, or a stream the
+broker ends) uses gRPC's standard rich error model: the
+`grpc-status-details-bin` trailing metadata holds a google.rpc.Status (same
+code and message as the call's status) with one google.rpc.ErrorInfo
+detail: domain "kvbroker.v1", reason the cause, metadata the ids the error
+is about (lease_id, engine_id, state, epoch, session_id, limit: those that
+apply). On the Session stream an error answering one message is a
+SessionError with the same cause and metadata, and the stream goes on.
+Causes are stable lowercase words; a new one may be added, none is renamed:
+  lease ended     ttl_expired, reader_gone, holder_gone, operator,
+                  holder_refused, drain, superseded, declined (the
+                  RevokeCause names, lowercase, without REVOKE_), released
+  lease misuse    stale_epoch, wrong_lease_state, not_party, not_holder
+  names, layouts  unknown_engine, unknown_lease, unknown_layout,
+                  layout_mismatch, incompatible, draining
+  requests        bad_request, out_of_range
+  streams ended   session_superseded, session_expired, shutting_down,
+                  too_many_watchers, watcher_behind, too_many_mirrors
+ResolveResponse.skipped_reason uses the same words (and no_holder,
+below_min). docs/clients.md tabulates each: status code, meaning, what to
+do. Errors gRPC itself makes (deadline, message too large, cancelled)
+carry no ErrorInfo.
 """
 
 from collections import abc as _abc

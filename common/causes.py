@@ -1,0 +1,225 @@
+"""Why the broker refused or ended something: the one vocabulary its server and its clients share.
+
+Every error the broker reports names one ``Cause``: on the wire it is the
+``reason`` of a ``google.rpc.ErrorInfo`` (domain ``kvbroker.v1``) in the call's
+``grpc-status-details-bin`` trailer (see ``kvbroker.common.error_details``),
+or the ``cause`` field of an in-band ``SessionError``. ``ResolveResponse.skipped_reason``
+uses the same words for why a resolve leased nothing.
+
+Values are stable: clients compare them exactly, so a value is never renamed
+or reused for another meaning (a new cause gets a new value). They are the
+lowercase words the broker already uses elsewhere on the wire: the lease-end
+causes equal ``RevokeCause`` labels, ``Lease.cause`` names and the
+``revocations_by_cause`` keys of ``Stats``.
+
+``CAUSES`` says, per cause, the gRPC status it comes with, what it means and
+what a caller should do; docs/clients.md and docs/broker.md show the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Cause(StrEnum):
+    # A lease ended: it is gone, and anything read under it must be discarded.
+    # The revoke causes (equal to RevokeCause labels):
+    TTL_EXPIRED = "ttl_expired"
+    READER_GONE = "reader_gone"
+    HOLDER_GONE = "holder_gone"
+    OPERATOR = "operator"
+    HOLDER_REFUSED = "holder_refused"
+    DRAIN = "drain"
+    SUPERSEDED = "superseded"
+    DECLINED = "declined"
+    # ... and the one good ending:
+    RELEASED = "released"
+
+    # A live lease that does not allow the call.
+    STALE_EPOCH = "stale_epoch"
+    WRONG_LEASE_STATE = "wrong_lease_state"
+    NOT_PARTY = "not_party"
+    NOT_HOLDER = "not_holder"
+
+    # Engines, layouts, names.
+    UNKNOWN_ENGINE = "unknown_engine"
+    UNKNOWN_LEASE = "unknown_lease"
+    UNKNOWN_LAYOUT = "unknown_layout"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    INCOMPATIBLE = "incompatible"
+    DRAINING = "draining"
+
+    # Malformed requests (the message names the field and the limit).
+    BAD_REQUEST = "bad_request"
+    OUT_OF_RANGE = "out_of_range"
+
+    # The broker ends a stream.
+    SESSION_SUPERSEDED = "session_superseded"
+    SESSION_EXPIRED = "session_expired"
+    SHUTTING_DOWN = "shutting_down"
+    TOO_MANY_WATCHERS = "too_many_watchers"
+    WATCHER_BEHIND = "watcher_behind"
+    TOO_MANY_MIRRORS = "too_many_mirrors"
+
+    # Resolve leased nothing (ResolveResponse.skipped_reason, not an error).
+    NO_HOLDER = "no_holder"
+    BELOW_MIN = "below_min"
+
+
+@dataclass(frozen=True, slots=True)
+class CauseInfo:
+    code: str  # the gRPC status name it comes with ("" when it is no error)
+    meaning: str
+    action: str
+
+
+_DISCARD = "discard anything read under the lease and recompute (or resolve again)"
+
+CAUSES: dict[Cause, CauseInfo] = {
+    Cause.TTL_EXPIRED: CauseInfo(
+        "FAILED_PRECONDITION",
+        "the lease ended: it was not renewed within its TTL",
+        _DISCARD + "; renew sooner or ask for a longer TTL",
+    ),
+    Cause.READER_GONE: CauseInfo(
+        "FAILED_PRECONDITION", "the lease ended: its reader's session ended", _DISCARD
+    ),
+    Cause.HOLDER_GONE: CauseInfo(
+        "FAILED_PRECONDITION", "the lease ended: its holder's session ended", _DISCARD
+    ),
+    Cause.OPERATOR: CauseInfo("FAILED_PRECONDITION", "the lease ended: an operator revoked it", _DISCARD),
+    Cause.HOLDER_REFUSED: CauseInfo(
+        "FAILED_PRECONDITION",
+        "the lease ended: its holder could not pin the blocks, or did not answer the pin in time",
+        _DISCARD,
+    ),
+    Cause.DRAIN: CauseInfo(
+        "FAILED_PRECONDITION", "the lease ended: its holder is draining (an unclaimed hold)", _DISCARD
+    ),
+    Cause.SUPERSEDED: CauseInfo(
+        "FAILED_PRECONDITION", "the lease ended: its holder dropped or replaced the leased blocks", _DISCARD
+    ),
+    Cause.DECLINED: CauseInfo(
+        "FAILED_PRECONDITION",
+        "nobody will read this hold: it was declined (also refusing a hold whose request was "
+        "declined before the hold arrived)",
+        "a holder frees the blocks; a reader recomputes",
+    ),
+    Cause.RELEASED: CauseInfo(
+        "FAILED_PRECONDITION",
+        "the lease ended: its reader already released it (the read was committed)",
+        "nothing: it is done (a repeated release after a lost answer lands here)",
+    ),
+    Cause.STALE_EPOCH: CauseInfo(
+        "FAILED_PRECONDITION",
+        "the release named an epoch the lease has moved past",
+        "treat the read as failed: discard and recompute",
+    ),
+    Cause.WRONG_LEASE_STATE: CauseInfo(
+        "FAILED_PRECONDITION",
+        "the lease is live but its state does not allow the call (acquire of a claimed lease, "
+        "renew while pending a pin, release before active, decline of a claimed hold)",
+        "a caller bug or a race; the message names the state",
+    ),
+    Cause.NOT_PARTY: CauseInfo(
+        "PERMISSION_DENIED",
+        "the engine is neither the lease's holder nor its reader (or not the one the call needs)",
+        "act on the lease with the engine that holds or reads it",
+    ),
+    Cause.NOT_HOLDER: CauseInfo(
+        "FAILED_PRECONDITION",
+        "a pin result for a lease the engine does not hold",
+        "a caller bug; the engine answers only its own pin commands",
+    ),
+    Cause.UNKNOWN_ENGINE: CauseInfo(
+        "NOT_FOUND",
+        "no engine of that id has a live session",
+        "register it first; it may have gone (its session ended)",
+    ),
+    Cause.UNKNOWN_LEASE: CauseInfo(
+        "NOT_FOUND",
+        "no such lease: it never existed, or ended longer ago than the broker's history keeps",
+        "treat the lease as ended: discard and recompute",
+    ),
+    Cause.UNKNOWN_LAYOUT: CauseInfo(
+        "NOT_FOUND",
+        "no live engine has registered this layout id (Score by token ids needs its block size)",
+        "send block hashes, or wait until an engine of the layout registers",
+    ),
+    Cause.LAYOUT_MISMATCH: CauseInfo(
+        "FAILED_PRECONDITION",
+        "the namespace's layout id is not the engine's own layout",
+        "use the layout_id the broker returned at the engine's registration",
+    ),
+    Cause.INCOMPATIBLE: CauseInfo(
+        "FAILED_PRECONDITION",
+        "the reader cannot read the holder's blocks (different layout or parallel topology)",
+        "pair engines with equal layouts and compatible TP/PP; recompute",
+    ),
+    Cause.DRAINING: CauseInfo(
+        "FAILED_PRECONDITION",
+        "the engine is draining and takes no new holds",
+        "do not hold on it; free the blocks, route elsewhere",
+    ),
+    Cause.BAD_REQUEST: CauseInfo(
+        "INVALID_ARGUMENT",
+        "a malformed request: a missing or bad field, lists not parallel, too many hashes, "
+        "a stream message out of order, undecodable bytes",
+        "fix the caller; the message names the field and the limit",
+    ),
+    Cause.OUT_OF_RANGE: CauseInfo(
+        "OUT_OF_RANGE",
+        "a session or lease TTL outside the broker's [min, max]",
+        "ask within the limits the message states (0 = the broker's default)",
+    ),
+    Cause.SESSION_SUPERSEDED: CauseInfo(
+        "ABORTED",
+        "the engine id registered a new session; this older one ended with its leases",
+        "nothing if the new session is yours; two processes must not share an engine id",
+    ),
+    Cause.SESSION_EXPIRED: CauseInfo(
+        "DEADLINE_EXCEEDED",
+        "no message within the session TTL; the session ended with its leases",
+        "register again (clients do); heartbeat more often or ask for a longer TTL",
+    ),
+    Cause.SHUTTING_DOWN: CauseInfo(
+        "UNAVAILABLE",
+        "the broker is stopping; the stream ends",
+        "reconnect (to it when it is back, or to another broker) and register or subscribe again",
+    ),
+    Cause.TOO_MANY_WATCHERS: CauseInfo(
+        "RESOURCE_EXHAUSTED",
+        "the broker has as many Watch streams as --max-watchers allows",
+        "retry later, or raise the limit",
+    ),
+    Cause.WATCHER_BEHIND: CauseInfo(
+        "RESOURCE_EXHAUSTED",
+        "the Watch stream fell too far behind and was cut off (events were not skipped silently)",
+        "watch again, and read faster or watch fewer categories",
+    ),
+    Cause.TOO_MANY_MIRRORS: CauseInfo(
+        "RESOURCE_EXHAUSTED",
+        "the broker has as many Mirror streams as --max-mirrors allows",
+        "retry later, resolve over the session instead, or raise the limit",
+    ),
+    Cause.NO_HOLDER: CauseInfo(
+        "", "resolve found no engine holding a prefix the asker can read", "recompute"
+    ),
+    Cause.BELOW_MIN: CauseInfo(
+        "", "the best holder's prefix is shorter than min_blocks, so nothing was leased", "recompute"
+    ),
+}
+
+# The causes that say a lease ended (RevokeCause labels, then "released").
+LEASE_ENDED: tuple[Cause, ...] = (
+    Cause.TTL_EXPIRED,
+    Cause.READER_GONE,
+    Cause.HOLDER_GONE,
+    Cause.OPERATOR,
+    Cause.HOLDER_REFUSED,
+    Cause.DRAIN,
+    Cause.SUPERSEDED,
+    Cause.DECLINED,
+    Cause.RELEASED,
+)

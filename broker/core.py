@@ -1,8 +1,10 @@
 """BrokerCore: the synchronous domain core composing registry, index and lease table.
 
 Every public method is one step of the protocol; it validates, changes state,
-and tells the affected engines through the injected Notifier. Time comes from
-the injected Clock; nothing here awaits or touches the network.
+and tells the affected engines through the injected Notifier. Watchers and
+index mirrors are fed by the wrappers the state is changed through
+(observed.py), not from here. Time comes from the injected Clock; nothing here
+awaits or touches the network.
 """
 
 from __future__ import annotations
@@ -10,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvbroker.broker import events as ev
 from kvbroker.broker.clock import Clock, MonotonicClock
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.declines import DeclineBook
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from kvbroker.broker.events import Notifier, NullNotifier, WatchEvent
+from kvbroker.broker.events import Notifier, NullNotifier
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable
 from kvbroker.broker.mirror import MirrorHub
+from kvbroker.broker.observed import ObservedIndex, ObservedLeaseTable, ObservedRegistry, Publisher
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
 from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
@@ -75,10 +77,14 @@ class BrokerCore:
         self.config = config or BrokerConfig()
         self.clock = clock or MonotonicClock()
         self.notifier: Notifier = notifier or NullNotifier()
-        self.index: PrefixIndex = index or CompactPrefixIndex()
-        self.leases: LeaseTable = leases or InMemoryLeaseTable(self.config.ended_lease_history)
-        self.registry = EngineRegistry()
         self.mirrors = MirrorHub()
+        # Watch and mirror events come from these wrappers as they change (see observed.py).
+        publish = Publisher(self.notifier, self.mirrors)
+        self.index = ObservedIndex(index or CompactPrefixIndex(), publish)
+        self.leases = ObservedLeaseTable(
+            leases or InMemoryLeaseTable(self.config.ended_lease_history), publish
+        )
+        self.registry = ObservedRegistry(EngineRegistry(), publish)
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total = 0
         self.declines = DeclineBook()
@@ -126,10 +132,6 @@ class BrokerCore:
                 f"layout {rec.layout_id!r}; blocks never cross layouts"
             )
 
-    def _emit(self, category: str, kind: str, **kw: object) -> None:
-        if self.notifier.watching(category):
-            self.notifier.event(WatchEvent(category, kind, **kw))  # type: ignore[arg-type]
-
     # -- sessions ------------------------------------------------------------------
 
     def register(self, info: pb.EngineInfo, session_ttl_ms: int, expected_ranks: int = 0) -> EngineRecord:
@@ -142,10 +144,7 @@ class BrokerCore:
         if old is not None:
             EngineRegistry.validate(info)  # a bad registration must not end a good session
             self.end_session(old.session_id, "ABORTED", "superseded: the engine registered a new session")
-        rec = self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
-        self._emit(ev.ENGINE, "engine_registered", engine_id=rec.engine_id, detail=rec.layout_id)
-        self._mirror_engine(rec)
-        return rec
+        return self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
 
     def end_session(self, session_id: str, code: str = "", message: str = "") -> None:
         """End a session: drop its blocks from the index, revoke every lease it holds or reads.
@@ -157,16 +156,14 @@ class BrokerCore:
             rec = self.registry.by_session(session_id)
         except NotFound:
             return
-        self.registry.remove(rec)
-        self.index.drop_holder(rec.engine_id)
-        self.mirrors.engine(rec.layout_id, None, rec.engine_id)
-        for lease in self.leases.by_holder(rec.engine_id):
-            self._revoke(lease, RevokeCause.HOLDER_GONE, f"holder {rec.engine_id!r} session ended")
-        for lease in self.leases.by_reader(rec.engine_id):
-            self._revoke(lease, RevokeCause.READER_GONE, f"reader {rec.engine_id!r} session ended")
-        if code:
-            self.notifier.close_session(session_id, code, message)
-        self._emit(ev.ENGINE, "engine_gone", engine_id=rec.engine_id, detail=message or "session ended")
+        with self.registry.removing(rec, message or "session ended"):
+            self.index.drop_holder(rec.engine_id)
+            for lease in self.leases.by_holder(rec.engine_id):
+                self._revoke(lease, RevokeCause.HOLDER_GONE, f"holder {rec.engine_id!r} session ended")
+            for lease in self.leases.by_reader(rec.engine_id):
+                self._revoke(lease, RevokeCause.READER_GONE, f"reader {rec.engine_id!r} session ended")
+            if code:
+                self.notifier.close_session(session_id, code, message)
 
     def session_engine(self, session_id: str) -> EngineRecord:
         return self.registry.by_session(session_id)
@@ -180,9 +177,7 @@ class BrokerCore:
         rec.load = load
 
     def register_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
-        rec = self.registry.add_rank(engine_id, rank)
-        self._mirror_engine(rec)
-        return rec
+        return self.registry.add_rank(engine_id, rank)
 
     # -- inventory -----------------------------------------------------------------
 
@@ -200,20 +195,15 @@ class BrokerCore:
         self._check_layout(rec, ns)
         self._check_hashes(len(stored), "inventory.stored")
         self._check_hashes(len(removed), "inventory.removed")
+        # Leases on blocks about to go are revoked first: watchers see why before the blocks go.
         if clear_all:
-            dropped = self.index.drop_holder(rec.engine_id, t)
-            self.mirrors.clear_tier(rec.engine_id, ns.layout_id, t)
             self._supersede(rec, None, t, None)
-            self._emit(ev.INDEX, "tier_cleared", engine_id=rec.engine_id, blocks=dropped, tier=t)
+            self.index.clear_tier(rec.engine_id, ns.layout_id, t)
         if removed:
-            n = self.index.remove(rec.engine_id, t, ns, removed)
-            self.mirrors.blocks(rec.engine_id, ns, t, removed=removed)
             self._supersede(rec, ns, t, removed)
-            self._emit(ev.INDEX, "blocks_removed", engine_id=rec.engine_id, blocks=n, tier=t)
+            self.index.remove(rec.engine_id, t, ns, removed)
         if stored:
-            n = self.index.add(rec.engine_id, t, ns, stored)
-            self.mirrors.blocks(rec.engine_id, ns, t, stored=stored)
-            self._emit(ev.INDEX, "blocks_stored", engine_id=rec.engine_id, blocks=n, tier=t)
+            self.index.add(rec.engine_id, t, ns, stored)
 
     def _supersede(
         self, rec: EngineRecord, ns: Namespace | None, tier: Tier, removed: Sequence[int] | None
@@ -279,7 +269,6 @@ class BrokerCore:
         holder = registry.get(best.engine_id)
         if best.hold_lease_id:
             lease = self.leases.claim(best.hold_lease_id, asker.engine_id, ttl_s, self.clock.now())
-            self._emit(ev.LEASE, "lease_active", engine_id=lease.holder, lease=lease)
             return ResolveResult(matches, lease=lease, holder=holder)
         now = self.clock.now()
         lease = self.leases.create(
@@ -295,7 +284,6 @@ class BrokerCore:
             request_id=request_id,
         )
         self.notifier.pin(holder.session_id, lease)
-        self._emit(ev.LEASE, "lease_pending", engine_id=lease.holder, lease=lease)
         return ResolveResult(matches, lease=lease, holder=holder, pending=True)
 
     def _covering_hold(
@@ -335,7 +323,6 @@ class BrokerCore:
             )
         lease = self.leases.activate(lease_id, rec.engine_id, block_ids, self.clock.now())
         self.notifier.pin_settled(lease)
-        self._emit(ev.LEASE, "lease_active", engine_id=lease.holder, lease=lease)
         return lease
 
     # -- leases ----------------------------------------------------------------------
@@ -381,7 +368,7 @@ class BrokerCore:
                 "nobody will read it; free the blocks",
                 cause=RevokeCause.DECLINED.label,
             )
-        lease = self.leases.create(
+        return self.leases.create(
             holder=holder_id,
             reader=reader_id,
             namespace=ns,
@@ -393,8 +380,6 @@ class BrokerCore:
             deadline=now + ttl_s,
             request_id=request_id,
         )
-        self._emit(ev.LEASE, "lease_held", engine_id=holder_id, lease=lease)
-        return lease
 
     def _expire_now(self, lease_id: str) -> None:
         """Settle a lease whose deadline passed before the expiry loop got to it."""
@@ -419,7 +404,6 @@ class BrokerCore:
         if lease.holder == reader_id:
             raise InvalidArgument("an engine cannot acquire its own hold")
         lease = self.leases.claim(lease_id, reader_id, ttl_s, self.clock.now())
-        self._emit(ev.LEASE, "lease_active", engine_id=lease.holder, lease=lease)
         assert holder is not None  # a live lease always has a live holder
         return lease, holder
 
@@ -436,7 +420,6 @@ class BrokerCore:
         holder = self.registry.find(lease.holder)
         if holder is not None:
             self.notifier.lease_ended(holder.session_id, lease)
-        self._emit(ev.LEASE, "lease_released", engine_id=lease.holder, lease=lease)
         return lease
 
     def decline(self, holder_id: str, request_id: str, reason: str = "") -> Lease | None:
@@ -494,7 +477,6 @@ class BrokerCore:
             holder = self.registry.find(lease.holder)
             if holder is not None:
                 self.notifier.lease_ended(holder.session_id, lease)
-        self._emit(ev.LEASE, "lease_revoked", engine_id=lease.holder, lease=lease, detail=lease.cause.label)
 
     # -- routers and operators ---------------------------------------------------------
 
@@ -554,21 +536,14 @@ class BrokerCore:
     def drain(self, engine_id: str, reason: str = "") -> int:
         """Stop naming the engine, tell it, revoke its unclaimed holds. Active reads finish."""
         rec = self.registry.get(engine_id)
-        rec.draining = True
-        self.notifier.drain(rec.session_id, reason or "drained by an operator")
         revoked = 0
-        for lease in self.leases.by_holder(engine_id):
-            if lease.state is LeaseState.HELD:
-                self._revoke(lease, RevokeCause.DRAIN, reason or "holder is draining")
-                revoked += 1
-        self._emit(ev.ENGINE, "engine_draining", engine_id=engine_id, detail=reason)
-        self._mirror_engine(rec)
+        with self.registry.draining(rec, reason):
+            self.notifier.drain(rec.session_id, reason or "drained by an operator")
+            for lease in self.leases.by_holder(engine_id):
+                if lease.state is LeaseState.HELD:
+                    self._revoke(lease, RevokeCause.DRAIN, reason or "holder is draining")
+                    revoked += 1
         return revoked
-
-    def _mirror_engine(self, rec: EngineRecord) -> None:
-        """Tell the layout's mirrors about a ready engine (built only when one listens)."""
-        if rec.ready and self.mirrors.watching(rec.layout_id):
-            self.mirrors.engine(rec.layout_id, rec.snapshot())
 
     def mirror_engines(self, layout_id: str) -> list[pb.EngineInfo]:
         """The engines a new mirror of `layout_id` starts from (ready ones; as resolve names them)."""

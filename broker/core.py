@@ -10,58 +10,25 @@ awaits or touches the network.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from kvbroker.broker.checks import Checks
 from kvbroker.broker.clock import Clock, MonotonicClock
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.declines import DeclineBook
-from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvbroker.broker.events import Notifier, NullNotifier
+from kvbroker.broker.holders import find_holders
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable
 from kvbroker.broker.mirror import MirrorHub
 from kvbroker.broker.observed import ObservedIndex, ObservedLeaseTable, ObservedRegistry, Publisher
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
+from kvbroker.broker.results import ResolveResult, ScoreResult, Stats
 from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
-from kvbroker.common.scoring import EngineScore, HolderMatch, rank_holders, score_engines
+from kvbroker.common.scoring import score_engines
 from kvbroker.v1 import broker_pb2 as pb
 
 CAUSE_LABELS = [c.label for c in RevokeCause if c is not RevokeCause.NONE]
-
-
-@dataclass(slots=True)
-class ResolveResult:
-    matches: list[HolderMatch]
-    lease: Lease | None = None
-    holder: EngineRecord | None = None
-    skipped_reason: str = ""
-    pending: bool = False  # lease is PENDING: answer once Notifier.pin_settled fires
-
-
-@dataclass(slots=True)
-class ScoreResult:
-    scores: list[EngineScore]
-    total_blocks: int
-    block_size: int
-
-
-@dataclass(slots=True)
-class Stats:
-    engines: int
-    sessions: int
-    blocks_indexed: int
-    namespaces: int
-    leases_by_state: dict[str, int]
-    revocations_by_cause: dict[str, int] = field(default_factory=dict)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class BrokerCore:
@@ -75,6 +42,7 @@ class BrokerCore:
         leases: LeaseTable | None = None,
     ) -> None:
         self.config = config or BrokerConfig()
+        self.check = Checks(self.config)
         self.clock = clock or MonotonicClock()
         self.notifier: Notifier = notifier or NullNotifier()
         self.mirrors = MirrorHub()
@@ -91,55 +59,11 @@ class BrokerCore:
         self.stalls_forgiven = 0
         self.stalled_s_forgiven = 0.0
 
-    # -- validation helpers --------------------------------------------------
-
-    def _ttl_s(self, ttl_ms: int, default: int, lo: int, hi: int, what: str) -> float:
-        if ttl_ms == 0:
-            return default / 1000
-        if not lo <= ttl_ms <= hi:
-            raise OutOfRange(f"{what} {ttl_ms} ms is outside the allowed range [{lo}, {hi}] ms")
-        return ttl_ms / 1000
-
-    def _lease_ttl_s(self, ttl_ms: int) -> float:
-        c = self.config
-        return self._ttl_s(ttl_ms, c.lease_ttl_ms, c.lease_ttl_min_ms, c.lease_ttl_max_ms, "lease ttl_ms")
-
-    def _check_hashes(self, n: int, what: str) -> None:
-        if n > self.config.max_hashes:
-            raise InvalidArgument(
-                f"{what} has {n} entries; the limit is {self.config.max_hashes} per request "
-                "(--max-hashes); split the request"
-            )
-
-    @staticmethod
-    def _check_namespace(ns: Namespace) -> None:
-        if not ns.layout_id:
-            raise InvalidArgument(
-                "namespace.layout_id is empty; use the layout_id the broker returned at registration"
-            )
-
-    @staticmethod
-    def _check_tier(tier: int) -> Tier:
-        if tier not in (Tier.GPU, Tier.CPU):
-            raise InvalidArgument(f"tier {tier} is not TIER_GPU (1) or TIER_CPU (2)")
-        return Tier(tier)
-
-    @staticmethod
-    def _check_layout(rec: EngineRecord, ns: Namespace) -> None:
-        if ns.layout_id != rec.layout_id:
-            raise FailedPrecondition(
-                f"namespace layout_id {ns.layout_id!r} does not match engine {rec.engine_id!r}'s "
-                f"layout {rec.layout_id!r}; blocks never cross layouts"
-            )
-
     # -- sessions ------------------------------------------------------------------
 
     def register(self, info: pb.EngineInfo, session_ttl_ms: int, expected_ranks: int = 0) -> EngineRecord:
         """Open a session. An engine id whose old session is alive ends that session first."""
-        c = self.config
-        ttl_s = self._ttl_s(
-            session_ttl_ms, c.session_ttl_ms, c.session_ttl_min_ms, c.session_ttl_max_ms, "session_ttl_ms"
-        )
+        ttl_s = self.check.session_ttl_s(session_ttl_ms)
         old = self.registry.find(info.engine_id) if info.engine_id else None
         if old is not None:
             EngineRegistry.validate(info)  # a bad registration must not end a good session
@@ -190,11 +114,11 @@ class BrokerCore:
         removed: Sequence[int],
         clear_all: bool = False,
     ) -> None:
-        t = self._check_tier(tier)
-        self._check_namespace(ns)
-        self._check_layout(rec, ns)
-        self._check_hashes(len(stored), "inventory.stored")
-        self._check_hashes(len(removed), "inventory.removed")
+        t = self.check.tier(tier)
+        self.check.namespace(ns)
+        self.check.layout(rec, ns)
+        self.check.hashes(len(stored), "inventory.stored")
+        self.check.hashes(len(removed), "inventory.removed")
         # Leases on blocks about to go are revoked first: watchers see why before the blocks go.
         if clear_all:
             self._supersede(rec, None, t, None)
@@ -232,41 +156,26 @@ class BrokerCore:
         min_blocks: int = 0,
         request_id: str = "",
     ) -> ResolveResult:
-        self._check_namespace(ns)
-        self._check_hashes(len(hashes), "block_hashes")
+        self.check.namespace(ns)
+        self.check.hashes(len(hashes), "block_hashes")
         if asker is not None:
-            self._check_layout(asker, ns)
+            self.check.layout(asker, ns)
         elif acquire:
             raise InvalidArgument(
                 "acquire needs a reader: resolve over the engine's Session stream, or set the "
                 "kvbroker-engine-id metadata on the unary call"
             )
-        ttl_s = self._lease_ttl_s(lease_ttl_ms) if acquire else 0.0
-        registry = self.registry
-        matches: list[HolderMatch] = []
-        for engine_id, tier, n in self.index.longest_prefixes(ns, hashes):
-            rec = registry.find(engine_id)
-            if rec is None or rec is asker or rec.draining or not rec.ready:
-                continue
-            if asker is not None and registry.incompatibility(asker, rec) is not None:
-                continue
-            matches.append(HolderMatch(engine_id, tier, n, rec.load))
+        ttl_s = self.check.lease_ttl_s(lease_ttl_ms) if acquire else 0.0
+        matches = find_holders(self.index, self.registry, self.leases, asker, ns, hashes)
         if not matches:
             return ResolveResult(matches, skipped_reason="no_holder")
-        if len(matches) > 1:
-            matches = rank_holders(matches)
-        reader = asker.engine_id if asker is not None else ""
-        for m in matches:
-            hold = self._covering_hold(m, ns, hashes, reader)
-            if hold is not None:
-                m.hold_lease_id = hold.lease_id
         if not acquire:
             return ResolveResult(matches)
         assert asker is not None
         best = matches[0]
         if best.matched < max(min_blocks, 1):
             return ResolveResult(matches, skipped_reason="below_min")
-        holder = registry.get(best.engine_id)
+        holder = self.registry.get(best.engine_id)
         if best.hold_lease_id:
             lease = self.leases.claim(best.hold_lease_id, asker.engine_id, ttl_s, self.clock.now())
             return ResolveResult(matches, lease=lease, holder=holder)
@@ -285,23 +194,6 @@ class BrokerCore:
         )
         self.notifier.pin(holder.session_id, lease)
         return ResolveResult(matches, lease=lease, holder=holder, pending=True)
-
-    def _covering_hold(
-        self, m: HolderMatch, ns: Namespace, hashes: Sequence[int], reader: str
-    ) -> Lease | None:
-        best: Lease | None = None
-        best_len = 0
-        for lease in self.leases.by_holder(m.engine_id):
-            if (
-                lease.state is LeaseState.HELD
-                and lease.tier == m.tier
-                and lease.namespace == ns
-                and lease.reader in ("", reader)
-            ):
-                n = common_prefix(lease.block_hashes, hashes)
-                if n >= m.matched and n > best_len:
-                    best, best_len = lease, n
-        return best
 
     def pin_result(
         self, rec: EngineRecord, lease_id: str, ok: bool, block_ids: Sequence[int], error: str
@@ -338,18 +230,18 @@ class BrokerCore:
         reader_id: str = "",
         request_id: str = "",
     ) -> Lease:
-        self._check_namespace(ns)
-        t = self._check_tier(tier)
+        self.check.namespace(ns)
+        t = self.check.tier(tier)
         if not hashes:
             raise InvalidArgument("block_hashes is empty; a hold needs at least one block")
-        self._check_hashes(len(hashes), "block_hashes")
+        self.check.hashes(len(hashes), "block_hashes")
         if len(block_ids) != len(hashes):
             raise InvalidArgument(
                 f"block_ids has {len(block_ids)} entries for {len(hashes)} block_hashes; they must be parallel"
             )
-        ttl_s = self._lease_ttl_s(ttl_ms)
+        ttl_s = self.check.lease_ttl_s(ttl_ms)
         holder = self.registry.get(holder_id)
-        self._check_layout(holder, ns)
+        self.check.layout(holder, ns)
         if holder.draining:
             raise FailedPrecondition(f"engine {holder_id!r} is draining and takes no new holds")
         if reader_id:
@@ -388,7 +280,7 @@ class BrokerCore:
             self._after_revoke(lease)
 
     def acquire(self, lease_id: str, reader_id: str, ttl_ms: int = 0) -> tuple[Lease, EngineRecord]:
-        ttl_s = self._lease_ttl_s(ttl_ms)
+        ttl_s = self.check.lease_ttl_s(ttl_ms)
         if not reader_id:
             raise InvalidArgument("reader_engine_id is empty")
         reader = self.registry.get(reader_id)
@@ -408,7 +300,7 @@ class BrokerCore:
         return lease, holder
 
     def renew(self, lease_id: str, engine_id: str, ttl_ms: int = 0) -> Lease:
-        ttl_s = self._lease_ttl_s(ttl_ms)
+        ttl_s = self.check.lease_ttl_s(ttl_ms)
         self._expire_now(lease_id)
         return self.leases.renew(lease_id, engine_id, ttl_s, self.clock.now())
 
@@ -487,10 +379,10 @@ class BrokerCore:
         token_ids: Sequence[int],
         candidates: Sequence[str],
     ) -> ScoreResult:
-        self._check_namespace(ns)
+        self.check.namespace(ns)
         if hashes and token_ids:
             raise InvalidArgument("give either block_hashes or token_ids, not both")
-        self._check_hashes(len(hashes), "block_hashes")
+        self.check.hashes(len(hashes), "block_hashes")
         block_size = 0
         fp = self.registry.find_fingerprint(ns.layout_id)
         if fp is not None:
@@ -498,13 +390,13 @@ class BrokerCore:
         if token_ids:
             if fp is None:
                 raise NotFound(f"no engine has registered layout_id {ns.layout_id!r}; cannot hash token ids")
-            self._check_hashes(len(token_ids) // block_size, "token_ids (in blocks)")
+            self.check.hashes(len(token_ids) // block_size, "token_ids (in blocks)")
             from kvbroker.common.hashing import wire_chain  # imported late: written by the clients area
 
             hashes = wire_chain(token_ids, block_size, fp.hash_algo or "sha256", ns.tenant or None)
         engines: dict[str, tuple[float, bool]] = {}
         if candidates:
-            self._check_hashes(len(candidates), "candidates")
+            self.check.hashes(len(candidates), "candidates")
             for engine_id in candidates:
                 rec = self.registry.get(engine_id)
                 engines[engine_id] = (rec.load, rec.draining)

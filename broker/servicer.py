@@ -18,11 +18,12 @@ import grpc
 from kvbroker.broker import codec
 from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, SessionChannel, StreamNotifier
-from kvbroker.broker.core import BrokerCore, ResolveResult
+from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
+from kvbroker.broker.results import ResolveResult
 from kvbroker.broker.status import status_of
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb

@@ -36,7 +36,9 @@ from bench.control_plane import (
     save_outputs,
     settings_from,
 )
-from bench.measure import Settings, measure_broker, measure_mooncake, measure_redis
+from bench.measure import Settings
+from bench.measure_broker import measure_broker
+from bench.measure_peers import measure_mooncake, measure_redis
 from bench.peers import _env_with_pythonpath
 from bench.report import broker_table, memory_table
 

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS_DIR, load_note, log, shared_cores_note, write_json
-from bench.measure import Settings, measure_broker, measure_grpc_floors, measure_mooncake, measure_redis
+from bench.measure import Settings
+from bench.measure_broker import measure_broker
+from bench.measure_peers import measure_grpc_floors, measure_mooncake, measure_redis
 from bench.plot import matplotlib_missing
 from bench.report import (
     lookup_table,

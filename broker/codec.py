@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvbroker.broker.core import ResolveResult, ScoreResult, Stats
 from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.registry import EngineRecord
+from kvbroker.broker.results import ResolveResult, ScoreResult, Stats
 from kvbroker.common.model import Namespace
 from kvbroker.common.scoring import HolderMatch
 from kvbroker.v1 import broker_pb2 as pb

@@ -1,66 +1,35 @@
 """BrokerCore: the synchronous domain core composing registry, index and lease table.
 
 Every public method is one step of the protocol; it validates, changes state,
-and tells the affected engines through the injected Notifier. Time comes from
-the injected Clock; nothing here awaits or touches the network.
+and tells the affected engines through the injected Notifier. Watchers and
+index mirrors are fed by the wrappers the state is changed through
+(observed.py), not from here. Time comes from the injected Clock; nothing here
+awaits or touches the network.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from kvbroker.broker import events as ev
+from kvbroker.broker.checks import Checks
 from kvbroker.broker.clock import Clock, MonotonicClock
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.declines import DeclineBook
-from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from kvbroker.broker.events import Notifier, NullNotifier, WatchEvent
+from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvbroker.broker.events import Notifier, NullNotifier
+from kvbroker.broker.holders import find_holders
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
 from kvbroker.broker.mirror import MirrorHub
+from kvbroker.broker.observed import ObservedIndex, ObservedLeaseTable, ObservedRegistry, Publisher
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
+from kvbroker.broker.results import ResolveResult, ScoreResult, Stats
 from kvbroker.common.causes import Cause
 from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
-from kvbroker.common.scoring import EngineScore, HolderMatch, rank_holders, score_engines
+from kvbroker.common.scoring import score_engines
 from kvbroker.v1 import broker_pb2 as pb
 
 CAUSE_LABELS = [c.label for c in RevokeCause if c is not RevokeCause.NONE]
-
-
-@dataclass(slots=True)
-class ResolveResult:
-    matches: list[HolderMatch]
-    lease: Lease | None = None
-    holder: EngineRecord | None = None
-    skipped_reason: str = ""
-    pending: bool = False  # lease is PENDING: answer once Notifier.pin_settled fires
-
-
-@dataclass(slots=True)
-class ScoreResult:
-    scores: list[EngineScore]
-    total_blocks: int
-    block_size: int
-
-
-@dataclass(slots=True)
-class Stats:
-    engines: int
-    sessions: int
-    blocks_indexed: int
-    namespaces: int
-    leases_by_state: dict[str, int]
-    revocations_by_cause: dict[str, int] = field(default_factory=dict)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class BrokerCore:
@@ -74,80 +43,33 @@ class BrokerCore:
         leases: LeaseTable | None = None,
     ) -> None:
         self.config = config or BrokerConfig()
+        self.check = Checks(self.config)
         self.clock = clock or MonotonicClock()
         self.notifier: Notifier = notifier or NullNotifier()
-        self.index: PrefixIndex = index or CompactPrefixIndex()
-        self.leases: LeaseTable = leases or InMemoryLeaseTable(self.config.ended_lease_history)
-        self.registry = EngineRegistry()
         self.mirrors = MirrorHub()
+        # Watch and mirror events come from these wrappers as they change (see observed.py).
+        publish = Publisher(self.notifier, self.mirrors)
+        self.index = ObservedIndex(index or CompactPrefixIndex(), publish)
+        self.leases = ObservedLeaseTable(
+            leases or InMemoryLeaseTable(self.config.ended_lease_history), publish
+        )
+        self.registry = ObservedRegistry(EngineRegistry(), publish)
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total = 0
         self.declines = DeclineBook()
         self.stalls_forgiven = 0
         self.stalled_s_forgiven = 0.0
 
-    # -- validation helpers --------------------------------------------------
-
-    def _ttl_s(self, ttl_ms: int, default: int, lo: int, hi: int, what: str) -> float:
-        if ttl_ms == 0:
-            return default / 1000
-        if not lo <= ttl_ms <= hi:
-            raise OutOfRange(f"{what} {ttl_ms} ms is outside the allowed range [{lo}, {hi}] ms")
-        return ttl_ms / 1000
-
-    def _lease_ttl_s(self, ttl_ms: int) -> float:
-        c = self.config
-        return self._ttl_s(ttl_ms, c.lease_ttl_ms, c.lease_ttl_min_ms, c.lease_ttl_max_ms, "lease ttl_ms")
-
-    def _check_hashes(self, n: int, what: str) -> None:
-        if n > self.config.max_hashes:
-            raise InvalidArgument(
-                f"{what} has {n} entries; the limit is {self.config.max_hashes} per request "
-                "(--max-hashes); split the request"
-            )
-
-    @staticmethod
-    def _check_namespace(ns: Namespace) -> None:
-        if not ns.layout_id:
-            raise InvalidArgument(
-                "namespace.layout_id is empty; use the layout_id the broker returned at registration"
-            )
-
-    @staticmethod
-    def _check_tier(tier: int) -> Tier:
-        if tier not in (Tier.GPU, Tier.CPU):
-            raise InvalidArgument(f"tier {tier} is not TIER_GPU (1) or TIER_CPU (2)")
-        return Tier(tier)
-
-    @staticmethod
-    def _check_layout(rec: EngineRecord, ns: Namespace) -> None:
-        if ns.layout_id != rec.layout_id:
-            raise FailedPrecondition(
-                f"namespace layout_id {ns.layout_id!r} does not match engine {rec.engine_id!r}'s "
-                f"layout {rec.layout_id!r}; blocks never cross layouts",
-                Cause.LAYOUT_MISMATCH,
-            )
-
-    def _emit(self, category: str, kind: str, **kw: object) -> None:
-        if self.notifier.watching(category):
-            self.notifier.event(WatchEvent(category, kind, **kw))  # type: ignore[arg-type]
-
     # -- sessions ------------------------------------------------------------------
 
     def register(self, info: pb.EngineInfo, session_ttl_ms: int, expected_ranks: int = 0) -> EngineRecord:
         """Open a session. An engine id whose old session is alive ends that session first."""
-        c = self.config
-        ttl_s = self._ttl_s(
-            session_ttl_ms, c.session_ttl_ms, c.session_ttl_min_ms, c.session_ttl_max_ms, "session_ttl_ms"
-        )
+        ttl_s = self.check.session_ttl_s(session_ttl_ms)
         old = self.registry.find(info.engine_id) if info.engine_id else None
         if old is not None:
             EngineRegistry.validate(info)  # a bad registration must not end a good session
             self.end_session(old.session_id, "ABORTED", "superseded: the engine registered a new session")
-        rec = self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
-        self._emit(ev.ENGINE, "engine_registered", engine_id=rec.engine_id, detail=rec.layout_id)
-        self._mirror_engine(rec)
-        return rec
+        return self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
 
     def end_session(self, session_id: str, code: str = "", message: str = "") -> None:
         """End a session: drop its blocks from the index, revoke every lease it holds or reads.
@@ -159,16 +81,14 @@ class BrokerCore:
             rec = self.registry.by_session(session_id)
         except NotFound:
             return
-        self.registry.remove(rec)
-        self.index.drop_holder(rec.engine_id)
-        self.mirrors.engine(rec.layout_id, None, rec.engine_id)
-        for lease in self.leases.by_holder(rec.engine_id):
-            self._revoke(lease, RevokeCause.HOLDER_GONE, f"holder {rec.engine_id!r} session ended")
-        for lease in self.leases.by_reader(rec.engine_id):
-            self._revoke(lease, RevokeCause.READER_GONE, f"reader {rec.engine_id!r} session ended")
-        if code:
-            self.notifier.close_session(session_id, code, message)
-        self._emit(ev.ENGINE, "engine_gone", engine_id=rec.engine_id, detail=message or "session ended")
+        with self.registry.removing(rec, message or "session ended"):
+            self.index.drop_holder(rec.engine_id)
+            for lease in self.leases.by_holder(rec.engine_id):
+                self._revoke(lease, RevokeCause.HOLDER_GONE, f"holder {rec.engine_id!r} session ended")
+            for lease in self.leases.by_reader(rec.engine_id):
+                self._revoke(lease, RevokeCause.READER_GONE, f"reader {rec.engine_id!r} session ended")
+            if code:
+                self.notifier.close_session(session_id, code, message)
 
     def session_engine(self, session_id: str) -> EngineRecord:
         return self.registry.by_session(session_id)
@@ -182,9 +102,7 @@ class BrokerCore:
         rec.load = load
 
     def register_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
-        rec = self.registry.add_rank(engine_id, rank)
-        self._mirror_engine(rec)
-        return rec
+        return self.registry.add_rank(engine_id, rank)
 
     # -- inventory -----------------------------------------------------------------
 
@@ -197,25 +115,20 @@ class BrokerCore:
         removed: Sequence[int],
         clear_all: bool = False,
     ) -> None:
-        t = self._check_tier(tier)
-        self._check_namespace(ns)
-        self._check_layout(rec, ns)
-        self._check_hashes(len(stored), "inventory.stored")
-        self._check_hashes(len(removed), "inventory.removed")
+        t = self.check.tier(tier)
+        self.check.namespace(ns)
+        self.check.layout(rec, ns)
+        self.check.hashes(len(stored), "inventory.stored")
+        self.check.hashes(len(removed), "inventory.removed")
+        # Leases on blocks about to go are revoked first: watchers see why before the blocks go.
         if clear_all:
-            dropped = self.index.drop_holder(rec.engine_id, t)
-            self.mirrors.clear_tier(rec.engine_id, ns.layout_id, t)
             self._supersede(rec, None, t, None)
-            self._emit(ev.INDEX, "tier_cleared", engine_id=rec.engine_id, blocks=dropped, tier=t)
+            self.index.clear_tier(rec.engine_id, ns.layout_id, t)
         if removed:
-            n = self.index.remove(rec.engine_id, t, ns, removed)
-            self.mirrors.blocks(rec.engine_id, ns, t, removed=removed)
             self._supersede(rec, ns, t, removed)
-            self._emit(ev.INDEX, "blocks_removed", engine_id=rec.engine_id, blocks=n, tier=t)
+            self.index.remove(rec.engine_id, t, ns, removed)
         if stored:
-            n = self.index.add(rec.engine_id, t, ns, stored)
-            self.mirrors.blocks(rec.engine_id, ns, t, stored=stored)
-            self._emit(ev.INDEX, "blocks_stored", engine_id=rec.engine_id, blocks=n, tier=t)
+            self.index.add(rec.engine_id, t, ns, stored)
 
     def _supersede(
         self, rec: EngineRecord, ns: Namespace | None, tier: Tier, removed: Sequence[int] | None
@@ -244,44 +157,28 @@ class BrokerCore:
         min_blocks: int = 0,
         request_id: str = "",
     ) -> ResolveResult:
-        self._check_namespace(ns)
-        self._check_hashes(len(hashes), "block_hashes")
+        self.check.namespace(ns)
+        self.check.hashes(len(hashes), "block_hashes")
         if asker is not None:
-            self._check_layout(asker, ns)
+            self.check.layout(asker, ns)
         elif acquire:
             raise InvalidArgument(
                 "acquire needs a reader: resolve over the engine's Session stream, or set the "
                 "kvbroker-engine-id metadata on the unary call"
             )
-        ttl_s = self._lease_ttl_s(lease_ttl_ms) if acquire else 0.0
-        registry = self.registry
-        matches: list[HolderMatch] = []
-        for engine_id, tier, n in self.index.longest_prefixes(ns, hashes):
-            rec = registry.find(engine_id)
-            if rec is None or rec is asker or rec.draining or not rec.ready:
-                continue
-            if asker is not None and registry.incompatibility(asker, rec) is not None:
-                continue
-            matches.append(HolderMatch(engine_id, tier, n, rec.load))
+        ttl_s = self.check.lease_ttl_s(lease_ttl_ms) if acquire else 0.0
+        matches = find_holders(self.index, self.registry, self.leases, asker, ns, hashes)
         if not matches:
             return ResolveResult(matches, skipped_reason="no_holder")
-        if len(matches) > 1:
-            matches = rank_holders(matches)
-        reader = asker.engine_id if asker is not None else ""
-        for m in matches:
-            hold = self._covering_hold(m, ns, hashes, reader)
-            if hold is not None:
-                m.hold_lease_id = hold.lease_id
         if not acquire:
             return ResolveResult(matches)
         assert asker is not None
         best = matches[0]
         if best.matched < max(min_blocks, 1):
             return ResolveResult(matches, skipped_reason="below_min")
-        holder = registry.get(best.engine_id)
+        holder = self.registry.get(best.engine_id)
         if best.hold_lease_id:
             lease = self.leases.claim(best.hold_lease_id, asker.engine_id, ttl_s, self.clock.now())
-            self._emit(ev.LEASE, "lease_active", engine_id=lease.holder, lease=lease)
             return ResolveResult(matches, lease=lease, holder=holder)
         now = self.clock.now()
         lease = self.leases.create(
@@ -297,25 +194,7 @@ class BrokerCore:
             request_id=request_id,
         )
         self.notifier.pin(holder.session_id, lease)
-        self._emit(ev.LEASE, "lease_pending", engine_id=lease.holder, lease=lease)
         return ResolveResult(matches, lease=lease, holder=holder, pending=True)
-
-    def _covering_hold(
-        self, m: HolderMatch, ns: Namespace, hashes: Sequence[int], reader: str
-    ) -> Lease | None:
-        best: Lease | None = None
-        best_len = 0
-        for lease in self.leases.by_holder(m.engine_id):
-            if (
-                lease.state is LeaseState.HELD
-                and lease.tier == m.tier
-                and lease.namespace == ns
-                and lease.reader in ("", reader)
-            ):
-                n = common_prefix(lease.block_hashes, hashes)
-                if n >= m.matched and n > best_len:
-                    best, best_len = lease, n
-        return best
 
     def pin_result(
         self, rec: EngineRecord, lease_id: str, ok: bool, block_ids: Sequence[int], error: str
@@ -337,7 +216,6 @@ class BrokerCore:
             )
         lease = self.leases.activate(lease_id, rec.engine_id, block_ids, self.clock.now())
         self.notifier.pin_settled(lease)
-        self._emit(ev.LEASE, "lease_active", engine_id=lease.holder, lease=lease)
         return lease
 
     # -- leases ----------------------------------------------------------------------
@@ -353,18 +231,18 @@ class BrokerCore:
         reader_id: str = "",
         request_id: str = "",
     ) -> Lease:
-        self._check_namespace(ns)
-        t = self._check_tier(tier)
+        self.check.namespace(ns)
+        t = self.check.tier(tier)
         if not hashes:
             raise InvalidArgument("block_hashes is empty; a hold needs at least one block")
-        self._check_hashes(len(hashes), "block_hashes")
+        self.check.hashes(len(hashes), "block_hashes")
         if len(block_ids) != len(hashes):
             raise InvalidArgument(
                 f"block_ids has {len(block_ids)} entries for {len(hashes)} block_hashes; they must be parallel"
             )
-        ttl_s = self._lease_ttl_s(ttl_ms)
+        ttl_s = self.check.lease_ttl_s(ttl_ms)
         holder = self.registry.get(holder_id)
-        self._check_layout(holder, ns)
+        self.check.layout(holder, ns)
         if holder.draining:
             raise FailedPrecondition(
                 f"engine {holder_id!r} is draining and takes no new holds", Cause.DRAINING
@@ -387,7 +265,7 @@ class BrokerCore:
                 "nobody will read it; free the blocks",
                 cause=RevokeCause.DECLINED.label,
             )
-        lease = self.leases.create(
+        return self.leases.create(
             holder=holder_id,
             reader=reader_id,
             namespace=ns,
@@ -399,8 +277,6 @@ class BrokerCore:
             deadline=now + ttl_s,
             request_id=request_id,
         )
-        self._emit(ev.LEASE, "lease_held", engine_id=holder_id, lease=lease)
-        return lease
 
     def _expire_now(self, lease_id: str) -> None:
         """Settle a lease whose deadline passed before the expiry loop got to it."""
@@ -409,7 +285,7 @@ class BrokerCore:
             self._after_revoke(lease)
 
     def acquire(self, lease_id: str, reader_id: str, ttl_ms: int = 0) -> tuple[Lease, EngineRecord]:
-        ttl_s = self._lease_ttl_s(ttl_ms)
+        ttl_s = self.check.lease_ttl_s(ttl_ms)
         if not reader_id:
             raise InvalidArgument("reader_engine_id is empty")
         reader = self.registry.get(reader_id)
@@ -425,12 +301,11 @@ class BrokerCore:
         if lease.holder == reader_id:
             raise InvalidArgument("an engine cannot acquire its own hold")
         lease = self.leases.claim(lease_id, reader_id, ttl_s, self.clock.now())
-        self._emit(ev.LEASE, "lease_active", engine_id=lease.holder, lease=lease)
         assert holder is not None  # a live lease always has a live holder
         return lease, holder
 
     def renew(self, lease_id: str, engine_id: str, ttl_ms: int = 0) -> Lease:
-        ttl_s = self._lease_ttl_s(ttl_ms)
+        ttl_s = self.check.lease_ttl_s(ttl_ms)
         self._expire_now(lease_id)
         return self.leases.renew(lease_id, engine_id, ttl_s, self.clock.now())
 
@@ -442,7 +317,6 @@ class BrokerCore:
         holder = self.registry.find(lease.holder)
         if holder is not None:
             self.notifier.lease_ended(holder.session_id, lease)
-        self._emit(ev.LEASE, "lease_released", engine_id=lease.holder, lease=lease)
         return lease
 
     def decline(self, holder_id: str, request_id: str, reason: str = "") -> Lease | None:
@@ -500,7 +374,6 @@ class BrokerCore:
             holder = self.registry.find(lease.holder)
             if holder is not None:
                 self.notifier.lease_ended(holder.session_id, lease)
-        self._emit(ev.LEASE, "lease_revoked", engine_id=lease.holder, lease=lease, detail=lease.cause.label)
 
     # -- routers and operators ---------------------------------------------------------
 
@@ -511,10 +384,10 @@ class BrokerCore:
         token_ids: Sequence[int],
         candidates: Sequence[str],
     ) -> ScoreResult:
-        self._check_namespace(ns)
+        self.check.namespace(ns)
         if hashes and token_ids:
             raise InvalidArgument("give either block_hashes or token_ids, not both")
-        self._check_hashes(len(hashes), "block_hashes")
+        self.check.hashes(len(hashes), "block_hashes")
         block_size = 0
         fp = self.registry.find_fingerprint(ns.layout_id)
         if fp is not None:
@@ -525,13 +398,13 @@ class BrokerCore:
                     f"no engine has registered layout_id {ns.layout_id!r}; cannot hash token ids",
                     Cause.UNKNOWN_LAYOUT,
                 )
-            self._check_hashes(len(token_ids) // block_size, "token_ids (in blocks)")
+            self.check.hashes(len(token_ids) // block_size, "token_ids (in blocks)")
             from kvbroker.common.hashing import wire_chain  # imported late: written by the clients area
 
             hashes = wire_chain(token_ids, block_size, fp.hash_algo or "sha256", ns.tenant or None)
         engines: dict[str, tuple[float, bool]] = {}
         if candidates:
-            self._check_hashes(len(candidates), "candidates")
+            self.check.hashes(len(candidates), "candidates")
             for engine_id in candidates:
                 rec = self.registry.get(engine_id)
                 engines[engine_id] = (rec.load, rec.draining)
@@ -563,21 +436,14 @@ class BrokerCore:
     def drain(self, engine_id: str, reason: str = "") -> int:
         """Stop naming the engine, tell it, revoke its unclaimed holds. Active reads finish."""
         rec = self.registry.get(engine_id)
-        rec.draining = True
-        self.notifier.drain(rec.session_id, reason or "drained by an operator")
         revoked = 0
-        for lease in self.leases.by_holder(engine_id):
-            if lease.state is LeaseState.HELD:
-                self._revoke(lease, RevokeCause.DRAIN, reason or "holder is draining")
-                revoked += 1
-        self._emit(ev.ENGINE, "engine_draining", engine_id=engine_id, detail=reason)
-        self._mirror_engine(rec)
+        with self.registry.draining(rec, reason):
+            self.notifier.drain(rec.session_id, reason or "drained by an operator")
+            for lease in self.leases.by_holder(engine_id):
+                if lease.state is LeaseState.HELD:
+                    self._revoke(lease, RevokeCause.DRAIN, reason or "holder is draining")
+                    revoked += 1
         return revoked
-
-    def _mirror_engine(self, rec: EngineRecord) -> None:
-        """Tell the layout's mirrors about a ready engine (built only when one listens)."""
-        if rec.ready and self.mirrors.watching(rec.layout_id):
-            self.mirrors.engine(rec.layout_id, rec.snapshot())
 
     def mirror_engines(self, layout_id: str) -> list[pb.EngineInfo]:
         """The engines a new mirror of `layout_id` starts from (ready ones; as resolve names them)."""

@@ -20,11 +20,12 @@ import grpc
 from kvbroker.broker import codec
 from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, SessionChannel, StreamNotifier
-from kvbroker.broker.core import BrokerCore, ResolveResult
+from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
+from kvbroker.broker.results import ResolveResult
 from kvbroker.broker.status import abort, status_of, trailers
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier

@@ -1,0 +1,70 @@
+"""Who holds a prefix: the engines resolve may name, best first, each with the hold
+that already covers what it would read (a reader claims that hold instead of a pin).
+
+A read-only answer: advice until the core turns it into a lease.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvbroker.broker.leases import Lease, LeaseTable
+from kvbroker.broker.observed import ObservedIndex, ObservedRegistry
+from kvbroker.broker.registry import EngineRecord
+from kvbroker.common.model import LeaseState, Namespace
+from kvbroker.common.scoring import HolderMatch, rank_holders
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def find_holders(
+    index: ObservedIndex,
+    registry: ObservedRegistry,
+    leases: LeaseTable,
+    asker: EngineRecord | None,
+    ns: Namespace,
+    hashes: Sequence[int],
+) -> list[HolderMatch]:
+    """Ready, serving engines whose blocks `asker` can read, ranked; never `asker` itself."""
+    matches: list[HolderMatch] = []
+    for engine_id, tier, n in index.longest_prefixes(ns, hashes):
+        rec = registry.find(engine_id)
+        if rec is None or rec is asker or rec.draining or not rec.ready:
+            continue
+        if asker is not None and registry.incompatibility(asker, rec) is not None:
+            continue
+        matches.append(HolderMatch(engine_id, tier, n, rec.load))
+    if len(matches) > 1:
+        matches = rank_holders(matches)
+    reader = asker.engine_id if asker is not None else ""
+    for m in matches:
+        hold = covering_hold(leases, m, ns, hashes, reader)
+        if hold is not None:
+            m.hold_lease_id = hold.lease_id
+    return matches
+
+
+def covering_hold(
+    leases: LeaseTable, m: HolderMatch, ns: Namespace, hashes: Sequence[int], reader: str
+) -> Lease | None:
+    """The holder's unclaimed hold, open to `reader`, with the longest prefix covering the match."""
+    best: Lease | None = None
+    best_len = 0
+    for lease in leases.by_holder(m.engine_id):
+        if (
+            lease.state is LeaseState.HELD
+            and lease.tier == m.tier
+            and lease.namespace == ns
+            and lease.reader in ("", reader)
+        ):
+            n = common_prefix(lease.block_hashes, hashes)
+            if n >= m.matched and n > best_len:
+                best, best_len = lease, n
+    return best

@@ -1,0 +1,263 @@
+"""Watch and mirror events, published by the state they describe.
+
+The core changes the prefix index, the lease table and the engine registry only
+through these thin wrappers, and emits nothing itself. Each wrapper publishes what
+it changed right after the change, so events come in the order the core makes
+changes: a WatchEvent to the Notifier (built only when someone watches that
+category) and, for index and engine changes, the change to the layout's mirrors.
+
+Two engine transitions have consequences that are published first: draining an
+engine revokes its unclaimed holds, and ending a session revokes every lease of the
+engine. They are context managers (`draining`, `removing`): the engine's state
+changes on entry, the core carries out the consequences inside the block, and the
+engine event is published on exit, after the `lease_revoked` events it caused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from kvbroker.broker.events import ENGINE, INDEX, LEASE, Notifier, WatchEvent
+from kvbroker.broker.leases import Lease, LeaseTable
+from kvbroker.broker.mirror import MirrorHub
+from kvbroker.broker.registry import EngineRecord, EngineRegistry
+from kvbroker.common.index import PrefixIndex
+from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.v1 import broker_pb2 as pb
+
+
+class Publisher:
+    """Where the wrappers publish: watchers through the Notifier, mirrors through the hub."""
+
+    def __init__(self, notifier: Notifier, mirrors: MirrorHub) -> None:
+        self.notifier = notifier
+        self.mirrors = mirrors
+
+    def watch(
+        self,
+        category: str,
+        kind: str,
+        *,
+        engine_id: str = "",
+        lease: Lease | None = None,
+        blocks: int = 0,
+        tier: Tier | None = None,
+        detail: str = "",
+    ) -> None:
+        if self.notifier.watching(category):
+            self.notifier.event(
+                WatchEvent(
+                    category, kind, engine_id=engine_id, lease=lease, blocks=blocks, tier=tier, detail=detail
+                )
+            )
+
+    def lease(self, kind: str, lease: Lease, detail: str = "") -> None:
+        self.watch(LEASE, kind, engine_id=lease.holder, lease=lease, detail=detail)
+
+    def mirror_engine(self, rec: EngineRecord) -> None:
+        """Tell the layout's mirrors about a ready engine (built only when one listens)."""
+        if rec.ready and self.mirrors.watching(rec.layout_id):
+            self.mirrors.engine(rec.layout_id, rec.snapshot())
+
+
+class ObservedIndex:
+    """The prefix index; each change of an engine's blocks goes to watchers and mirrors."""
+
+    def __init__(self, index: PrefixIndex, publish: Publisher) -> None:
+        self._index = index
+        self._publish = publish
+
+    def add(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Sequence[int]) -> int:
+        n = self._index.add(engine_id, tier, namespace, hashes)
+        self._publish.mirrors.blocks(engine_id, namespace, tier, stored=hashes)
+        self._publish.watch(INDEX, "blocks_stored", engine_id=engine_id, blocks=n, tier=tier)
+        return n
+
+    def remove(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Sequence[int]) -> int:
+        n = self._index.remove(engine_id, tier, namespace, hashes)
+        self._publish.mirrors.blocks(engine_id, namespace, tier, removed=hashes)
+        self._publish.watch(INDEX, "blocks_removed", engine_id=engine_id, blocks=n, tier=tier)
+        return n
+
+    def clear_tier(self, engine_id: str, layout_id: str, tier: Tier) -> int:
+        """Drop every block the engine holds in one tier (all namespaces of its layout)."""
+        n = self._index.drop_holder(engine_id, tier)
+        self._publish.mirrors.clear_tier(engine_id, layout_id, tier)
+        self._publish.watch(INDEX, "tier_cleared", engine_id=engine_id, blocks=n, tier=tier)
+        return n
+
+    def drop_holder(self, engine_id: str) -> int:
+        """Drop all of a departing engine's blocks. Published by its going: mirrors drop the
+        engine with its blocks (ObservedRegistry.removing) and watchers see `engine_gone`."""
+        return self._index.drop_holder(engine_id)
+
+    def longest_prefixes(self, namespace: Namespace, hashes: Iterable[int]) -> list[tuple[str, Tier, int]]:
+        return self._index.longest_prefixes(namespace, hashes)
+
+    def export(self, layout_id: str, chunk: int) -> Iterator[list[tuple[str, Tier, Namespace, list[int]]]]:
+        return self._index.export(layout_id, chunk)
+
+    def blocks_of(self, engine_id: str) -> dict[Tier, int]:
+        return self._index.blocks_of(engine_id)
+
+    def total_blocks(self) -> int:
+        return self._index.total_blocks()
+
+    def namespace_count(self) -> int:
+        return self._index.namespace_count()
+
+    def maintain(self, budget: int) -> None:
+        self._index.maintain(budget)
+
+
+class ObservedLeaseTable:
+    """A LeaseTable whose every change of a lease's state goes to the watchers."""
+
+    def __init__(self, table: LeaseTable, publish: Publisher) -> None:
+        self._table = table
+        self._publish = publish
+
+    def create(
+        self,
+        *,
+        holder: str,
+        reader: str,
+        namespace: Namespace,
+        tier: Tier,
+        block_hashes: Sequence[int],
+        block_ids: Sequence[int],
+        state: LeaseState,
+        ttl_s: float,
+        deadline: float,
+        request_id: str,
+    ) -> Lease:
+        lease = self._table.create(
+            holder=holder,
+            reader=reader,
+            namespace=namespace,
+            tier=tier,
+            block_hashes=block_hashes,
+            block_ids=block_ids,
+            state=state,
+            ttl_s=ttl_s,
+            deadline=deadline,
+            request_id=request_id,
+        )
+        self._publish.lease("lease_pending" if state is LeaseState.PENDING else "lease_held", lease)
+        return lease
+
+    def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease:
+        lease = self._table.claim(lease_id, reader, ttl_s, now)
+        self._publish.lease("lease_active", lease)
+        return lease
+
+    def activate(self, lease_id: str, holder: str, block_ids: Sequence[int], now: float) -> Lease:
+        lease = self._table.activate(lease_id, holder, block_ids, now)
+        self._publish.lease("lease_active", lease)
+        return lease
+
+    def release(self, lease_id: str, reader: str, epoch: int, now: float) -> Lease:
+        lease = self._table.release(lease_id, reader, epoch, now)
+        self._publish.lease("lease_released", lease)
+        return lease
+
+    def revoke(self, lease_id: str, cause: RevokeCause, detail: str) -> Lease | None:
+        return self._revoked(self._table.revoke(lease_id, cause, detail))
+
+    def expire_if_due(self, lease_id: str, now: float) -> Lease | None:
+        return self._revoked(self._table.expire_if_due(lease_id, now))
+
+    def revoke_expired(self, now: float, limit: int) -> list[Lease]:
+        ended = self._table.revoke_expired(now, limit)
+        for lease in ended:
+            self._revoked(lease)
+        return ended
+
+    def _revoked(self, lease: Lease | None) -> Lease | None:
+        if lease is not None:
+            self._publish.lease("lease_revoked", lease, detail=lease.cause.label)
+        return lease
+
+    def renew(self, lease_id: str, engine_id: str, ttl_s: float, now: float) -> Lease:
+        return self._table.renew(lease_id, engine_id, ttl_s, now)
+
+    def get(self, lease_id: str) -> Lease:
+        return self._table.get(lease_id)
+
+    def by_holder(self, engine_id: str) -> list[Lease]:
+        return self._table.by_holder(engine_id)
+
+    def by_reader(self, engine_id: str) -> list[Lease]:
+        return self._table.by_reader(engine_id)
+
+    def live(self) -> Iterable[Lease]:
+        return self._table.live()
+
+    def recently_ended(self) -> Iterable[Lease]:
+        return self._table.recently_ended()
+
+    def live_counts(self) -> dict[LeaseState, int]:
+        return self._table.live_counts()
+
+
+class ObservedRegistry:
+    """The engine registry; engines coming, changing, draining and going reach watchers and mirrors."""
+
+    def __init__(self, registry: EngineRegistry, publish: Publisher) -> None:
+        self._registry = registry
+        self._publish = publish
+
+    def add(self, info: pb.EngineInfo, ttl_s: float, expected_ranks: int, now: float) -> EngineRecord:
+        rec = self._registry.add(info, ttl_s, expected_ranks, now)
+        self._publish.watch(ENGINE, "engine_registered", engine_id=rec.engine_id, detail=rec.layout_id)
+        self._publish.mirror_engine(rec)
+        return rec
+
+    def add_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
+        rec = self._registry.add_rank(engine_id, rank)
+        self._publish.mirror_engine(rec)
+        return rec
+
+    @contextmanager
+    def removing(self, rec: EngineRecord, why: str) -> Iterator[None]:
+        """Remove the engine; its mirrors drop it now, watchers hear `engine_gone` after the block."""
+        self._registry.remove(rec)
+        self._publish.mirrors.engine(rec.layout_id, None, rec.engine_id)
+        yield
+        self._publish.watch(ENGINE, "engine_gone", engine_id=rec.engine_id, detail=why)
+
+    @contextmanager
+    def draining(self, rec: EngineRecord, why: str) -> Iterator[None]:
+        """Mark the engine draining; watchers and mirrors hear of it after the block."""
+        rec.draining = True
+        yield
+        self._publish.watch(ENGINE, "engine_draining", engine_id=rec.engine_id, detail=why)
+        self._publish.mirror_engine(rec)
+
+    def __len__(self) -> int:
+        return len(self._registry)
+
+    def get(self, engine_id: str) -> EngineRecord:
+        return self._registry.get(engine_id)
+
+    def find(self, engine_id: str) -> EngineRecord | None:
+        return self._registry.find(engine_id)
+
+    def by_session(self, session_id: str) -> EngineRecord:
+        return self._registry.by_session(session_id)
+
+    def all(self) -> list[EngineRecord]:
+        return self._registry.all()
+
+    def find_fingerprint(self, lid: str) -> pb.LayoutFingerprint | None:
+        return self._registry.find_fingerprint(lid)
+
+    def expired(self, now: float, limit: int) -> list[EngineRecord]:
+        return self._registry.expired(now, limit)
+
+    def extend_sessions(self, seconds: float) -> None:
+        self._registry.extend_sessions(seconds)
+
+    def incompatibility(self, reader: EngineRecord, holder: EngineRecord) -> str | None:
+        return self._registry.incompatibility(reader, holder)

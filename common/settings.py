@@ -45,10 +45,17 @@ def setting(
     *,
     env: str | None = None,
     choices: Sequence[str] | None = None,
+    metavar: str | None = None,
     flag: bool = True,
 ) -> Any:
     """A dataclass field with its help text (and, optionally, its own environment variable)."""
-    metadata = {"help": help, "env": env, "choices": tuple(choices) if choices else None, "flag": flag}
+    metadata = {
+        "help": help,
+        "env": env,
+        "choices": tuple(choices) if choices else None,
+        "metavar": metavar,
+        "flag": flag,
+    }
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -110,8 +117,13 @@ def add_arguments(
     env_prefix: str,
     *,
     error: Any = None,
+    repeated: bool = False,
 ) -> None:
-    """One flag per field of `cls`; see the module docstring. `error(msg)` reports a bad variable."""
+    """One flag per field of `cls`; see the module docstring. `error(msg)` reports a bad variable.
+
+    `repeated=True` adds the same flags again to a subcommand's parser (so they also work after
+    the command): there they have no default of their own and leave the first parse's value alone.
+    """
     for f in _fields(cls):
         kind = _kind(f)
         env = env_name(f, env_prefix)
@@ -126,6 +138,9 @@ def add_arguments(
                 error(str(exc))
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata['help']} [env {env}; default: %(default)s]"
+        if repeated:
+            default = argparse.SUPPRESS
+            help_text = f.metadata["help"]
         if kind is bool:
             if f.default:
                 parser.add_argument(
@@ -133,7 +148,9 @@ def add_arguments(
                     dest=f.name,
                     action="store_false",
                     default=default,
-                    help=f"turn off {f.name}: {f.metadata['help']} [env {env}=0; default: on]",
+                    help=f.metadata["help"]
+                    if repeated
+                    else f"turn off {f.name}: {f.metadata['help']} [env {env}=0; default: on]",
                 )
             else:
                 parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=help_text)
@@ -144,7 +161,7 @@ def add_arguments(
             type=kind,
             default=default,
             choices=f.metadata.get("choices"),
-            metavar=None if f.metadata.get("choices") else kind.__name__.upper(),
+            metavar=None if f.metadata.get("choices") else f.metadata.get("metavar") or kind.__name__.upper(),
             help=help_text,
         )
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvbroker.clients.aio import DEFAULT_ADDRESS
+from kvbroker.common import settings
+from kvbroker.common.settings import setting
 from kvbroker.tools.cli_commands import (
     cmd_drain,
     cmd_engines,
@@ -18,6 +20,17 @@ from kvbroker.tools.cli_commands import (
 )
 
 ADDRESS_ENV = "KVBROKER_ADDR"
+ENV_PREFIX = "KVBROKER_CLI_"
+
+
+@dataclass(frozen=True)
+class CliOptions:
+    """The operator commands' global options (kvbroker.common.settings, like every configuration)."""
+
+    broker: str = setting(DEFAULT_ADDRESS, "broker host:port", env=ADDRESS_ENV, metavar="HOST:PORT")
+    timeout: float = setting(5.0, "per-call timeout in seconds", metavar="S")
+    json: bool = setting(False, "print JSON instead of a table")
+
 
 DESCRIPTION = """\
 KV cache broker for disaggregated vLLM inference.
@@ -34,7 +47,9 @@ KV cache broker for disaggregated vLLM inference.
 
 EPILOG = """\
 environment:
-  KVBROKER_ADDR   broker address for the operator commands (default 127.0.0.1:50051)
+  KVBROKER_ADDR          broker address for the operator commands (default 127.0.0.1:50051)
+  KVBROKER_CLI_TIMEOUT   per-call timeout in seconds (default 5)
+  KVBROKER_CLI_JSON      1: print JSON
 
 exit status:
   0 ok, 1 other broker error, 2 bad usage, 3 broker unreachable or too slow,
@@ -52,22 +67,11 @@ def build_parser(
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--broker",
-        default=os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS),
-        metavar="ADDR",
-        help=f"broker host:port (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})",
-    )
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="S", help="per-call timeout in seconds")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    settings.add_arguments(parser, CliOptions, ENV_PREFIX, error=parser.error)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     # The global options work after the command too (`kvbroker engines --json`).
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--broker", default=argparse.SUPPRESS, metavar="ADDR", help="broker host:port")
-    common.add_argument(
-        "--timeout", type=float, default=argparse.SUPPRESS, metavar="S", help="per-call timeout"
-    )
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    settings.add_arguments(common, CliOptions, ENV_PREFIX, repeated=True)
 
     serve = commands.add_parser(
         "serve",

@@ -62,6 +62,7 @@ class ProxyConfig:
         "broker gRPC address HOST:PORT; used to score engines and, when no engine flag is given, to "
         "discover engines (labels role=prefill|decode|both and url=...). Empty: no broker",
         env="KVBROKER_ADDR",
+        metavar="HOST:PORT",
     )
     refresh_interval_s: float = setting(2.0, "how often the broker's engine list is re-read")
     score_timeout_s: float = setting(

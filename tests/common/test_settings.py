@@ -93,3 +93,17 @@ def test_every_setting_is_in_its_docs(cls: type, prefix: str, doc: str) -> None:
     for row in settings.describe(cls, prefix):
         flag = "--" + row.name.replace("_", "-")
         assert row.name in text or flag in text, f"{doc} does not mention {row.name}"
+
+
+def test_repeated_flags_keep_the_first_parse_value() -> None:
+    """The kvbroker command's global options work before and after the subcommand."""
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, Knobs, "T_")
+    sub = parser.add_subparsers(dest="command")
+    common = argparse.ArgumentParser(add_help=False)
+    settings.add_arguments(common, Knobs, "T_", repeated=True)
+    sub.add_parser("go", parents=[common])
+    assert parser.parse_args(["--port", "5", "go"]).port == 5
+    assert parser.parse_args(["go", "--port", "6"]).port == 6
+    assert parser.parse_args(["go"]).port == 8000
+    assert parser.parse_args(["go", "--no-safe"]).safe is False

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient
+from kvbroker.clients.backoff import Backoff
 from kvbroker.clients.clock import SessionClock
 from kvbroker.clients.inventory import (
     DEFAULT_MAX_HASHES_PER_UPDATE,
@@ -32,7 +33,7 @@ from kvbroker.clients.inventory import (
     namespace_key,
 )
 from kvbroker.clients.mirror import IndexMirror, follow
-from kvbroker.clients.session_stream import DEFAULT_SESSION_TTL_MS, Backoff, SessionStream
+from kvbroker.clients.session_stream import DEFAULT_SESSION_TTL_MS, SessionStream
 from kvbroker.v1 import broker_pb2 as pb
 
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0

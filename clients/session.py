@@ -50,6 +50,7 @@ This module gathers the public names; the code lives in
 
 from __future__ import annotations
 
+from kvbroker.clients.backoff import Backoff
 from kvbroker.clients.engine_session import DEFAULT_RESOLVE_TIMEOUT_S, EngineSession
 from kvbroker.clients.inventory import (
     DEFAULT_MAX_HASHES_PER_UPDATE,
@@ -62,7 +63,6 @@ from kvbroker.clients.session_stream import (
     DEFAULT_SESSION_TTL_MS,
     SILENCE_TTLS,
     STALL_S,
-    Backoff,
     PinReply,
 )
 from kvbroker.clients.threaded_session import ThreadedEngineSession

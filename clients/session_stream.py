@@ -29,11 +29,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import inspect
 import logging
 import math
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
@@ -42,6 +40,7 @@ import grpc.aio
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient, trace_metadata
+from kvbroker.clients.backoff import Backoff
 from kvbroker.clients.clock import MonotonicClock, SessionClock
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -55,25 +54,6 @@ DEFAULT_SESSION_TTL_MS = 10_000
 STALL_S = 0.25
 # Give the stream up after this many session TTLs without a word from the broker.
 SILENCE_TTLS = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Backoff:
-    """Reconnect delays: exponential, capped, with random jitter.
-
-    Attempt ``n`` (0-based) waits ``min(max_s, initial_s * multiplier**n)``
-    shortened by up to ``jitter`` of itself at random, so that many engines
-    that lost the same broker do not come back in lockstep.
-    """
-
-    initial_s: float = 0.1
-    max_s: float = 5.0
-    multiplier: float = 2.0
-    jitter: float = 0.5
-
-    def delay(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
-        base = min(self.max_s, self.initial_s * self.multiplier ** min(attempt, 64))
-        return base * (1.0 - self.jitter * rand())
 
 
 class _GaveUp(Exception):

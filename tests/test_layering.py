@@ -159,3 +159,21 @@ def test_the_wheel_holds_only_kvbroker(tmp_path: Path) -> None:
     }
     assert expected <= set(names), f"missing from the wheel: {sorted(expected - set(names))[:5]}"
     assert "kvbroker/v1/broker.proto" in names and "kvbroker/py.typed" in names
+
+
+# "Each module readable in one sitting": about 500 lines. A module that must be
+# longer is listed here with the reason.
+MAX_LINES = 520
+LONGER_WITH_REASON: dict[str, str] = {}
+
+
+def test_no_module_is_longer_than_one_sitting() -> None:
+    paths = [p for m, p in _modules().items() if not m.startswith("kvbroker.v1")]
+    paths += list((ROOT / "bench").glob("*.py"))
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in paths
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+        and str(p.relative_to(ROOT)) not in LONGER_WITH_REASON
+    }
+    assert long == {}, f"split these modules along their seams (or state why not): {long}"

@@ -127,6 +127,17 @@ def test_tests_and_bench_use_the_namespace() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_bench_does_not_import_the_tests() -> None:
+    """Benchmarks and tests share their scaffolding through kvbroker.testing, not tests/."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for path in (ROOT / "bench").rglob("*.py")
+        for line, target in _imports(path)
+        if target.split(".")[0] == "tests"
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_plugin_package_holds_only_what_vllm_loads() -> None:
     """Every module of kvbroker.engine_adapter is reached from the connector vLLM imports."""
     modules = {m: p for m, p in _modules().items() if m.startswith("kvbroker.engine_adapter")}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.common import rss_bytes
 from bench.peers import _env_with_pythonpath
 from kvbroker.testing import processes as testing_processes
 from kvbroker.testing.builders import engine_info, fingerprint
@@ -66,6 +67,9 @@ class BrokerProcess(testing_processes.BrokerProcess):
     def __init__(self, log_dir: Path, extra_args: Sequence[str] = ()):
         super().__init__(log_dir, extra_args, log_level=None, priority=None, env=_env_with_pythonpath())
         self.start(timeout=60)
+
+    def rss(self) -> int:
+        return rss_bytes(self.pid)
 
 
 class RawSession:

@@ -54,18 +54,23 @@ class BrokerProcess:
         self.argv += list(extra_args)
         self.priority = priority
         self.env = dict(env) if env is not None else None
-        self.proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        """The running (or last) child; only after `start()`."""
+        assert self._proc is not None, "the broker process was not started"
+        return self._proc
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None, "not started"
         return self.proc.pid
 
     def start(self, timeout: float = 30.0) -> BrokerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             offset = log.tell()
-            self.proc = subprocess.Popen(
+            self._proc = subprocess.Popen(
                 self.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -75,7 +80,7 @@ class BrokerProcess:
             )
         if self.priority is not None:
             with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, self.proc.pid, self.priority)
+                os.setpriority(os.PRIO_PROCESS, self.pid, self.priority)
         deadline = time.monotonic() + timeout
         while READY_LINE not in self._log_since(offset):
             if self.proc.poll() is not None:
@@ -98,27 +103,17 @@ class BrokerProcess:
             return ""
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def rss(self) -> int:
-        """Resident set size in bytes, from /proc (Linux)."""
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(f"no VmRSS for pid {self.pid}")
+        return self._proc is not None and self._proc.poll() is None
 
     def kill9(self) -> None:
         """SIGKILL: the broker dies without a word to anyone."""
         if self.alive():
-            assert self.proc is not None
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `grace_s`."""
         if self.alive():
-            assert self.proc is not None
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(grace_s)

@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 
-from bench.common import ManagedProcess, free_port, rss_bytes
+from bench.common import rss_bytes
 from bench.peers import _env_with_pythonpath
+from kvbroker.testing import processes as testing_processes
+from kvbroker.testing.builders import engine_info, fingerprint
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
@@ -31,72 +32,44 @@ CHANNEL_OPTIONS = [
 
 
 def bench_layout() -> pb.LayoutFingerprint:
-    return pb.LayoutFingerprint(
-        model="bench/tiny",
-        dtype="float32",
-        block_size=32,
-        num_layers=2,
-        num_kv_heads=2,
-        head_size=64,
-        tp_size=1,
-        pp_size=1,
-        hash_algo="sha256",
-        kv_layout="",
-    )
+    return fingerprint(model="bench/tiny", head_size=64, kv_layout="")
 
 
 def bench_engine(engine_id: str) -> pb.EngineInfo:
-    return pb.EngineInfo(
-        engine_id=engine_id,
-        layout=bench_layout(),
+    info = engine_info(
+        engine_id,
+        ranks=1,
+        agent_name="{engine_id}-r0",
+        agent_metadata=b"bench-agent-metadata",
+        num_blocks=1 << 20,
         labels={"role": "bench"},
-        ranks=[
-            pb.RankInfo(
-                pp_rank=0,
-                tp_rank=0,
-                agent_name=f"{engine_id}-r0",
-                agent_metadata=b"bench-agent-metadata",
-                start_layer=0,
-                end_layer=2,
-                tiers=[
-                    pb.TierInfo(
-                        tier=pb.TIER_GPU,
-                        mem_type="DRAM",
-                        num_blocks=1 << 20,
-                        regions=[
-                            pb.MemoryRegion(layer=0, base_addr=1 << 20, block_stride=4096, block_bytes=4096),
-                            pb.MemoryRegion(layer=1, base_addr=1 << 32, block_stride=4096, block_bytes=4096),
-                        ],
-                    )
-                ],
-            )
-        ],
+        model="bench/tiny",
+        head_size=64,
+        kv_layout="",
     )
+    # Registered memory: one region per layer, far apart.
+    info.ranks[0].tiers[0].regions.extend(
+        [
+            pb.MemoryRegion(layer=0, base_addr=1 << 20, block_stride=4096, block_bytes=4096),
+            pb.MemoryRegion(layer=1, base_addr=1 << 32, block_stride=4096, block_bytes=4096),
+        ]
+    )
+    return info
 
 
-class BrokerProcess:
-    """``python -m kvbroker.broker --address 127.0.0.1:PORT [extra args]`` as a child process."""
+class BrokerProcess(testing_processes.BrokerProcess):
+    """``python -m kvbroker.broker --address 127.0.0.1:PORT [extra args]``, started at construction.
+
+    The one broker process of kvbroker.testing, as the broker benchmark has
+    always used it: no priority change, the benchmarks' PYTHONPATH, a minute to
+    start."""
 
     def __init__(self, log_dir: Path, extra_args: Sequence[str] = ()):
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.proc = ManagedProcess(
-            "broker",
-            [sys.executable, "-m", "kvbroker.broker", "--address", self.address, *extra_args],
-            log_dir / "broker.log",
-            env=_env_with_pythonpath(),
-        )
-        self.proc.wait_for_port(self.port, 60)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+        super().__init__(log_dir, extra_args, log_level=None, priority=None, env=_env_with_pythonpath())
+        self.start(timeout=60)
 
     def rss(self) -> int:
-        return rss_bytes(self.proc.pid)
-
-    def close(self) -> None:
-        self.proc.stop(10)
+        return rss_bytes(self.pid)
 
 
 class RawSession:

@@ -48,12 +48,6 @@ def load_note() -> str:
 # --------------------------------------------------------------------------- processes
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rss_bytes(pid: int) -> int:
     """Resident set size of a process, from /proc (Linux)."""
     with open(f"/proc/{pid}/status") as f:

@@ -19,9 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import load_note, log
-from kvbroker.tools.launch import EngineProcess
-from kvbroker.tools.tiny_model import build_tiny_model
-from tests.e2e.harness import (
+from kvbroker.testing.engines import (
     BLOCK_SIZE,
     complete,
     completion_request,
@@ -29,10 +27,12 @@ from tests.e2e.harness import (
     prompt_of,
     read_stats,
     start_engine,
-    wait_for,
 )
+from kvbroker.testing.waiting import wait_for
+from kvbroker.tools.launch import EngineProcess
+from kvbroker.tools.tiny_model import build_tiny_model
 
-# The request helpers are the e2e tests' own (tests/e2e/harness.py), with their
+# The request helpers are the e2e tests' own (kvbroker.testing.engines), with their
 # generous broker budgets: a starved session thread on a shared machine must not
 # turn a pull into a recompute.
 __all__ = [

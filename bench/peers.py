@@ -25,7 +25,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import ManagedProcess, free_port, longest_prefix, rss_bytes
+from bench.common import ManagedProcess, longest_prefix, rss_bytes
+from kvbroker.testing.ports import free_port
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """The package's shape: one `kvbroker` namespace, and imports that only run down the layers.
 
-    kvbroker.tools                    cli, demo, launcher, tiny model      (may use anything)
+    kvbroker.testing                  test and bench scaffolding           (may use anything; nothing imports it)
+    kvbroker.tools                    cli, demo, launcher, tiny model      -> engine_adapter and below
     kvbroker.engine_adapter           what vLLM loads                     -> clients, common, v1
     kvbroker.broker  kvbroker.clients never each other                    -> common, v1
     kvbroker.common                   layouts, hashing, index, ranking    -> v1
@@ -37,6 +38,16 @@ ALLOWED = {
         "kvbroker.broker",
         "kvbroker.clients",
         "kvbroker.engine_adapter",
+    },
+    # Scaffolding for tests/ and bench/: on top of everything, and no layer of the
+    # product may import it (no other entry lists it).
+    "kvbroker.testing": {
+        "kvbroker.v1",
+        "kvbroker.common",
+        "kvbroker.broker",
+        "kvbroker.clients",
+        "kvbroker.engine_adapter",
+        "kvbroker.tools",
     },
 }
 OLD_TOP_LEVEL = {"broker", "clients", "engine_adapter", "common", "tools"}
@@ -113,6 +124,17 @@ def test_tests_and_bench_use_the_namespace() -> None:
             for line, target in _imports(path):
                 if target.split(".")[0] in OLD_TOP_LEVEL:
                     wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_bench_does_not_import_the_tests() -> None:
+    """Benchmarks and tests share their scaffolding through kvbroker.testing, not tests/."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for path in (ROOT / "bench").rglob("*.py")
+        for line, target in _imports(path)
+        if target.split(".")[0] == "tests"
+    ]
     assert not wrong, "\n".join(wrong)
 
 

@@ -1,5 +1,6 @@
 """Fakes for the adapter's unit tests: a broker link with hand-completed
-futures, a NIXL block mover with knobs, a vLLM request, a clock."""
+futures, a NIXL block mover with knobs, a vLLM request (the clock:
+kvbroker.testing.clock.FakeClock)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,6 @@ from typing import Any
 
 from kvbroker.engine_adapter.broker_link import LeaseEndNotice
 from kvbroker.v1 import broker_pb2 as pb
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @dataclass

@@ -11,8 +11,9 @@ from kvbroker.engine_adapter.broker_link import LeaseEndNotice
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.metadata import ReadOutcomes
 from kvbroker.engine_adapter.scheduler import AdapterScheduler
+from kvbroker.testing.clock import FakeClock
 from kvbroker.v1 import broker_pb2 as pb
-from tests.adapter.fakes import FakeClock, FakeLink, FakeRequest, Status, holder_info, wire
+from tests.adapter.fakes import FakeLink, FakeRequest, Status, holder_info, wire
 
 BS = 32
 

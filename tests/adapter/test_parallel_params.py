@@ -8,7 +8,8 @@ import pytest
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.decisions import BadTransferParams, parse_transfer_params
 from kvbroker.engine_adapter.scheduler import AdapterScheduler
-from tests.adapter.fakes import FakeClock, FakeLink, FakeRequest
+from kvbroker.testing.clock import FakeClock
+from tests.adapter.fakes import FakeLink, FakeRequest
 
 BS = 32
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -13,25 +12,16 @@ import pytest
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.scheduler import AdapterScheduler
 from kvbroker.engine_adapter.stats import StatsWriter
-from tests.adapter.fakes import FakeClock, FakeLink, FakeRequest
+from kvbroker.testing.clock import FakeClock
+from kvbroker.testing.engines import read_stats
+from kvbroker.testing.waiting import wait_for
+from tests.adapter.fakes import FakeLink, FakeRequest
 
 BS = 32
 
 
-def read(path: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def eventually(predicate: Any, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return bool(predicate())
+def eventually(predicate: Any) -> bool:
+    return wait_for(predicate, timeout=5.0, interval=0.005)
 
 
 def make(path: Path) -> AdapterScheduler:
@@ -53,8 +43,8 @@ def test_the_scheduler_thread_never_writes_the_file(tmp_path: Path, monkeypatch:
     sched.get_num_new_matched_tokens(FakeRequest("r1", num_tokens=20), 0)  # shorter than a block
     sched.get_num_new_matched_tokens(FakeRequest("r2", num_tokens=140, kv_transfer_params=[1]), 0)
     sched.build_connector_meta()
-    assert eventually(lambda: read(path).get("skips") == {"malformed_kv_transfer_params": 1})
-    snapshot = read(path)
+    assert eventually(lambda: read_stats(path).get("skips") == {"malformed_kv_transfer_params": 1})
+    snapshot = read_stats(path)
     assert snapshot["held_requests"] == 0 and snapshot["held_blocks"] == 0
     assert writers and threading.current_thread().name not in writers
     sched.shutdown()
@@ -69,7 +59,7 @@ def test_a_change_after_a_quiet_spell_is_written_at_once(tmp_path: Path) -> None
     sched.get_num_new_matched_tokens(FakeRequest("r1", num_tokens=140, kv_transfer_params=[1]), 0)
     started = time.monotonic()
     sched.build_connector_meta()
-    assert eventually(lambda: read(path).get("skips", {}).get("malformed_kv_transfer_params") == 1)
+    assert eventually(lambda: read_stats(path).get("skips", {}).get("malformed_kv_transfer_params") == 1)
     # Not held back by the interval (generous bound: this machine is shared).
     assert time.monotonic() - started < 2.0
     sched.shutdown()
@@ -79,16 +69,16 @@ def test_a_burst_is_written_at_most_once_per_interval_the_latest_winning(tmp_pat
     path = tmp_path / "stats.json"
     writer = StatsWriter(str(path), min_interval_s=30.0)
     writer.submit({"n": 1})
-    assert eventually(lambda: read(path) == {"n": 1})
+    assert eventually(lambda: read_stats(path) == {"n": 1})
     for n in range(2, 50):
         writer.submit({"n": n})
     time.sleep(0.3)
-    assert read(path) == {"n": 1}  # within the interval: not written yet
+    assert read_stats(path) == {"n": 1}  # within the interval: not written yet
     writer.close()  # shutdown writes what is pending at once
-    assert read(path) == {"n": 49}
+    assert read_stats(path) == {"n": 49}
     writer.submit({"n": 50})  # after close: ignored
     time.sleep(0.05)
-    assert read(path) == {"n": 49}
+    assert read_stats(path) == {"n": 49}
 
 
 def test_shutdown_writes_the_final_counts(tmp_path: Path) -> None:
@@ -99,7 +89,7 @@ def test_shutdown_writes_the_final_counts(tmp_path: Path) -> None:
     # A change that no hook publishes before shutdown is still in the file afterwards.
     sched.stats.count("pulls_failed")
     sched.shutdown()
-    assert read(path)["pulls_failed"] == 1
+    assert read_stats(path)["pulls_failed"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["stats.json"]  # no temporary file left
 
 
@@ -113,5 +103,5 @@ def test_an_unwritable_path_is_logged_and_the_writer_keeps_going(
         assert eventually(lambda: "cannot write stats" in caplog.text)
     path.parent.mkdir()
     writer.submit({"n": 2})
-    assert eventually(lambda: read(path) == {"n": 2})
+    assert eventually(lambda: read_stats(path) == {"n": 2})
     writer.close()

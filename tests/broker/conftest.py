@@ -5,25 +5,21 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.server import RunningServer, start_server
+from kvbroker.testing.broker import RunningServer, running_broker
 from kvbroker.v1 import broker_pb2_grpc
 
 
 @pytest.fixture
 async def broker() -> AsyncIterator[RunningServer]:
-    running = await start_server(
-        BrokerConfig(
-            address="127.0.0.1:0",
-            session_ttl_min_ms=100,
-            pin_timeout_ms=5000,
-            max_hashes=1024,
-            max_message_bytes=1 << 20,
-            expiry_interval_ms=20,
-        )
-    )
-    yield running
-    await running.stop(0.5)
+    async with running_broker(
+        session_ttl_min_ms=100,
+        pin_timeout_ms=5000,
+        max_hashes=1024,
+        max_message_bytes=1 << 20,
+        expiry_interval_ms=20,
+        stop_grace=0.5,
+    ) as running:
+        yield running
 
 
 @pytest.fixture

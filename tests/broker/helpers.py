@@ -1,50 +1,14 @@
-"""Shared builders for the broker tests."""
+"""The broker core tests' notifier and core builder (engine builders: kvbroker.testing.builders)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbroker.broker.clock import FakeClock
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.leases import Lease
-from kvbroker.v1 import broker_pb2 as pb
-
-
-def fingerprint(**overrides: object) -> pb.LayoutFingerprint:
-    fields: dict[str, object] = dict(
-        model="tiny-llama",
-        dtype="float32",
-        block_size=32,
-        num_layers=2,
-        num_kv_heads=2,
-        head_size=16,
-        tp_size=1,
-        pp_size=1,
-        hash_algo="sha256",
-    )
-    fields.update(overrides)
-    return pb.LayoutFingerprint(**fields)  # type: ignore[arg-type]
-
-
-def engine_info(engine_id: str, *, ranks: bool = True, **layout: object) -> pb.EngineInfo:
-    fp = fingerprint(**layout)
-    info = pb.EngineInfo(engine_id=engine_id, layout=fp, labels={"role": "test"})
-    if ranks:
-        for tp in range(fp.tp_size or 1):
-            info.ranks.append(
-                pb.RankInfo(
-                    pp_rank=0,
-                    tp_rank=tp,
-                    agent_name=f"{engine_id}-tp{tp}",
-                    agent_metadata=b"meta",
-                    start_layer=0,
-                    end_layer=fp.num_layers,
-                    tiers=[pb.TierInfo(tier=pb.TIER_GPU, mem_type="DRAM", num_blocks=1024)],
-                )
-            )
-    return info
+from kvbroker.testing.clock import FakeClock
 
 
 @dataclass

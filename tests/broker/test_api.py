@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.request
 
 import grpc
@@ -14,11 +13,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.server import RunningServer, start_server
+from kvbroker.testing.broker import RunningServer, running_broker
+from kvbroker.testing.builders import engine_info
+from kvbroker.testing.ports import free_port
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-from tests.broker.helpers import engine_info
 from tests.broker.session_util import RawSession
 
 H = list(range(5000, 5064))
@@ -371,8 +370,7 @@ async def test_watch_stream(stub: Stub, broker: RunningServer) -> None:
 
 
 async def test_graceful_stop_revokes_nothing() -> None:
-    running = await start_server(BrokerConfig(address="127.0.0.1:0"))
-    async with grpc.aio.insecure_channel(running.address) as ch:
+    async with running_broker() as running, grpc.aio.insecure_channel(running.address) as ch:
         stub = Stub(ch)
         p, _d, ns = await pair(stub)
         lease = (
@@ -394,21 +392,13 @@ async def test_graceful_stop_revokes_nothing() -> None:
         assert running.core.stats().leases_by_state["revoked"] == 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_metrics_and_tracing() -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    running = await start_server(
-        BrokerConfig(address="127.0.0.1:0", metrics_port=free_port(), metrics_host="127.0.0.1"),
-        tracer_provider=provider,
-    )
-    try:
+    async with running_broker(
+        metrics_port=free_port(), metrics_host="127.0.0.1", tracer_provider=provider, stop_grace=0.5
+    ) as running:
         async with grpc.aio.insecure_channel(running.address) as ch:
             stub = Stub(ch)
             trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -430,8 +420,6 @@ async def test_metrics_and_tracing() -> None:
             and "kvbroker_mirrors 0.0" in body
             and 'kvbroker_revocations_total{cause="ttl_expired"} 0.0' in body
         )
-    finally:
-        await running.stop(0.5)
 
 
 async def test_score_by_token_ids_uses_vllm_hashes(stub: Stub) -> None:

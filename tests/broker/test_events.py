@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvbroker.broker.clock import FakeClock
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import FailedPrecondition
@@ -20,7 +19,9 @@ from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.mirror import MirrorSubscriber
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.model import Namespace, Tier
-from tests.broker.helpers import RecordingNotifier, engine_info
+from kvbroker.testing.builders import engine_info
+from kvbroker.testing.clock import FakeClock
+from tests.broker.helpers import RecordingNotifier
 
 H = list(range(500, 516))
 Seen = tuple[str, str, str, str, int, int, str]

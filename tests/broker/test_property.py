@@ -18,12 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.server import RunningServer, start_server
 from kvbroker.clients.mirror import IndexMirror, follow
+from kvbroker.testing.broker import RunningServer, running_broker
+from kvbroker.testing.builders import engine_info
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-from tests.broker.helpers import engine_info
 from tests.broker.session_util import RawSession
 
 T = TypeVar("T")
@@ -60,17 +59,16 @@ class Harness:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
 
     async def _start(self) -> None:
-        self.server: RunningServer = await start_server(
-            BrokerConfig(
-                address="127.0.0.1:0",
-                max_hashes=MAX_HASHES,
-                max_message_bytes=64 * 1024,
-                session_ttl_min_ms=100,
-                lease_ttl_min_ms=50,
-                pin_timeout_ms=200,
-                expiry_interval_ms=10,
-            )
+        self._broker = running_broker(
+            max_hashes=MAX_HASHES,
+            max_message_bytes=64 * 1024,
+            session_ttl_min_ms=100,
+            lease_ttl_min_ms=50,
+            pin_timeout_ms=200,
+            expiry_interval_ms=10,
+            stop_grace=0.2,
         )
+        self.server: RunningServer = await self._broker.__aenter__()
         self.channel = grpc.aio.insecure_channel(self.server.address)
         self.stub = broker_pb2_grpc.KVBrokerStub(self.channel)
 
@@ -81,7 +79,7 @@ class Harness:
         for s in self.sessions.values():
             await s.close()
         await self.channel.close()
-        await self.server.stop(0.2)
+        await self._broker.__aexit__(None, None, None)
 
     def close(self) -> None:
         self.run(self._stop())

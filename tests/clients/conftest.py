@@ -3,40 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 
 from kvbroker.clients.session import EngineSession
+from kvbroker.testing import builders
+from kvbroker.testing.broker import RunningServer, running_broker
 from kvbroker.v1 import broker_pb2 as pb
 
 
 def make_engine_info(engine_id: str, **layout: Any) -> pb.EngineInfo:
-    fields: dict[str, Any] = dict(
-        model="tiny-llama",
-        dtype="float32",
-        block_size=32,
-        num_layers=2,
-        num_kv_heads=2,
-        head_size=16,
-        tp_size=1,
-        pp_size=1,
-        hash_algo="sha256",
-    )
-    fields.update(layout)
-    fp = pb.LayoutFingerprint(**fields)
-    rank = pb.RankInfo(
-        pp_rank=0,
-        tp_rank=0,
-        agent_name=f"{engine_id}-agent",
+    """The client tests' engine: one rank named `<id>-agent` (whatever tp_size says), 64 GPU blocks."""
+    return builders.engine_info(
+        engine_id,
+        ranks=1,
+        agent_name="{engine_id}-agent",
         agent_metadata=b"nixl-metadata",
-        start_layer=0,
-        end_layer=fp.num_layers,
-        tiers=[pb.TierInfo(tier=pb.TIER_GPU, mem_type="DRAM", num_blocks=64)],
+        num_blocks=64,
+        **layout,
     )
-    return pb.EngineInfo(engine_id=engine_id, layout=fp, ranks=[rank], labels={"role": "test"})
 
 
 class Recorder:
@@ -81,29 +68,21 @@ def recorder() -> Callable[[], Recorder]:
 
 
 @pytest.fixture
-async def broker() -> AsyncIterator[Any]:
+async def broker() -> AsyncIterator[RunningServer]:
     """A real broker (grpc.aio server) in this process on a free port."""
-    server_module = pytest.importorskip("kvbroker.broker.server")
-    from kvbroker.broker.config import BrokerConfig
-
-    config = BrokerConfig(
-        address="127.0.0.1:0",
+    async with running_broker(
         session_ttl_ms=2_000,
         session_ttl_min_ms=100,
         lease_ttl_ms=5_000,
         pin_timeout_ms=1_000,
         shutdown_grace_s=0.2,
-    )
-    server = await server_module.start_server(config)
-    try:
+    ) as server:
         yield server
-    finally:
-        await server.stop(0.2)
 
 
 @pytest.fixture
 async def sessions(
-    broker: Any, engine_info: Callable[..., pb.EngineInfo]
+    broker: RunningServer, engine_info: Callable[..., pb.EngineInfo]
 ) -> AsyncIterator[Callable[..., Any]]:
     """Factory of started, registered EngineSessions; all closed at the end."""
     opened: list[EngineSession] = []
@@ -117,11 +96,3 @@ async def sessions(
     yield open_session
     for session in opened:
         await session.close()
-
-
-async def until(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)

@@ -10,6 +10,7 @@ and a SessionError answering one session message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,17 +18,17 @@ from typing import Any
 import grpc
 import pytest
 
-from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.server import RunningServer, start_server
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.session import EngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.causes import CAUSES, Cause
+from kvbroker.testing.broker import RunningServer, running_broker
+from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from tests.broker.session_util import RawSession
-from tests.clients.conftest import make_engine_info, until
+from tests.clients.conftest import make_engine_info
 
 GPU = pb.TIER_GPU
 H = list(range(7000, 7008))
@@ -361,33 +362,29 @@ BASE = dict(
 
 @pytest.fixture
 async def world() -> AsyncIterator[World]:
-    servers: list[RunningServer] = []
     opened: list[EngineSession] = []
+    async with contextlib.AsyncExitStack() as servers:
 
-    async def start_broker(**overrides: Any) -> RunningServer:
-        server = await start_server(BrokerConfig(**{**BASE, **overrides}))  # type: ignore[arg-type]
-        servers.append(server)
-        return server
+        async def start_broker(**overrides: Any) -> RunningServer:
+            return await servers.enter_async_context(running_broker(**{**BASE, **overrides}))
 
-    broker = await start_broker()
+        broker = await start_broker()
 
-    async def open_session(engine_id: str, **layout: Any) -> EngineSession:
-        session = EngineSession(broker.address, make_engine_info(engine_id, **layout), ttl_ms=2_000)
-        opened.append(session)
-        await session.start(wait_connected_s=5.0)
-        return session
+        async def open_session(engine_id: str, **layout: Any) -> EngineSession:
+            session = EngineSession(broker.address, make_engine_info(engine_id, **layout), ttl_ms=2_000)
+            opened.append(session)
+            await session.start(wait_connected_s=5.0)
+            return session
 
-    p = await open_session("P")
-    d = await open_session("D")
-    client = AsyncBrokerClient(broker.address)
-    try:
-        yield World(broker, client, p, d, pb.Namespace(layout_id=p.layout_id), open_session, start_broker)
-    finally:
-        await client.close()
-        for session in opened:
-            await session.close()
-        for server in servers:
-            await server.stop(0.2)
+        p = await open_session("P")
+        d = await open_session("D")
+        client = AsyncBrokerClient(broker.address)
+        try:
+            yield World(broker, client, p, d, pb.Namespace(layout_id=p.layout_id), open_session, start_broker)
+        finally:
+            await client.close()
+            for session in opened:
+                await session.close()
 
 
 def test_every_cause_has_a_scenario() -> None:

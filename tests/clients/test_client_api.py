@@ -18,9 +18,10 @@ from kvbroker.clients.clock import ManualClock
 from kvbroker.clients.session import Backoff, EngineSession, ThreadedEngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
+from kvbroker.testing.broker import running_broker
+from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-from tests.clients.conftest import until
 
 GPU = pb.TIER_GPU
 CHAIN = wire_chain(list(range(32 * 6)), 32)  # six full blocks
@@ -229,8 +230,6 @@ async def test_watch_streams_engine_events(
 async def test_session_reregisters_and_reannounces_after_broker_restart(
     broker: Any, engine_info: Callable[..., pb.EngineInfo], recorder: Callable[[], Any]
 ) -> None:
-    from kvbroker.broker.config import BrokerConfig
-    from kvbroker.broker.server import start_server
 
     events = recorder()
     holder = EngineSession(
@@ -253,20 +252,21 @@ async def test_session_reregisters_and_reannounces_after_broker_restart(
 
     await broker.stop(0)
     await events.wait_for("disconnected")
-    restarted = await start_server(BrokerConfig(address=f"127.0.0.1:{broker.port}", shutdown_grace_s=0.1))
-    try:
-        await events.wait_for("connected", count=2, timeout=10.0)
-        assert holder.registrations == 2
-        # The re-announcement went out before the session counted as connected.
-        await holder.applied()
-        async with AsyncBrokerClient(restarted.address) as c:
-            after = await c.resolve(
-                namespace=pb.Namespace(layout_id=holder.layout_id, tenant="t"), block_hashes=CHAIN
-            )
-        assert [(m.engine_id, m.matched_blocks) for m in after.matches] == [("p0", 5)]
-    finally:
-        await holder.close()
-        await restarted.stop(0.1)
+    async with running_broker(
+        address=f"127.0.0.1:{broker.port}", shutdown_grace_s=0.1, stop_grace=0.1
+    ) as restarted:
+        try:
+            await events.wait_for("connected", count=2, timeout=10.0)
+            assert holder.registrations == 2
+            # The re-announcement went out before the session counted as connected.
+            await holder.applied()
+            async with AsyncBrokerClient(restarted.address) as c:
+                after = await c.resolve(
+                    namespace=pb.Namespace(layout_id=holder.layout_id, tenant="t"), block_hashes=CHAIN
+                )
+            assert [(m.engine_id, m.matched_blocks) for m in after.matches] == [("p0", 5)]
+        finally:
+            await holder.close()
 
 
 async def test_resolve_while_disconnected_fails_at_once(engine_info: Callable[..., pb.EngineInfo]) -> None:

@@ -4,7 +4,6 @@ every change, answers what the broker answers, and resyncs after a broker restar
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -12,15 +11,14 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.server import start_server
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.mirror import IndexMirror, follow
 from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.common.hashing import wire_chain
+from kvbroker.testing.broker import running_broker
+from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-from tests.clients.conftest import until
 
 GPU, CPU = pb.TIER_GPU, pb.TIER_CPU
 CHAIN = wire_chain(list(range(32 * 8)), 32)  # eight full blocks
@@ -56,7 +54,11 @@ async def test_mirror_follows_the_broker(
     layout = p0.layout_id
     p0.announce_stored((layout, "t"), GPU, CHAIN)
     p1.announce_stored((layout, "t"), CPU, CHAIN[:5])
-    await until_async(lambda: broker_answer(broker.address, layout, "t", CHAIN), 2)
+
+    async def both_named() -> bool:
+        return len(await broker_answer(broker.address, layout, "t", CHAIN)) >= 2
+
+    await until(both_named, message="broker never named the holders")
 
     mirror = IndexMirror(layout)
     task = asyncio.create_task(follow(mirror, channel))
@@ -91,14 +93,6 @@ async def test_mirror_follows_the_broker(
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def until_async(fetch: Callable[[], Any], n: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(await fetch()) < n:
-        if time.monotonic() > deadline:
-            raise AssertionError("broker never named the holders")
-        await asyncio.sleep(0.01)
-
-
 async def test_empty_layout_is_invalid_argument(channel: grpc.aio.Channel) -> None:
     stub = broker_pb2_grpc.KVBrokerStub(channel)
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -109,20 +103,19 @@ async def test_empty_layout_is_invalid_argument(channel: grpc.aio.Channel) -> No
 
 
 async def test_mirror_limit_is_resource_exhausted() -> None:
-    server = await start_server(BrokerConfig(address="127.0.0.1:0", max_mirrors=1, shutdown_grace_s=0.1))
-    try:
-        async with grpc.aio.insecure_channel(server.address) as ch:
-            stub = broker_pb2_grpc.KVBrokerStub(ch)
-            first = stub.Mirror(pb.MirrorRequest(layout_id="L"))
-            assert (await first.read()).reset
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in stub.Mirror(pb.MirrorRequest(layout_id="L")):
-                    pass
-            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "--max-mirrors" in (info.value.details() or "")
-            first.cancel()
-    finally:
-        await server.stop(0.1)
+    async with (
+        running_broker(max_mirrors=1, shutdown_grace_s=0.1, stop_grace=0.1) as server,
+        grpc.aio.insecure_channel(server.address) as ch,
+    ):
+        stub = broker_pb2_grpc.KVBrokerStub(ch)
+        first = stub.Mirror(pb.MirrorRequest(layout_id="L"))
+        assert (await first.read()).reset
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.Mirror(pb.MirrorRequest(layout_id="L")):
+                pass
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-mirrors" in (info.value.details() or "")
+        first.cancel()
 
 
 async def test_mirror_resyncs_after_broker_restart(
@@ -143,14 +136,13 @@ async def test_mirror_resyncs_after_broker_restart(
         await broker.stop(0.1)
         await until(lambda: not mirror.synced)
         assert mirror.resolve("", CHAIN) is None, "a mirror cut off from the broker must not answer"
-        restarted = await start_server(BrokerConfig(address=f"127.0.0.1:{broker.port}", shutdown_grace_s=0.1))
-        try:
-            # The engine re-registers and re-announces by itself; the mirror resubscribes.
-            await until(lambda: mirror.synced and mirror.stats.syncs > syncs, timeout=10)
-            await until(lambda: answer(mirror.resolve("", CHAIN) or []) == [("p0", GPU, 8)], timeout=10)
-        finally:
-            await holder.close()
-            await restarted.stop(0.1)
+        async with running_broker(address=f"127.0.0.1:{broker.port}", shutdown_grace_s=0.1, stop_grace=0.1):
+            try:
+                # The engine re-registers and re-announces by itself; the mirror resubscribes.
+                await until(lambda: mirror.synced and mirror.stats.syncs > syncs, timeout=10)
+                await until(lambda: answer(mirror.resolve("", CHAIN) or []) == [("p0", GPU, 8)], timeout=10)
+            finally:
+                await holder.close()
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

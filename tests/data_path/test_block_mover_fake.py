@@ -10,18 +10,11 @@ import torch
 
 from kvbroker.engine_adapter.block_mover import BlockMover
 from kvbroker.engine_adapter.kv_regions import Region, regions_from_kv_caches
+from kvbroker.testing.clock import FakeClock
 from tests.data_path.fake_nixl import FakeFabric
 from tests.data_path.kv_fixtures import LAYER_NAME, cpu_backend_kv_caches, legacy_split_kv_caches
 
 GPU, CPU = 1, 2
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Pair:
@@ -53,7 +46,7 @@ def fabric() -> FakeFabric:
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(start=0.0)
 
 
 @pytest.fixture
@@ -159,9 +152,9 @@ def test_read_times_out(fabric: FakeFabric, clock: FakeClock) -> None:
     p.reader._read_timeout_s = 10.0
     fabric.polls_to_complete = 10**9
     h = p.read([0], [0])
-    clock.now = 5.0
+    clock.advance(5.0)  # to 5.0
     assert p.reader.poll() == ([], {})
-    clock.now = 10.5
+    clock.advance(5.5)  # to 10.5
     _, failed = p.reader.poll()
     assert "timed out" in failed[h]
 

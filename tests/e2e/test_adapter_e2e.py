@@ -28,20 +28,20 @@ from kvbroker.clients.session import ThreadedEngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
 from kvbroker.common.layout import KV_PROTOCOL_VERSION
-from kvbroker.tools.launch import EngineProcess
-from kvbroker.v1 import broker_pb2 as pb
-from tests.e2e.harness import (
+from kvbroker.testing.engines import (
     BLOCK_SIZE,
     SESSION_TTL_MS,
-    BrokerProcess,
     complete,
     output_ids,
     prompt_of,
     read_stats,
     recompute_reference,
     start_engine,
-    wait_for,
 )
+from kvbroker.testing.processes import BrokerProcess
+from kvbroker.testing.waiting import wait_for
+from kvbroker.tools.launch import EngineProcess
+from kvbroker.v1 import broker_pb2 as pb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
 

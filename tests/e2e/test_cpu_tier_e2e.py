@@ -23,11 +23,8 @@ pytest.importorskip("nixl")
 
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
-from kvbroker.tools.launch import EngineProcess, engine_environment
-from kvbroker.v1 import broker_pb2 as pb
-from tests.e2e.harness import (
+from kvbroker.testing.engines import (
     BLOCK_SIZE,
-    BrokerProcess,
     complete,
     output_ids,
     prompt_of,
@@ -35,8 +32,11 @@ from tests.e2e.harness import (
     recompute_reference,
     reset_prefix_cache,
     start_engine,
-    wait_for,
 )
+from kvbroker.testing.processes import BrokerProcess
+from kvbroker.testing.waiting import wait_for
+from kvbroker.tools.launch import EngineProcess, engine_environment
+from kvbroker.v1 import broker_pb2 as pb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -29,18 +29,18 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvbroker.clients.sync import BrokerClient
-from kvbroker.tools.launch import PIPELINE_PARALLEL_CPU_ARGS, EngineProcess, connector_config
-from kvbroker.v1 import broker_pb2 as pb
-from tests.e2e.harness import (
+from kvbroker.testing.engines import (
     BLOCK_SIZE,
-    BrokerProcess,
     complete,
     output_ids,
     prompt_of,
     read_stats,
     recompute_reference,
-    wait_for,
 )
+from kvbroker.testing.processes import BrokerProcess
+from kvbroker.testing.waiting import wait_for
+from kvbroker.tools.launch import PIPELINE_PARALLEL_CPU_ARGS, EngineProcess, connector_config
+from kvbroker.v1 import broker_pb2 as pb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
 

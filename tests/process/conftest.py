@@ -1,4 +1,5 @@
-"""Fixtures for the process-level tests (the processes themselves: process_harness.py)."""
+"""Fixtures for the process-level tests: a real `kvbroker serve` (kvbroker.testing.processes) and
+engine client processes (process_harness.py)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from process_harness import BrokerProcess, EngineProcess, free_port
+from process_harness import EngineProcess, child_env
+
+from kvbroker.testing.processes import SERVE, BrokerProcess
 
 
 @pytest.fixture
 def broker_process(tmp_path: Path) -> Iterator[BrokerProcess]:
+    # `kvbroker serve` as a user runs it: default log level and priority.
     broker = BrokerProcess(
-        free_port(), tmp_path / "broker.log", "--session-ttl-min-ms", "100", "--expiry-interval-ms", "20"
+        tmp_path,
+        ["--session-ttl-min-ms", "100", "--expiry-interval-ms", "20"],
+        command=SERVE,
+        log_level=None,
+        priority=None,
+        env=child_env(),
     )
     broker.start()
     try:

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from kvbroker.clients.session import EngineSession
+from kvbroker.testing import builders
 from kvbroker.v1 import broker_pb2 as pb
 
 
@@ -25,17 +26,7 @@ def say(event: str, **fields: Any) -> None:
 
 
 def engine_info(engine_id: str) -> pb.EngineInfo:
-    layout = pb.LayoutFingerprint(
-        model="tiny-llama",
-        dtype="float32",
-        block_size=32,
-        num_layers=2,
-        num_kv_heads=2,
-        head_size=16,
-        hash_algo="sha256",
-    )
-    rank = pb.RankInfo(agent_name=f"{engine_id}-agent", start_layer=0, end_layer=2)
-    return pb.EngineInfo(engine_id=engine_id, layout=layout, ranks=[rank])
+    return builders.engine_info(engine_id, ranks=1, agent_name="{engine_id}-agent")
 
 
 async def main() -> None:

@@ -1,11 +1,10 @@
-"""Real `kvbroker serve` and engine client processes for the process-level tests."""
+"""Engine client processes for the process-level tests (the broker process: kvbroker.testing.processes)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,64 +15,11 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_CLIENT = Path(__file__).with_name("process_engine_client.py")
 
 
-def _env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class BrokerProcess:
-    """`kvbroker serve` as a child process on a fixed port, so it can be restarted in place."""
-
-    def __init__(self, port: int, log_path: Path, *extra: str) -> None:
-        self.port = port
-        self.address = f"127.0.0.1:{port}"
-        self.log_path = log_path
-        self.extra = extra
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self, timeout: float = 30.0) -> None:
-        log = open(self.log_path, "a")  # noqa: SIM115 - the child keeps writing to it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbroker.tools.cli", "serve", "--address", self.address, *self.extra],
-            cwd=REPO,
-            env=_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        log.close()
-        deadline = time.monotonic() + timeout
-        while "kvbroker listening on" not in self.log_path.read_text():
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"kvbroker serve exited {self.proc.returncode}:\n{self.log_path.read_text()}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"kvbroker serve did not start in {timeout} s:\n{self.log_path.read_text()}"
-                )
-            time.sleep(0.05)
-
-    def kill9(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill9()
 
 
 class EngineProcess:
@@ -94,7 +40,7 @@ class EngineProcess:
                 *extra,
             ],
             cwd=REPO,
-            env=_env(),
+            env=child_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

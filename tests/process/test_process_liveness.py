@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 from process_engine_client import engine_info
-from process_harness import BrokerProcess, EngineProcess
+from process_harness import EngineProcess
 
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.testing.processes import BrokerProcess
 from kvbroker.v1 import broker_pb2 as pb
 
 pytestmark = pytest.mark.timeout(90)

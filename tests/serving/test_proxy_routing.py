@@ -14,6 +14,8 @@ from kvbroker.clients.proxy import EngineSpec, ProxyConfig, build_app
 from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
 from kvbroker.clients.proxy.routing import namespace_tenant, order_engines, tokenize_body
 from kvbroker.common.hashing import wire_chain
+from kvbroker.testing import builders
+from kvbroker.testing.broker import RunningServer, running_broker
 from kvbroker.v1 import broker_pb2 as pb
 from tests.serving.fake_engine import FakeEngine, chat_text, fake_tokens
 
@@ -22,43 +24,26 @@ BLOCK = 32
 
 
 def engine_info(engine_id: str, role: str, url: str) -> pb.EngineInfo:
-    fp = pb.LayoutFingerprint(
+    return builders.engine_info(
+        engine_id,
+        ranks=1,
+        agent_name="{engine_id}-agent",
+        num_blocks=64,
+        labels={"role": role, "url": url},
         model="tiny",
-        dtype="float32",
         block_size=BLOCK,
-        num_layers=2,
-        num_kv_heads=2,
         head_size=32,
-        tp_size=1,
-        pp_size=1,
-        hash_algo="sha256",
     )
-    rank = pb.RankInfo(
-        agent_name=f"{engine_id}-agent",
-        agent_metadata=b"meta",
-        start_layer=0,
-        end_layer=2,
-        tiers=[pb.TierInfo(tier=pb.TIER_GPU, mem_type="DRAM", num_blocks=64)],
-    )
-    return pb.EngineInfo(engine_id=engine_id, layout=fp, ranks=[rank], labels={"role": role, "url": url})
 
 
 @pytest.fixture
-async def broker() -> AsyncIterator[Any]:
-    server_module = pytest.importorskip("kvbroker.broker.server")
-    from kvbroker.broker.config import BrokerConfig
-
-    server = await server_module.start_server(
-        BrokerConfig(
-            address="127.0.0.1:0", session_ttl_ms=2_000, session_ttl_min_ms=100, shutdown_grace_s=0.2
-        )
-    )
-    yield server
-    await server.stop(0.2)
+async def broker() -> AsyncIterator[RunningServer]:
+    async with running_broker(session_ttl_ms=2_000, session_ttl_min_ms=100, shutdown_grace_s=0.2) as server:
+        yield server
 
 
 @pytest.fixture
-async def stack(broker: Any) -> AsyncIterator[dict[str, Any]]:
+async def stack(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
     """Fake engines P, D1, D2 registered with the real broker (labels role, url); a proxy that discovers them."""
     from kvbroker.clients.aio import AsyncBrokerClient
     from kvbroker.clients.session import EngineSession

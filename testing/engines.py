@@ -1,25 +1,21 @@
-"""Real parts for the end-to-end tests: a broker process, vLLM engines with our
-connector, and small HTTP helpers. Usable from a shell too:
+"""vLLM engines with our connector, and the HTTP helpers the end-to-end tests and the engine
+benchmarks send requests with. Starting an engine needs the engine-side extra (vLLM, torch).
+From a shell:
 
-    .venv/bin/python -m tests.e2e.harness   # starts broker + P + D, runs one P->D request
+    .venv/bin/python -m kvbroker.testing.engines   # starts broker + P + D, runs one P->D request
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
-from kvbroker.clients.sync import BrokerClient
-from kvbroker.tools.launch import EngineProcess, connector_config, free_port
+from kvbroker.testing.processes import BrokerProcess
+from kvbroker.tools.launch import EngineProcess, connector_config
 
 BLOCK_SIZE = 32
 # Generous budgets: the tests share two cores with three engines (and maybe other
@@ -27,42 +23,6 @@ BLOCK_SIZE = 32
 SESSION_TTL_MS = 5000
 RESOLVE_WAIT_MS = 3000
 ACQUIRE_WAIT_MS = 5000
-
-
-class BrokerProcess:
-    """`python -m kvbroker.broker` on a free port, with its log in a file."""
-
-    def __init__(self, log_dir: Path, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.log_path = log_dir / "broker.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> BrokerProcess:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbroker.broker", "--address", self.address, "--log-level", "info"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        # As docs/broker.md advises on a host shared with engines: the broker before
-        # the engines' busy-polling workers (where this user may raise priority).
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, self.proc.pid, -5)
-        with BrokerClient(self.address) as client:
-            client.wait_ready(timeout=30)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
 
 
 def start_engine(
@@ -186,15 +146,6 @@ def read_stats(path: Path) -> dict[str, Any]:
         return dict(json.loads(path.read_text()))
     except (OSError, ValueError):
         return {}
-
-
-def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
 
 
 def prompt_of(length: int, seed: int) -> list[int]:

@@ -30,8 +30,6 @@ SESSION_COMMANDS: dict[str, str | None] = {
     "decline": None,
 }
 
-LeaseRequest = pb.HoldRequest | pb.AcquireRequest | pb.RenewRequest | pb.ReleaseRequest
-
 
 def lease_response(core: BrokerCore, lease: Lease, holder: EngineRecord | None = None) -> pb.LeaseResponse:
     out = pb.LeaseResponse(lease=codec.lease_pb(lease, core.clock.now()))
@@ -97,5 +95,12 @@ def session_command(core: BrokerCore, rec: EngineRecord, msg: pb.SessionUp) -> p
         )
     if kind == "decline":
         return pb.SessionDown(seq=msg.seq, decline=decline(core, msg.decline))
-    handler = {"hold": hold, "acquire": acquire, "renew": renew, "release": release}[kind]
-    return pb.SessionDown(seq=msg.seq, lease=handler(core, request))
+    if kind == "hold":
+        answer = hold(core, msg.hold)
+    elif kind == "acquire":
+        answer = acquire(core, msg.acquire)
+    elif kind == "renew":
+        answer = renew(core, msg.renew)
+    else:
+        answer = release(core, msg.release)
+    return pb.SessionDown(seq=msg.seq, lease=answer)

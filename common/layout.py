@@ -54,7 +54,7 @@ def layout_id(fp: pb.LayoutFingerprint) -> str:
 
 def layout_difference(a: pb.LayoutFingerprint, b: pb.LayoutFingerprint) -> str:
     """Which identity fields differ, e.g. "engine_version 'vllm 0.32.0' vs 'vllm 0.33.0'"."""
-    names = (
+    names: tuple[str, ...] = (
         "model",
         "dtype",
         "block_size",

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
+from opentelemetry.trace import Tracer
 
 from kvbroker.broker import codec, lease_calls
 from kvbroker.broker import events as ev
@@ -28,6 +29,7 @@ from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult
 from kvbroker.broker.status import abort, status_of, trailers
+from kvbroker.broker.tracing import command_span
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -56,6 +58,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         self.core = core
         self.notifier = notifier
         self.shutting_down = False
+        # Spans for the lease commands on Session streams (set when tracing is on).
+        self.tracer: Tracer | None = None
 
     # -- Session stream ------------------------------------------------------------
 
@@ -141,7 +145,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             reply: pb.SessionDown | None = None
             try:
                 if kind in lease_calls.SESSION_COMMANDS:
-                    reply = lease_calls.session_command(core, rec, msg)
+                    with command_span(self.tracer, kind.capitalize(), msg.trace_context):
+                        reply = lease_calls.session_command(core, rec, msg)
                 elif kind == "resolve":
                     reply = self._session_resolve(rec, seq, msg.resolve, channel)
                 elif kind == "heartbeat":

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.clients import errors
-from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient
+from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient, trace_metadata
 from kvbroker.clients.backoff import Backoff
 from kvbroker.clients.clock import SessionClock
 from kvbroker.clients.inventory import (
@@ -59,6 +59,12 @@ def _lease_of(reply: pb.LeaseResponse) -> pb.Lease:
 
 def _same(reply: Any) -> Any:
     return reply
+
+
+def _carry_trace(message: pb.SessionUp) -> None:
+    """The current span's trace context, for the broker's span of this command."""
+    for key, value in trace_metadata() or ():
+        message.trace_context[key] = value
 
 
 # One shared default (Backoff is frozen), as a default argument would be.
@@ -327,6 +333,7 @@ class EngineSession(SessionStream):
         return self.client.timeout
 
     async def _lease_call(self, command: LeaseCommand) -> Any:
+        _carry_trace(command.message)
         reply = await self._request(command.message, self.lease_timeout_s, command.what)
         return command.pick(reply)
 
@@ -352,6 +359,7 @@ class EngineSession(SessionStream):
                 else:
                     out.set_result(command.pick(reply))
 
+        _carry_trace(command.message)
         try:
             self._start_request(command.message, self.lease_timeout_s, command.what, settle)
         except errors.BrokerError as err:

@@ -213,13 +213,17 @@ class ThreadedEngineSession:
     def _lease(self, build: Callable[[EngineSession], LeaseCommand]) -> concurrent.futures.Future[Any]:
         session = self.session
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        caller = otel_context.get_current()  # the broker's span continues the caller's
 
         def send() -> None:
+            token = otel_context.attach(caller)
             try:
                 session.send_lease_command(build(session), future)
             except Exception as exc:  # a bad argument: fail the future, never the loop
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     future.set_exception(exc)
+            finally:
+                otel_context.detach(token)
 
         loop = self._loop
         try:

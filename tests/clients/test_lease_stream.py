@@ -153,3 +153,33 @@ async def test_the_threaded_session_settles_its_hold_before_the_lease_end_callba
     assert all(seen), seen
     failed = holder.hold((holder.layout_id, ""), GPU, [1], [1], 1_000)
     assert isinstance(failed.exception(timeout=1), errors.Unavailable)
+
+
+async def test_a_traced_lease_command_gets_the_broker_span_its_unary_twin_would(engine_info: Any) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvbroker.broker.config import BrokerConfig
+    from kvbroker.broker.server import start_server
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    running = await start_server(BrokerConfig(address="127.0.0.1:0"), tracer_provider=provider)
+    caller = TracerProvider().get_tracer("test")
+    holder = ThreadedEngineSession(running.address, engine_info("p0"))
+    try:
+        await asyncio.to_thread(holder.start, 5.0)
+        with caller.start_as_current_span("pull") as pull:
+            future = holder.hold((holder.layout_id, ""), GPU, [1], [1], 5_000)
+        lease = await asyncio.wait_for(asyncio.wrap_future(future), 5)
+        untraced = await asyncio.wait_for(asyncio.wrap_future(holder.renew(lease.lease_id, 6_000)), 5)
+        assert untraced.lease_id == lease.lease_id
+    finally:
+        await asyncio.to_thread(holder.close)
+        await running.stop(0.2)
+    spans = [s for s in exporter.get_finished_spans() if s.name.startswith("kvbroker.v1.KVBroker/")]
+    assert [s.name for s in spans] == ["kvbroker.v1.KVBroker/Hold"]  # the renew carried no trace
+    assert spans[0].context.trace_id == pull.get_span_context().trace_id
+    assert spans[0].parent is not None and spans[0].parent.span_id == pull.get_span_context().span_id

@@ -685,6 +685,26 @@ class SessionUp(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SEQ_FIELD_NUMBER: _builtins.int
     REGISTER_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
@@ -696,6 +716,7 @@ class SessionUp(_message.Message):
     RENEW_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     DECLINE_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """client sequence; echoed in replies"""
     @_builtins.property
@@ -728,6 +749,13 @@ class SessionUp(_message.Message):
     def decline(self) -> Global___DeclineRequest:
         """answered by SessionDown.decline"""
 
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (traceparent, tracestate) of the caller's span, on lease
+        commands: the broker's span for the command continues it, as a unary
+        call's metadata would. Empty: not traced by the caller.
+        """
+
     def __init__(
         self,
         *,
@@ -742,10 +770,11 @@ class SessionUp(_message.Message):
         renew: Global___RenewRequest | None = ...,
         release: Global___ReleaseRequest | None = ...,
         decline: Global___DeclineRequest | None = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "decline", b"decline", "heartbeat", b"heartbeat", "hold", b"hold", "inventory", b"inventory", "msg", b"msg", "pin_result", b"pin_result", "register", b"register", "release", b"release", "renew", b"renew", "resolve", b"resolve"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "decline", b"decline", "heartbeat", b"heartbeat", "hold", b"hold", "inventory", b"inventory", "msg", b"msg", "pin_result", b"pin_result", "register", b"register", "release", b"release", "renew", b"renew", "resolve", b"resolve", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "decline", b"decline", "heartbeat", b"heartbeat", "hold", b"hold", "inventory", b"inventory", "msg", b"msg", "pin_result", b"pin_result", "register", b"register", "release", b"release", "renew", b"renew", "resolve", b"resolve", "seq", b"seq", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["register", "heartbeat", "inventory", "resolve", "pin_result", "hold", "acquire", "renew", "release", "decline"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015

@@ -122,6 +122,7 @@ async def start_server(
     provider = tracer_provider or make_tracer_provider(otlp_endpoint(config.otlp_endpoint))
     if provider is not None:
         interceptors.append(TracingInterceptor(provider))
+        servicer.tracer = provider.get_tracer("kvbroker.server")
         extras.append(provider)
     interceptors.append(DecodeGuardInterceptor())
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
+from opentelemetry.trace import Tracer
 
-from kvbroker.broker import codec
+from kvbroker.broker import codec, lease_calls
 from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, SessionChannel, StreamNotifier
 from kvbroker.broker.core import BrokerCore
@@ -27,6 +29,7 @@ from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult
 from kvbroker.broker.status import abort, status_of, trailers
+from kvbroker.broker.tracing import command_span
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -37,7 +40,7 @@ log = logging.getLogger("kvbroker.servicer")
 ENGINE_ID_METADATA = "kvbroker-engine-id"
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: BrokerError) -> None:
+async def _abort(context: grpc.aio.ServicerContext, err: BrokerError) -> NoReturn:
     await abort(context, status_of(err), err.message, err.cause, err.metadata)
 
 
@@ -55,6 +58,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         self.core = core
         self.notifier = notifier
         self.shutting_down = False
+        # Spans for the lease commands on Session streams (set when tracing is on).
+        self.tracer: Tracer | None = None
 
     # -- Session stream ------------------------------------------------------------
 
@@ -139,7 +144,10 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             seq = msg.seq
             reply: pb.SessionDown | None = None
             try:
-                if kind == "resolve":
+                if kind in lease_calls.SESSION_COMMANDS:
+                    with command_span(self.tracer, kind.capitalize(), msg.trace_context):
+                        reply = lease_calls.session_command(core, rec, msg)
+                elif kind == "resolve":
                     reply = self._session_resolve(rec, seq, msg.resolve, channel)
                 elif kind == "heartbeat":
                     core.heartbeat(rec, msg.heartbeat.load)
@@ -160,7 +168,16 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                     raise InvalidArgument("empty SessionUp message: set one of the msg fields")
             except BrokerError as err:
                 reply = _session_error(seq, err)
-            if reply is not None:
+            if reply is None:
+                continue
+            if kind in lease_calls.SESSION_COMMANDS:
+                # A lease command's answer takes the notifications' queue, in the same
+                # synchronous step as the core call: whatever the command causes later
+                # (the LeaseEnded of this hold, say) is queued behind it, and the writer
+                # writes the queue in order, so the engine reads this answer first.
+                if channel.closed is None:
+                    channel.queue.put_nowait(reply)
+            else:
                 async with lock:
                     await context.write(reply)
 
@@ -205,63 +222,41 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             await _abort(context, err)
         return pb.RegisterRankResponse()
 
-    def _lease_response(self, lease: Lease, holder: EngineRecord | None = None) -> pb.LeaseResponse:
-        out = pb.LeaseResponse(lease=codec.lease_pb(lease, self.core.clock.now()))
-        if holder is not None:
-            out.holder.CopyFrom(holder.snapshot())
-        return out
-
     async def Hold(self, request: pb.HoldRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         try:
-            lease = self.core.hold(
-                request.holder_engine_id,
-                codec.namespace(request.namespace),
-                request.tier,
-                request.block_hashes,
-                request.block_ids,
-                request.ttl_ms,
-                request.reader_engine_id,
-                request.request_id,
-            )
+            return lease_calls.hold(self.core, request)
         except BrokerError as err:
             await _abort(context, err)
-        return self._lease_response(lease)
 
     async def Acquire(
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaseResponse:
         try:
-            lease, holder = self.core.acquire(request.lease_id, request.reader_engine_id, request.ttl_ms)
+            return lease_calls.acquire(self.core, request)
         except BrokerError as err:
             await _abort(context, err)
-        return self._lease_response(lease, holder)
 
     async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         try:
-            lease = self.core.renew(request.lease_id, request.engine_id, request.ttl_ms)
+            return lease_calls.renew(self.core, request)
         except BrokerError as err:
             await _abort(context, err)
-        return self._lease_response(lease)
 
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaseResponse:
         try:
-            lease = self.core.release(request.lease_id, request.reader_engine_id, request.epoch)
+            return lease_calls.release(self.core, request)
         except BrokerError as err:
             await _abort(context, err)
-        return self._lease_response(lease)
 
     async def Decline(
         self, request: pb.DeclineRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeclineResponse:
         try:
-            lease = self.core.decline(request.holder_engine_id, request.request_id, request.reason)
+            return lease_calls.decline(self.core, request)
         except BrokerError as err:
             await _abort(context, err)
-        if lease is None:
-            return pb.DeclineResponse()
-        return pb.DeclineResponse(lease=codec.lease_pb(lease, self.core.clock.now()))
 
     async def Resolve(
         self, request: pb.ResolveRequest, context: grpc.aio.ServicerContext
@@ -333,7 +328,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             lease = self.core.revoke(request.lease_id, request.reason)
         except BrokerError as err:
             await _abort(context, err)
-        return self._lease_response(lease)
+        return lease_calls.lease_response(self.core, lease)
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
         try:

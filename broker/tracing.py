@@ -4,13 +4,17 @@ Trace context comes from the call's gRPC metadata (W3C `traceparent`), so a
 router's or an engine's trace continues through the broker. Spans go to an
 OTLP gRPC exporter when an endpoint is configured (--otlp-endpoint or the
 standard OTEL_EXPORTER_OTLP_ENDPOINT); without one nothing is installed.
-The Session stream's messages (the engines' fast path) are not traced.
+The Session stream's messages (the engines' fast path) are not traced, except
+its lease commands (``command_span``), which are named and parented as their
+unary twins so a trace looks the same whichever way the command came.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
@@ -82,6 +86,23 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+def command_span(
+    tracer: trace.Tracer | None, method: str, carrier: Mapping[str, str]
+) -> AbstractContextManager[Any]:
+    """A server span for a lease command on the Session stream, named as the unary ``method``.
+
+    Only when tracing is on and the caller sent a trace context (``SessionUp.trace_context``).
+    """
+    if tracer is None or not carrier:
+        return contextlib.nullcontext()
+    return tracer.start_as_current_span(
+        f"kvbroker.v1.KVBroker/{method}",
+        context=extract(dict(carrier)),
+        kind=SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rpc.service": "kvbroker.v1.KVBroker", "rpc.method": method},
+    )
 
 
 def current_trace_id() -> int:

@@ -10,7 +10,9 @@ heartbeats, reconnects, the broker's commands) it
   the whole inventory from that mirror, so the broker's soft state comes back
   without the engine doing anything;
 - resolves over the stream (replies matched by sequence number), which costs
-  far less than a unary call, and makes the lease calls on the same channel;
+  far less than a unary call, and sends the lease commands (hold, acquire,
+  renew, release, decline) on it too, answered in stream order: a holder
+  hears its Hold's answer before the end of that lease;
 - with ``mirror_index``, keeps a live copy of the layout's index
   (``kvbroker.clients.mirror``).
 """
@@ -18,11 +20,14 @@ heartbeats, reconnects, the broker's commands) it
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.clients import errors
-from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient
+from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient, trace_metadata
 from kvbroker.clients.backoff import Backoff
 from kvbroker.clients.clock import SessionClock
 from kvbroker.clients.inventory import (
@@ -37,6 +42,31 @@ from kvbroker.clients.session_stream import DEFAULT_SESSION_TTL_MS, SessionStrea
 from kvbroker.v1 import broker_pb2 as pb
 
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseCommand:
+    """A lease command for the stream: its name, the message, and what of the reply to return."""
+
+    what: str
+    message: pb.SessionUp
+    pick: Callable[[Any], Any]
+
+
+def _lease_of(reply: pb.LeaseResponse) -> pb.Lease:
+    return reply.lease
+
+
+def _same(reply: Any) -> Any:
+    return reply
+
+
+def _carry_trace(message: pb.SessionUp) -> None:
+    """The current span's trace context, for the broker's span of this command."""
+    for key, value in trace_metadata() or ():
+        message.trace_context[key] = value
+
+
 # One shared default (Backoff is frozen), as a default argument would be.
 DEFAULT_BACKOFF = Backoff()
 
@@ -212,6 +242,11 @@ class EngineSession(SessionStream):
         self.flush()
         await self._barrier(self.resolve_timeout_s if timeout is None else timeout)
 
+    # -- lease commands, on the stream --------------------------------------
+    # Each is built as a LeaseCommand, then sent on the stream and answered in
+    # stream order (SessionStream._start_request). The broker takes this
+    # engine's identity from the session, so the requests leave it empty.
+
     async def hold(
         self,
         namespace: NamespaceLike,
@@ -224,55 +259,112 @@ class EngineSession(SessionStream):
         request_id: str = "",
     ) -> pb.Lease:
         """Promise to keep blocks for a reader (this engine is the holder)."""
+        return await self._lease_call(
+            self.hold_command(
+                namespace,
+                tier,
+                block_hashes,
+                block_ids,
+                ttl_ms,
+                reader_engine_id=reader_engine_id,
+                request_id=request_id,
+            )
+        )
+
+    async def acquire(self, lease_id: str, ttl_ms: int = 0) -> pb.LeaseResponse:
+        """Claim a hold lease as its reader; the response carries the holder's transfer details."""
+        return await self._lease_call(self.acquire_command(lease_id, ttl_ms))
+
+    async def renew(self, lease_id: str, ttl_ms: int = 0) -> pb.Lease:
+        return await self._lease_call(self.renew_command(lease_id, ttl_ms))
+
+    async def decline(self, holder_engine_id: str, request_id: str, reason: str = "") -> pb.DeclineResponse:
+        """This engine will not read the named hold: its holder frees the blocks now."""
+        return await self._lease_call(self.decline_command(holder_engine_id, request_id, reason))
+
+    async def release(self, lease_id: str, epoch: int = 0) -> pb.Lease:
+        """Commit a read. FailedPrecondition means the lease ended first: discard what was read."""
+        return await self._lease_call(self.release_command(lease_id, epoch))
+
+    def hold_command(
+        self,
+        namespace: NamespaceLike,
+        tier: int,
+        block_hashes: Iterable[int],
+        block_ids: Iterable[int],
+        ttl_ms: int,
+        *,
+        reader_engine_id: str = "",
+        request_id: str = "",
+    ) -> LeaseCommand:
         layout_id, tenant = namespace_key(namespace)
-        response = await self.client.hold(
-            holder_engine_id=self.engine_id,
+        request = pb.HoldRequest(
             namespace=pb.Namespace(layout_id=layout_id or self.layout_id, tenant=tenant),
-            tier=tier,
+            tier=tier,  # type: ignore[arg-type]
             block_hashes=list(block_hashes),
             block_ids=list(block_ids),
             ttl_ms=ttl_ms,
             reader_engine_id=reader_engine_id,
             request_id=request_id,
-            timeout=self.lease_call_timeout_s,
         )
-        return response.lease
+        return LeaseCommand("hold", pb.SessionUp(hold=request), _lease_of)
 
-    async def acquire(self, lease_id: str, ttl_ms: int = 0) -> pb.LeaseResponse:
-        """Claim a hold lease as its reader; the response carries the holder's transfer details."""
-        return await self.client.acquire(
-            lease_id=lease_id,
-            reader_engine_id=self.engine_id,
-            ttl_ms=ttl_ms,
-            timeout=self.lease_call_timeout_s,
-        )
+    def acquire_command(self, lease_id: str, ttl_ms: int = 0) -> LeaseCommand:
+        request = pb.AcquireRequest(lease_id=lease_id, ttl_ms=ttl_ms)
+        return LeaseCommand("acquire", pb.SessionUp(acquire=request), _same)
 
-    async def renew(self, lease_id: str, ttl_ms: int = 0) -> pb.Lease:
-        return (
-            await self.client.renew(
-                lease_id=lease_id, engine_id=self.engine_id, ttl_ms=ttl_ms, timeout=self.lease_call_timeout_s
-            )
-        ).lease
+    def renew_command(self, lease_id: str, ttl_ms: int = 0) -> LeaseCommand:
+        request = pb.RenewRequest(lease_id=lease_id, ttl_ms=ttl_ms)
+        return LeaseCommand("renew", pb.SessionUp(renew=request), _lease_of)
 
-    async def decline(self, holder_engine_id: str, request_id: str, reason: str = "") -> pb.DeclineResponse:
-        """This engine will not read the named hold: its holder frees the blocks now."""
-        return await self.client.decline(
-            holder_engine_id=holder_engine_id,
-            request_id=request_id,
-            reason=reason,
-            timeout=self.lease_call_timeout_s,
-        )
+    def release_command(self, lease_id: str, epoch: int = 0) -> LeaseCommand:
+        request = pb.ReleaseRequest(lease_id=lease_id, epoch=epoch)
+        return LeaseCommand("release", pb.SessionUp(release=request), _lease_of)
 
-    async def release(self, lease_id: str, epoch: int = 0) -> pb.Lease:
-        """Commit a read. FailedPrecondition means the lease ended first: discard what was read."""
-        return (
-            await self.client.release(
-                lease_id=lease_id,
-                reader_engine_id=self.engine_id,
-                epoch=epoch,
-                timeout=self.lease_call_timeout_s,
-            )
-        ).lease
+    def decline_command(self, holder_engine_id: str, request_id: str, reason: str = "") -> LeaseCommand:
+        request = pb.DeclineRequest(holder_engine_id=holder_engine_id, request_id=request_id, reason=reason)
+        return LeaseCommand("decline", pb.SessionUp(decline=request), _same)
+
+    @property
+    def lease_timeout_s(self) -> float:
+        """Deadline of a lease command: ``lease_call_timeout_s``, else the client's."""
+        if self.lease_call_timeout_s is not None:
+            return self.lease_call_timeout_s
+        return self.client.timeout
+
+    async def _lease_call(self, command: LeaseCommand) -> Any:
+        _carry_trace(command.message)
+        reply = await self._request(command.message, self.lease_timeout_s, command.what)
+        return command.pick(reply)
+
+    def send_lease_command(
+        self, command: LeaseCommand, future: concurrent.futures.Future[Any] | None = None
+    ) -> concurrent.futures.Future[Any]:
+        """Send ``command`` (on the session's loop); a future of its answer.
+
+        The future is settled synchronously when the reply is read, before any
+        later message of the stream is dispatched: a holder's Hold future is
+        done before the ``on_lease_ended`` / ``on_revoked`` of that lease runs,
+        and callbacks added to it run on the session thread first. It fails
+        with Unavailable at once when the session is not connected (or when the
+        stream breaks before the answer), DeadlineExceeded after
+        ``lease_timeout_s``, or the broker's error.
+        """
+        out: concurrent.futures.Future[Any] = future if future is not None else concurrent.futures.Future()
+
+        def settle(reply: Any, error: errors.BrokerError | None) -> None:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by its caller
+                if error is not None:
+                    out.set_exception(error)
+                else:
+                    out.set_result(command.pick(reply))
+
+        _carry_trace(command.message)
+        try:
+            self._start_request(command.message, self.lease_timeout_s, command.what, settle)
+        except errors.BrokerError as err:
+            settle(None, err)
+        return out
 
     # -- hooks into the stream ------------------------------------------------
 

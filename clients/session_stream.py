@@ -48,6 +48,8 @@ from kvbroker.v1 import broker_pb2 as pb
 log = logging.getLogger("kvbroker.clients.session")
 
 PinReply: TypeAlias = "pb.PinResult | Awaitable[pb.PinResult] | concurrent.futures.Future[pb.PinResult]"
+# Settles one request on the stream: (reply, None) or (None, error); see _start_request.
+Settle: TypeAlias = Callable[[Any, "errors.BrokerError | None"], None]
 
 DEFAULT_SESSION_TTL_MS = 10_000
 # A timer firing later than this past its time means this process did not run.
@@ -113,8 +115,9 @@ class SessionStream:
 
         self._seq = 0
         self._outbox: asyncio.Queue[pb.SessionUp] | None = None
-        # Requests on the stream waiting for the reply with their seq (resolves, barriers).
-        self._replies: dict[int, asyncio.Future[Any]] = {}
+        # Requests on the stream waiting for the reply with their seq (resolves, barriers,
+        # lease commands): how each is settled, and its deadline's timer.
+        self._replies: dict[int, tuple[Settle, asyncio.TimerHandle]] = {}
         self._connected = asyncio.Event()
         self._run_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -258,10 +261,8 @@ class SessionStream:
         self._connected.clear()
         self._outbox = None
         self._cancel_flush()
-        for future in self._replies.values():
-            if not future.done():
-                future.set_exception(errors.Unavailable("broker session lost before the answer came"))
-        self._replies.clear()
+        for seq in list(self._replies):
+            self._settle(seq, error=errors.Unavailable("broker session lost before the answer came"))
         return was_connected
 
     async def _connect_and_serve(self) -> None:
@@ -397,24 +398,38 @@ class SessionStream:
             raise errors.Unavailable(f"engine {self.engine_id} has no live broker session")
         return self._outbox
 
-    async def _request(self, message: pb.SessionUp, timeout: float, what: str) -> Any:
-        """Send ``message`` behind everything queued so far; the broker's reply with its seq.
+    def _start_request(self, message: pb.SessionUp, timeout: float, what: str, settle: Settle) -> int:
+        """Send ``message`` behind everything queued so far; its seq.
 
-        Raises Unavailable at once when not connected, or when the stream breaks
-        before the reply; DeadlineExceeded after ``timeout``.
+        ``settle(reply, error)`` is called once, on the session's loop: by
+        ``_dispatch`` when the reply with that seq is read (synchronously, so
+        before any later message of the stream is dispatched), with Unavailable
+        when the stream breaks first, or with DeadlineExceeded after ``timeout``.
+        Raises Unavailable at once when not connected.
         """
         outbox = self._live_outbox()
         self._seq += 1
         seq = message.seq = self._seq
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._replies[seq] = future
+        late = errors.DeadlineExceeded(f"{what} got no answer within {timeout:g} s")
+        timer = asyncio.get_running_loop().call_later(timeout, lambda: self._settle(seq, error=late))
+        self._replies[seq] = (settle, timer)
         outbox.put_nowait(message)
+        return seq
+
+    async def _request(self, message: pb.SessionUp, timeout: float, what: str) -> Any:
+        """``_start_request``, awaited: the broker's reply, or its error raised."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def settle(reply: Any, error: errors.BrokerError | None) -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(reply)
+
+        seq = self._start_request(message, timeout, what, settle)
         try:
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise errors.DeadlineExceeded(f"{what} got no answer within {timeout:g} s") from None
+            return await future
         finally:
-            self._replies.pop(seq, None)
+            if (pending := self._replies.pop(seq, None)) is not None:
+                pending[1].cancel()  # the caller was cancelled
 
     async def _barrier(self, timeout: float) -> None:
         """Return once the broker has handled every message sent on this stream before the call.
@@ -430,8 +445,8 @@ class SessionStream:
 
     def _dispatch(self, message: pb.SessionDown) -> None:
         kind = message.WhichOneof("msg")
-        if kind == "resolve":
-            self._settle(message.seq, result=message.resolve)
+        if kind in ("resolve", "lease", "decline"):
+            self._settle(message.seq, result=getattr(message, kind))
         elif kind == "heartbeat_ack":
             # Answers a barrier (_barrier); any other heartbeat's ack only proves the broker alive.
             self._settle(message.seq, result=message.heartbeat_ack)
@@ -450,19 +465,16 @@ class SessionStream:
             self._callback(self.on_drain, message.drain)
         # A repeated registered only proves the broker is alive.
 
-    def _settle(
-        self,
-        seq: int,
-        result: pb.ResolveResponse | pb.Heartbeat | None = None,
-        error: errors.BrokerError | None = None,
-    ) -> bool:
-        future = self._replies.get(seq)
-        if future is None or future.done():
+    def _settle(self, seq: int, result: Any = None, error: errors.BrokerError | None = None) -> bool:
+        pending = self._replies.pop(seq, None)
+        if pending is None:
             return False
-        if error is not None:
-            future.set_exception(error)
-        elif result is not None:
-            future.set_result(result)
+        settle, timer = pending
+        timer.cancel()
+        try:
+            settle(result, error)
+        except Exception:
+            log.exception("settling the answer of message %d failed", seq)
         return True
 
     async def _answer_pin(self, command: pb.PinCommand) -> None:

@@ -22,7 +22,7 @@ from opentelemetry import context as otel_context
 from kvbroker.clients import errors
 from kvbroker.clients.aio import DEFAULT_ADDRESS
 from kvbroker.clients.clock import SessionClock
-from kvbroker.clients.engine_session import EngineSession
+from kvbroker.clients.engine_session import EngineSession, LeaseCommand
 from kvbroker.clients.inventory import NamespaceLike, namespace_key
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -182,6 +182,8 @@ class ThreadedEngineSession:
         """A future of the resolve; not done yet means "not ready", never wait on it in the scheduler."""
         return self._submit(self.session.resolve(namespace, list(block_hashes), **kwargs))
 
+    # Lease commands: the future is settled on the session thread as the reply is read,
+    # before any later message of the stream (EngineSession.send_lease_command).
     def hold(
         self,
         namespace: NamespaceLike,
@@ -191,23 +193,47 @@ class ThreadedEngineSession:
         ttl_ms: int,
         **kwargs: Any,
     ) -> concurrent.futures.Future[pb.Lease]:
-        return self._submit(
-            self.session.hold(namespace, tier, list(block_hashes), list(block_ids), ttl_ms, **kwargs)
-        )
+        hashes, ids = list(block_hashes), list(block_ids)
+        return self._lease(lambda s: s.hold_command(namespace, tier, hashes, ids, ttl_ms, **kwargs))
 
     def acquire(self, lease_id: str, ttl_ms: int = 0) -> concurrent.futures.Future[pb.LeaseResponse]:
-        return self._submit(self.session.acquire(lease_id, ttl_ms))
+        return self._lease(lambda s: s.acquire_command(lease_id, ttl_ms))
 
     def renew(self, lease_id: str, ttl_ms: int = 0) -> concurrent.futures.Future[pb.Lease]:
-        return self._submit(self.session.renew(lease_id, ttl_ms))
+        return self._lease(lambda s: s.renew_command(lease_id, ttl_ms))
 
     def release(self, lease_id: str, epoch: int = 0) -> concurrent.futures.Future[pb.Lease]:
-        return self._submit(self.session.release(lease_id, epoch))
+        return self._lease(lambda s: s.release_command(lease_id, epoch))
 
     def decline(
         self, holder_engine_id: str, request_id: str, reason: str = ""
     ) -> concurrent.futures.Future[pb.DeclineResponse]:
-        return self._submit(self.session.decline(holder_engine_id, request_id, reason))
+        return self._lease(lambda s: s.decline_command(holder_engine_id, request_id, reason))
+
+    def _lease(self, build: Callable[[EngineSession], LeaseCommand]) -> concurrent.futures.Future[Any]:
+        session = self.session
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        caller = otel_context.get_current()  # the broker's span continues the caller's
+
+        def send() -> None:
+            token = otel_context.attach(caller)
+            try:
+                session.send_lease_command(build(session), future)
+            except Exception as exc:  # a bad argument: fail the future, never the loop
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_exception(exc)
+            finally:
+                otel_context.detach(token)
+
+        loop = self._loop
+        try:
+            if loop is None or loop.is_closed():
+                raise RuntimeError("closed")
+            loop.call_soon_threadsafe(send)
+        except RuntimeError:
+            # After close() a call fails through its future; it never raises into the caller's thread.
+            future.set_exception(errors.Unavailable(f"session of {self.engine_id} is closed"))
+        return future
 
     def applied_async(self, timeout: float | None = None) -> concurrent.futures.Future[None]:
         """A future that completes once the broker has applied everything this session was told

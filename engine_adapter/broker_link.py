@@ -4,7 +4,10 @@
 on the client library's ThreadedEngineSession (a background thread with the
 session stream). Every call returns at once with a Future: the vLLM scheduler
 never waits on the broker. Lease-end notices arrive on the session thread and
-are queued here until the scheduler's next step takes them.
+are queued here until the scheduler's next step takes them. Hold replies and
+lease ends ride the one session stream in the broker's order, and the session
+thread settles a Hold's future (running its callbacks) before it reads the
+next message, so a lease's end is never queued before its Hold's answer.
 """
 
 from __future__ import annotations

@@ -68,7 +68,6 @@ class Holds:
         self._on_reply = on_reply
         self._held: dict[str, Held] = {}
         self._held_by_lease: dict[str, str] = {}
-        self._ended_leases: set[str] = set()
         self._announced: Counter[tuple[str, str, int]] = Counter()
         # vLLM's block pool (bind_block_pool) and the held blocks to give back to it.
         # Only the scheduler thread may touch the pool: returns wait for its next hook.
@@ -172,28 +171,30 @@ class Holds:
                     continue
                 held.lease_id = lease_id
                 self._held_by_lease[lease_id] = held.request_id
-                if lease_id in self._ended_leases:
-                    self._ended_leases.discard(lease_id)
-                    self._free(held, "lease ended")
-                    continue
                 self._announce(held, stored=True)
             if now - held.started > backstop:
                 # Every lease ends: if no notice ever came, do not pin blocks forever.
                 self._free(held, "no lease-end notice within hold TTL + 2 session TTLs")
 
     def take_lease_ends(self) -> None:
+        """Free the holds whose lease ended. Call right after ``advance`` (one lock hold).
+
+        A lease's end never overtakes its Hold's answer: the broker queues the
+        answer before anything the lease can cause, the session stream keeps
+        that order, and the session thread settles the hold's future (running
+        our callback, which waits for the scheduler's lock) before it reads the
+        next message. So a notice taken here names a hold whose future was
+        done when ``advance`` ran, and is known by its lease id; any other
+        notice (a lease we read from, say) is not a hold's.
+        """
         link = self._ctx.link
         if link is None:
             return
         for notice in link.take_lease_ends():
             req_id = self._held_by_lease.get(notice.lease_id)
             held = self._held.get(req_id) if req_id else None
-            if held is None:
-                # Maybe a hold whose reply has not reached us yet; remember it only then.
-                if any(not h.lease_id and not h.freed for h in self._held.values()):
-                    self._ended_leases.add(notice.lease_id)
-                continue
-            self._free(held, f"lease {notice.lease_id} ended ({notice.cause})")
+            if held is not None:
+                self._free(held, f"lease {notice.lease_id} ended ({notice.cause})")
 
     def free_all(self, why: str) -> None:
         for held in list(self._held.values()):

@@ -120,8 +120,9 @@ class AdapterScheduler:
     def on_link_event(self) -> None:
         """Session thread: a lease ended, a hold was answered, or the connection changed."""
         self._check_connection()
-        self.holds.take_lease_ends()
+        # Answered holds first: a lease-end notice never comes before its Hold's answer.
         self.holds.advance(self._clock())
+        self.holds.take_lease_ends()
         self._publish_stats()
 
     # ------------------------------------------------------------------
@@ -152,8 +153,8 @@ class AdapterScheduler:
         now = self._clock()
         self.return_held_blocks()
         self._check_connection()
+        self.holds.advance(now)  # answered holds first, then their ends (Holds.take_lease_ends)
         self.holds.take_lease_ends()
-        self.holds.advance(now)
         self.loads.advance(now)
         meta = AdapterMetadata(
             loads=self.loads.take_specs(),

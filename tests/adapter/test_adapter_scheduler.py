@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -337,12 +338,32 @@ def test_hold_refused_frees_at_once_and_lost_session_frees_all() -> None:
     assert sched.build_connector_meta().frees == ["b"]
 
 
-def test_lease_end_before_hold_reply_still_frees() -> None:
+def test_lease_end_right_after_hold_reply_frees_while_idle() -> None:
+    # The session thread's order (the stream's): the Hold's answer, then that lease's end.
     sched, link, _ = make(multi_turn=True)
     sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
-    link.ends.append(LeaseEndNotice("ha", "REVOKE_TTL_EXPIRED"))
-    assert sched.build_connector_meta().frees == []
     link.named("hold")[0].future.set_result(pb.Lease(lease_id="ha"))  # type: ignore[union-attr]
+    assert link.stored == [wire(i) for i in range(4)]  # settled by the answer itself
+    link.end_lease("ha", "REVOKE_TTL_EXPIRED")
+    assert link.removed == [wire(i) for i in range(4)]  # freed before the scheduler steps
+    assert sched.build_connector_meta().frees == ["a"]
+
+
+def test_hold_answered_and_ended_before_the_scheduler_sees_the_answer_still_frees() -> None:
+    # The session thread may answer the Hold, and read its lease's end, while the
+    # scheduler thread is still inside request_finished (before it watches the future).
+    sched, link, _ = make(multi_turn=True)
+    plain_hold = link.hold
+
+    def hold_answered_at_once(*args: Any, **kwargs: Any) -> Any:
+        future = plain_hold(*args, **kwargs)
+        future.set_result(pb.Lease(lease_id="ha"))
+        link.ends.append(LeaseEndNotice("ha", "released"))  # its listener waits for the scheduler's lock
+        return future
+
+    link.hold = hold_answered_at_once  # type: ignore[method-assign]
+    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
+    assert link.removed == [wire(i) for i in range(4)]
     assert sched.build_connector_meta().frees == ["a"]
 
 

@@ -670,7 +670,40 @@ Global___PinResult: _TypeAlias = PinResult  # noqa: Y015
 
 @_typing.final
 class SessionUp(_message.Message):
+    """Lease commands on the stream (hold, acquire, renew, release, decline) are
+    the unary calls' requests; the broker answers each with a SessionDown of the
+    same seq (LeaseResponse, or DeclineResponse for decline) or a SessionError.
+    The session names the engine: an engine id left empty means this session's
+    engine (HoldRequest.holder_engine_id, AcquireRequest.reader_engine_id,
+    RenewRequest.engine_id, ReleaseRequest.reader_engine_id); one naming another
+    engine is refused (PERMISSION_DENIED, cause not_party). DeclineRequest's
+    holder_engine_id names the hold's holder, usually another engine (empty:
+    this one). Order: the broker writes a lease command's reply before any
+    later message of the session, so a holder hears its Hold's reply before
+    the LeaseEnded / LeaseRevoked of that lease.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     SEQ_FIELD_NUMBER: _builtins.int
     REGISTER_FIELD_NUMBER: _builtins.int
@@ -678,6 +711,12 @@ class SessionUp(_message.Message):
     INVENTORY_FIELD_NUMBER: _builtins.int
     RESOLVE_FIELD_NUMBER: _builtins.int
     PIN_RESULT_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
+    ACQUIRE_FIELD_NUMBER: _builtins.int
+    RENEW_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    DECLINE_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """client sequence; echoed in replies"""
     @_builtins.property
@@ -690,6 +729,33 @@ class SessionUp(_message.Message):
     def resolve(self) -> Global___ResolveRequest: ...
     @_builtins.property
     def pin_result(self) -> Global___PinResult: ...
+    @_builtins.property
+    def hold(self) -> Global___HoldRequest:
+        """answered by SessionDown.lease"""
+
+    @_builtins.property
+    def acquire(self) -> Global___AcquireRequest:
+        """answered by SessionDown.lease (with the holder's details)"""
+
+    @_builtins.property
+    def renew(self) -> Global___RenewRequest:
+        """answered by SessionDown.lease"""
+
+    @_builtins.property
+    def release(self) -> Global___ReleaseRequest:
+        """answered by SessionDown.lease"""
+
+    @_builtins.property
+    def decline(self) -> Global___DeclineRequest:
+        """answered by SessionDown.decline"""
+
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (traceparent, tracestate) of the caller's span, on lease
+        commands: the broker's span for the command continues it, as a unary
+        call's metadata would. Empty: not traced by the caller.
+        """
+
     def __init__(
         self,
         *,
@@ -699,12 +765,18 @@ class SessionUp(_message.Message):
         inventory: Global___InventoryUpdate | None = ...,
         resolve: Global___ResolveRequest | None = ...,
         pin_result: Global___PinResult | None = ...,
+        hold: Global___HoldRequest | None = ...,
+        acquire: Global___AcquireRequest | None = ...,
+        renew: Global___RenewRequest | None = ...,
+        release: Global___ReleaseRequest | None = ...,
+        decline: Global___DeclineRequest | None = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "inventory", b"inventory", "msg", b"msg", "pin_result", b"pin_result", "register", b"register", "resolve", b"resolve"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "decline", b"decline", "heartbeat", b"heartbeat", "hold", b"hold", "inventory", b"inventory", "msg", b"msg", "pin_result", b"pin_result", "register", b"register", "release", b"release", "renew", b"renew", "resolve", b"resolve"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "inventory", b"inventory", "msg", b"msg", "pin_result", b"pin_result", "register", b"register", "resolve", b"resolve", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "decline", b"decline", "heartbeat", b"heartbeat", "hold", b"hold", "inventory", b"inventory", "msg", b"msg", "pin_result", b"pin_result", "register", b"register", "release", b"release", "renew", b"renew", "resolve", b"resolve", "seq", b"seq", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["register", "heartbeat", "inventory", "resolve", "pin_result"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["register", "heartbeat", "inventory", "resolve", "pin_result", "hold", "acquire", "renew", "release", "decline"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
@@ -899,6 +971,8 @@ class SessionDown(_message.Message):
     DRAIN_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     HEARTBEAT_ACK_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    DECLINE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """the SessionUp.seq this answers; 0 if unsolicited"""
     @_builtins.property
@@ -917,6 +991,14 @@ class SessionDown(_message.Message):
     def error(self) -> Global___SessionError: ...
     @_builtins.property
     def heartbeat_ack(self) -> Global___Heartbeat: ...
+    @_builtins.property
+    def lease(self) -> Global___LeaseResponse:
+        """answers hold, acquire, renew, release"""
+
+    @_builtins.property
+    def decline(self) -> Global___DeclineResponse:
+        """answers decline"""
+
     def __init__(
         self,
         *,
@@ -929,12 +1011,14 @@ class SessionDown(_message.Message):
         drain: Global___DrainCommand | None = ...,
         error: Global___SessionError | None = ...,
         heartbeat_ack: Global___Heartbeat | None = ...,
+        lease: Global___LeaseResponse | None = ...,
+        decline: Global___DeclineResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "drain", b"drain", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease", b"lease", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "drain", b"drain", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease", b"lease", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "resolve", "revoked", "lease_ended", "pin", "drain", "error", "heartbeat_ack"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "resolve", "revoked", "lease_ended", "pin", "drain", "error", "heartbeat_ack", "lease", "decline"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 

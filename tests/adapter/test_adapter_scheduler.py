@@ -2,53 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import pytest
 
 from kvbroker.clients import errors
-from kvbroker.engine_adapter.broker_link import LeaseEndNotice
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.metadata import ReadOutcomes
-from kvbroker.engine_adapter.scheduler import AdapterScheduler
-from kvbroker.testing.clock import FakeClock
 from kvbroker.v1 import broker_pb2 as pb
-from tests.adapter.fakes import FakeLink, FakeRequest, Status, holder_info, wire
-
-BS = 32
-
-
-def make(threshold: int = 64, **overrides):  # type: ignore[no-untyped-def]
-    config = AdapterConfig(
-        engine_id="reader", kv_recompute_threshold=threshold, resolve_wait_ms=500, **overrides
-    )
-    link = FakeLink()
-    clock = FakeClock()
-    sched = AdapterScheduler(config=config, link=link, block_size=BS, clock=clock)
-    return sched, link, clock
-
-
-def resolved(link: FakeLink, *matches: pb.HolderMatch) -> None:
-    call = link.named("resolve")[-1]
-    assert call.future is not None
-    call.future.set_result(pb.ResolveResponse(matches=list(matches)))
-
-
-def match(blocks: int, engine: str = "holder", hold: str = "hold-1") -> pb.HolderMatch:
-    return pb.HolderMatch(engine_id=engine, tier=pb.TIER_GPU, matched_blocks=blocks, hold_lease_id=hold)
-
-
-def lease_for(req: FakeRequest, blocks: int, lease_id: str = "hold-1", holder: str = "holder") -> pb.Lease:
-    return pb.Lease(
-        lease_id=lease_id,
-        holder_engine_id=holder,
-        tier=pb.TIER_GPU,
-        block_hashes=[wire(i) for i in range(blocks)],
-        block_ids=[100 + i for i in range(blocks)],
-        state=pb.LEASE_ACTIVE,
-        epoch=3,
-    )
+from tests.adapter.fakes import FakeRequest, holder_info, wire
+from tests.adapter.scheduler_util import lease_for, make, match, pull_to_reading, resolved
 
 
 def test_not_ready_until_the_broker_answers_then_pulls_full_blocks() -> None:
@@ -179,23 +140,10 @@ def test_hinted_holder_that_never_appears_uses_what_the_broker_knows(
     assert "ghost (lease nope)" in caplog.text
 
 
-def _pull_to_reading(sched: AdapterScheduler, link: FakeLink, req: FakeRequest, holder: pb.EngineInfo):  # type: ignore[no-untyped-def]
-    sched.get_num_new_matched_tokens(req, 0)
-    resolved(link, match(4))
-    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
-    sched.update_state_after_alloc(req, [7, 8, 9, 10, 11], 128)
-    acquire = link.named("acquire")
-    assert [c.args["lease_id"] for c in acquire] == ["hold-1"]
-    meta = sched.build_connector_meta()
-    assert meta.loads == [] and meta.commits == [], "nothing to read before the lease is granted"
-    acquire[0].future.set_result(pb.LeaseResponse(lease=lease_for(req, 4), holder=holder))  # type: ignore[union-attr]
-    return sched.build_connector_meta()
-
-
 def test_lease_read_release_commit() -> None:
     sched, link, _ = make()
     req = FakeRequest("r1", num_tokens=140)
-    meta = _pull_to_reading(sched, link, req, holder_info())
+    meta = pull_to_reading(sched, link, req, holder_info())
     assert len(meta.loads) == 1
     spec = meta.loads[0]
     assert spec.remote_block_ids == (100, 101, 102, 103)
@@ -216,7 +164,7 @@ def test_lease_read_release_commit() -> None:
 def test_release_failure_means_load_errors() -> None:
     sched, link, _ = make()
     req = FakeRequest("r1", num_tokens=140)
-    _pull_to_reading(sched, link, req, holder_info())
+    pull_to_reading(sched, link, req, holder_info())
     sched.update_connector_output(
         worker_meta=ReadOutcomes(done={"r1": 1}), finished_sending=None, finished_recving=None
     )
@@ -231,7 +179,7 @@ def test_release_failure_means_load_errors() -> None:
 def test_failed_read_is_not_committed_and_ends_the_lease() -> None:
     sched, link, _ = make()
     req = FakeRequest("r1", num_tokens=140)
-    _pull_to_reading(sched, link, req, holder_info())
+    pull_to_reading(sched, link, req, holder_info())
     sched.update_connector_output(
         worker_meta=ReadOutcomes(done={"r1": 1}, failed={"r1": "peer gone"}),
         finished_sending=None,
@@ -247,7 +195,7 @@ def test_failed_read_is_not_committed_and_ends_the_lease() -> None:
 def test_incompatible_holder_is_refused() -> None:
     sched, link, _ = make()
     req = FakeRequest("r1", num_tokens=140)
-    meta = _pull_to_reading(sched, link, req, holder_info(tp=2))
+    meta = pull_to_reading(sched, link, req, holder_info(tp=2))
     assert meta.loads == []
     assert [(c.ok, "tensor-parallel" in c.reason) for c in meta.commits] == [(False, True)]
 
@@ -291,102 +239,10 @@ def test_lease_that_does_not_cover_the_blocks_is_refused() -> None:
     assert [(c.ok, "does not cover" in c.reason) for c in commits] == [(False, True)]
 
 
-def test_remote_decode_holds_until_the_lease_ends_then_frees() -> None:
-    sched, link, _ = make()
-    req = FakeRequest(
-        "p1", num_tokens=141, num_computed_tokens=140, kv_transfer_params={"do_remote_decode": True}
-    )
-    delay, params = sched.request_finished(req, [5, 6, 7, 8, 9])
-    assert delay is True
-    assert params is not None and params["do_remote_prefill"] is True
-    assert params["kvbroker"]["holder_engine_id"] == "reader"
-    hold = link.named("hold")[0]
-    assert hold.args["block_ids"] == [5, 6, 7, 8] and hold.args["hashes"] == [wire(i) for i in range(4)]
-    hold.future.set_result(pb.Lease(lease_id="h1", state=pb.LEASE_HELD))  # type: ignore[union-attr]
-    assert sched.build_connector_meta().frees == []
-    assert link.stored == [wire(i) for i in range(4)]
-    assert sched.stats_snapshot()["held_blocks"] == 4
-    link.ends.append(LeaseEndNotice("h1", "REVOKE_READER_GONE"))
-    assert sched.build_connector_meta().frees == ["p1"]
-    assert link.removed == [wire(i) for i in range(4)]
-    sched.update_connector_output(worker_meta=None, finished_sending={"p1"}, finished_recving=None)
-    assert sched.stats_snapshot()["held_requests"] == 0
-
-
-def test_plain_request_is_not_held_but_multi_turn_is() -> None:
-    sched, _link, _ = make()
-    req = FakeRequest("a", num_tokens=141, num_computed_tokens=140)
-    assert sched.request_finished(req, [1, 2, 3, 4, 5]) == (False, None)
-    multi, _link2, _ = make(multi_turn=True)
-    delay, params = multi.request_finished(req, [1, 2, 3, 4, 5])
-    assert delay is True and params is None
-    aborted = dataclasses.replace(req, request_id="b", status=Status("FINISHED_ABORTED"))
-    assert multi.request_finished(aborted, [1, 2, 3, 4, 5]) == (False, None)
-
-
-def test_hold_refused_frees_at_once_and_lost_session_frees_all() -> None:
-    sched, link, _ = make(multi_turn=True)
-    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
-    sched.request_finished(FakeRequest("b", num_tokens=141, num_computed_tokens=140), [6, 7, 8, 9, 10])
-    sched.build_connector_meta()
-    holds = link.named("hold")
-    holds[0].future.set_exception(errors.Unavailable("broker gone"))  # type: ignore[union-attr]
-    assert sched.build_connector_meta().frees == ["a"]
-    holds[1].future.set_result(pb.Lease(lease_id="hb"))  # type: ignore[union-attr]
-    sched.build_connector_meta()
-    link.connected = False
-    assert sched.build_connector_meta().frees == ["b"]
-
-
-def test_lease_end_right_after_hold_reply_frees_while_idle() -> None:
-    # The session thread's order (the stream's): the Hold's answer, then that lease's end.
-    sched, link, _ = make(multi_turn=True)
-    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
-    link.named("hold")[0].future.set_result(pb.Lease(lease_id="ha"))  # type: ignore[union-attr]
-    assert link.stored == [wire(i) for i in range(4)]  # settled by the answer itself
-    link.end_lease("ha", "REVOKE_TTL_EXPIRED")
-    assert link.removed == [wire(i) for i in range(4)]  # freed before the scheduler steps
-    assert sched.build_connector_meta().frees == ["a"]
-
-
-def test_hold_answered_and_ended_before_the_scheduler_sees_the_answer_still_frees() -> None:
-    # The session thread may answer the Hold, and read its lease's end, while the
-    # scheduler thread is still inside request_finished (before it watches the future).
-    sched, link, _ = make(multi_turn=True)
-    plain_hold = link.hold
-
-    def hold_answered_at_once(*args: Any, **kwargs: Any) -> Any:
-        future = plain_hold(*args, **kwargs)
-        future.set_result(pb.Lease(lease_id="ha"))
-        link.ends.append(LeaseEndNotice("ha", "released"))  # its listener waits for the scheduler's lock
-        return future
-
-    link.hold = hold_answered_at_once  # type: ignore[method-assign]
-    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
-    assert link.removed == [wire(i) for i in range(4)]
-    assert sched.build_connector_meta().frees == ["a"]
-
-
-def test_shared_blocks_are_announced_removed_only_when_the_last_hold_ends() -> None:
-    sched, link, _ = make(multi_turn=True)
-    for name in ("a", "b"):
-        sched.request_finished(FakeRequest(name, num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
-    for i, call in enumerate(link.named("hold")):
-        call.future.set_result(pb.Lease(lease_id=f"h{i}"))  # type: ignore[union-attr]
-    sched.build_connector_meta()
-    assert link.stored == [wire(i) for i in range(4)]
-    link.ends.append(LeaseEndNotice("h0", "released"))
-    sched.build_connector_meta()
-    assert link.removed == []
-    link.ends.append(LeaseEndNotice("h1", "released"))
-    sched.build_connector_meta()
-    assert link.removed == [wire(i) for i in range(4)]
-
-
 def test_aborted_while_loading_completes_the_protocol() -> None:
     sched, link, _ = make()
     req = FakeRequest("r1", num_tokens=140)
-    _pull_to_reading(sched, link, req, holder_info())
+    pull_to_reading(sched, link, req, holder_info())
     assert sched.request_finished(req, [7, 8, 9, 10, 11]) == (False, None)
     sched.update_connector_output(
         worker_meta=ReadOutcomes(done={"r1": 1}), finished_sending=None, finished_recving=None
@@ -508,138 +364,6 @@ def test_mirror_can_be_turned_off() -> None:
     link.mirror_matches = [mirror_match(4)]
     assert sched.get_num_new_matched_tokens(FakeRequest("r1", num_tokens=140), 0) == (None, False)
     assert len(link.named("resolve")) == 1
-
-
-# -- holds keep their blocks with a reference in vLLM's own block pool ---------
-
-
-def _pool_with_request_blocks(num_blocks: int, request_blocks: int):  # type: ignore[no-untyped-def]
-    """vLLM's real BlockPool, with one request's blocks allocated as vLLM allocates them."""
-    block_pool = pytest.importorskip("vllm.v1.core.block_pool")
-    pool = block_pool.BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=BS)
-    blocks = pool.get_new_blocks(request_blocks)
-    return pool, [b.block_id for b in blocks]
-
-
-def test_a_hold_takes_a_pool_reference_so_vllm_frees_the_request_at_once() -> None:
-    sched, link, _ = make(multi_turn=True)
-    pool, ids = _pool_with_request_blocks(16, 5)
-    sched.bind_block_pool(pool)
-    free_before = pool.get_num_free_blocks()
-    req = FakeRequest("a", num_tokens=141, num_computed_tokens=140)
-    delay, _ = sched.request_finished(req, ids)
-    # vLLM need not keep the request (it would count it as work and never sleep) ...
-    assert delay is False
-    pool.free_blocks([pool.blocks[i] for i in reversed(ids)])  # ... so vLLM frees it now
-    # ... but the 4 full blocks under the hold stay out of the free pool; the partial 5th is free.
-    assert pool.get_num_free_blocks() == free_before + 1
-    assert [pool.blocks[i].ref_cnt for i in ids[:4]] == [1, 1, 1, 1]
-    link.named("hold")[0].future.set_result(pb.Lease(lease_id="h1"))  # type: ignore[union-attr]
-    assert link.stored == [wire(i) for i in range(4)]  # settled on the session thread, no step needed
-    assert sched.stats_snapshot()["held_blocks"] == 4
-
-
-def test_a_lease_end_settles_on_the_session_thread_and_the_pool_gets_the_blocks_back() -> None:
-    sched, link, _ = make(multi_turn=True)
-    pool, ids = _pool_with_request_blocks(16, 5)
-    sched.bind_block_pool(pool)
-    free_before = pool.get_num_free_blocks()
-    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), ids)
-    pool.free_blocks([pool.blocks[i] for i in reversed(ids)])
-    link.named("hold")[0].future.set_result(pb.Lease(lease_id="h1"))  # type: ignore[union-attr]
-    # The reader is gone while vLLM is idle: no scheduler hook runs, the session thread settles it.
-    link.end_lease("h1", "REVOKE_READER_GONE")
-    snapshot = sched.stats_snapshot()
-    assert snapshot["held_blocks"] == 0 and snapshot["holds_returned"] == 1
-    assert link.removed == [wire(i) for i in range(4)]
-    # The pool itself is touched only from the scheduler thread, at its next hook.
-    assert pool.get_num_free_blocks() == free_before + 1
-    assert sched.build_connector_meta().frees == []  # nothing for the worker: vLLM freed the request
-    assert pool.get_num_free_blocks() == free_before + 5
-    assert all(pool.blocks[i].ref_cnt == 0 for i in ids)
-    assert sched.return_held_blocks() is False  # given back exactly once
-
-
-def test_ended_holds_give_their_blocks_back_before_vllm_would_preempt() -> None:
-    sched, link, _ = make(multi_turn=True)
-    pool, ids = _pool_with_request_blocks(8, 5)
-    sched.bind_block_pool(pool)
-    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), ids)
-    pool.free_blocks([pool.blocks[i] for i in reversed(ids)])
-    link.named("hold")[0].future.set_result(pb.Lease(lease_id="h1"))  # type: ignore[union-attr]
-    assert sched.return_held_blocks() is False  # the hold is live: nothing to give back
-    link.end_lease("h1", "released")
-    assert sched.has_pool_returns() is True  # vLLM's has_pending_push_work: step once more
-    assert sched.return_held_blocks() is True  # vLLM's has_pending_block_frees: retry, do not preempt
-    assert sched.has_pool_returns() is False
-    assert pool.get_num_free_blocks() == 7
-
-
-def test_a_lost_session_frees_pool_holds_without_a_step() -> None:
-    sched, link, _ = make(multi_turn=True)
-    pool, ids = _pool_with_request_blocks(16, 5)
-    sched.bind_block_pool(pool)
-    sched.build_connector_meta()  # the scheduler has seen the session up
-    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), ids)
-    link.named("hold")[0].future.set_result(pb.Lease(lease_id="h1"))  # type: ignore[union-attr]
-    link.connected = False
-    link.listener()  # the session thread reports the stream lost
-    assert sched.stats_snapshot()["holds_freed"] == 1
-
-
-def test_a_cpu_tier_copy_keeps_the_request_until_copied_even_when_the_hold_uses_the_pool() -> None:
-    sched, _link, _ = make(multi_turn=True, cpu_tier_blocks=8)
-    pool, ids = _pool_with_request_blocks(16, 5)
-    sched.bind_block_pool(pool)
-    delay, _ = sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), ids)
-    assert delay is True  # the copy needs the blocks until the worker reports it done
-    meta = sched.build_connector_meta()
-    assert meta.frees == ["a"] and len(meta.stores) == 1
-
-
-# -- a reader that will not read the hold the router named declines it ---------
-
-NAMED = {"do_remote_prefill": True, "kvbroker": {"holder_engine_id": "p", "hold_request_id": "p-req"}}
-
-
-def _declines(link: FakeLink) -> list[tuple[str, str]]:
-    return [(c.args["holder"], c.args["request_id"]) for c in link.named("decline")]
-
-
-def test_a_reader_whose_local_hit_covers_the_hold_declines_it() -> None:
-    sched, link, _ = make()
-    req = FakeRequest("d1", num_tokens=140, kv_transfer_params=NAMED)
-    sched.get_num_new_matched_tokens(req, 128)
-    resolved(link, match(4, engine="p", hold="hold-p"))
-    assert sched.get_num_new_matched_tokens(req, 128) == (0, False)
-    assert _declines(link) == []  # vLLM has not settled the request yet
-    sched.update_state_after_alloc(req, [7, 8, 9, 10, 11], 0)
-    assert _declines(link) == [("p", "p-req")]
-    assert "local_hit_covers_remote" in link.named("decline")[0].args["reason"]
-    assert sched.stats_snapshot()["holds_declined"] == 1
-
-
-def test_a_reader_that_pulls_from_the_named_hold_does_not_decline_it() -> None:
-    sched, link, _ = make()
-    req = FakeRequest("d1", num_tokens=140, kv_transfer_params=NAMED)
-    sched.get_num_new_matched_tokens(req, 0)
-    resolved(link, match(4, engine="p", hold="hold-p"))
-    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
-    sched.update_state_after_alloc(req, [7, 8, 9, 10, 11], 128)
-    sched.request_finished(req, [7, 8, 9, 10, 11])
-    assert _declines(link) == [] and [c.args["lease_id"] for c in link.named("acquire")] == ["hold-p"]
-
-
-def test_a_request_refused_or_aborted_before_it_is_scheduled_declines_the_hold() -> None:
-    sched, link, _ = make()
-    tp_mismatch = {"do_remote_prefill": True, "kvbroker": {**NAMED["kvbroker"], "tp_size": 2}}
-    refused = FakeRequest("d1", num_tokens=140, kv_transfer_params=tp_mismatch)
-    assert sched.get_num_new_matched_tokens(refused, 0) == (0, False)
-    sched.update_state_after_alloc(refused, [1, 2, 3, 4, 5], 0)
-    aborted = FakeRequest("d2", num_tokens=140, kv_transfer_params=NAMED, status=Status("FINISHED_ABORTED"))
-    assert sched.get_num_new_matched_tokens(aborted, 0) == (None, False)
-    sched.request_finished(aborted, [])
-    assert _declines(link) == [("p", "p-req"), ("p", "p-req")]
 
 
 def test_a_stalled_process_does_not_use_up_the_broker_budgets() -> None:

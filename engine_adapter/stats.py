@@ -4,9 +4,11 @@ vLLM's scheduler loop does no file I/O: when the counters changed, the
 scheduler copies them into a plain dict on its own thread (``as_dict``, cheap)
 and hands it to ``StatsWriter``, whose daemon thread writes it. A change after
 a quiet spell is written at once (readers such as bench/reclaim.py poll the
-file every 10 ms and time what they see); a burst of changes is written at
-most once per ``min_interval_s``, the latest snapshot winning. ``close`` writes
-what is still pending, once more, on shutdown.
+file every 10 ms and time what they see, and the e2e tests read it as soon as
+a request's answer arrives); changes that come while a write is under way are
+coalesced, the latest snapshot winning, so the file trails the counters by
+one write at most. ``min_interval_s`` (default 0) can space writes out.
+``close`` writes what is still pending, once more, on shutdown.
 
 The file is one JSON object, replaced atomically (written beside it, then
 renamed), so a reader never sees half of it.
@@ -27,8 +29,12 @@ from typing import Any
 # Under "vllm." so that vLLM's logging configuration prints our lines.
 logger = logging.getLogger("vllm.kvbroker.scheduler")
 
-# At most one write per this many seconds while the counters keep changing.
-WRITE_INTERVAL_S = 0.1
+# At most one write per this many seconds while the counters keep changing. 0:
+# write as soon as the thread runs. The scheduler hands over at most one
+# snapshot per step, and only when something changed, so this stays cheap; a
+# 0.1 s spacing made the file trail finished requests (an e2e test read the
+# counters of the request before).
+WRITE_INTERVAL_S = 0.0
 
 
 @dataclass

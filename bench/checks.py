@@ -152,6 +152,17 @@ def validate_results(results: dict[str, Any], memcpy: float | None = None) -> li
     return [f"{path}: {r}" for path, fig in figs for r in fig.get(INVALID_KEY, [])]
 
 
+def check_gbps(fig: dict[str, Any], nbytes: int, what: str) -> list[str]:
+    """Check a GB/s figure (``samples_gbps``, or its median) of transfers of ``nbytes``
+    against memcpy of the same size on this machine; mark it and return 'what: reason'."""
+    samples = fig.get("samples_gbps") or [fig.get("gbps_median", float("nan"))]
+    why = bandwidth_reason(max(samples), memcpy_gb_per_s(nbytes), f"{nbytes >> 10} KiB transfers at ")
+    if why:
+        mark(fig, why)
+        return [f"{what}: {why}"]
+    return []
+
+
 def report_invalid(lines: list[str]) -> str:
     """The text a program prints under its tables when figures failed their checks."""
     if not lines:

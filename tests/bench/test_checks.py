@@ -106,6 +106,15 @@ def test_validate_results_cores_and_memcpy() -> None:
     assert "passed" in report_invalid([])
 
 
+def test_cores_check_uses_the_one_client_latency_when_its_rate_was_slowed() -> None:
+    # A busy machine paused the 1-client run (9k ops/s measured) although each resolve
+    # took 22 us: 4 threads at 28k ops/s on 2 cores is possible (2 / 22 us = 90k).
+    slow_one = aggregate([RunResult([22e-6] * 30, 30 / 9_000, clients=1)], in_process=True)
+    four = aggregate([RunResult([100e-6] * 20, 20 / 28_000, clients=4)], in_process=True)
+    results = {"resolve_mirror": {"c1": slow_one, "c4": four}}
+    assert validate_results(results, memcpy=10.0) == []
+
+
 def test_targets_from_an_invalid_figure_say_invalid_never_met() -> None:
     good_peer = aggregate([_run(16, 80, 2e-3, 80 * 2e-3)])
     bogus = aggregate([_run(16, 80, 23.7e-6, 1280 / 28_089_271)], in_process=True)

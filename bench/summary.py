@@ -58,7 +58,8 @@ def summary(results: Path) -> str:
     cp = _load(results, "control_plane") or _load(results, "broker_bench")
     if cp is not None:
         out.append(
-            f"**Control plane** (`bench/control_plane.py`, {cp.get('date_utc', '?')}; {cp.get('note', '')}):"
+            f"**Control plane** (`bench/control_plane.py`, {cp.get('mode', '?')} mode, "
+            f"{cp.get('date_utc', '?')}; {cp.get('note', '')}):"
         )
         out.append("```\n" + _targets(results) + "\n```")
     for name, title in (

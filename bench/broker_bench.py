@@ -27,9 +27,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.checks import exit_code, report_invalid
 from bench.common import REPO_ROOT, load_note, log, shared_cores_note
 from bench.control_plane import (
     add_common_arguments,
+    check_figures,
     guarded,
     mode_name,
     print_targets,
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         results["redis"] = guarded("Redis", measure_redis, s, log_dir, with_lua=False, with_memory=False)
 
     conc = list(s.concurrency)
+    checks = check_figures(results)
     tables = io.StringIO()
     with contextlib.redirect_stdout(tables):
         print(f"\nBroker figures ({mode_name(args)} mode, {s.reps} repetitions; median [min..max])")
@@ -95,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"p99 {inproc['lookup_64_p99_us']:.1f} us\n"
             )
         tgt = print_targets(results, conc, "Targets, as ratios to the peers measured in this run:")
+        print("\n" + report_invalid(checks["invalid"]))
 
     name = "broker_bench" if not args.tiny else "broker_bench-tiny"
     title = f"Broker resolve vs the peers of its targets ({mode_name(args)} mode; median, min..max)"
-    save_outputs(name, tables.getvalue(), args, s, results, tgt, conc, title)
-    return 0
+    save_outputs(name, tables.getvalue(), args, s, results, tgt, conc, title, checks)
+    return exit_code(checks["invalid"])
 
 
 if __name__ == "__main__":

@@ -27,9 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.checks import invalid_reason, is_invalid, little_law_reason, mark
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 CHAIN_LEN = 64
+# The least a published block moves: its 64-bit hash (fixed64 on the wire).
+BLOCK_WIRE_BYTES = 8
 
 
 def shared_cores_note() -> str:
@@ -150,6 +154,7 @@ class RunResult:
     latencies_s: list[float]
     wall_s: float
     server_cpu_s: float | None = None  # CPU the server process used during the measured phase
+    clients: int = 1  # closed-loop clients that ran concurrently (for the Little's-law check)
 
     @property
     def ops(self) -> int:
@@ -165,10 +170,18 @@ class RunResult:
     def ops_per_s(self) -> float:
         return self.ops / self.wall_s if self.wall_s > 0 else float("nan")
 
+    def mean_latency_s(self) -> float:
+        return sum(self.latencies_s) / self.ops if self.ops else float("nan")
+
+    def invalid_reason(self) -> str | None:
+        """Why this run's throughput cannot be true (Little's law), or None."""
+        return little_law_reason(self.ops_per_s(), self.clients, self.mean_latency_s())
+
     def summary(self) -> dict[str, float]:
         out = {
             "p50_us": self.percentile_us(50),
             "p99_us": self.percentile_us(99),
+            "mean_us": self.mean_latency_s() * 1e6,
             "ops_per_s": self.ops_per_s(),
             "ops": float(self.ops),
         }
@@ -216,14 +229,27 @@ async def closed_loop_async(
     await asyncio.gather(*(client(op, i) for i, op in enumerate(ops)))
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
-    return RunResult(lat, wall, cpu)
+    return RunResult(lat, wall, cpu, clients=len(ops))
 
 
 def closed_loop_threads(
     ops: Sequence[SyncOp], ops_per_client: int, warmup: int, server_pid: int | None = None
 ) -> RunResult:
-    """The same as closed_loop_async with one OS thread per client (for blocking client libraries)."""
-    barrier = threading.Barrier(len(ops) + 1)
+    """The same as closed_loop_async with one OS thread per client (for blocking client libraries).
+
+    The clock starts in the barrier's action, which runs once every client has warmed
+    up and before any of them is released. (Reading it in the main thread after the
+    barrier, as this did before, raced with the clients: they hold the GIL for up to
+    a switch interval, so several could finish all their measured operations before
+    the main thread read the clock, and the wall time missed most of the work.)
+    """
+    clock: dict[str, float] = {}
+
+    def start_clock() -> None:
+        clock["cpu0"] = cpu_seconds(server_pid) if server_pid else 0.0
+        clock["t0"] = time.perf_counter()
+
+    barrier = threading.Barrier(len(ops), action=start_clock)
     results: list[list[float]] = [[] for _ in ops]
     errors: list[BaseException] = []
 
@@ -249,16 +275,13 @@ def closed_loop_threads(
     threads = [threading.Thread(target=client, args=(op, i), daemon=True) for i, op in enumerate(ops)]
     for t in threads:
         t.start()
-    barrier.wait()
-    cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
-    t0 = time.perf_counter()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
+    wall = time.perf_counter() - clock["t0"]
+    cpu = cpu_seconds(server_pid) - clock["cpu0"] if server_pid else None
     if errors:
         raise errors[0]
-    return RunResult([x for r in results for x in r], wall, cpu)
+    return RunResult([x for r in results for x in r], wall, cpu, clients=len(ops))
 
 
 # --------------------------------------------------------------------------- statistics
@@ -288,16 +311,35 @@ class Figure:
         }
 
 
-def aggregate(runs: Sequence[RunResult]) -> dict[str, dict[str, Any]]:
-    """Median and spread over repetitions of p50, p99 and throughput."""
-    figs: dict[str, Figure] = {"p50_us": Figure(), "p99_us": Figure(), "ops_per_s": Figure()}
+def aggregate(runs: Sequence[RunResult], in_process: bool = False) -> dict[str, Any]:
+    """Median and spread over repetitions of p50, p99, mean latency and throughput.
+
+    Every run's throughput is checked against Little's law (bench.checks); a run
+    that fails marks the whole figure invalid, with the reason. ``in_process``
+    says the work is CPU-bound in this process, for the cores check that
+    bench.checks.validate_results makes against the 1-client figure.
+    """
+    figs: dict[str, Figure] = {
+        "p50_us": Figure(),
+        "p99_us": Figure(),
+        "mean_us": Figure(),
+        "ops_per_s": Figure(),
+    }
     if runs and all(r.server_cpu_s is not None for r in runs):
         figs["server_cpu_us_per_op"] = Figure()
     for r in runs:
         s = r.summary()
         for k, f in figs.items():
             f.add(s[k])
-    return {k: f.to_json() for k, f in figs.items()}
+    out: dict[str, Any] = {k: f.to_json() for k, f in figs.items()}
+    out["clients"] = runs[0].clients if runs else 0
+    if in_process:
+        out["in_process"] = True
+    for r in runs:
+        why = r.invalid_reason()
+        if why:
+            mark(out, why)
+    return out
 
 
 def med(d: dict[str, Any] | None, key: str) -> float:
@@ -328,12 +370,18 @@ def fmt_num(x: float, unit: str = "") -> str:
     return s + unit
 
 
+THROUGHPUT_KEYS = ("ops_per_s", "blocks_per_s", "gb_per_s")
+
+
 def fmt_spread(d: dict[str, Any] | None, key: str) -> str:
     m = med(d, key)
     lo, hi = spread(d, key)
     if m != m:
         return "-"
-    return f"{fmt_num(m)} [{fmt_num(lo)}..{fmt_num(hi)}]"
+    text = f"{fmt_num(m)} [{fmt_num(lo)}..{fmt_num(hi)}]"
+    if key in THROUGHPUT_KEYS and is_invalid(d):
+        return f"INVALID {text} ({invalid_reason(d)})"
+    return text
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.checks import exit_code, memcpy_gb_per_s, report_invalid, validate_results
 from bench.common import RESULTS_DIR, load_note, log, shared_cores_note, write_json
 from bench.measure import Settings
 from bench.measure_broker import measure_broker
@@ -106,6 +107,16 @@ def print_targets(results: dict[str, Any], conc: list[int], heading: str) -> lis
     return tgt
 
 
+def check_figures(results: dict[str, Any]) -> dict[str, Any]:
+    """Run the consistency checks (bench.checks) on every figure, marking failures in place.
+
+    Call before printing: the tables print failed figures as INVALID and the targets
+    judged from them as "invalid". Returns what goes in the JSON as "checks".
+    """
+    invalid = validate_results(results)
+    return {"memcpy_gb_per_s": memcpy_gb_per_s(), "invalid": invalid, "passed": not invalid}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
@@ -125,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         results["broker"] = guarded("broker", measure_broker, s, log_dir)
 
     conc = list(s.concurrency)
+    checks = check_figures(results)
     tables = io.StringIO()
     with contextlib.redirect_stdout(tables):
         print(
@@ -135,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
             if table:
                 print(table + "\n")
         tgt = print_targets(results, conc, "The broker's targets (issue 2), as ratios to the peers above:")
+        print("\n" + report_invalid(checks["invalid"]))
 
     name = "control_plane" if not args.tiny else "control_plane-tiny"
     title = f"Lookup of a 64-block chain ({mode_name(args)} mode; bars: median, whiskers: min..max)"
-    save_outputs(name, tables.getvalue(), args, s, results, tgt, conc, title)
-    return 0
+    save_outputs(name, tables.getvalue(), args, s, results, tgt, conc, title, checks)
+    return exit_code(checks["invalid"])
 
 
 def save_outputs(
@@ -151,6 +164,7 @@ def save_outputs(
     tgt: Any,
     conc: list[int],
     title: str,
+    checks: dict[str, Any],
 ) -> None:
     """Print the tables, then write them (.txt), the JSON and the PNG under args.out_dir."""
     print(tables, end="")
@@ -158,7 +172,13 @@ def save_outputs(
     (args.out_dir / f"{name}.txt").write_text(tables)
     path = write_json(
         name,
-        {"mode": mode_name(args), "settings": _settings_json(s), "results": results, "targets": tgt},
+        {
+            "mode": mode_name(args),
+            "settings": _settings_json(s),
+            "results": results,
+            "targets": tgt,
+            "checks": checks,
+        },
         args.out_dir,
     )
     print(f"\nJSON: {path}")

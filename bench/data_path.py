@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.checks import check_gbps, exit_code, is_invalid, report_invalid
 from bench.common import RESULTS_DIR, log, write_json
 from kvbroker.engine_adapter.nixl_agent import exit_skipping_nixl_teardown
 
@@ -290,7 +291,8 @@ def print_table(doc: dict[str, Any]) -> None:
     )
 
     def cell(s: dict[str, Any]) -> str:
-        return f"{s['gbps_median']:6.2f} ({s['gbps_min']:.2f}-{s['gbps_max']:.2f})"
+        text = f"{s['gbps_median']:6.2f} ({s['gbps_min']:.2f}-{s['gbps_max']:.2f})"
+        return f"INVALID {text}" if is_invalid(s) else text
 
     for r in doc["results"]:
         print(
@@ -299,6 +301,18 @@ def print_table(doc: dict[str, Any]) -> None:
             f"{r['adapter_vs_raw']:>11.2f}"
         )
     print("GB/s: median (min-max) over repetitions; adapter/raw: ratio of medians (target >= 0.90)")
+    print(report_invalid(doc.get("checks", {}).get("invalid", [])))
+
+
+def check_rows(doc: dict[str, Any]) -> dict[str, Any]:
+    """Every GB/s figure against memcpy of the same bytes on this machine (bench.checks)."""
+    invalid: list[str] = []
+    for r in doc["results"]:
+        for method in ("adapter", "raw_nixl", "memcpy"):
+            invalid += check_gbps(
+                r[method], r["bytes_per_transfer"], f"{r['block_bytes'] >> 10} KiB {method}"
+            )
+    return {"invalid": invalid, "passed": not invalid}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,13 +351,14 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "cpu_count": os.cpu_count(),
     }
+    doc["checks"] = check_rows(doc)
     print_table(doc)
     print(
         f"load average (1 min) before/after: {doc['settings']['load_avg_1m_before_after']} on {os.cpu_count()} cores"
     )
     path = write_json(args.name, doc, args.out_dir)
     print(f"wrote {path}")
-    return 0
+    return exit_code(doc["checks"]["invalid"])
 
 
 if __name__ == "__main__":

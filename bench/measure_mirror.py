@@ -60,7 +60,7 @@ async def measure_mirror(
             await asyncio.to_thread(closed_loop_threads, [op] * c, s.ops_for(c), s.warmup, proc.proc.pid)
             for _ in range(s.reps)
         ]
-        out["resolve_mirror"][f"c{c}"] = aggregate(runs)
+        out["resolve_mirror"][f"c{c}"] = aggregate(runs, in_process=True)
         fig = out["resolve_mirror"][f"c{c}"]
         log(
             f"broker resolve on the engine-local mirror c{c}: p50 {fig['p50_us']['median']:.1f} us, "

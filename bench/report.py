@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.checks import invalid_reason, is_invalid
 from bench.common import fmt_num, fmt_spread, format_table, med, spread
 from bench.plot import Bar, bar_panels
 
@@ -151,21 +152,34 @@ def targets(results: dict[str, Any], hi_c: int = 16) -> list[dict[str, Any]]:
     mget = _fig(results, "redis", "mget", 1)
     mooncake16 = _fig(results, "mooncake", "batch_is_exist", hi_c)
 
-    def add(name: str, our: float, peer: float, limit: float, lower_is_better: bool, unit: str) -> None:
+    def add(
+        name: str,
+        our: float,
+        peer: float,
+        limit: float,
+        lower_is_better: bool,
+        unit: str,
+        figs: Sequence[dict[str, Any] | None] = (),
+    ) -> None:
         r = _ratio(our, peer)
         met = (r <= limit) if lower_is_better else (r >= limit)
-        out.append(
-            {
-                "target": name,
-                "ours": our,
-                "peer": peer,
-                "ratio": r,
-                "limit": limit,
-                "lower_is_better": lower_is_better,
-                "unit": unit,
-                "met": bool(met) if r == r else None,
-            }
-        )
+        row: dict[str, Any] = {
+            "target": name,
+            "ours": our,
+            "peer": peer,
+            "ratio": r,
+            "limit": limit,
+            "lower_is_better": lower_is_better,
+            "unit": unit,
+            "met": bool(met) if r == r else None,
+        }
+        # A figure that failed its consistency check (bench.checks) judges nothing.
+        bad = [invalid_reason(f) for f in figs if is_invalid(f)]
+        if bad:
+            row["met"] = None
+            row["verdict"] = "invalid"
+            row["invalid"] = bad
+        out.append(row)
 
     # The engine side resolves on its index mirror (no round trip); the session-stream
     # rows show what a round trip to the broker costs, for routers and mirror-less engines.
@@ -179,6 +193,7 @@ def targets(results: dict[str, Any], hi_c: int = 16) -> list[dict[str, Any]]:
                 1.0,
                 True,
                 "us",
+                (ours, mooncake),
             )
         if ours and mget:
             add(
@@ -188,6 +203,7 @@ def targets(results: dict[str, Any], hi_c: int = 16) -> list[dict[str, Any]]:
                 0.7,
                 True,
                 "us",
+                (ours, mget),
             )
         ours16 = _fig(results, "broker", key, hi_c)
         if ours16 and mooncake16:
@@ -198,6 +214,7 @@ def targets(results: dict[str, Any], hi_c: int = 16) -> list[dict[str, Any]]:
                 1.0,
                 False,
                 "ops/s",
+                (ours16, mooncake16),
             )
     broker = results.get("broker") or {}
     redis = results.get("redis") or {}
@@ -215,6 +232,7 @@ def targets(results: dict[str, Any], hi_c: int = 16) -> list[dict[str, Any]]:
                     10.0,
                     False,
                     "blocks/s",
+                    (inv, pub),
                 )
     points = (broker.get("memory") or {}).get("points", []) if broker.get("available") else []
     if points:
@@ -244,7 +262,9 @@ def targets_table(rows: Sequence[dict[str, Any]]) -> str:
             + fmt_num(t["limit"])
             + ("" if t["ratio"] is not None else f" {t['unit']}")
         )
-        verdict = {True: "met", False: "MISSED", None: "-"}[t["met"]]
+        verdict = t.get("verdict") or {True: "met", False: "MISSED", None: "-"}[t["met"]]
+        if verdict == "invalid":
+            verdict = f"invalid ({'; '.join(t.get('invalid', []))})"
         body.append(
             [
                 t["target"],

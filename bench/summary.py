@@ -43,7 +43,8 @@ def _data_path(d: dict[str, Any]) -> str:
         size = f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB"
 
         def cell(m: dict[str, Any]) -> str:
-            return f"{m['gbps_median']:.2f} ({m['gbps_min']:.2f}..{m['gbps_max']:.2f})"
+            text = f"{m['gbps_median']:.2f} ({m['gbps_min']:.2f}..{m['gbps_max']:.2f})"
+            return f"INVALID {text} ({'; '.join(m['invalid'])})" if m.get("invalid") else text
 
         rows.append(
             f"| {size} | {cell(r['adapter'])} | {cell(r['raw_nixl'])} | {cell(r['memcpy'])} | "
@@ -57,7 +58,8 @@ def summary(results: Path) -> str:
     cp = _load(results, "control_plane") or _load(results, "broker_bench")
     if cp is not None:
         out.append(
-            f"**Control plane** (`bench/control_plane.py`, {cp.get('date_utc', '?')}; {cp.get('note', '')}):"
+            f"**Control plane** (`bench/control_plane.py`, {cp.get('mode', '?')} mode, "
+            f"{cp.get('date_utc', '?')}; {cp.get('note', '')}):"
         )
         out.append("```\n" + _targets(results) + "\n```")
     for name, title in (

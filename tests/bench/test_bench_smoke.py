@@ -37,13 +37,26 @@ def run_bench(module: str, out_dir: Path, *extra: str) -> tuple[str, dict[str, A
     assert proc.returncode == 0, f"{module} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     name = module.rsplit(".", 1)[1]
     doc = json.loads((out_dir / f"{name}-tiny.json").read_text())
+    assert_checked(proc.stdout, doc)
     return proc.stdout, doc
 
 
+def assert_checked(out: str, doc: dict[str, Any]) -> None:
+    """Every figure went through bench.checks: the run says so, and passed."""
+    assert "Consistency checks (Little's law, cores, memcpy)" in out, out[-3000:]
+    checks = doc["checks"]
+    assert checks["passed"] and checks["invalid"] == [], checks
+    assert checks["memcpy_gb_per_s"] > 0
+    assert "INVALID" not in out
+    assert all(t.get("verdict") != "invalid" for t in doc.get("targets", []))
+
+
 def assert_figure(fig: dict[str, Any]) -> None:
-    for key in ("p50_us", "p99_us", "ops_per_s"):
+    for key in ("p50_us", "p99_us", "mean_us", "ops_per_s"):
         assert fig[key]["median"] > 0, (key, fig)
         assert fig[key]["min"] <= fig[key]["median"] <= fig[key]["max"]
+    # What the Little's-law check needs is recorded beside the figure, and it passed.
+    assert fig["clients"] >= 1 and "invalid" not in fig, fig
 
 
 def assert_peer_measured_or_explained(res: dict[str, Any], figure: str) -> None:
@@ -74,6 +87,8 @@ def test_control_plane_tiny(tmp_path: Path) -> None:
     assert set(broker["resolve_mirror"]) == {"c1", "c4"}
     for fig in broker["resolve_mirror"].values():
         assert_figure(fig)
+        assert fig["in_process"]  # so the cores check applies to it
+    assert broker["inventory"]["c4"]["bytes_per_block"] > 0  # so the memcpy check applies
     assert broker["mirror_sync"]["blocks"] > 0
     assert 0 < broker["mirror_lag"]["p50_us"] <= broker["mirror_lag"]["p99_us"]
     assert broker["inventory_with_mirror"]["c1"]["blocks_per_s"]["median"] > 0

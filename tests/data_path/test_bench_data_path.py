@@ -45,3 +45,6 @@ def test_bench_runs_and_writes_json(tmp_path: Path) -> None:
         for method in ("adapter", "raw_nixl", "memcpy"):
             assert len(row[method]["samples_gbps"]) == 2 and row[method]["gbps_median"] > 0
         assert row["adapter_vs_raw"] > 0
+    # Every GB/s figure was checked against memcpy of the same bytes, and passed.
+    assert "Consistency checks (Little's law, cores, memcpy)" in proc.stdout
+    assert doc["checks"] == {"invalid": [], "passed": True}

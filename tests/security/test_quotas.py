@@ -34,7 +34,9 @@ def quota_world(
     args = tls_args(pki, mutual=True, tokens=False) + QUOTAS
     with BrokerProcess(tmp_path_factory.mktemp("quotas"), args) as proc:
         world = build_world(proc.address, pki.mtls)  # acme: p0 and p1, two holds of p0
-        g1 = ThreadedEngineSession(proc.address, engine_info("g1"), ttl_ms=30_000, security=pki.mtls("other_engine"))
+        g1 = ThreadedEngineSession(
+            proc.address, engine_info("g1"), ttl_ms=30_000, security=pki.mtls("other_engine")
+        )
         g1.start(wait_connected_s=15)
         try:
             yield world, g1

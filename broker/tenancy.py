@@ -221,6 +221,8 @@ class TenantGuard:
             keep_matches = [m for m in response.matches if self.sees_engine(who, m.engine_id)]
             del response.matches[:]
             response.matches.extend(keep_matches)
+            if response.HasField("holder") and not self.sees_engine(who, response.holder.engine_id):
+                response.ClearField("holder")  # never another tenant's memory description
         return response
 
     def stream_item(self, who: Identity, item: object) -> object | None:

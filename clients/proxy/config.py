@@ -87,6 +87,11 @@ class ProxyConfig:
         "OTLP gRPC endpoint for traces, e.g. http://collector:4317; empty = no export",
         env="OTEL_EXPORTER_OTLP_ENDPOINT",
     )
+    api_keys_file: str = setting(
+        "",
+        "file of API keys, one 'KEY TENANT' a line: requests need 'Authorization: Bearer KEY' and the proxy "
+        "sets their cache_salt to TENANT[/SALT] (a salt naming another tenant is refused); empty = off",
+    )
     log_level: str = setting("INFO", "how much the proxy logs", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     security: ClientSecurity | None = setting(  # noqa: RUF009 (frozen; flag=False: set by config_from_args)
         None,

@@ -5,6 +5,7 @@ adapters take their certificates in kv_connector_extra_config (identities kvbrok
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ pytest.importorskip("cryptography")
 
 from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.sync import BrokerClient
+from kvbroker.common.hashing import wire_chain
 from kvbroker.testing.certs import CertificateAuthority
 from kvbroker.testing.engines import (
     BLOCK_SIZE,
@@ -30,6 +32,7 @@ from kvbroker.testing.engines import (
 from kvbroker.testing.processes import BrokerProcess
 from kvbroker.testing.waiting import wait_for
 from kvbroker.tools.launch import EngineProcess
+from kvbroker.v1 import broker_pb2 as pb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -106,12 +109,30 @@ def test_p_to_d_and_the_next_turn_over_mutual_tls(secure_cluster: SecureCluster)
     assert output_ids(answer) == reference
     assert c.stat("D", "pulled_blocks") - pulled_before == len(prompt) // BLOCK_SIZE
 
-    # Turn 2 on P: D holds turn 1 (prompt + answer) and P pulls it, all over mutual TLS.
-    turn2 = prompt + output_ids(answer) + prompt_of(40, seed=13)
+    # The next turn on P: D holds turn 1 (prompt + answer); P pulls the answer's blocks from D.
+    turn1 = prompt_of(200, seed=7)
+    first = complete(c.p, turn1, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    answer1 = output_ids(
+        complete(c.d, turn1, max_tokens=100, kv_transfer_params=first.get("kv_transfer_params"))
+    )
+    history = turn1 + answer1
+    turn2 = history + prompt_of(20, seed=8)
     reference2 = recompute_reference(c.p, turn2, MAX_TOKENS)
+    with BrokerClient(c.broker.address, security=c.operator) as client:
+        layout = next(e.layout_id for e in client.list_engines().engines if e.engine_id == "D")
+        namespace = pb.Namespace(layout_id=layout, tenant="acme/")
+        hashes = wire_chain(turn2, BLOCK_SIZE)
+        blocks = (len(history) - 1) // BLOCK_SIZE
+
+        def d_named() -> bool:
+            matches = client.resolve(namespace=namespace, block_hashes=hashes).matches
+            return any(m.engine_id == "D" and m.matched_blocks >= blocks for m in matches)
+
+        assert wait_for(d_named, 10), "the broker never named D for the finished turn"
+    time.sleep(0.5)  # P's index mirror hears it a moment later
     pulled_p = c.stat("P", "pulled_blocks")
     assert output_ids(complete(c.p, turn2, max_tokens=MAX_TOKENS)) == reference2
-    assert c.stat("P", "pulled_blocks") > pulled_p
+    assert c.stat("P", "pulled_blocks") - pulled_p == blocks - len(turn1) // BLOCK_SIZE
 
     with BrokerClient(c.broker.address, security=c.operator) as client:
         leases = client.list_leases(include_ended=True).leases

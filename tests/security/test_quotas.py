@@ -136,3 +136,32 @@ def test_session_and_stream_quotas_are_per_tenant_and_identity(
     finally:
         watch.cancel()
         first_channel.close()
+
+
+def test_indexed_blocks_quota_is_per_tenant(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> None:
+    args = [*tls_args(pki, mutual=True, tokens=False), "--quota-blocks", "10"]
+    with BrokerProcess(tmp_path_factory.mktemp("blocks"), args) as proc:
+        sessions = []
+        try:
+            for who, name in (("p0", "p0"), ("other_engine", "g1")):
+                s = ThreadedEngineSession(
+                    proc.address, engine_info(name), ttl_ms=30_000, security=pki.mtls(who)
+                )
+                s.start(wait_connected_s=15)
+                sessions.append(s)
+            p0, g1 = sessions
+            acme = pb.Namespace(layout_id=p0.layout_id, tenant="acme/")
+            globex = pb.Namespace(layout_id=p0.layout_id, tenant="globex/")
+            p0.announce_stored(acme, pb.TIER_GPU, range(1, 9))
+            p0.applied(10)
+            p0.announce_stored(acme, pb.TIER_GPU, range(100, 108))  # 16 > 10: refused as a whole
+            p0.applied(10)
+            g1.announce_stored(globex, pb.TIER_GPU, range(1, 9))  # globex has its own 10
+            g1.applied(10)
+            with BrokerClient(proc.address, security=pki.mtls("root")) as root:
+                assert root.stats().blocks_indexed == 16
+                counts = {e.engine_id: e.blocks_gpu for e in root.list_engines().engines}
+            assert counts == {"p0": 8, "g1": 8}
+        finally:
+            for s in sessions:
+                s.close()

@@ -130,6 +130,12 @@ def _listen(
                 address,
             )
         return server.add_insecure_port(address), None
+    if not security.authenticates and not is_loopback(address):
+        log.warning(
+            "serving TLS without client identities on %s: any client that reaches it may act for any "
+            "engine; add --tls-ca (mutual TLS) or --tokens-file",
+            address,
+        )
     try:
         creds, files = server_credentials(security)
     except (OSError, ValueError) as err:

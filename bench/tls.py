@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-tls-") as tmp:
         results = asyncio.run(_run(rounds, ops, chains, Path(tmp)))
     table, verdicts = report(results)
+    load = os.getloadavg()
+    table += f"\nmachine load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min)"
     print(table)
     doc = {
         "program": "bench/tls.py",
@@ -212,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "setting": "broker processes and one client on the same machine (loopback); ECDSA P-256 certificates, TLS 1.3",
         "results": results,
         "targets": verdicts,
+        "load_average": list(load),
         "table": table,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ tokens rotate without a restart.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -54,6 +55,7 @@ class Identity:
         return self.tenant == ALL_TENANTS or tenant == self.tenant or tenant.startswith(self.tenant + "/")
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_identity(uri: str) -> Identity:
     """``kvbroker://TENANT/ROLE/NAME`` as an Identity; ValueError says what is wrong."""
     if not uri.startswith(SCHEME):

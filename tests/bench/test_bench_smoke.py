@@ -138,5 +138,5 @@ def test_tls_bench_quick(tmp_path: Path) -> None:
         assert figures["mirror_resolve_p50_us"]["median"] > 0
     assert "mutual TLS" in proc.stdout and set(doc["targets"]) == {
         "mirror_resolve_p50_us",
-        "session_inventory_blocks_per_s",
+        "session_inventory_cpu_us_per_1k_blocks",
     }

@@ -14,8 +14,8 @@ its environment needs no code::
 - ``token_file``: a file holding one bearer token, sent as
   ``authorization: Bearer TOKEN`` on every call. It is reread when it changes,
   so a rotated token is used from the next call on. Tokens need TLS.
-Certificate files are read when a channel is made (a client that reconnects
-with a new channel picks up renewed files); the broker rereads its own.
+Certificate files are read when a channel is made; the asyncio client makes a
+new channel when they change (`FileStamp`), and the broker rereads its own.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +95,34 @@ class ClientSecurity:
         if self.tls_server_name:
             return [("grpc.ssl_target_name_override", self.tls_server_name)]
         return []
+
+
+class FileStamp:
+    """When a client's certificate files last changed, checked at most once a second."""
+
+    RECHECK_S = 1.0
+
+    def __init__(self, security: ClientSecurity) -> None:
+        self.paths = [p for p in (security.tls_ca, security.tls_cert, security.tls_key) if p]
+        self._stamp = self._read()
+        self._next = time.monotonic() + self.RECHECK_S
+
+    def _read(self) -> tuple[int, ...]:
+        try:
+            return tuple(os.stat(p).st_mtime_ns for p in self.paths)
+        except OSError:
+            return ()
+
+    def changed(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.RECHECK_S
+        stamp = self._read()
+        if not stamp or stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        return True
 
 
 def _read(path: str) -> bytes:

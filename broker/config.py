@@ -16,7 +16,11 @@ from kvbroker.common.settings import setting
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
-    address: str = setting("[::]:50051", "host:port to listen on ([::]:0 picks a free port)")
+    address: str = setting(
+        "127.0.0.1:50051",
+        "host:port to listen on (port 0 picks a free one); on a non-loopback address such as [::]:50051 "
+        "the broker needs TLS (--tls-cert) or --insecure",
+    )
     session_ttl_ms: int = setting(
         10_000, "session TTL granted when an engine asks for 0; heartbeats come every TTL/3"
     )

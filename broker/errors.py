@@ -68,3 +68,15 @@ class PermissionDenied(BrokerError):
 
 class AlreadyExists(BrokerError):
     """A duplicate that must stay unique (e.g. a session already registered on this stream)."""
+
+
+class ResourceExhausted(BrokerError):
+    """A quota is used up; the message names the limit."""
+
+    default_cause = Cause.QUOTA_EXCEEDED
+
+
+class Unauthenticated(BrokerError):
+    """The call has no credential the broker accepts."""
+
+    default_cause = Cause.UNAUTHENTICATED

@@ -20,14 +20,20 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
+from kvbroker.broker.auth import AuthInterceptor
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.clock import Clock, MonotonicClock
 from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.decode_guard import DecodeGuardInterceptor
 from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.identity import Authenticator, TokenTable
 from kvbroker.broker.metrics import MetricsInterceptor, start_metrics_http
+from kvbroker.broker.quotas import Quotas
+from kvbroker.broker.security_config import SecurityConfig, is_loopback
 from kvbroker.broker.servicer import BrokerServicer
+from kvbroker.broker.tenancy import TenantGuard
 from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider, otlp_endpoint
 from kvbroker.common import settings
 from kvbroker.common.causes import Cause
@@ -48,6 +54,9 @@ class RunningServer:
     port: int
     address: str
     metrics_port: int = 0
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    certificates: CertificateFiles | None = None  # the TLS files it follows (None: plaintext)
+    guard: TenantGuard | None = None  # identities' engines and tenants (None: no authentication)
     _expiry_task: asyncio.Task[None] | None = None
     _extras: list[Any] = field(default_factory=list)  # metrics http server, tracer provider
 
@@ -99,14 +108,56 @@ def _public_address(address: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def _auth_interceptor(core: BrokerCore, security: SecurityConfig) -> AuthInterceptor | None:
+    if not security.authenticates:
+        return None
+    try:
+        tokens = TokenTable(security.tokens_file) if security.tokens_file else None
+    except (OSError, ValueError) as err:
+        raise InvalidArgument(f"cannot use --tokens-file: {err}") from None
+    quotas = Quotas(security)
+    return AuthInterceptor(Authenticator(tokens, security.mutual), TenantGuard(core, quotas), quotas)
+
+
+def _listen(
+    server: grpc.aio.Server, address: str, security: SecurityConfig
+) -> tuple[int, CertificateFiles | None]:
+    if not security.tls:
+        if security.insecure and not is_loopback(address):
+            log.warning(
+                "serving PLAINTEXT without credentials on %s (--insecure): anyone who reaches it can "
+                "read every engine's NIXL metadata and act for any engine",
+                address,
+            )
+        return server.add_insecure_port(address), None
+    if not security.authenticates and not is_loopback(address):
+        log.warning(
+            "serving TLS without client identities on %s: any client that reaches it may act for any "
+            "engine; add --tls-ca (mutual TLS) or --tokens-file",
+            address,
+        )
+    try:
+        creds, files = server_credentials(security)
+    except (OSError, ValueError) as err:
+        raise InvalidArgument(f"cannot load the TLS certificate, key or CA: {err}") from None
+    return server.add_secure_port(address, creds), files
+
+
 async def start_server(
-    config: BrokerConfig, clock: Clock | None = None, *, tracer_provider: TracerProvider | None = None
+    config: BrokerConfig,
+    clock: Clock | None = None,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    security: SecurityConfig | None = None,
 ) -> RunningServer:
     """Start a broker on the running event loop (use address host:0 for a free port).
 
     `tracer_provider` overrides the OTLP set-up (tests pass one with an in-memory exporter).
+    `security`: TLS, mutual TLS or tokens, and quotas (default: plaintext, loopback only).
     """
     config.validate()
+    security = security or SecurityConfig()
+    security.validate(config.address)
     clock = clock or MonotonicClock()
     notifier = StreamNotifier(clock)
     core = BrokerCore(config, clock=clock, notifier=notifier)
@@ -124,6 +175,11 @@ async def start_server(
         interceptors.append(TracingInterceptor(provider))
         servicer.tracer = provider.get_tracer("kvbroker.server")
         extras.append(provider)
+    auth = _auth_interceptor(core, security)
+    if auth is not None:
+        # Before the decode guard: a caller without rights learns nothing, not even "malformed".
+        interceptors.append(auth)
+        servicer.session_guard = auth.session_guard
     interceptors.append(DecodeGuardInterceptor())
 
     limit = config.max_message_bytes
@@ -142,7 +198,7 @@ async def start_server(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(config.address)
+    port, certificates = _listen(server, config.address, security)
     if port == 0:
         raise InvalidArgument(f"cannot listen on {config.address!r} (address in use or invalid)")
     await server.start()
@@ -163,6 +219,9 @@ async def start_server(
         port=port,
         address=_public_address(config.address, port),
         metrics_port=metrics_port,
+        security=security,
+        certificates=certificates,
+        guard=auth.guard if auth is not None else None,
         _extras=extras,
     )
     running._expiry_task = asyncio.create_task(_expiry_loop(core), name="kvbroker-expiry")
@@ -176,6 +235,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per BrokerConfig field; defaults come from KVBROKER_* variables."""
     group = parser.add_argument_group("broker", "each flag can also be set by the environment variable shown")
     settings.add_arguments(group, BrokerConfig, ENV_PREFIX, error=parser.error)
+    secure = parser.add_argument_group(
+        "security", "TLS, mutual TLS, bearer tokens and quotas (docs/security.md); each flag has its variable"
+    )
+    settings.add_arguments(secure, SecurityConfig, ENV_PREFIX, error=parser.error)
 
 
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
@@ -183,12 +246,26 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
     return config
 
 
-async def _serve(config: BrokerConfig) -> None:
-    running = await start_server(config)
+def security_from_args(args: argparse.Namespace) -> SecurityConfig:
+    security: SecurityConfig = settings.from_args(SecurityConfig, args)
+    return security
+
+
+def _describe(security: SecurityConfig) -> str:
+    if security.mutual:
+        return "mutual TLS" + (" and bearer tokens" if security.tokens_file else "")
+    if security.tokens_file:
+        return "TLS and bearer tokens"
+    return "TLS, no client identities" if security.tls else "plaintext, no client identities"
+
+
+async def _serve(config: BrokerConfig, security: SecurityConfig) -> None:
+    running = await start_server(config, security=security)
     log.info(
-        "kvbroker listening on %s (port %d)%s",
+        "kvbroker listening on %s (port %d), %s%s",
         config.address,
         running.port,
+        _describe(security),
         f", metrics on :{running.metrics_port}" if running.metrics_port else "",
     )
     print(f"kvbroker listening on {running.address}", flush=True)
@@ -206,6 +283,8 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         config.validate()
+        security = security_from_args(args)
+        security.validate(config.address)
     except InvalidArgument as err:
         print(f"kvbroker: invalid configuration: {err.message}")
         return 2
@@ -215,7 +294,7 @@ def serve_main(args: argparse.Namespace) -> int:
     import uvloop
 
     try:
-        uvloop.run(_serve(config))
+        uvloop.run(_serve(config, security))
     except InvalidArgument as err:
         print(f"kvbroker: {err.message}")
         return 1

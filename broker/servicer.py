@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
@@ -60,6 +60,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         self.shutting_down = False
         # Spans for the lease commands on Session streams (set when tracing is on).
         self.tracer: Tracer | None = None
+        # Checks each Session message as the caller's identity (broker.auth; set when it authenticates).
+        self.session_guard: Callable[[EngineRecord, pb.SessionUp], None] | None = None
 
     # -- Session stream ------------------------------------------------------------
 
@@ -144,6 +146,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             seq = msg.seq
             reply: pb.SessionDown | None = None
             try:
+                if self.session_guard is not None:
+                    self.session_guard(rec, msg)
                 if kind in lease_calls.SESSION_COMMANDS:
                     with command_span(self.tracer, kind.capitalize(), msg.trace_context):
                         reply = lease_calls.session_command(core, rec, msg)

@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvbroker.clients import errors
+from kvbroker.clients.credentials import ClientSecurity, FileStamp, aio_channel
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
@@ -100,12 +101,30 @@ class AsyncBrokerClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
         channel: grpc.aio.Channel | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
+        """`security`: TLS, mutual TLS or a token (default: from the KVBROKER_TLS_* variables).
+
+        When the certificate files change, later calls and streams (a session's
+        reconnect) go over a new channel made from them; calls in flight finish
+        on the old one."""
         self.address = address
         self.timeout = timeout
         self._owns_channel = channel is None
-        self.channel = channel or grpc.aio.insecure_channel(address, options=channel_options(options))
-        self.stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+        self._security = security if security is not None else ClientSecurity.from_env()
+        self._options = channel_options(options)
+        self.channel = channel or aio_channel(address, self._security, self._options)
+        self._files = FileStamp(self._security) if channel is None and self._security.tls else None
+        self._retired: list[grpc.aio.Channel] = []
+        self._stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+
+    @property
+    def stub(self) -> broker_pb2_grpc.KVBrokerStub:
+        if self._files is not None and self._files.changed():
+            self._retired.append(self.channel)
+            self.channel = aio_channel(self.address, self._security, self._options)
+            self._stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+        return self._stub
 
     async def __aenter__(self) -> AsyncBrokerClient:
         return self
@@ -115,6 +134,8 @@ class AsyncBrokerClient:
 
     async def close(self) -> None:
         if self._owns_channel:
+            for old in self._retired:
+                await old.close()
             await self.channel.close()
 
     async def wait_ready(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:

@@ -30,6 +30,7 @@ from kvbroker.clients import errors
 from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient, trace_metadata
 from kvbroker.clients.backoff import Backoff
 from kvbroker.clients.clock import SessionClock
+from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.inventory import (
     DEFAULT_MAX_HASHES_PER_UPDATE,
     InventoryKey,
@@ -112,9 +113,12 @@ class EngineSession(SessionStream):
         lease_call_timeout_s: float | None = None,
         mirror_index: bool = False,
         clock: SessionClock | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         if engine is None or not engine.engine_id:
             raise ValueError("EngineSession needs an EngineInfo with an engine_id")
+        owns_client = client is None
+        client = client or AsyncBrokerClient(address, security=security)
         super().__init__(
             address,
             engine,
@@ -132,6 +136,7 @@ class EngineSession(SessionStream):
             register_timeout_s=register_timeout_s,
             clock=clock,
         )
+        self._owns_client = owns_client
         self.flush_interval_s = flush_interval_s
         self.flush_max_hashes = flush_max_hashes
         self.max_hashes_per_update = max_hashes_per_update

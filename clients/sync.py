@@ -22,6 +22,7 @@ from kvbroker.clients.aio import (
     channel_options,
     trace_metadata,
 )
+from kvbroker.clients.credentials import ClientSecurity, sync_channel
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
@@ -36,11 +37,13 @@ class BrokerClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
         channel: grpc.Channel | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
+        """`security`: TLS, mutual TLS or a token (default: from the KVBROKER_TLS_* variables)."""
         self.address = address
         self.timeout = timeout
         self._owns_channel = channel is None
-        self.channel = channel or grpc.insecure_channel(address, options=channel_options(options))
+        self.channel = channel or sync_channel(address, security, channel_options(options))
         self.stub = broker_pb2_grpc.KVBrokerStub(self.channel)
 
     def __enter__(self) -> BrokerClient:

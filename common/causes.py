@@ -62,6 +62,14 @@ class Cause(StrEnum):
     WATCHER_BEHIND = "watcher_behind"
     TOO_MANY_MIRRORS = "too_many_mirrors"
 
+    # Who is calling (transport security, identities, roles, tenants, quotas).
+    UNAUTHENTICATED = "unauthenticated"
+    ROLE_DENIED = "role_denied"
+    OTHER_TENANT = "other_tenant"
+    NOT_YOURS = "not_yours"
+    SESSION_OWNED = "session_owned"
+    QUOTA_EXCEEDED = "quota_exceeded"
+
     # Resolve leased nothing (ResolveResponse.skipped_reason, not an error).
     NO_HOLDER = "no_holder"
     BELOW_MIN = "below_min"
@@ -202,6 +210,39 @@ CAUSES: dict[Cause, CauseInfo] = {
         "RESOURCE_EXHAUSTED",
         "the broker has as many Mirror streams as --max-mirrors allows",
         "retry later, resolve over the session instead, or raise the limit",
+    ),
+    Cause.UNAUTHENTICATED: CauseInfo(
+        "UNAUTHENTICATED",
+        "the broker requires a credential and the call had none it accepts (no bearer token, an "
+        "unknown token, or a client certificate without a kvbroker:// identity)",
+        "send a token from the broker's token file, or use a client certificate with a "
+        "kvbroker://TENANT/ROLE/NAME URI SAN",
+    ),
+    Cause.ROLE_DENIED: CauseInfo(
+        "PERMISSION_DENIED",
+        "the caller's role may not make this call (the message names the identity and the rule)",
+        "make the call with an identity of a role that may (engine, router or operator)",
+    ),
+    Cause.OTHER_TENANT: CauseInfo(
+        "PERMISSION_DENIED",
+        "the request names a namespace, lease or engine of another tenant than the caller's",
+        "name your own tenant (TENANT or TENANT/SALT); tenants never share prefixes, leases or engines",
+    ),
+    Cause.NOT_YOURS: CauseInfo(
+        "PERMISSION_DENIED",
+        "an engine identity acted for another engine id (register, rank, hold, acquire, renew, "
+        "release or resolve as another engine)",
+        "an engine acts only as the engine id its identity names",
+    ),
+    Cause.SESSION_OWNED: CauseInfo(
+        "PERMISSION_DENIED",
+        "a live session of another identity holds this engine id",
+        "use a unique engine id; the same identity may replace its own session",
+    ),
+    Cause.QUOTA_EXCEEDED: CauseInfo(
+        "RESOURCE_EXHAUSTED",
+        "a per-tenant or per-identity quota is used up (the message names the limit)",
+        "wait for the use to drop (end sessions, release leases, slow down), or raise the quota",
     ),
     Cause.NO_HOLDER: CauseInfo(
         "", "resolve found no engine holding a prefix the asker can read", "recompute"

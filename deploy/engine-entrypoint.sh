@@ -11,12 +11,14 @@ ENGINE_URL="${ENGINE_URL:-http://${ENGINE_ID}:${PORT}}"
 KV_RECOMPUTE_THRESHOLD="${KV_RECOMPUTE_THRESHOLD:-64}"
 MULTI_TURN="${MULTI_TURN:-false}"
 BLOCK_SIZE="${BLOCK_SIZE:-32}"
+# The tenant of this engine's identity (mutual TLS: KVBROKER_TLS_CA/CERT/KEY, read by the adapter).
+TENANT="${TENANT:-}"
 KV_CONFIG=$(cat <<JSON
 {"kv_connector": "BrokerConnector", "kv_connector_module_path": "kvbroker.engine_adapter.connector",
  "kv_role": "kv_both",
  "kv_connector_extra_config": {"broker_address": "${BROKER_ADDRESS}", "engine_id": "${ENGINE_ID}",
    "role": "${ROLE}", "url": "${ENGINE_URL}", "kv_recompute_threshold": ${KV_RECOMPUTE_THRESHOLD},
-   "multi_turn": ${MULTI_TURN}}}
+   "multi_turn": ${MULTI_TURN}, "tenant": "${TENANT}"}}
 JSON
 )
 exec python3 -m vllm.entrypoints.openai.api_server --model "${MODEL}" --host 0.0.0.0 --port "${PORT}" \

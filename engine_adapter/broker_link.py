@@ -17,9 +17,12 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvbroker.v1 import broker_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvbroker.clients.credentials import ClientSecurity
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class SessionBrokerLink:
         index_mirror: bool = False,
         resolve_timeout_s: float = 2.0,
         lease_call_timeout_s: float | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         from kvbroker.clients.threaded_session import ThreadedEngineSession
 
@@ -144,6 +148,7 @@ class SessionBrokerLink:
             # the session must not give up on an answer before they run out.
             resolve_timeout_s=resolve_timeout_s,
             lease_call_timeout_s=lease_call_timeout_s,
+            security=security,
         )
         self._session.start()
 

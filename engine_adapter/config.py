@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.common import settings
 from kvbroker.common.settings import setting
 
@@ -62,6 +63,23 @@ class AdapterConfig:
         "Slots (blocks) of the CPU offload tier, per rank (0 = off). Finished requests' full blocks are copied there and announced as tier CPU.",
     )
     tenant: str = setting("", "Tenant added to the namespace (with the request's cache_salt).")
+    tls_ca: str = setting(
+        "",
+        "PEM file of the CA that signed the broker's certificate: TLS to the broker (default: $KVBROKER_TLS_CA).",
+    )
+    tls_cert: str = setting(
+        "",
+        "PEM file of this engine's client certificate for mutual TLS, URI SAN kvbroker://TENANT/engine/ENGINE_ID "
+        "(default: $KVBROKER_TLS_CERT).",
+    )
+    tls_key: str = setting("", "PEM file of the private key of tls_cert (default: $KVBROKER_TLS_KEY).")
+    tls_server_name: str = setting(
+        "",
+        "Name to expect in the broker's certificate, if not the address's host ($KVBROKER_TLS_SERVER_NAME).",
+    )
+    token_file: str = setting(
+        "", "File holding this engine's bearer token, instead of a client certificate ($KVBROKER_TOKEN_FILE)."
+    )
     stats_path: str = setting(
         "",
         "Optional file the scheduler side rewrites with its counters (JSON), for tests and operators, "
@@ -90,3 +108,12 @@ class AdapterConfig:
     @property
     def broker_enabled(self) -> bool:
         return bool(self.broker_address)
+
+    def security(self) -> ClientSecurity:
+        """The broker credentials: the keys given here, the rest from the KVBROKER_* variables."""
+        return ClientSecurity.from_mapping(
+            {
+                name: getattr(self, name)
+                for name in ("tls_ca", "tls_cert", "tls_key", "tls_server_name", "token_file")
+            }
+        )

@@ -131,6 +131,7 @@ class BrokerConnector(KVConnectorBase_V1):
                 resolve_timeout_s=max(2.0, max(config.resolve_wait_ms, config.acquire_wait_ms) / 1000.0),
                 # A release answered late still commits the read while the lease lives.
                 lease_call_timeout_s=max(5.0, config.lease_ttl_ms / 1000.0),
+                security=config.security(),
             )
         logger.info(
             "kvbroker: engine %s (role %s), broker %s, threshold %d tokens, multi_turn=%s",
@@ -290,7 +291,7 @@ def _rank_registrar(config: AdapterConfig) -> Any:
             from kvbroker.clients.sync import BrokerClient
 
             # A loaded broker may answer in seconds; a timed-out refresh is only retried.
-            clients.append(BrokerClient(config.broker_address, timeout=10.0))
+            clients.append(BrokerClient(config.broker_address, timeout=10.0, security=config.security()))
         clients[0].register_rank(engine_id=config.engine_id, rank=rank)
 
     return register

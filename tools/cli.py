@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from kvbroker.clients import errors
+from kvbroker.clients.credentials import ClientSecurity, CredentialError
 from kvbroker.clients.sync import BrokerClient
+from kvbroker.common import settings
 from kvbroker.tools.cli_commands import cmd_serve
 from kvbroker.tools.cli_parser import build_parser
 from kvbroker.tools.cli_render import format_table, to_json
@@ -65,11 +67,15 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             return 1
         return cmd_serve(args)
     try:
-        with BrokerClient(args.broker, timeout=args.timeout) as client:
+        security = settings.from_args(ClientSecurity, args)
+        with BrokerClient(args.broker, timeout=args.timeout, security=security) as client:
             return int(args.handler(client, args, out))
     except errors.BrokerError as err:
         print(f"kvbroker {args.command}: {_explain(err, args)}", file=sys.stderr)
         return exit_code_of(err)
+    except CredentialError as err:
+        print(f"kvbroker {args.command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _command_of(argv: Sequence[str]) -> str | None:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbroker.clients.aio import DEFAULT_ADDRESS
+from kvbroker.clients.credentials import ENV_PREFIX as SECURITY_ENV_PREFIX
+from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.common import settings
 from kvbroker.common.settings import setting
 from kvbroker.tools.cli_commands import (
@@ -50,6 +52,8 @@ environment:
   KVBROKER_ADDR          broker address for the operator commands (default 127.0.0.1:50051)
   KVBROKER_CLI_TIMEOUT   per-call timeout in seconds (default 5)
   KVBROKER_CLI_JSON      1: print JSON
+  KVBROKER_TLS_CA, KVBROKER_TLS_CERT, KVBROKER_TLS_KEY, KVBROKER_TOKEN_FILE
+                         TLS, mutual TLS or a bearer token (see docs/security.md)
 
 exit status:
   0 ok, 1 other broker error, 2 bad usage, 3 broker unreachable or too slow,
@@ -68,10 +72,15 @@ def build_parser(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     settings.add_arguments(parser, CliOptions, ENV_PREFIX, error=parser.error)
+    secure = parser.add_argument_group(
+        "broker security", "TLS, mutual TLS or a bearer token (docs/security.md)"
+    )
+    settings.add_arguments(secure, ClientSecurity, SECURITY_ENV_PREFIX, error=parser.error)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     # The global options work after the command too (`kvbroker engines --json`).
     common = argparse.ArgumentParser(add_help=False)
     settings.add_arguments(common, CliOptions, ENV_PREFIX, repeated=True)
+    settings.add_arguments(common, ClientSecurity, SECURITY_ENV_PREFIX, repeated=True)
 
     serve = commands.add_parser(
         "serve",

@@ -9,6 +9,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbroker.clients.credentials import ENV_PREFIX as SECURITY_ENV_PREFIX
+from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.common import settings
 from kvbroker.common.settings import setting
 
@@ -85,7 +87,17 @@ class ProxyConfig:
         "OTLP gRPC endpoint for traces, e.g. http://collector:4317; empty = no export",
         env="OTEL_EXPORTER_OTLP_ENDPOINT",
     )
+    api_keys_file: str = setting(
+        "",
+        "file of API keys, one 'KEY TENANT' a line: requests need 'Authorization: Bearer KEY' and the proxy "
+        "sets their cache_salt to TENANT[/SALT] (a salt naming another tenant is refused); empty = off",
+    )
     log_level: str = setting("INFO", "how much the proxy logs", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    security: ClientSecurity | None = setting(  # noqa: RUF009 (frozen; flag=False: set by config_from_args)
+        None,
+        "TLS, client certificate or token for the broker (None: the KVBROKER_TLS_* variables)",
+        flag=False,
+    )
 
     def engines_for(self, role: str) -> list[EngineSpec]:
         return [e for e in self.engines if e.serves(role)]
@@ -118,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{what}, optionally with its broker engine id; repeatable [env {env}, comma-separated]",
         )
     settings.add_arguments(parser, ProxyConfig, ENV_PREFIX, error=parser.error)
+    secure = parser.add_argument_group(
+        "broker security", "TLS, mutual TLS or a bearer token (docs/security.md)"
+    )
+    settings.add_arguments(secure, ClientSecurity, SECURITY_ENV_PREFIX, error=parser.error)
     return parser
 
 
@@ -142,5 +158,6 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raise SystemExit("error: give engines (--prefill/--decode/--engine) or --broker to discover them")
     if args.max_attempts < 1:
         raise SystemExit("error: --max-attempts must be at least 1")
-    config: ProxyConfig = settings.from_args(ProxyConfig, args, engines=tuple(engines))
+    security = settings.from_args(ClientSecurity, args)
+    config: ProxyConfig = settings.from_args(ProxyConfig, args, engines=tuple(engines), security=security)
     return config

@@ -20,6 +20,7 @@ from kvbroker.clients.proxy.config import ProxyConfig
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.forward import EngineFailure, Forwarder, Outcome, RequestRejected, openai_error
 from kvbroker.clients.proxy.routing import Route, Router
+from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
 
 log = logging.getLogger("kvbroker.proxy")
@@ -38,6 +39,7 @@ class ProxyState:
     forwarder: Forwarder
     broker: Any | None  # clients.aio.AsyncBrokerClient
     tracer: trace.Tracer
+    api_keys: ApiKeys | None = None
     refresh_task: asyncio.Task[None] | None = None
 
 
@@ -66,6 +68,12 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         return openai_error(400, f"request body is not valid JSON: {e}", "invalid_request_error")
     if not isinstance(body, dict):
         return openai_error(400, "request body must be a JSON object", "invalid_request_error")
+    if state.api_keys is not None:
+        try:
+            state.api_keys.apply(request.headers.get("Authorization"), body)
+        except TenantRefused as e:
+            kind = "authentication_error" if e.status == 401 else "permission_error"
+            return openai_error(e.status, e.message, "invalid_request_error" if e.status == 400 else kind)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     outcome = Outcome(request_id)
     tracer = state.tracer
@@ -193,7 +201,7 @@ def build_app(
     if broker is None and config.broker:
         from kvbroker.clients.aio import AsyncBrokerClient
 
-        broker = AsyncBrokerClient(config.broker)
+        broker = AsyncBrokerClient(config.broker, security=config.security)
     pool = EnginePool(config.engines, cooldown_s=config.cooldown_s)
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), json_serialize=json.dumps)
     state = ProxyState(
@@ -213,6 +221,7 @@ def build_app(
         ),
         broker=broker,
         tracer=tracer,
+        api_keys=ApiKeys(config.api_keys_file) if config.api_keys_file else None,
     )
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[STATE_KEY] = state

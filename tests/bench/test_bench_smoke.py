@@ -114,3 +114,29 @@ def test_broker_bench_tiny(tmp_path: Path) -> None:
     assert inproc["available"], inproc
     assert [p["blocks"] for p in inproc["points"]] == [5_000, 20_000]
     assert inproc["lookup_64_p50_us"] > 0
+
+
+def test_tls_bench_quick(tmp_path: Path) -> None:
+    """bench/tls.py runs its three transports and writes every figure for each."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
+    out = tmp_path / "tls.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.tls", "--quick", "--rounds", "1", "--out", str(out)],
+        cwd=str(REPO),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, f"bench.tls failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"plaintext", "tls", "mtls"}
+    for figures in doc["results"].values():
+        assert figures["session_inventory_blocks_per_s"]["median"] > 0
+        assert figures["mirror_resolve_p50_us"]["median"] > 0
+    assert "mutual TLS" in proc.stdout and set(doc["targets"]) == {
+        "mirror_resolve_p50_us",
+        "session_inventory_cpu_us_per_1k_blocks",
+    }

@@ -10,6 +10,8 @@ import pytest
 
 from kvbroker.broker.config import ENV_PREFIX as BROKER_PREFIX
 from kvbroker.broker.config import BrokerConfig
+from kvbroker.broker.security_config import SecurityConfig
+from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.proxy.config import ENV_PREFIX as PROXY_PREFIX
 from kvbroker.clients.proxy.config import ProxyConfig
 from kvbroker.common import settings
@@ -75,7 +77,7 @@ def test_mapping_refuses_unknown_keys_and_coerces_json_strings() -> None:
 
 
 def test_every_setting_has_help() -> None:
-    for cls in (BrokerConfig, ProxyConfig, AdapterConfig):
+    for cls in (BrokerConfig, ProxyConfig, AdapterConfig, SecurityConfig, ClientSecurity):
         for row in settings.describe(cls):
             assert len(row.help) > 10, (cls.__name__, row.name)
 
@@ -86,6 +88,8 @@ def test_every_setting_has_help() -> None:
         (BrokerConfig, BROKER_PREFIX, "broker.md"),
         (ProxyConfig, PROXY_PREFIX, "serving.md"),
         (AdapterConfig, "", "adapter.md"),
+        (SecurityConfig, BROKER_PREFIX, "security.md"),
+        (ClientSecurity, BROKER_PREFIX, "security.md"),
     ],
 )
 def test_every_setting_is_in_its_docs(cls: type, prefix: str, doc: str) -> None:

@@ -35,6 +35,8 @@ Causes are stable lowercase words; a new one may be added, none is renamed:
   requests        bad_request, out_of_range
   streams ended   session_superseded, session_expired, shutting_down,
                   too_many_watchers, watcher_behind, too_many_mirrors
+  who is calling  unauthenticated, role_denied, other_tenant, not_yours,
+                  session_owned, quota_exceeded
 ResolveResponse.skipped_reason uses the same words (and no_holder,
 below_min). docs/clients.md tabulates each: status code, meaning, what to
 do. Errors gRPC itself makes (deadline, message too large, cancelled)

@@ -1,0 +1,120 @@
+"""Per-tenant and per-identity quotas: request rate, streams, sessions, leases, indexed blocks.
+
+Each check raises ResourceExhausted (cause quota_exceeded) with the limit and
+its flag in the message, so one tenant or identity using up its share gets
+told, while every other one keeps its own: nothing here is shared between
+tenants. The counts come from the broker's own state (live sessions, leases,
+index) where it has them, so they cannot drift; only the rate buckets and
+open streams are kept here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvbroker.broker.errors import ResourceExhausted
+from kvbroker.broker.identity import Identity
+from kvbroker.broker.security_config import SecurityConfig
+
+
+class _Bucket:
+    __slots__ = ("stamp", "tokens")
+
+    def __init__(self, tokens: float, stamp: float) -> None:
+        self.tokens = tokens
+        self.stamp = stamp
+
+
+def _take(buckets: dict[Any, _Bucket], key: Any, rate: float, burst: float, now: float, calls: int) -> bool:
+    """Take `calls` tokens from `key`'s bucket (refilled at `rate`, holding up to `burst`); False if short."""
+    bucket = buckets.get(key)
+    if bucket is None:
+        bucket = buckets[key] = _Bucket(burst, now)
+    bucket.tokens = min(burst, bucket.tokens + (now - bucket.stamp) * rate)
+    bucket.stamp = now
+    if bucket.tokens < calls:
+        return False
+    bucket.tokens -= calls
+    return True
+
+
+class Quotas:
+    def __init__(self, config: SecurityConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self._buckets: dict[Identity, _Bucket] = {}
+        self._tenant_buckets: dict[str, _Bucket] = {}
+        self._streams: dict[Identity, int] = {}
+
+    # -- per identity ---------------------------------------------------------------
+
+    def spend(self, who: Identity, calls: int = 1) -> None:
+        """One call (or session message) of `who`: refused beyond --quota-rate (with --quota-burst)
+        for the identity, or beyond --quota-tenant-rate for its whole tenant."""
+        now = self.clock()
+        rate = self.config.quota_rate
+        burst = float(max(1, self.config.quota_burst))
+        if rate > 0 and not _take(self._buckets, who, rate, burst, now, calls):
+            raise ResourceExhausted(
+                f"{who} made more than {rate:g} calls per second (quota --quota-rate {rate:g}, "
+                f"--quota-burst {int(burst)}); slow down",
+                metadata={"identity": who.uri, "limit": f"{rate:g}/s"},
+            )
+        tenant_rate = self.config.quota_tenant_rate
+        if tenant_rate > 0 and not _take(
+            self._tenant_buckets, who.tenant, tenant_rate, tenant_rate, now, calls
+        ):
+            raise ResourceExhausted(
+                f"tenant {who.tenant!r} made more than {tenant_rate:g} calls per second, all its identities "
+                f"together (quota --quota-tenant-rate {tenant_rate:g}); {who} must wait",
+                metadata={"tenant": who.tenant, "limit": f"{tenant_rate:g}/s"},
+            )
+
+    def open_stream(self, who: Identity, method: str) -> None:
+        limit = self.config.quota_streams
+        count = self._streams.get(who, 0)
+        if limit and count >= limit:
+            raise ResourceExhausted(
+                f"{who} has {count} Watch/Mirror streams open, its quota (--quota-streams {limit}); "
+                f"close one before opening a {method}",
+                metadata={"identity": who.uri, "limit": str(limit)},
+            )
+        self._streams[who] = count + 1
+
+    def close_stream(self, who: Identity) -> None:
+        count = self._streams.get(who, 0) - 1
+        if count > 0:
+            self._streams[who] = count
+        else:
+            self._streams.pop(who, None)
+
+    # -- per tenant -----------------------------------------------------------------
+
+    def check_sessions(self, who: Identity, live_in_tenant: int) -> None:
+        limit = self.config.quota_sessions
+        if limit and live_in_tenant >= limit:
+            raise ResourceExhausted(
+                f"tenant {who.tenant!r} has {live_in_tenant} live sessions, its quota "
+                f"(--quota-sessions {limit}); {who} cannot open another",
+                metadata={"tenant": who.tenant, "limit": str(limit)},
+            )
+
+    def check_leases(self, who: Identity, live_in_tenant: int) -> None:
+        limit = self.config.quota_leases
+        if limit and live_in_tenant >= limit:
+            raise ResourceExhausted(
+                f"tenant {who.tenant!r} has {live_in_tenant} live leases, its quota "
+                f"(--quota-leases {limit}); release or let some end before holding more",
+                metadata={"tenant": who.tenant, "limit": str(limit)},
+            )
+
+    def check_blocks(self, who: Identity, indexed_in_tenant: int, adding: int) -> None:
+        limit = self.config.quota_blocks
+        if limit and adding and indexed_in_tenant + adding > limit:
+            raise ResourceExhausted(
+                f"tenant {who.tenant!r} has {indexed_in_tenant} indexed blocks; {adding} more would pass "
+                f"its quota (--quota-blocks {limit}); announce removals first",
+                metadata={"tenant": who.tenant, "limit": str(limit)},
+            )

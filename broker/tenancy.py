@@ -1,0 +1,248 @@
+"""What an identity may do, beyond its role: act only as itself, stay in its tenant, within quotas.
+
+`TenantGuard` holds who registered each engine id (its owner identity) and
+checks each request against the caller's identity before the servicer sees
+it, then filters what goes back, so that no prefix, lease, engine or NIXL
+agent metadata of one tenant reaches another:
+
+- a namespace's tenant must be the caller's tenant (``TENANT``) or a salt
+  inside it (``TENANT/SALT``); ``cache_salt`` subdivides inside a tenant;
+- an engine identity acts only as the engine id its identity names
+  (register, rank, hold, acquire, renew, release, resolve);
+- a lease, engine or hold of another tenant is refused (PERMISSION_DENIED,
+  cause other_tenant) or left out of lists and streams;
+- a live session of an engine id is replaced only by the same identity
+  (a restarted engine replaces its own session; the core revokes the old
+  session's leases and tells their other side).
+Operators of tenant ``*`` see every tenant. The guard is only installed when
+the broker authenticates callers (mutual TLS or tokens).
+"""
+
+from __future__ import annotations
+
+from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.errors import NotFound, PermissionDenied
+from kvbroker.broker.identity import ALL_TENANTS, Identity, Role
+from kvbroker.broker.quotas import Quotas
+from kvbroker.common.causes import Cause
+from kvbroker.v1 import broker_pb2 as pb
+
+
+def _short(value: str) -> str:
+    return value if len(value) <= 80 else value[:77] + "..."
+
+
+class TenantGuard:
+    def __init__(self, core: BrokerCore, quotas: Quotas) -> None:
+        self.core = core
+        self.quotas = quotas
+        self.owners: dict[str, Identity] = {}  # engine id -> the identity that registered it
+
+    # -- who owns what ----------------------------------------------------------------
+
+    def tenant_of_engine(self, engine_id: str) -> str | None:
+        owner = self.owners.get(engine_id)
+        return owner.tenant if owner is not None else None
+
+    def sees_engine(self, who: Identity, engine_id: str) -> bool:
+        if who.tenant == ALL_TENANTS:
+            return True
+        return self.tenant_of_engine(engine_id) == who.tenant
+
+    def _tenant_engines(self, tenant: str) -> list[str]:
+        return [e for e, owner in self.owners.items() if owner.tenant == tenant]
+
+    # -- checks -----------------------------------------------------------------------
+
+    def namespace(self, who: Identity, ns: pb.Namespace, what: str) -> None:
+        if not who.owns_tenant(ns.tenant):
+            raise PermissionDenied(
+                f"{who} may not use {what}.namespace.tenant {_short(ns.tenant)!r}: rule 'a namespace's tenant "
+                f"is the caller's': name {who.tenant!r} or {who.tenant + '/SALT'!r} (an engine: set the "
+                f"adapter's tenant key to {who.tenant!r})",
+                Cause.OTHER_TENANT,
+                {"identity": who.uri, "tenant": _short(ns.tenant)},
+            )
+
+    def own_engine(self, who: Identity, engine_id: str, what: str) -> None:
+        if who.role == Role.ENGINE and engine_id and engine_id != who.name:
+            raise PermissionDenied(
+                f"{who} may not act as engine {_short(engine_id)!r} ({what}): rule 'an engine acts only as "
+                f"the engine id its identity names' ({who.name!r})",
+                Cause.NOT_YOURS,
+                {"identity": who.uri, "engine_id": _short(engine_id)},
+            )
+
+    def engine_in_tenant(self, who: Identity, engine_id: str, what: str) -> None:
+        if not engine_id or self.sees_engine(who, engine_id):
+            return
+        raise PermissionDenied(
+            f"{who} may not {what} engine {_short(engine_id)!r}: rule 'engines of another tenant are out "
+            f"of reach' (or the engine never registered)",
+            Cause.OTHER_TENANT,
+            {"identity": who.uri, "engine_id": _short(engine_id)},
+        )
+
+    def lease_in_tenant(self, who: Identity, lease_id: str, what: str) -> None:
+        try:
+            lease = self.core.leases.get(lease_id)
+        except NotFound:
+            return  # the core answers NOT_FOUND itself
+        if not who.owns_tenant(lease.namespace.tenant):
+            raise PermissionDenied(
+                f"{who} may not {what} lease {_short(lease_id)!r}: rule 'leases of another tenant are out "
+                f"of reach'",
+                Cause.OTHER_TENANT,
+                {"identity": who.uri, "lease_id": _short(lease_id)},
+            )
+
+    def admit_session(self, who: Identity, engine_id: str) -> None:
+        """Registration of `engine_id` by `who`: its own id, no other identity's live session, quota."""
+        if not engine_id:
+            raise PermissionDenied(
+                f"{who} registered an empty engine id: rule 'an engine registers the engine id its identity "
+                f"names' ({who.name!r})",
+                Cause.NOT_YOURS,
+                {"identity": who.uri},
+            )
+        self.own_engine(who, engine_id, "register")
+        live = self.core.registry.find(engine_id)
+        owner = self.owners.get(engine_id)
+        if live is not None and owner is not None and owner != who:
+            raise PermissionDenied(
+                f"{who} may not take over engine {_short(engine_id)!r}: a live session of {owner} holds it "
+                f"(rule 'only the same identity replaces a live session')",
+                Cause.SESSION_OWNED,
+                {"identity": who.uri, "engine_id": _short(engine_id)},
+            )
+        if live is None:
+            in_tenant = sum(1 for e in self._tenant_engines(who.tenant) if self.core.registry.find(e))
+            self.quotas.check_sessions(who, in_tenant)
+        self.owners[engine_id] = who
+
+    def _live_leases(self, tenant: str) -> int:
+        return sum(len(self.core.leases.by_holder(e)) for e in self._tenant_engines(tenant))
+
+    def _indexed_blocks(self, tenant: str) -> int:
+        return sum(sum(self.core.index.blocks_of(e).values()) for e in self._tenant_engines(tenant))
+
+    # -- per request, before the servicer -------------------------------------------------
+
+    def before(self, method: str, who: Identity, request: object, metadata_engine: str = "") -> None:
+        """Raise BrokerError if `who` may not make this request (unary calls and session commands)."""
+        if isinstance(request, pb.RegisterRankRequest):
+            self.own_engine(who, request.engine_id, "RegisterRank")
+            self.engine_in_tenant(who, request.engine_id, "add a rank to")
+        elif isinstance(request, pb.HoldRequest):
+            self.own_engine(who, request.holder_engine_id, "Hold")
+            self.namespace(who, request.namespace, "hold")
+            self.engine_in_tenant(who, request.reader_engine_id, "name as the reader")
+            self.quotas.check_leases(who, self._live_leases(who.tenant))
+        elif isinstance(request, pb.AcquireRequest):
+            self.own_engine(who, request.reader_engine_id, "Acquire")
+            self.lease_in_tenant(who, request.lease_id, "acquire")
+            self.quotas.check_leases(who, self._live_leases(who.tenant))
+        elif isinstance(request, pb.RenewRequest):
+            self.own_engine(who, request.engine_id, "Renew")
+            self.lease_in_tenant(who, request.lease_id, "renew")
+        elif isinstance(request, pb.ReleaseRequest):
+            self.own_engine(who, request.reader_engine_id, "Release")
+            self.lease_in_tenant(who, request.lease_id, "release")
+        elif isinstance(request, pb.DeclineRequest):
+            if request.holder_engine_id and self.tenant_of_engine(request.holder_engine_id) is None:
+                raise PermissionDenied(
+                    f"{who} may not decline a hold of engine {_short(request.holder_engine_id)!r}: rule "
+                    "'a decline names a holder of the caller's tenant' (that engine never registered)",
+                    Cause.OTHER_TENANT,
+                    {"identity": who.uri, "engine_id": _short(request.holder_engine_id)},
+                )
+            self.engine_in_tenant(who, request.holder_engine_id, "decline a hold of")
+        elif isinstance(request, pb.ResolveRequest):
+            self.namespace(who, request.namespace, "resolve")
+            if metadata_engine:
+                self.own_engine(who, metadata_engine, "Resolve")
+                if who.role != Role.ENGINE:
+                    raise PermissionDenied(
+                        f"{who} may not resolve as engine {_short(metadata_engine)!r}: rule 'only an engine "
+                        "identity resolves as an engine'",
+                        Cause.NOT_YOURS,
+                        {"identity": who.uri},
+                    )
+        elif isinstance(request, pb.ScoreRequest):
+            self.namespace(who, request.namespace, "score")
+        elif isinstance(request, pb.StatsRequest):
+            if who.tenant != ALL_TENANTS:
+                raise PermissionDenied(
+                    f"{who} may not read Stats: rule 'broker-wide counters are for operators of every "
+                    "tenant (kvbroker://*/operator/NAME)'",
+                    Cause.OTHER_TENANT,
+                    {"identity": who.uri},
+                )
+        elif isinstance(request, pb.RevokeRequest):
+            self.lease_in_tenant(who, request.lease_id, "revoke")
+        elif isinstance(request, pb.DrainRequest):
+            self.engine_in_tenant(who, request.engine_id, "drain")
+
+    def session_message(self, who: Identity, msg: pb.SessionUp) -> None:
+        """A message on `who`'s session stream (after registration): rate, namespaces, leases, quotas."""
+        self.quotas.spend(who)
+        kind = msg.WhichOneof("msg")
+        if kind == "inventory":
+            self.namespace(who, msg.inventory.namespace, "inventory")
+            stored = len(msg.inventory.stored)
+            if stored:
+                self.quotas.check_blocks(who, self._indexed_blocks(who.tenant), stored)
+        elif kind in ("resolve", "hold", "acquire", "renew", "release", "decline"):
+            self.before(kind, who, getattr(msg, kind))
+
+    # -- what goes back -----------------------------------------------------------------
+
+    def response(self, who: Identity, response: object) -> object:
+        """The unary answer as `who` may see it (lists filtered to its tenant, routers without NIXL)."""
+        if who.tenant == ALL_TENANTS and who.role == Role.OPERATOR:
+            return response
+        if isinstance(response, pb.ListEnginesResponse):
+            keep = [e for e in response.engines if self.sees_engine(who, e.engine_id)]
+            del response.engines[:]
+            response.engines.extend(keep)
+            if who.role != Role.OPERATOR:
+                for engine in response.engines:
+                    for rank in engine.ranks:
+                        rank.ClearField("agent_metadata")
+        elif isinstance(response, pb.ListLeasesResponse):
+            keep_leases = [lease for lease in response.leases if who.owns_tenant(lease.namespace.tenant)]
+            del response.leases[:]
+            response.leases.extend(keep_leases)
+        elif isinstance(response, pb.ScoreResponse):
+            keep_scores = [s for s in response.scores if self.sees_engine(who, s.engine_id)]
+            del response.scores[:]
+            response.scores.extend(keep_scores)
+        elif isinstance(response, pb.ResolveResponse):
+            keep_matches = [m for m in response.matches if self.sees_engine(who, m.engine_id)]
+            del response.matches[:]
+            response.matches.extend(keep_matches)
+            if response.HasField("holder") and not self.sees_engine(who, response.holder.engine_id):
+                response.ClearField("holder")  # never another tenant's memory description
+        return response
+
+    def stream_item(self, who: Identity, item: object) -> object | None:
+        """A Watch event or Mirror update as `who` may see it; None: nothing of it is theirs."""
+        if who.tenant == ALL_TENANTS:
+            return item
+        if isinstance(item, pb.WatchEvent):
+            if item.HasField("lease"):
+                return item if who.owns_tenant(item.lease.namespace.tenant) else None
+            return item if item.engine_id and self.sees_engine(who, item.engine_id) else None
+        if isinstance(item, pb.MirrorUpdate):
+            engines = [e for e in item.engines if self.sees_engine(who, e.engine.engine_id)]
+            blocks = [
+                b
+                for b in item.blocks
+                if self.sees_engine(who, b.engine_id) and (b.clear_tier or who.owns_tenant(b.tenant))
+            ]
+            if len(engines) != len(item.engines) or len(blocks) != len(item.blocks):
+                if not (engines or blocks or item.reset or item.synced):
+                    return None
+                out = pb.MirrorUpdate(reset=item.reset, synced=item.synced, engines=engines, blocks=blocks)
+                return out
+        return item

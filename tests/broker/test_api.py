@@ -13,11 +13,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvbroker.testing.broker import RunningServer, running_broker
-from kvbroker.testing.builders import engine_info
-from kvbroker.testing.ports import free_port
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import RunningServer, running_broker
+from testkit.builders import engine_info
+from testkit.ports import free_port
 from tests.broker.session_util import RawSession
 
 H = list(range(5000, 5064))

@@ -23,10 +23,10 @@ from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.session import EngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.causes import CAUSES, Cause
-from kvbroker.testing.broker import RunningServer, running_broker
-from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import RunningServer, running_broker
+from testkit.waiting import until
 from tests.broker.session_util import RawSession
 from tests.clients.conftest import make_engine_info
 

@@ -12,8 +12,8 @@ from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.engine_session import LeaseCommand
 from kvbroker.clients.threaded_session import ThreadedEngineSession
-from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 GPU = pb.TIER_GPU

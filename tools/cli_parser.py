@@ -7,8 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbroker.clients.aio import DEFAULT_ADDRESS
-from kvbroker.common import settings
+from kvbroker.common import keepalive, settings
 from kvbroker.common.settings import setting
+from kvbroker.common.version import version_text
 from kvbroker.tools.cli_commands import (
     cmd_drain,
     cmd_engines,
@@ -29,7 +30,13 @@ class CliOptions:
 
     broker: str = setting(DEFAULT_ADDRESS, "broker host:port", env=ADDRESS_ENV, metavar="HOST:PORT")
     timeout: float = setting(5.0, "per-call timeout in seconds", metavar="S")
-    json: bool = setting(False, "print JSON instead of a table")
+    json: bool = setting(False, "print JSON (proto3 JSON names, every field) instead of a table")
+    keepalive_ms: int = setting(
+        keepalive.CLIENT_PING_INTERVAL_MS,
+        "keepalive ping interval on the broker connection (the broker must allow it: "
+        "its --keepalive-min-ping-interval-ms)",
+        metavar="MS",
+    )
 
 
 DESCRIPTION = """\
@@ -50,9 +57,11 @@ environment:
   KVBROKER_ADDR          broker address for the operator commands (default 127.0.0.1:50051)
   KVBROKER_CLI_TIMEOUT   per-call timeout in seconds (default 5)
   KVBROKER_CLI_JSON      1: print JSON
+  KVBROKER_CLI_KEEPALIVE_MS  keepalive ping interval in ms (default 30000)
 
 exit status:
-  0 ok, 1 other broker error, 2 bad usage, 3 broker unreachable or too slow,
+  0 ok, 1 other broker error, 2 bad usage, 3 broker unreachable or too slow
+  (or it closed the connection, e.g. GOAWAY too_many_pings),
   4 not found, 5 failed precondition (e.g. lease already ended),
   6 invalid argument or out of range
 """
@@ -67,6 +76,7 @@ def build_parser(
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=version_text("kvbroker"))
     settings.add_arguments(parser, CliOptions, ENV_PREFIX, error=parser.error)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     # The global options work after the command too (`kvbroker engines --json`).

@@ -66,7 +66,10 @@ class BrokerConfig:
     metrics_port: int = setting(0, "Prometheus /metrics port (0 = off)")
     metrics_host: str = setting("0.0.0.0", "Prometheus listen host")
     otlp_endpoint: str = setting(
-        "", "OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; empty = off)"
+        "",
+        "OTLP endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, then "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT; empty = no OTLP export); protocol, exporter and service name "
+        "follow OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_TRACES_EXPORTER and OTEL_SERVICE_NAME",
     )
     shutdown_grace_s: float = setting(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")

@@ -29,9 +29,10 @@ from kvbroker.broker.decode_guard import DecodeGuardInterceptor
 from kvbroker.broker.errors import InvalidArgument
 from kvbroker.broker.metrics import MetricsInterceptor, start_metrics_http
 from kvbroker.broker.servicer import BrokerServicer
-from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider, otlp_endpoint
+from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider
 from kvbroker.common import keepalive, settings
 from kvbroker.common.causes import Cause
+from kvbroker.common.telemetry import TelemetryError
 from kvbroker.common.version import version
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 
@@ -121,7 +122,7 @@ async def start_server(
     if config.metrics_port:
         metrics_registry = CollectorRegistry()
         interceptors.append(MetricsInterceptor(metrics_registry))
-    provider = tracer_provider or make_tracer_provider(otlp_endpoint(config.otlp_endpoint))
+    provider = tracer_provider or make_tracer_provider(config.otlp_endpoint)
     if provider is not None:
         interceptors.append(TracingInterceptor(provider))
         servicer.tracer = provider.get_tracer("kvbroker.server")
@@ -221,6 +222,9 @@ def serve_main(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(_serve(config))
+    except TelemetryError as err:
+        print(f"kvbroker: invalid configuration: {err}", file=sys.stderr)
+        return 2
     except InvalidArgument as err:
         print(f"kvbroker: {err.message}", file=sys.stderr)
         return 1

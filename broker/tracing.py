@@ -7,6 +7,7 @@ follows the standard OTEL_* variables (kvbroker.common.telemetry); the
 endpoint or another exporter nothing is installed. Every span carries
 `rpc.grpc.status_code`, the status as an integer (0 for OK), as OpenTelemetry's
 RPC semantic conventions ask.
+
 The Session stream's messages (the engines' fast path) are not traced, except
 its lease commands (``command_span``), which are named and parented as their
 unary twins so a trace looks the same whichever way the command came.

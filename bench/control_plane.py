@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         for table in (lookup_table(results, conc), publish_table(results, conc), memory_table(results)):
             if table:
                 print(table + "\n")
-        tgt = print_targets(results, conc, "The broker's targets (issue 2), as ratios to the peers above:")
+        tgt = print_targets(results, conc, "The broker's targets, as ratios to the peers above:")
         print("\n" + report_invalid(checks["invalid"]))
 
     name = "control_plane" if not args.tiny else "control_plane-tiny"

@@ -1,4 +1,4 @@
-"""Data path: the adapter's BlockMover vs raw NIXL vs a plain memory copy (issue 5, item 4).
+"""Data path: the adapter's BlockMover vs raw NIXL vs a plain memory copy.
 
 Two processes, each with a real BlockMover (one NIXL agent, UCX, progress
 thread off): a holder with KV-shaped memory filled with random bytes, and a

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import load_note, log
-from kvbroker.testing.engines import (
+from kvbroker.tools.launch import EngineProcess
+from kvbroker.tools.tiny_model import build_tiny_model
+from testkit.engines import (
     BLOCK_SIZE,
     complete,
     completion_request,
@@ -28,11 +30,9 @@ from kvbroker.testing.engines import (
     read_stats,
     start_engine,
 )
-from kvbroker.testing.waiting import wait_for
-from kvbroker.tools.launch import EngineProcess
-from kvbroker.tools.tiny_model import build_tiny_model
+from testkit.waiting import wait_for
 
-# The request helpers are the e2e tests' own (kvbroker.testing.engines), with their
+# The request helpers are the e2e tests' own (testkit.engines), with their
 # generous broker budgets: a starved session thread on a shared machine must not
 # turn a pull into a recompute.
 __all__ = [

@@ -43,11 +43,11 @@ from bench.engines import (
 )
 from bench.reclaim import NIXL_DEFAULT_LEASE_S, NIXL_RELEASE_LINE, nixl_engine
 from kvbroker.clients.sync import BrokerClient
-from kvbroker.testing.processes import BrokerProcess
 from kvbroker.tools.launch import EngineProcess
+from testkit.processes import BrokerProcess
 
 PROMPT_TOKENS = 256
-TARGET_CORES = 0.05  # the bar: under 5% of a core while only holding
+TARGET_CORES = 0.05  # the target: under 5% of a core while only holding
 # vLLM's workers busy-poll their message queue for about a second after the last
 # message: every window starts this long after the engine's last request.
 SETTLE_S = 2.0

@@ -51,8 +51,8 @@ from bench.engines import (
 )
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
-from kvbroker.testing.processes import BrokerProcess
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import BrokerProcess
 
 # P decides on its index mirror, which hears a hold about a millisecond after the
 # broker does (bench/control_plane.py, "mirror lag"); a generous margin.

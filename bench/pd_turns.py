@@ -21,8 +21,8 @@ from bench.engines import (
     read_stats,
     stream_ttft,
 )
-from kvbroker.testing.processes import BrokerProcess
 from kvbroker.tools.launch import EngineProcess, engine_environment, free_port
+from testkit.processes import BrokerProcess
 
 ANSWER_TOKENS = 8
 # Per HTTP call: a P/D turn that has not answered by then is recorded as failed (see conversation()).

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ManagedProcess, longest_prefix, rss_bytes
-from kvbroker.testing.ports import free_port
+from testkit.ports import free_port
 
 
 @contextlib.contextmanager

@@ -54,9 +54,9 @@ from bench.engines import (
     wait_for,
 )
 from kvbroker.clients.sync import BrokerClient
-from kvbroker.testing.processes import BrokerProcess
 from kvbroker.tools.launch import EngineProcess, engine_environment, free_port
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import BrokerProcess
 
 PROMPT_TOKENS = 256
 NIXL_RELEASE_LINE = "Releasing expired KV blocks"

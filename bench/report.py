@@ -146,7 +146,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 def targets(results: dict[str, Any], hi_c: int = 16) -> list[dict[str, Any]]:
-    """issue 2's targets, as ratios to the peers measured in the same run."""
+    """The broker's targets, as ratios to the peers measured in the same run."""
     out: list[dict[str, Any]] = []
     mooncake = _fig(results, "mooncake", "batch_is_exist", 1)
     mget = _fig(results, "redis", "mget", 1)
@@ -300,7 +300,7 @@ def plot_lookup(
 
 
 def broker_table(results: dict[str, Any], concurrency: Sequence[int]) -> str:
-    """The broker's own figures (issue 2): resolve over sessions and unary, inventory rate."""
+    """The broker's own figures: resolve over sessions and unary, inventory rate."""
     broker = results.get("broker") or {}
     if not broker.get("available"):
         return ""

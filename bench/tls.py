@@ -43,9 +43,9 @@ from bench.common import CHAIN_LEN, cpu_seconds, log, make_chains
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.session import EngineSession
-from kvbroker.testing.certs import CertificateAuthority
-from kvbroker.testing.processes import BrokerProcess
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.certs import CertificateAuthority
+from testkit.processes import BrokerProcess
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tls.json"
 MODES = ("plaintext", "tls", "mtls")

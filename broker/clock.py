@@ -1,5 +1,5 @@
 """Time for the domain core: injected, so tests advance a fake clock instead of sleeping
-(kvbroker.testing.clock.FakeClock).
+(testkit.clock.FakeClock).
 
 All readings are seconds on a monotonic scale. Absolute wall-clock time never
 decides an expiry (wire TTLs are relative durations).

@@ -1,9 +1,9 @@
 """BrokerConfig: every knob of the broker, with its flag and environment variable.
 
 Each field maps to a `--flag` (underscores become dashes) and an environment
-variable KVBROKER_<FIELD in upper case>; the flag wins over the variable,
-the variable over the default (kvbroker.common.settings, the idiom every
-configuration uses). Each field's help is the --help text and the docs.
+variable KVBROKER_<FIELD in upper case> (the listen address: KVBROKER_LISTEN);
+the flag wins over the variable, the variable over the default
+(kvbroker.common.settings, the idiom every configuration uses). Each field's help is the --help text and the docs.
 """
 
 from __future__ import annotations
@@ -11,15 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbroker.broker.errors import InvalidArgument
+from kvbroker.common import keepalive, settings
 from kvbroker.common.settings import setting
 
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
+    # Not KVBROKER_ADDRESS any more: one letter from KVBROKER_ADDR, the clients' broker address.
     address: str = setting(
         "127.0.0.1:50051",
         "host:port to listen on (port 0 picks a free one); on a non-loopback address such as [::]:50051 "
         "the broker needs TLS (--tls-cert) or --insecure",
+        env="KVBROKER_LISTEN",
+        old_env="KVBROKER_ADDRESS",
     )
     session_ttl_ms: int = setting(
         10_000, "session TTL granted when an engine asks for 0; heartbeats come every TTL/3"
@@ -54,10 +58,19 @@ class BrokerConfig:
     )
     expiry_interval_ms: int = setting(50, "how often the expiry loop looks for expired leases and sessions")
     expiry_batch: int = setting(1_000, "most leases or sessions ended per expiry pass (rate limit)")
+    keepalive_min_ping_interval_ms: int = setting(
+        keepalive.SERVER_MIN_PING_INTERVAL_MS,
+        "shortest interval between a client's keepalive pings the broker accepts on a quiet connection "
+        f"(kvbroker clients ping every {keepalive.CLIENT_PING_INTERVAL_MS // 1000} s); a client pinging "
+        "faster gets GOAWAY too_many_pings",
+    )
     metrics_port: int = setting(0, "Prometheus /metrics port (0 = off)")
     metrics_host: str = setting("0.0.0.0", "Prometheus listen host")
     otlp_endpoint: str = setting(
-        "", "OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; empty = off)"
+        "",
+        "OTLP endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, then "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT; empty = no OTLP export); protocol, exporter and service name "
+        "follow OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_TRACES_EXPORTER and OTEL_SERVICE_NAME",
     )
     shutdown_grace_s: float = setting(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
@@ -74,6 +87,7 @@ class BrokerConfig:
             "expiry_interval_ms",
             "expiry_batch",
             "mirror_chunk",
+            "keepalive_min_ping_interval_ms",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0")
@@ -83,4 +97,6 @@ ENV_PREFIX = "KVBROKER_"
 
 
 def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
+    """The environment variable that sets `field_name`."""
+    field = BrokerConfig.__dataclass_fields__[field_name]
+    return settings.env_name(field, ENV_PREFIX)

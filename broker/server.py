@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +35,11 @@ from kvbroker.broker.quotas import Quotas
 from kvbroker.broker.security_config import SecurityConfig, is_loopback
 from kvbroker.broker.servicer import BrokerServicer
 from kvbroker.broker.tenancy import TenantGuard
-from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider, otlp_endpoint
-from kvbroker.common import settings
+from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider
+from kvbroker.common import keepalive, settings
 from kvbroker.common.causes import Cause
+from kvbroker.common.telemetry import TelemetryError
+from kvbroker.common.version import version
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 
 log = logging.getLogger("kvbroker")
@@ -170,7 +173,7 @@ async def start_server(
     if config.metrics_port:
         metrics_registry = CollectorRegistry()
         interceptors.append(MetricsInterceptor(metrics_registry))
-    provider = tracer_provider or make_tracer_provider(otlp_endpoint(config.otlp_endpoint))
+    provider = tracer_provider or make_tracer_provider(config.otlp_endpoint)
     if provider is not None:
         interceptors.append(TracingInterceptor(provider))
         servicer.tracer = provider.get_tracer("kvbroker.server")
@@ -189,6 +192,8 @@ async def start_server(
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
+            # Accept the keepalive pings clients send on quiet Watch and Mirror streams.
+            *keepalive.server_options(config.keepalive_min_ping_interval_ms),
         ],
     )
     broker_pb2_grpc.add_KVBrokerServicer_to_server(servicer, server)
@@ -233,6 +238,7 @@ async def start_server(
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per BrokerConfig field; defaults come from KVBROKER_* variables."""
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     group = parser.add_argument_group("broker", "each flag can also be set by the environment variable shown")
     settings.add_arguments(group, BrokerConfig, ENV_PREFIX, error=parser.error)
     secure = parser.add_argument_group(
@@ -286,7 +292,7 @@ def serve_main(args: argparse.Namespace) -> int:
         security = security_from_args(args)
         security.validate(config.address)
     except InvalidArgument as err:
-        print(f"kvbroker: invalid configuration: {err.message}")
+        print(f"kvbroker: invalid configuration: {err.message}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -295,7 +301,10 @@ def serve_main(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(_serve(config, security))
+    except TelemetryError as err:
+        print(f"kvbroker: invalid configuration: {err}", file=sys.stderr)
+        return 2
     except InvalidArgument as err:
-        print(f"kvbroker: {err.message}")
+        print(f"kvbroker: {err.message}", file=sys.stderr)
         return 1
     return 0

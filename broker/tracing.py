@@ -1,9 +1,13 @@
 """OpenTelemetry server spans for the unary RPCs, added as an interceptor.
 
 Trace context comes from the call's gRPC metadata (W3C `traceparent`), so a
-router's or an engine's trace continues through the broker. Spans go to an
-OTLP gRPC exporter when an endpoint is configured (--otlp-endpoint or the
-standard OTEL_EXPORTER_OTLP_ENDPOINT); without one nothing is installed.
+router's or an engine's trace continues through the broker. Where spans go
+follows the standard OTEL_* variables (kvbroker.common.telemetry); the
+--otlp-endpoint flag wins over OTEL_EXPORTER_OTLP_ENDPOINT. Without an
+endpoint or another exporter nothing is installed. Every span carries
+`rpc.grpc.status_code`, the status as an integer (0 for OK), as OpenTelemetry's
+RPC semantic conventions ask.
+
 The Session stream's messages (the engines' fast path) are not traced, except
 its lease commands (``command_span``), which are named and parented as their
 unary twins so a trace looks the same whichever way the command came.
@@ -12,37 +16,37 @@ unary twins so a trace looks the same whichever way the command came.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.propagate import extract
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from kvbroker.broker.errors import BrokerError
+from kvbroker.broker.status import status_of
+from kvbroker.common import telemetry
+
 SERVICE_NAME = "kvbroker"
-
-
-def otlp_endpoint(configured: str) -> str:
-    return configured or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+STATUS_CODE_ATTRIBUTE = "rpc.grpc.status_code"
 
 
 def make_tracer_provider(endpoint: str = "", exporter: SpanExporter | None = None) -> TracerProvider | None:
-    """A provider exporting to `exporter`, or to OTLP at `endpoint`; None when neither is given."""
-    if exporter is None:
-        if not endpoint:
-            return None
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    """The broker's provider: OTEL_* variables, `endpoint` winning; None when nothing is exported.
 
-        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https"))
-    provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider
+    Raises TelemetryError when the variables ask for something that cannot work."""
+    return telemetry.tracer_provider(SERVICE_NAME, endpoint, exporter=exporter)
+
+
+def set_rpc_status(span: trace.Span, code: grpc.StatusCode, message: str = "") -> None:
+    """The status as the semantic conventions want it: an int attribute, always; ERROR unless OK."""
+    number: int = code.value[0]
+    span.set_attribute(STATUS_CODE_ATTRIBUTE, number)
+    if code != grpc.StatusCode.OK:
+        span.set_status(Status(StatusCode.ERROR, message or code.name))
 
 
 class TracingInterceptor(grpc.aio.ServerInterceptor):
@@ -73,13 +77,15 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
                 set_status_on_exception=False,
             ) as span:
                 try:
-                    return await inner(request, context)
+                    response = await inner(request, context)
                 except BaseException:
-                    code = context.code()
-                    name = code.name if code is not None else "UNKNOWN"  # type: ignore[union-attr]
-                    span.set_attribute("rpc.grpc.status_code", name)
-                    span.set_status(Status(StatusCode.ERROR, context.details() or name))  # type: ignore[arg-type]
+                    code = _code_of(context.code(), grpc.StatusCode.UNKNOWN)
+                    set_rpc_status(span, code, str(context.details() or ""))
                     raise
+                set_rpc_status(
+                    span, _code_of(context.code(), grpc.StatusCode.OK), str(context.details() or "")
+                )
+                return response
 
         return grpc.unary_unary_rpc_method_handler(
             traced,
@@ -88,21 +94,39 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-def command_span(
-    tracer: trace.Tracer | None, method: str, carrier: Mapping[str, str]
-) -> AbstractContextManager[Any]:
+def _code_of(code: Any, default: grpc.StatusCode) -> grpc.StatusCode:
+    """The code a handler set (grpc.aio may give a StatusCode, an int or None)."""
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):
+        return next((c for c in grpc.StatusCode if c.value[0] == code), default)
+    return default
+
+
+@contextlib.contextmanager
+def command_span(tracer: trace.Tracer | None, method: str, carrier: Mapping[str, str]) -> Iterator[None]:
     """A server span for a lease command on the Session stream, named as the unary ``method``.
 
     Only when tracing is on and the caller sent a trace context (``SessionUp.trace_context``).
+    A BrokerError leaving the block sets the status its unary twin would answer with.
     """
     if tracer is None or not carrier:
-        return contextlib.nullcontext()
-    return tracer.start_as_current_span(
+        yield
+        return
+    with tracer.start_as_current_span(
         f"kvbroker.v1.KVBroker/{method}",
         context=extract(dict(carrier)),
         kind=SpanKind.SERVER,
         attributes={"rpc.system": "grpc", "rpc.service": "kvbroker.v1.KVBroker", "rpc.method": method},
-    )
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield
+        except BrokerError as err:
+            set_rpc_status(span, status_of(err), err.message)
+            raise
+        set_rpc_status(span, grpc.StatusCode.OK)
 
 
 def current_trace_id() -> int:

@@ -27,6 +27,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvbroker.clients import errors
 from kvbroker.clients.credentials import ClientSecurity, FileStamp, aio_channel
+from kvbroker.common import keepalive
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
@@ -36,14 +37,13 @@ DEFAULT_TIMEOUT_S = 5.0
 ENGINE_ID_METADATA = "kvbroker-engine-id"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-# Keepalive pings find a dead TCP peer on an otherwise quiet channel. 30 s is
-# above what gRPC servers accept from clients by default only when calls are
-# active, so pings are not sent on idle channels (that would earn a GOAWAY).
-# Sessions do not depend on this: their own heartbeats detect a dead broker.
+# Keepalive pings find a dead broker on an otherwise quiet stream (Watch,
+# Mirror). The interval is paired with what the broker accepts in
+# kvbroker.common.keepalive; a client may ping faster (``options``), down to
+# the broker's --keepalive-min-ping-interval-ms. Sessions do not depend on
+# this: their own heartbeats detect a dead broker.
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 0),
+    *keepalive.client_options(),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # Reconnect quickly after a broker restart instead of gRPC's default 1 s..120 s.

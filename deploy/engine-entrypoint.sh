@@ -21,5 +21,12 @@ KV_CONFIG=$(cat <<JSON
    "multi_turn": ${MULTI_TURN}, "tenant": "${TENANT}"}}
 JSON
 )
+# vLLM's own request spans go to the OTLP endpoint our spans go to, unless
+# OTEL_TRACES_EXPORTER leaves OTLP out.
+OTLP_TRACES="${OTEL_EXPORTER_OTLP_TRACES_ENDPOINT:-${OTEL_EXPORTER_OTLP_ENDPOINT:-}}"
+case ",${OTEL_TRACES_EXPORTER:-otlp}," in *,otlp,*) ;; *) OTLP_TRACES="" ;; esac
+if [ -n "${OTLP_TRACES}" ]; then
+  set -- --otlp-traces-endpoint "${OTLP_TRACES}" "$@"
+fi
 exec python3 -m vllm.entrypoints.openai.api_server --model "${MODEL}" --host 0.0.0.0 --port "${PORT}" \
   --block-size "${BLOCK_SIZE}" --kv-transfer-config "${KV_CONFIG}" ${VLLM_EXTRA_ARGS:-} "$@"

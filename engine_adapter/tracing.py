@@ -1,16 +1,19 @@
 """OpenTelemetry spans of the scheduler side: resolve and pull (lease + NIXL read).
 
 A request's ``kv_transfer_params["trace_context"]`` (W3C ``traceparent``)
-makes its spans children of the router's trace. Spans are exported over OTLP
-when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set in the engine's environment;
-otherwise the global tracer provider is used (a no-op unless the process
-configured one). Spans are started and ended explicitly because the work they
+makes its spans children of the router's trace. Where spans go follows the
+standard OTEL_* variables of the engine's environment
+(kvbroker.common.telemetry: OTEL_SERVICE_NAME, OTEL_TRACES_EXPORTER,
+OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_EXPORTER_OTLP_ENDPOINT); with nothing to
+export to, the global tracer provider is used (a no-op unless the process
+configured one). A setting that cannot work is logged and leaves the engine
+serving without spans: tracing never stops an engine. Spans are started and ended explicitly because the work they
 cover spans several scheduler steps.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -19,7 +22,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvbroker.common import telemetry
+
 SERVICE_NAME = "kvbroker-engine-adapter"
+TRACER_NAME = "kvbroker.engine_adapter"
+
+log = logging.getLogger("vllm.kvbroker.tracing")
 
 _tracer: Tracer | None = None
 
@@ -27,19 +35,12 @@ _tracer: Tracer | None = None
 def get_tracer() -> Tracer:
     global _tracer
     if _tracer is None:
-        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
-        if endpoint:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-            provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
-            exporter = OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https"))
-            provider.add_span_processor(BatchSpanProcessor(exporter))
-            _tracer = provider.get_tracer("kvbroker.engine_adapter")
-        else:
-            _tracer = trace.get_tracer("kvbroker.engine_adapter")
+        try:
+            provider = telemetry.tracer_provider(SERVICE_NAME)
+        except telemetry.TelemetryError as err:
+            log.error("tracing is off: %s", err)
+            provider = None
+        _tracer = provider.get_tracer(TRACER_NAME) if provider is not None else trace.get_tracer(TRACER_NAME)
     return _tracer
 
 

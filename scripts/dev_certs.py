@@ -18,7 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from kvbroker.testing.certs import LOCAL_NAMES, CertificateAuthority
+# The certificate helper lives in the source tree's test kit (not in the wheel).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from testkit.certs import LOCAL_NAMES, CertificateAuthority
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,13 @@
 """The package's shape: one `kvbroker` namespace, and imports that only run down the layers.
 
-    kvbroker.testing                  test and bench scaffolding           (may use anything; nothing imports it)
     kvbroker.tools                    cli, demo, launcher, tiny model      -> engine_adapter and below
     kvbroker.engine_adapter           what vLLM loads                     -> clients, common, v1
     kvbroker.broker  kvbroker.clients never each other                    -> common, v1
     kvbroker.common                   layouts, hashing, index, ranking    -> v1
     kvbroker.v1                       the generated API
+
+    testkit (not in the wheel)        test and bench scaffolding: may use anything; no part of
+                                      kvbroker imports it
 
 docs/architecture.md draws the same picture.
 """
@@ -39,18 +41,10 @@ ALLOWED = {
         "kvbroker.clients",
         "kvbroker.engine_adapter",
     },
-    # Scaffolding for tests/ and bench/: on top of everything, and no layer of the
-    # product may import it (no other entry lists it).
-    "kvbroker.testing": {
-        "kvbroker.v1",
-        "kvbroker.common",
-        "kvbroker.broker",
-        "kvbroker.clients",
-        "kvbroker.engine_adapter",
-        "kvbroker.tools",
-    },
 }
 OLD_TOP_LEVEL = {"broker", "clients", "engine_adapter", "common", "tools"}
+# Test scaffolding shared by tests/ and bench/; it runs from the source tree, outside the wheel.
+TEST_KIT = "testkit"
 
 
 def _modules() -> dict[str, Path]:
@@ -109,6 +103,8 @@ def test_imports_only_run_down_the_layers() -> None:
         for line, target in _imports(path):
             if target.split(".")[0] in OLD_TOP_LEVEL:
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} (use kvbroker.*)")
+            if target.split(".")[0] == TEST_KIT:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports the test kit {target}")
             if not target.startswith("kvbroker.") or layer == "kvbroker":
                 continue
             target_layer = _layer(target)
@@ -119,7 +115,7 @@ def test_imports_only_run_down_the_layers() -> None:
 
 def test_tests_and_bench_use_the_namespace() -> None:
     wrong = []
-    for folder in ("tests", "bench"):
+    for folder in ("tests", "bench", TEST_KIT):
         for path in (ROOT / folder).rglob("*.py"):
             for line, target in _imports(path):
                 if target.split(".")[0] in OLD_TOP_LEVEL:
@@ -128,7 +124,7 @@ def test_tests_and_bench_use_the_namespace() -> None:
 
 
 def test_bench_does_not_import_the_tests() -> None:
-    """Benchmarks and tests share their scaffolding through kvbroker.testing, not tests/."""
+    """Benchmarks and tests share their scaffolding through testkit, not tests/."""
     wrong = [
         f"{path.relative_to(ROOT)}:{line} imports {target}"
         for path in (ROOT / "bench").rglob("*.py")
@@ -180,7 +176,11 @@ def test_the_wheel_holds_only_kvbroker(tmp_path: Path) -> None:
         for m, p in _modules().items()
     }
     assert expected <= set(names), f"missing from the wheel: {sorted(expected - set(names))[:5]}"
-    assert "kvbroker/v1/broker.proto" in names and "kvbroker/py.typed" in names
+    assert "kvbroker/v1/broker.proto" in names
+    untyped = [p for p in CONFIG["packages"] if f"{p.replace('.', '/')}/py.typed" not in names]
+    assert untyped == [], f"no py.typed (PEP 561) in {untyped}"
+    assert not any(n.startswith(f"{TEST_KIT}/") for n in names)
+    assert "LICENSE" in " ".join(n for n in names if n.startswith("kvbroker-")), "the wheel lacks LICENSE"
 
 
 # "Each module readable in one sitting": about 500 lines. A module that must be
@@ -192,6 +192,7 @@ LONGER_WITH_REASON: dict[str, str] = {}
 def test_no_module_is_longer_than_one_sitting() -> None:
     paths = [p for m, p in _modules().items() if not m.startswith("kvbroker.v1")]
     paths += list((ROOT / "bench").glob("*.py")) + list((ROOT / "tests").rglob("*.py"))
+    paths += list((ROOT / TEST_KIT).glob("*.py"))
     long = {
         str(p.relative_to(ROOT)): n
         for p in paths

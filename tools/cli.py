@@ -16,7 +16,8 @@ from typing import TextIO
 from kvbroker.clients import errors
 from kvbroker.clients.credentials import ClientSecurity, CredentialError
 from kvbroker.clients.sync import BrokerClient
-from kvbroker.common import settings
+from kvbroker.common import keepalive, settings
+from kvbroker.tools import doctor
 from kvbroker.tools.cli_commands import cmd_serve
 from kvbroker.tools.cli_parser import build_parser
 from kvbroker.tools.cli_render import format_table, to_json
@@ -61,6 +62,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     if args.command is None:
         parser.print_help(out)
         return EXIT_USAGE
+    if args.command == "doctor":
+        return doctor.run(out)
     if args.command == "serve":
         if not wants_serve or _serve_arguments() is None:
             print("kvbroker: error: the broker is not installed (broker.server missing)", file=sys.stderr)
@@ -68,7 +71,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return cmd_serve(args)
     try:
         security = settings.from_args(ClientSecurity, args)
-        with BrokerClient(args.broker, timeout=args.timeout, security=security) as client:
+        options = keepalive.client_options(args.keepalive_ms)
+        with BrokerClient(args.broker, timeout=args.timeout, options=options, security=security) as client:
             return int(args.handler(client, args, out))
     except errors.BrokerError as err:
         print(f"kvbroker {args.command}: {_explain(err, args)}", file=sys.stderr)
@@ -78,10 +82,21 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return EXIT_USAGE
 
 
+def proxy_main(argv: Sequence[str] | None = None) -> int:
+    """The ``kvbroker-proxy`` command: the P/D proxy, or a clear word when its extra is missing."""
+    try:
+        from kvbroker.clients.proxy.__main__ import main as run_proxy
+    except ImportError as exc:  # the proxy extra (aiohttp) is missing; the package says what to install
+        print(f"kvbroker-proxy: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return run_proxy(None if argv is None else list(argv))
+
+
 def _command_of(argv: Sequence[str]) -> str | None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--broker")
     pre.add_argument("--timeout")
+    pre.add_argument("--keepalive-ms")
     pre.add_argument("--json", action="store_true")
     pre.add_argument("command", nargs="?")
     known, _ = pre.parse_known_args(argv)
@@ -89,6 +104,14 @@ def _command_of(argv: Sequence[str]) -> str | None:
 
 
 def _explain(err: errors.BrokerError, args: argparse.Namespace) -> str:
+    if isinstance(err, errors.Unavailable) and keepalive.is_too_many_pings(err.message):
+        return (
+            f"the broker at {args.broker} closed the connection (GOAWAY ENHANCE_YOUR_CALM "
+            f'"too_many_pings"): this client pings every {args.keepalive_ms} ms, more often than the '
+            "broker allows; raise --keepalive-ms or lower the broker's --keepalive-min-ping-interval-ms"
+        )
+    if isinstance(err, errors.Unavailable) and "goaway" in err.message.lower():
+        return f"the broker at {args.broker} closed the connection ({err.message})"
     if isinstance(err, errors.Unavailable):
         return f"cannot reach the broker at {args.broker} ({err.message}); is `kvbroker serve` running there?"
     if isinstance(err, errors.DeadlineExceeded):

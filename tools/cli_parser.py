@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from kvbroker.clients.aio import DEFAULT_ADDRESS
 from kvbroker.clients.credentials import ENV_PREFIX as SECURITY_ENV_PREFIX
 from kvbroker.clients.credentials import ClientSecurity
-from kvbroker.common import settings
+from kvbroker.common import keepalive, settings
 from kvbroker.common.settings import setting
+from kvbroker.common.version import version_text
 from kvbroker.tools.cli_commands import (
     cmd_drain,
     cmd_engines,
@@ -31,7 +32,13 @@ class CliOptions:
 
     broker: str = setting(DEFAULT_ADDRESS, "broker host:port", env=ADDRESS_ENV, metavar="HOST:PORT")
     timeout: float = setting(5.0, "per-call timeout in seconds", metavar="S")
-    json: bool = setting(False, "print JSON instead of a table")
+    json: bool = setting(False, "print JSON (proto3 JSON names, every field) instead of a table")
+    keepalive_ms: int = setting(
+        keepalive.CLIENT_PING_INTERVAL_MS,
+        "keepalive ping interval on the broker connection (the broker must allow it: "
+        "its --keepalive-min-ping-interval-ms)",
+        metavar="MS",
+    )
 
 
 DESCRIPTION = """\
@@ -45,6 +52,7 @@ KV cache broker for disaggregated vLLM inference.
   kvbroker drain ENGINE_ID       stop naming an engine and revoke its leases
   kvbroker watch                 stream index, lease and engine events
   kvbroker score --layout-id L --tokens 1,2,3   who holds the longest prefix
+  kvbroker doctor                check this installation (e.g. torch's build for the CPU engine side)
 """
 
 EPILOG = """\
@@ -54,9 +62,11 @@ environment:
   KVBROKER_CLI_JSON      1: print JSON
   KVBROKER_TLS_CA, KVBROKER_TLS_CERT, KVBROKER_TLS_KEY, KVBROKER_TOKEN_FILE
                          TLS, mutual TLS or a bearer token (see docs/security.md)
+  KVBROKER_CLI_KEEPALIVE_MS  keepalive ping interval in ms (default 30000)
 
 exit status:
-  0 ok, 1 other broker error, 2 bad usage, 3 broker unreachable or too slow,
+  0 ok, 1 other broker error, 2 bad usage, 3 broker unreachable or too slow
+  (or it closed the connection, e.g. GOAWAY too_many_pings),
   4 not found, 5 failed precondition (e.g. lease already ended),
   6 invalid argument or out of range
 """
@@ -71,6 +81,7 @@ def build_parser(
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=version_text("kvbroker"))
     settings.add_arguments(parser, CliOptions, ENV_PREFIX, error=parser.error)
     secure = parser.add_argument_group(
         "broker security", "TLS, mutual TLS or a bearer token (docs/security.md)"
@@ -90,6 +101,15 @@ def build_parser(
     if serve_arguments is not None:
         serve_arguments(serve)
     serve.set_defaults(handler=None)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this installation",
+        description="Check that the installed packages can run what they were installed for: with "
+        "vLLM's CPU build, torch must be its CPU build (not the CUDA build pip takes from PyPI) and "
+        "torchvision/torchaudio/torchcodec must be absent. Exit status 1 names what is wrong and the fix.",
+    )
+    doctor.set_defaults(handler=None)
 
     engines = commands.add_parser(
         "engines",

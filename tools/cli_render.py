@@ -41,7 +41,9 @@ def _is_number(cell: str) -> bool:
 
 
 def to_json(message: Message) -> dict[str, Any]:
-    return MessageToDict(message, preserving_proto_field_name=True)
+    """Proto3 JSON: lowerCamelCase field names, every field (zeros and empty lists too),
+    enums by name, 64-bit integers as strings."""
+    return MessageToDict(message, always_print_fields_with_no_presence=True)
 
 
 def print_json(value: Any, out: TextIO) -> None:

@@ -28,6 +28,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvbroker.common.telemetry import http_traces_url
+from kvbroker.tools import doctor
+
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_MODEL_LEN = 4096
 # 256 MiB of KV cache: thousands of blocks of the tiny model, small enough
@@ -105,6 +108,27 @@ def connector_config(
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra_config,
     }
+
+
+def vllm_otlp_traces_endpoint(env: Mapping[str, str]) -> str:
+    """Where vLLM's own request spans go: the OTLP endpoint the engine's OTEL_* variables name.
+
+    Empty when none is set or OTEL_TRACES_EXPORTER leaves OTLP out. vLLM hands
+    the value to its exporter as the full URL, so with OTLP over HTTP a base
+    endpoint gets its ``/v1/traces`` path.
+    """
+    exporters = {e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "otlp").split(",")}
+    if "otlp" not in exporters:
+        return ""
+    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    )
+    if base and protocol.strip().lower() == "http/protobuf":
+        return http_traces_url(base)
+    return base
 
 
 def _http_get_status(url: str, timeout: float) -> int | None:
@@ -211,11 +235,19 @@ class EngineProcess:
             cmd += ["--served-model-name", self.served_model_name]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        otlp = vllm_otlp_traces_endpoint(self.env)
+        if otlp and "--otlp-traces-endpoint" not in self.extra_args:
+            cmd += ["--otlp-traces-endpoint", otlp]  # vLLM's own request spans join the traces
         return cmd + self.extra_args
 
     def start(self) -> EngineProcess:
         if self.proc is not None:
             raise RuntimeError(f"{self.name} already started (pid {self.proc.pid})")
+        if Path(self.python).resolve() == Path(sys.executable).resolve():
+            # A CUDA torch under vLLM's CPU build fails deep in vLLM's start-up; say why now.
+            found = doctor.problems()
+            if found:
+                raise EngineStartError(f"{self.name}: cannot start vLLM here: " + " ".join(found))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it open; closed on stop
         log.write(f"$ {' '.join(self.command())}\n".encode())

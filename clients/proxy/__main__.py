@@ -12,6 +12,7 @@ from aiohttp import web
 from kvbroker.clients.proxy.config import ProxyConfig, build_parser, config_from_args
 from kvbroker.clients.proxy.server import build_app
 from kvbroker.clients.proxy.tracing import setup_tracing
+from kvbroker.common.telemetry import TelemetryError
 
 
 async def run(config: ProxyConfig) -> None:
@@ -49,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(run(config))
+    try:
+        asyncio.run(run(config))
+    except TelemetryError as err:
+        print(f"kvbroker-proxy: invalid configuration: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

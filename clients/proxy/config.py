@@ -13,6 +13,7 @@ from kvbroker.clients.credentials import ENV_PREFIX as SECURITY_ENV_PREFIX
 from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.common import settings
 from kvbroker.common.settings import setting
+from kvbroker.common.version import version_text
 
 ROLES = ("prefill", "decode", "both")
 
@@ -84,7 +85,9 @@ class ProxyConfig:
     )
     otlp_endpoint: str = setting(
         "",
-        "OTLP gRPC endpoint for traces, e.g. http://collector:4317; empty = no export",
+        "OTLP endpoint for traces, e.g. http://collector:4317; empty = no OTLP export; protocol, "
+        "exporter and service name follow OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_TRACES_EXPORTER and "
+        "OTEL_SERVICE_NAME",
         env="OTEL_EXPORTER_OTLP_ENDPOINT",
     )
     api_keys_file: str = setting(
@@ -105,7 +108,7 @@ class ProxyConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m kvbroker.clients.proxy",
+        prog="kvbroker-proxy",
         description=(
             "OpenAI-compatible P/D proxy. Each request is prefilled on a prefill engine "
             "(kv_transfer_params do_remote_decode, max_tokens=1) and then decoded on a decode "
@@ -113,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Engines are chosen with the broker's Score API (longest cached prefix on GPU, then "
             "CPU tier, then load), so a conversation's next turn lands where its history is. "
             "If an engine fails, the next one is tried; if no P/D pair works, one engine serves "
-            "the whole request. Every flag also reads the environment variable shown."
+            "the whole request. Every flag also reads the environment variable shown. "
+            "Also run as `python -m kvbroker.clients.proxy`."
         ),
     )
     for role, flag, env, what in (
@@ -129,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="[ID=]URL",
             help=f"{what}, optionally with its broker engine id; repeatable [env {env}, comma-separated]",
         )
+    parser.add_argument("--version", action="version", version=version_text("kvbroker-proxy"))
     settings.add_arguments(parser, ProxyConfig, ENV_PREFIX, error=parser.error)
     secure = parser.add_argument_group(
         "broker security", "TLS, mutual TLS or a bearer token (docs/security.md)"

@@ -8,13 +8,12 @@ adapters' spans (broker calls, NIXL transfers) join the request's trace.
 
 from __future__ import annotations
 
-import os
-
 from opentelemetry import trace
 from opentelemetry.propagate import inject
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from kvbroker.common import telemetry
 
 SERVICE_NAME = "kvbroker-proxy"
 
@@ -27,21 +26,14 @@ def get_tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
 
 
 def setup_tracing(endpoint: str = "", exporter: SpanExporter | None = None) -> TracerProvider | None:
-    """Install a global provider exporting to `exporter` or OTLP gRPC at `endpoint`; None if neither.
+    """Install a global provider as the OTEL_* variables say (`endpoint` winning); None if nothing is exported.
 
-    OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES are honoured; the service
-    name defaults to kvbroker-proxy.
+    The service name defaults to kvbroker-proxy (kvbroker.common.telemetry lists
+    the variables). Raises TelemetryError for a setting that cannot work.
     """
-    if exporter is None:
-        if not endpoint:
-            return None
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https"))
-    attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": SERVICE_NAME}
-    provider = TracerProvider(resource=Resource.create(attributes))
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+    provider = telemetry.tracer_provider(SERVICE_NAME, endpoint, exporter=exporter)
+    if provider is not None:
+        trace.set_tracer_provider(provider)
     return provider
 
 

@@ -1,6 +1,6 @@
 """Fakes for the adapter's unit tests: a broker link with hand-completed
 futures, a NIXL block mover with knobs, a vLLM request (the clock:
-kvbroker.testing.clock.FakeClock)."""
+testkit.clock.FakeClock)."""
 
 from __future__ import annotations
 

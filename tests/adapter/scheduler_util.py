@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.scheduler import AdapterScheduler
-from kvbroker.testing.clock import FakeClock
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.clock import FakeClock
 from tests.adapter.fakes import FakeLink, FakeRequest, wire
 
 BS = 32

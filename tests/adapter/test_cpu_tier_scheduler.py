@@ -9,8 +9,8 @@ from kvbroker.engine_adapter.cpu_directory import CpuDirectory
 from kvbroker.engine_adapter.metadata import AdapterMetadata, LoadSpec, ReadOutcomes, RegionSpec, StoreSpec
 from kvbroker.engine_adapter.scheduler import AdapterScheduler
 from kvbroker.engine_adapter.worker import AdapterWorker
-from kvbroker.testing.clock import FakeClock
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.clock import FakeClock
 from tests.adapter.fakes import FakeLink, FakeMover, FakeRequest, Status, wire
 
 BS = 32

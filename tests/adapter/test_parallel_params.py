@@ -8,7 +8,7 @@ import pytest
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.decisions import BadTransferParams, parse_transfer_params
 from kvbroker.engine_adapter.scheduler import AdapterScheduler
-from kvbroker.testing.clock import FakeClock
+from testkit.clock import FakeClock
 from tests.adapter.fakes import FakeLink, FakeRequest
 
 BS = 32

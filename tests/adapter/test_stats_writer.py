@@ -12,9 +12,9 @@ import pytest
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.scheduler import AdapterScheduler
 from kvbroker.engine_adapter.stats import StatsWriter
-from kvbroker.testing.clock import FakeClock
-from kvbroker.testing.engines import read_stats
-from kvbroker.testing.waiting import wait_for
+from testkit.clock import FakeClock
+from testkit.engines import read_stats
+from testkit.waiting import wait_for
 from tests.adapter.fakes import FakeLink, FakeRequest
 
 BS = 32

@@ -5,8 +5,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvbroker.testing.broker import RunningServer, running_broker
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import RunningServer, running_broker
 
 
 @pytest.fixture

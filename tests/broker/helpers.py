@@ -1,4 +1,4 @@
-"""The broker core tests' notifier and core builder (engine builders: kvbroker.testing.builders)."""
+"""The broker core tests' notifier and core builder (engine builders: testkit.builders)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.leases import Lease
-from kvbroker.testing.clock import FakeClock
+from testkit.clock import FakeClock
 
 
 @dataclass

@@ -13,11 +13,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvbroker.testing.broker import RunningServer, running_broker
-from kvbroker.testing.builders import engine_info
-from kvbroker.testing.ports import free_port
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import RunningServer, running_broker
+from testkit.builders import engine_info
+from testkit.ports import free_port
 from tests.broker.session_util import RawSession
 
 H = list(range(5000, 5064))
@@ -410,7 +410,8 @@ async def test_metrics_and_tracing() -> None:
         stats_span = next(s for s in spans if s.name.endswith("/Stats"))
         assert f"{stats_span.context.trace_id:032x}" == trace_id
         drain_span = next(s for s in spans if s.name.endswith("/Drain"))
-        assert drain_span.attributes["rpc.grpc.status_code"] == "NOT_FOUND"
+        assert drain_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+        assert stats_span.attributes["rpc.grpc.status_code"] == 0  # an int, on success too
         url = f"http://127.0.0.1:{running.metrics_port}/metrics"
         body = (await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())).decode()
         assert 'kvbroker_rpc_seconds_count{code="OK",method="Stats"} 1.0' in body

@@ -6,7 +6,7 @@ import pytest
 
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
-from kvbroker.testing.builders import engine_info
+from testkit.builders import engine_info
 from tests.broker.helpers import make_core
 
 H = list(range(1000, 1064))  # a 64-block chain

@@ -14,9 +14,9 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvbroker.broker.server import RunningServer
-from kvbroker.testing.builders import engine_info
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.builders import engine_info
 from tests.broker.session_util import RawSession
 
 DETAILS = "grpc-status-details-bin"

@@ -19,8 +19,8 @@ from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.mirror import MirrorSubscriber
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.model import Namespace, Tier
-from kvbroker.testing.builders import engine_info
-from kvbroker.testing.clock import FakeClock
+from testkit.builders import engine_info
+from testkit.clock import FakeClock
 from tests.broker.helpers import RecordingNotifier
 
 H = list(range(500, 516))

@@ -13,8 +13,8 @@ from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.mirror import MirrorHub, mirror_engine_info
 from kvbroker.clients.mirror import IndexMirror
 from kvbroker.common.model import Namespace, Tier
-from kvbroker.testing.builders import engine_info
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.builders import engine_info
 from tests.broker.helpers import make_core
 
 ENGINES = ["e0", "e1", "e2"]

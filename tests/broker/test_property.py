@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbroker.clients.mirror import IndexMirror, follow
-from kvbroker.testing.broker import RunningServer, running_broker
-from kvbroker.testing.builders import engine_info
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import RunningServer, running_broker
+from testkit.builders import engine_info
 from tests.broker.session_util import RawSession
 
 T = TypeVar("T")

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from kvbroker.clients.session import EngineSession
-from kvbroker.testing import builders
-from kvbroker.testing.broker import RunningServer, running_broker
 from kvbroker.v1 import broker_pb2 as pb
+from testkit import builders
+from testkit.broker import RunningServer, running_broker
 
 
 def make_engine_info(engine_id: str, **layout: Any) -> pb.EngineInfo:

@@ -103,7 +103,11 @@ async def test_engines_table_and_json(broker: Any, engines: dict[str, EngineSess
     assert lines[-1] == "2 engine(s)"
     code, text = await run_cli("--broker", broker.address, "engines", "--json")  # --json after the command
     assert code == 0
-    assert sorted(e["engine_id"] for e in json.loads(text)) == ["d0", "p0"]
+    listed = {e["engineId"]: e for e in json.loads(text)}
+    assert sorted(listed) == ["d0", "p0"]
+    # Proto3 JSON names, and zero values printed rather than left out.
+    assert listed["p0"]["blocksGpu"] == "3" and listed["d0"]["blocksGpu"] == "0"
+    assert listed["d0"]["draining"] is False and listed["d0"]["activeLeasesHeld"] == 0
 
 
 async def test_leases_show_holder_reader_and_ended_causes(
@@ -124,7 +128,7 @@ async def test_leases_show_holder_reader_and_ended_causes(
     code, text = await run_cli("--broker", broker.address, "leases")
     assert text.splitlines()[-1] == "0 live, 0 ended"
     code, text = await run_cli("--broker", broker.address, "leases", "--all", "--json")
-    (ended,) = [x for x in json.loads(text) if x["lease_id"] == lease.lease_id]
+    (ended,) = [x for x in json.loads(text) if x["leaseId"] == lease.lease_id]
     assert ended["state"] == "LEASE_REVOKED" and ended["cause"] == "REVOKE_OPERATOR"
     code, text = await run_cli("--broker", broker.address, "leases", "--all")
     (row,) = [line.split() for line in text.splitlines() if line.startswith(lease.lease_id)]
@@ -143,6 +147,31 @@ async def test_revoke_errors_have_exit_codes(
     code, _ = await run_cli("--broker", broker.address, "revoke", lease.lease_id)
     assert code == 5  # already ended: failed precondition
     assert "FAILED_PRECONDITION" in capsys.readouterr().err
+
+
+async def test_json_names_every_field_even_on_an_empty_broker(broker: Any) -> None:
+    """Proto3 JSON names (as docs/cli.md lists them), zero values included."""
+    code, text = await run_cli("--broker", broker.address, "--json", "stats")
+    assert code == 0
+    stats = json.loads(text)
+    expected = {"engines", "sessions", "namespaces", "blocksIndexed", "leasesByState", "revocationsByCause"}
+    assert expected <= set(stats), stats
+    assert stats["engines"] == 0 and stats["blocksIndexed"] == "0"
+    code, text = await run_cli("--broker", broker.address, "--json", "engines")
+    assert code == 0 and json.loads(text) == []
+
+
+def test_docs_list_the_json_names_that_come_out() -> None:
+    """Every top-level field of each --json answer is named in docs/cli.md, as it is printed."""
+    from pathlib import Path
+
+    from kvbroker.tools.cli_render import to_json
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    messages = (pb.StatsResponse(), pb.EngineInfo(), pb.Lease(), pb.ScoreResponse(), pb.EngineScore())
+    for message in (*messages, pb.DrainResponse(), pb.WatchEvent()):
+        for name in to_json(message):
+            assert f"`{name}`" in docs, f"docs/cli.md does not name {message.DESCRIPTOR.name}.{name}"
 
 
 async def test_stats_and_drain(broker: Any, engines: dict[str, EngineSession]) -> None:
@@ -176,8 +205,8 @@ async def test_score_by_tokens_agrees_with_our_hashes(broker: Any, engines: dict
         "--broker", broker.address, "--json", "score", "--layout-id", p0.layout_id, "--hashes", hashes
     )
     assert code == 0
-    scores = {s["engine_id"]: s for s in json.loads(text)["scores"]}
-    assert scores["p0"]["gpu_blocks"] == 2
+    scores = {s["engineId"]: s for s in json.loads(text)["scores"]}
+    assert scores["p0"]["gpuBlocks"] == 2 and scores["d0"]["gpuBlocks"] == 0
     code, _ = await run_cli(
         "--broker", broker.address, "score", "--layout-id", p0.layout_id, "--hashes", "12,zz"
     )
@@ -197,7 +226,7 @@ async def test_watch_prints_events(broker: Any, engine_info: Callable[..., pb.En
         await session.close()
     assert code == 0
     event = json.loads(text.splitlines()[0])
-    assert event["kind"] == "engine_registered" and event["engine_id"] == "late"
+    assert event["kind"] == "engine_registered" and event["engineId"] == "late"
 
 
 def test_console_script_runs() -> None:

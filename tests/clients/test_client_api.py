@@ -18,10 +18,10 @@ from kvbroker.clients.clock import ManualClock
 from kvbroker.clients.session import Backoff, EngineSession, ThreadedEngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
-from kvbroker.testing.broker import running_broker
-from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import running_broker
+from testkit.waiting import until
 
 GPU = pb.TIER_GPU
 CHAIN = wire_chain(list(range(32 * 6)), 32)  # six full blocks

@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestServer
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.proxy import EngineSpec, ProxyConfig, build_app
-from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.waiting import until
 from tests.serving.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)

@@ -12,8 +12,8 @@ from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.engine_session import LeaseCommand
 from kvbroker.clients.threaded_session import ThreadedEngineSession
-from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 GPU = pb.TIER_GPU
@@ -181,5 +181,6 @@ async def test_a_traced_lease_command_gets_the_broker_span_its_unary_twin_would(
         await running.stop(0.2)
     spans = [s for s in exporter.get_finished_spans() if s.name.startswith("kvbroker.v1.KVBroker/")]
     assert [s.name for s in spans] == ["kvbroker.v1.KVBroker/Hold"]  # the renew carried no trace
+    assert spans[0].attributes["rpc.grpc.status_code"] == 0
     assert spans[0].context.trace_id == pull.get_span_context().trace_id
     assert spans[0].parent is not None and spans[0].parent.span_id == pull.get_span_context().span_id

@@ -15,10 +15,10 @@ from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.mirror import IndexMirror, follow
 from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.common.hashing import wire_chain
-from kvbroker.testing.broker import running_broker
-from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import running_broker
+from testkit.waiting import until
 
 GPU, CPU = pb.TIER_GPU, pb.TIER_CPU
 CHAIN = wire_chain(list(range(32 * 8)), 32)  # eight full blocks

@@ -16,9 +16,9 @@ import pytest
 from kvbroker.clients import errors
 from kvbroker.clients.clock import ManualClock, MonotonicClock
 from kvbroker.clients.session import SILENCE_TTLS, Backoff, EngineSession, ThreadedEngineSession
-from kvbroker.testing.waiting import until
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.waiting import until
 
 TTL_S = 0.4
 INTERVAL_S = 0.13

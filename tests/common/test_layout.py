@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvbroker.common.layout import KV_PROTOCOL_VERSION, check_topology, layout_id
-from kvbroker.testing.builders import engine_info, fingerprint
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.builders import engine_info, fingerprint
 
 
 def test_layout_id_is_deterministic_and_short() -> None:

@@ -10,7 +10,7 @@ import torch
 
 from kvbroker.engine_adapter.block_mover import BlockMover
 from kvbroker.engine_adapter.kv_regions import Region, regions_from_kv_caches
-from kvbroker.testing.clock import FakeClock
+from testkit.clock import FakeClock
 from tests.data_path.fake_nixl import FakeFabric
 from tests.data_path.kv_fixtures import LAYER_NAME, cpu_backend_kv_caches, legacy_split_kv_caches
 

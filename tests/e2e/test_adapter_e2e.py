@@ -28,7 +28,9 @@ from kvbroker.clients.session import ThreadedEngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
 from kvbroker.common.layout import KV_PROTOCOL_VERSION
-from kvbroker.testing.engines import (
+from kvbroker.tools.launch import EngineProcess
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.engines import (
     BLOCK_SIZE,
     SESSION_TTL_MS,
     complete,
@@ -38,10 +40,8 @@ from kvbroker.testing.engines import (
     recompute_reference,
     start_engine,
 )
-from kvbroker.testing.processes import BrokerProcess
-from kvbroker.testing.waiting import wait_for
-from kvbroker.tools.launch import EngineProcess
-from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import BrokerProcess
+from testkit.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -23,7 +23,9 @@ pytest.importorskip("nixl")
 
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
-from kvbroker.testing.engines import (
+from kvbroker.tools.launch import EngineProcess, engine_environment
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.engines import (
     BLOCK_SIZE,
     complete,
     output_ids,
@@ -33,10 +35,8 @@ from kvbroker.testing.engines import (
     reset_prefix_cache,
     start_engine,
 )
-from kvbroker.testing.processes import BrokerProcess
-from kvbroker.testing.waiting import wait_for
-from kvbroker.tools.launch import EngineProcess, engine_environment
-from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import BrokerProcess
+from testkit.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
 

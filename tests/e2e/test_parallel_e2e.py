@@ -29,7 +29,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvbroker.clients.sync import BrokerClient
-from kvbroker.testing.engines import (
+from kvbroker.tools.launch import PIPELINE_PARALLEL_CPU_ARGS, EngineProcess, connector_config
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.engines import (
     BLOCK_SIZE,
     complete,
     output_ids,
@@ -37,10 +39,8 @@ from kvbroker.testing.engines import (
     read_stats,
     recompute_reference,
 )
-from kvbroker.testing.processes import BrokerProcess
-from kvbroker.testing.waiting import wait_for
-from kvbroker.tools.launch import PIPELINE_PARALLEL_CPU_ARGS, EngineProcess, connector_config
-from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import BrokerProcess
+from testkit.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
 

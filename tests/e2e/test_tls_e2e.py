@@ -19,8 +19,10 @@ pytest.importorskip("cryptography")
 from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
-from kvbroker.testing.certs import CertificateAuthority
-from kvbroker.testing.engines import (
+from kvbroker.tools.launch import EngineProcess
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.certs import CertificateAuthority
+from testkit.engines import (
     BLOCK_SIZE,
     complete,
     output_ids,
@@ -29,10 +31,8 @@ from kvbroker.testing.engines import (
     recompute_reference,
     start_engine,
 )
-from kvbroker.testing.processes import BrokerProcess
-from kvbroker.testing.waiting import wait_for
-from kvbroker.tools.launch import EngineProcess
-from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import BrokerProcess
+from testkit.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,4 +1,4 @@
-"""Fixtures for the process-level tests: a real `kvbroker serve` (kvbroker.testing.processes) and
+"""Fixtures for the process-level tests: a real `kvbroker serve` (testkit.processes) and
 engine client processes (process_harness.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from process_harness import EngineProcess, child_env
 
-from kvbroker.testing.processes import SERVE, BrokerProcess
+from testkit.processes import SERVE, BrokerProcess
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 from kvbroker.clients.session import EngineSession
-from kvbroker.testing import builders
 from kvbroker.v1 import broker_pb2 as pb
+from testkit import builders
 
 
 def say(event: str, **fields: Any) -> None:

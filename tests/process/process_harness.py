@@ -1,4 +1,4 @@
-"""Engine client processes for the process-level tests (the broker process: kvbroker.testing.processes)."""
+"""Engine client processes for the process-level tests (the broker process: testkit.processes)."""
 
 from __future__ import annotations
 

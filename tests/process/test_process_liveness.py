@@ -25,8 +25,8 @@ from process_harness import EngineProcess
 
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.session import Backoff, EngineSession
-from kvbroker.testing.processes import BrokerProcess
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import BrokerProcess
 
 pytestmark = pytest.mark.timeout(90)
 

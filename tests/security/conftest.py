@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from kvbroker.clients.credentials import ClientSecurity
-from kvbroker.testing.certs import CertificateAuthority, Issued
-from kvbroker.testing.processes import BrokerProcess
+from testkit.certs import CertificateAuthority, Issued
+from testkit.processes import BrokerProcess
 
 # Identities the tests act as: the fleet of tenant acme, and another tenant.
 IDENTITIES = {

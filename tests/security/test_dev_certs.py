@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.sync import BrokerClient
-from kvbroker.testing.processes import BrokerProcess
+from testkit.processes import BrokerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,10 +16,10 @@ import pytest
 from kvbroker.clients import errors
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.clients.threaded_session import ThreadedEngineSession
-from kvbroker.testing.builders import engine_info
-from kvbroker.testing.processes import BrokerProcess
-from kvbroker.testing.waiting import wait_for
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.builders import engine_info
+from testkit.processes import BrokerProcess
+from testkit.waiting import wait_for
 from tests.security.conftest import Pki
 from tests.security.world import ACME_HASHES, World, build_world
 

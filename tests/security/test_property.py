@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from kvbroker.broker.identity import parse_identity
 from kvbroker.clients.credentials import ClientSecurity
-from kvbroker.testing.processes import BrokerProcess
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import BrokerProcess
 from tests.security.conftest import IDENTITIES, Pki
 from tests.security.world import World, build_world, stub
 

@@ -12,9 +12,9 @@ import pytest
 from kvbroker.clients import errors
 from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.sync import BrokerClient
-from kvbroker.testing.certs import CertificateAuthority
-from kvbroker.testing.processes import BrokerProcess
-from kvbroker.testing.waiting import wait_for
+from testkit.certs import CertificateAuthority
+from testkit.processes import BrokerProcess
+from testkit.waiting import wait_for
 
 
 def _install(src: Path, dst: Path) -> None:

@@ -75,7 +75,7 @@ def calls(world: World, me: str) -> dict[str, Callable[[Any], object]]:
 
 
 def _layout() -> pb.LayoutFingerprint:
-    from kvbroker.testing.builders import fingerprint
+    from testkit.builders import fingerprint
 
     return fingerprint()
 

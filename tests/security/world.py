@@ -11,10 +11,10 @@ from kvbroker.clients.credentials import ClientSecurity, sync_channel
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.clients.threaded_session import ThreadedEngineSession
 from kvbroker.common.error_details import error_info
-from kvbroker.testing.builders import engine_info
-from kvbroker.testing.waiting import wait_for
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.builders import engine_info
+from testkit.waiting import wait_for
 
 ACME_HASHES = [0x1111, 0x2222, 0x3333, 0x4444]
 # The causes that say "you may not": who you are (or are not) decided it, not the domain.

@@ -84,10 +84,15 @@ def test_proxy_environment_uses_real_proxy_variables(monkeypatch: pytest.MonkeyP
 
 
 def test_broker_environment_names_broker_flags() -> None:
-    from kvbroker.broker.config import BrokerConfig, env_name
+    from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
     from kvbroker.broker.security_config import SecurityConfig
+    from kvbroker.common import settings
 
-    known = {env_name(f) for f in (*BrokerConfig.__dataclass_fields__, *SecurityConfig.__dataclass_fields__)}
+    known = {
+        settings.env_name(field, ENV_PREFIX)
+        for config in (BrokerConfig, SecurityConfig)
+        for field in config.__dataclass_fields__.values()
+    }
     for key in _load()["services"]["broker"]["environment"]:
         if key.startswith("KVBROKER_"):
             assert key in known, key

@@ -14,9 +14,9 @@ from kvbroker.clients.proxy import EngineSpec, ProxyConfig, build_app
 from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
 from kvbroker.clients.proxy.routing import namespace_tenant, order_engines, tokenize_body
 from kvbroker.common.hashing import wire_chain
-from kvbroker.testing import builders
-from kvbroker.testing.broker import RunningServer, running_broker
 from kvbroker.v1 import broker_pb2 as pb
+from testkit import builders
+from testkit.broker import RunningServer, running_broker
 from tests.serving.fake_engine import FakeEngine, chat_text, fake_tokens
 
 pytestmark = pytest.mark.timeout(30)

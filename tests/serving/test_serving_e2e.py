@@ -196,6 +196,17 @@ def test_one_trace_spans_proxy_broker_and_the_transfer(stack: Any, receiver: Otl
         time.sleep(0.5)
     releases = [s for s in spans if s.service == "kvbroker" and s.name.endswith("/Release")]
     assert [r.parent_span_id for r in releases] == [pull.span_id], [(s.service, s.name) for s in spans]
+    # vLLM's own request spans (the launcher passes --otlp-traces-endpoint) join the same tree,
+    # under the proxy's call to each engine.
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        spans = [s for s in receiver.snapshot() if s.trace_id == trace_id]
+        if len([s for s in spans if s.name == "llm_request"]) >= 2:
+            break
+        time.sleep(0.5)
+    by_id = {s.span_id: s for s in spans}
+    vllm_parents = sorted(by_id[s.parent_span_id].name for s in spans if s.name == "llm_request")
+    assert vllm_parents == ["proxy.decode", "proxy.prefill"], [(s.service, s.name) for s in spans]
 
 
 def test_request_survives_a_dead_prefill_engine(stack: Any) -> None:

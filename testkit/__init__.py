@@ -1,7 +1,8 @@
 """Scaffolding for tests and benchmarks: one home that both tests/ and bench/ import.
 
 The top layer: it may import any part of kvbroker, and no part of the product
-imports it (tests/test_layering.py checks both).
+imports it (tests/test_layering.py checks both). It is not in the kvbroker
+wheel: it runs from the source tree, where pytest and `python -m bench.*` find it.
 
     builders   fingerprint(), engine_info(): the wire shapes an engine registers with
     clock      FakeClock: a clock that moves only when told (now(), advance(), sleep(), call)

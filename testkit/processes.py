@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvbroker.testing.ports import free_port
+from testkit.ports import free_port
 
 # `python -m kvbroker.broker`; the process tests run `kvbroker serve` instead (SERVE).
 BROKER_MODULE = ("-m", "kvbroker.broker")

@@ -2,7 +2,7 @@
 benchmarks send requests with. Starting an engine needs the engine-side extra (vLLM, torch).
 From a shell:
 
-    .venv/bin/python -m kvbroker.testing.engines   # starts broker + P + D, runs one P->D request
+    .venv/bin/python -m testkit.engines   # starts broker + P + D, runs one P->D request
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvbroker.testing.processes import BrokerProcess
 from kvbroker.tools.launch import EngineProcess, connector_config
+from testkit.processes import BrokerProcess
 
 BLOCK_SIZE = 32
 # Generous budgets: the tests share two cores with three engines (and maybe other

@@ -49,9 +49,18 @@ class SessionChannel:
 
 @dataclass(slots=True, eq=False)  # identity-hashed: kept in a set
 class Watcher:
+    """One Watch stream's queue, bounded in events and in bytes (a lease event carries its hashes)."""
+
     categories: frozenset[str]
     queue: asyncio.Queue[pb.WatchEvent | Close]
+    max_bytes: int = 16 * 1024 * 1024
+    pending_bytes: int = 0
     overflowed: bool = False
+
+    def taken(self, item: pb.WatchEvent | Close) -> None:
+        """The stream's writer took `item` off the queue."""
+        if isinstance(item, pb.WatchEvent):
+            self.pending_bytes -= item.ByteSize()
 
 
 class StreamNotifier:
@@ -125,8 +134,8 @@ class StreamNotifier:
 
     # -- watchers ----------------------------------------------------------------
 
-    def add_watcher(self, categories: frozenset[str]) -> Watcher:
-        watcher = Watcher(categories, asyncio.Queue(self._watch_queue + 1))
+    def add_watcher(self, categories: frozenset[str], max_bytes: int = 16 * 1024 * 1024) -> Watcher:
+        watcher = Watcher(categories, asyncio.Queue(self._watch_queue + 1), max_bytes)
         self._watchers.add(watcher)
         for c in categories:
             self._watching[c] = self._watching.get(c, 0) + 1
@@ -146,20 +155,30 @@ class StreamNotifier:
 
     def event(self, event: WatchEvent) -> None:
         msg: pb.WatchEvent | None = None
+        size = 0
         for watcher in self._watchers:
             if event.category not in watcher.categories or watcher.overflowed:
                 continue
             if msg is None:
                 msg = codec.watch_event_pb(event, self._clock.now(), time.time())
+                size = msg.ByteSize()
+            behind = ""
             if watcher.queue.qsize() >= self._watch_queue:
+                behind = f"{self._watch_queue} events"
+            elif watcher.pending_bytes + size > watcher.max_bytes:
+                behind = (
+                    f"{watcher.pending_bytes + size} bytes (limit {watcher.max_bytes}, --watch-buffer-bytes)"
+                )
+            if behind:
                 # A watcher that cannot keep up is cut off, never silently skipped.
                 watcher.overflowed = True
                 watcher.queue.put_nowait(
                     Close(
                         "RESOURCE_EXHAUSTED",
-                        f"watcher fell {self._watch_queue} events behind; reconnect",
+                        f"watcher fell {behind} behind; reconnect",
                         Cause.WATCHER_BEHIND,
                     )
                 )
             else:
+                watcher.pending_bytes += size
                 watcher.queue.put_nowait(msg)

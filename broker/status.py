@@ -24,6 +24,7 @@ STATUS_OF_ERROR: dict[type[errors.BrokerError], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -192,14 +192,30 @@ class AsyncBrokerClient:
     async def list_engines(
         self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.ListEnginesResponse:
-        return await self._unary(
-            "ListEngines", build_request(pb.ListEnginesRequest, request, fields), timeout
-        )
+        """Every engine (all pages), or the one page asked for when page_size or page_token is set."""
+        req = build_request(pb.ListEnginesRequest, request, fields)
+        out: pb.ListEnginesResponse = await self._unary("ListEngines", req, timeout)
+        every = not (req.page_size or req.page_token)
+        while out.next_page_token and every:
+            req.page_token = out.next_page_token
+            page = await self._unary("ListEngines", req, timeout)
+            out.engines.extend(page.engines)
+            out.next_page_token = page.next_page_token
+        return out
 
     async def list_leases(
         self, request: pb.ListLeasesRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.ListLeasesResponse:
-        return await self._unary("ListLeases", build_request(pb.ListLeasesRequest, request, fields), timeout)
+        """Every lease (all pages), or the one page asked for when page_size or page_token is set."""
+        req = build_request(pb.ListLeasesRequest, request, fields)
+        out: pb.ListLeasesResponse = await self._unary("ListLeases", req, timeout)
+        every = not (req.page_size or req.page_token)
+        while out.next_page_token and every:
+            req.page_token = out.next_page_token
+            page = await self._unary("ListLeases", req, timeout)
+            out.leases.extend(page.leases)
+            out.next_page_token = page.next_page_token
+        return out
 
     async def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
         return await self._unary("Stats", pb.StatsRequest(), timeout)

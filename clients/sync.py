@@ -122,12 +122,30 @@ class BrokerClient:
     def list_engines(
         self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.ListEnginesResponse:
-        return self._unary("ListEngines", build_request(pb.ListEnginesRequest, request, fields), timeout)
+        """Every engine (all pages), or the one page asked for when page_size or page_token is set."""
+        req = build_request(pb.ListEnginesRequest, request, fields)
+        out: pb.ListEnginesResponse = self._unary("ListEngines", req, timeout)
+        every = not (req.page_size or req.page_token)
+        while out.next_page_token and every:
+            req.page_token = out.next_page_token
+            page = self._unary("ListEngines", req, timeout)
+            out.engines.extend(page.engines)
+            out.next_page_token = page.next_page_token
+        return out
 
     def list_leases(
         self, request: pb.ListLeasesRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.ListLeasesResponse:
-        return self._unary("ListLeases", build_request(pb.ListLeasesRequest, request, fields), timeout)
+        """Every lease (all pages), or the one page asked for when page_size or page_token is set."""
+        req = build_request(pb.ListLeasesRequest, request, fields)
+        out: pb.ListLeasesResponse = self._unary("ListLeases", req, timeout)
+        every = not (req.page_size or req.page_token)
+        while out.next_page_token and every:
+            req.page_token = out.next_page_token
+            page = self._unary("ListLeases", req, timeout)
+            out.leases.extend(page.leases)
+            out.next_page_token = page.next_page_token
+        return out
 
     def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
         return self._unary("Stats", pb.StatsRequest(), timeout)

@@ -34,7 +34,8 @@ Causes are stable lowercase words; a new one may be added, none is renamed:
                   layout_mismatch, incompatible, draining
   requests        bad_request, out_of_range
   streams ended   session_superseded, session_expired, shutting_down,
-                  too_many_watchers, watcher_behind, too_many_mirrors
+                  too_many_watchers, watcher_behind, too_many_mirrors,
+                  limit_reached, register_timeout, not_session_owner
 ResolveResponse.skipped_reason uses the same words (and no_holder,
 below_min). docs/clients.md tabulates each: status code, meaning, what to
 do. Errors gRPC itself makes (deadline, message too large, cancelled)

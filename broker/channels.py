@@ -42,9 +42,35 @@ SESSION_END_CAUSES: dict[str, Cause] = {
 
 @dataclass(slots=True)
 class SessionChannel:
+    """A session's outbound queue, bounded in bytes: an engine that sends commands but does
+    not read the answers is ended (RESOURCE_EXHAUSTED) instead of growing the broker."""
+
     session_id: str
     queue: asyncio.Queue[pb.SessionDown | Close] = field(default_factory=asyncio.Queue)
     closed: Close | None = None
+    max_bytes: int = 64 * 1024 * 1024
+    pending_bytes: int = 0
+
+    def put(self, msg: pb.SessionDown) -> None:
+        if self.closed is not None:
+            return
+        size = msg.ByteSize()
+        if self.pending_bytes + size > self.max_bytes:
+            self.closed = Close(
+                "RESOURCE_EXHAUSTED",
+                f"the session's answers waiting to be read passed {self.max_bytes} bytes "
+                "(--session-buffer-bytes): read the stream",
+                Cause.LIMIT_REACHED,
+            )
+            self.queue.put_nowait(self.closed)
+            return
+        self.pending_bytes += size
+        self.queue.put_nowait(msg)
+
+    def taken(self, item: pb.SessionDown | Close) -> None:
+        """The stream's writer took `item` off the queue."""
+        if isinstance(item, pb.SessionDown):
+            self.pending_bytes -= item.ByteSize()
 
 
 @dataclass(slots=True, eq=False)  # identity-hashed: kept in a set
@@ -74,8 +100,8 @@ class StreamNotifier:
 
     # -- sessions ---------------------------------------------------------------
 
-    def attach(self, session_id: str) -> SessionChannel:
-        channel = SessionChannel(session_id)
+    def attach(self, session_id: str, max_bytes: int = 64 * 1024 * 1024) -> SessionChannel:
+        channel = SessionChannel(session_id, max_bytes=max_bytes)
         self._channels[session_id] = channel
         return channel
 
@@ -84,8 +110,8 @@ class StreamNotifier:
 
     def _send(self, session_id: str, msg: pb.SessionDown) -> None:
         channel = self._channels.get(session_id)
-        if channel is not None and channel.closed is None:
-            channel.queue.put_nowait(msg)
+        if channel is not None:
+            channel.put(msg)
 
     def lease_revoked(self, session_id: str, lease: Lease) -> None:
         down = pb.SessionDown(

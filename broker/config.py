@@ -74,6 +74,10 @@ class BrokerConfig:
     watch_buffer_bytes: int = setting(
         16 * 1024 * 1024, "most bytes of events buffered for one Watch stream; beyond it is cut off"
     )
+    session_buffer_bytes: int = setting(
+        64 * 1024 * 1024,
+        "most bytes of answers and notices waiting for an engine to read its Session stream; beyond: ended",
+    )
     mirror_buffer_bytes: int = setting(
         64 * 1024 * 1024,
         "most bytes of changes buffered for one Mirror stream; beyond it gets a fresh snapshot",
@@ -110,6 +114,7 @@ class BrokerConfig:
             "register_timeout_ms",
             "watch_buffer_bytes",
             "mirror_buffer_bytes",
+            "session_buffer_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0")

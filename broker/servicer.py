@@ -98,7 +98,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             await _abort(context, err)
             return
         rec.peer_host = peer_host(context.peer() or "")
-        channel = self.notifier.attach(rec.session_id)
+        channel = self.notifier.attach(rec.session_id, self.core.config.session_buffer_bytes)
         lock = asyncio.Lock()
         ttl_ms = int(rec.ttl_s * 1000)
         await context.write(
@@ -117,6 +117,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             while True:
                 item = await channel.queue.get()
+                channel.taken(item)
                 if isinstance(item, Close):
                     if item.code:  # the broker ended the session
                         code = grpc.StatusCode[item.code]
@@ -191,8 +192,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 # synchronous step as the core call: whatever the command causes later
                 # (the LeaseEnded of this hold, say) is queued behind it, and the writer
                 # writes the queue in order, so the engine reads this answer first.
-                if channel.closed is None:
-                    channel.queue.put_nowait(reply)
+                channel.put(reply)
             else:
                 async with lock:
                     await context.write(reply)
@@ -213,8 +213,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         if result.pending and result.lease is not None:
 
             def answer(lease: Lease) -> None:
-                if channel.closed is None:
-                    channel.queue.put_nowait(pb.SessionDown(seq=seq, resolve=self._settled(result, lease)))
+                channel.put(pb.SessionDown(seq=seq, resolve=self._settled(result, lease)))
 
             self.notifier.wait_pin(result.lease.lease_id, answer)
             return None

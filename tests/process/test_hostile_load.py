@@ -184,3 +184,39 @@ async def test_leases_are_capped_and_listed_in_pages(tmp_path: Path, channel_to:
         await holder.close()
     finally:
         broker.stop()
+
+
+async def test_an_engine_that_never_reads_its_session_is_ended(tmp_path: Path) -> None:
+    """Lease commands whose answers are never read: the session's queue is bounded in bytes and
+    the session ends with RESOURCE_EXHAUSTED (an earlier broker queued every answer)."""
+    broker = dual_stack_broker(tmp_path, "--session-buffer-bytes", str(MiB))
+    # A client whose transport does not read ahead much either (no BDP window growth).
+    channel = grpc.aio.insecure_channel(broker.address, options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        stub = broker_pb2_grpc.KVBrokerStub(channel)
+        greedy = RawSession(stub)
+        reg = await greedy.register(engine_info("greedy"), 60_000)
+        hashes = list(range(8192))
+        await greedy.send(
+            hold=pb.HoldRequest(
+                namespace=pb.Namespace(layout_id=reg.layout_id),
+                tier=GPU,
+                block_hashes=hashes,
+                block_ids=hashes,
+            )
+        )
+        lease = (await greedy.read_kind("lease")).lease.lease
+        for _ in range(400):  # each answer carries the 8192-block lease: ~60 KB, not read yet
+            await greedy.send(renew=pb.RenewRequest(lease_id=lease.lease_id))
+        answers = 0
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while True:
+                last = await greedy.read(timeout=30)
+                answers += 1
+        assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--session-buffer-bytes" in (ended.value.details() or "")
+        assert last.error.cause == "limit_reached" and answers < 400
+        print(f"{answers} messages came before the end")
+    finally:
+        await channel.close()
+        broker.stop()

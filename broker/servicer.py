@@ -423,6 +423,10 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 "layout_id is empty; mirror the layout_id an engine got at registration",
                 Cause.BAD_REQUEST,
             )
+        try:
+            self.core.check.ident(request.layout_id, "layout_id")
+        except BrokerError as err:
+            await _abort(context, err)
         hub = self.core.mirrors
         limit = self.core.config.max_mirrors
         if hub.subscriber_count() >= limit:

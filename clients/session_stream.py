@@ -206,10 +206,7 @@ class SessionStream:
 
     async def _register_rank(self, rank: pb.RankInfo) -> None:
         try:
-            registered = self.registered
-            await self.client.register_rank(
-                engine_id=self.engine_id, rank=rank, session_id=registered.session_id if registered else ""
-            )
+            await self.client.register_rank(engine_id=self.engine_id, rank=rank)  # the session's own host
         except errors.BrokerError as err:
             log.warning("register_rank pp=%d tp=%d failed: %s", rank.pp_rank, rank.tp_rank, err)
 

@@ -18,6 +18,8 @@ from kvbroker.v1 import broker_pb2 as pb
 class Checks:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
+        # An engine must fit in one ListEngines page (half a message), whatever the flags say.
+        self.engine_bytes = min(config.max_engine_info_bytes, config.max_message_bytes // 2)
 
     @staticmethod
     def _ttl_s(ttl_ms: int, default: int, lo: int, hi: int, what: str) -> float:
@@ -93,19 +95,19 @@ class Checks:
         for rank in info.ranks:
             self.rank(rank)
         size = info.ByteSize()
-        if size > c.max_engine_info_bytes:
+        if size > self.engine_bytes:
             raise InvalidArgument(
                 f"the registration of engine {shown(info.engine_id)} is {size} bytes; the limit is "
-                f"{c.max_engine_info_bytes} (--max-engine-info-bytes)"
+                f"{self.engine_bytes} (--max-engine-info-bytes, at most half of --max-message-bytes)"
             )
 
     def rank(self, rank: pb.RankInfo) -> None:
         self.ident(rank.agent_name, "rank.agent_name")
         size = rank.ByteSize()
-        if size > self.config.max_engine_info_bytes:
+        if size > self.engine_bytes:
             raise InvalidArgument(
                 f"rank (pp_rank={rank.pp_rank}, tp_rank={rank.tp_rank}) is {size} bytes; the limit "
-                f"for a whole engine is {self.config.max_engine_info_bytes} (--max-engine-info-bytes)"
+                f"for a whole engine is {self.engine_bytes} (--max-engine-info-bytes)"
             )
 
     @staticmethod
@@ -128,7 +130,7 @@ class Checks:
         key = (rank.pp_rank, rank.tp_rank)
         others = sum(r.ByteSize() for k, r in rec.ranks.items() if k != key)
         size = rec.info.ByteSize() + others + rank.ByteSize()
-        limit = self.config.max_engine_info_bytes
+        limit = self.engine_bytes
         if size > limit:
             raise InvalidArgument(
                 f"with this rank, engine {shown(rec.engine_id)}'s registration would be {size} bytes; "

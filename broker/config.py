@@ -63,7 +63,8 @@ class BrokerConfig:
     )
     max_labels_bytes: int = setting(16_384, "most bytes of an engine's labels (keys and values together)")
     max_engine_info_bytes: int = setting(
-        4 * 1024 * 1024, "largest engine registration, all ranks' NIXL agent metadata included"
+        4 * 1024 * 1024,
+        "largest engine registration, all ranks' NIXL agent metadata included (at most half of --max-message-bytes)",
     )
     max_text_bytes: int = setting(
         1_024, "longest free-form text kept (reasons, pin errors, fingerprint fields); longer: cut"

@@ -10,6 +10,7 @@ item that stayed.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 
 from kvbroker.broker import codec
@@ -49,7 +50,10 @@ def _leases(core: BrokerCore, engine_id: str, include_ended: bool) -> Iterable[L
 
 def list_leases(core: BrokerCore, request: pb.ListLeasesRequest) -> pb.ListLeasesResponse:
     after = _order(request.page_token) if request.page_token else None
-    chosen = sorted(
+    limit = _page_size(core, request.page_size)
+    # The page and one more (to know whether more follow), without sorting everything.
+    chosen = heapq.nsmallest(
+        limit + 1,
         (
             lease
             for lease in _leases(core, request.engine_id, request.include_ended)
@@ -59,10 +63,8 @@ def list_leases(core: BrokerCore, request: pb.ListLeasesRequest) -> pb.ListLease
     )
     now = core.clock.now()
     out = pb.ListLeasesResponse()
-    size, budget, limit = 0, _byte_budget(core), _page_size(core, request.page_size)
-    for lease in chosen:
-        if len(out.leases) >= limit:
-            break
+    size, budget = 0, _byte_budget(core)
+    for lease in chosen[:limit]:
         msg = codec.lease_pb(lease, now)
         size += msg.ByteSize() + 8
         if out.leases and size > budget:
@@ -81,7 +83,9 @@ def _engine_pb(core: BrokerCore, rec: EngineRecord) -> pb.EngineInfo:
 
 def list_engines(core: BrokerCore, request: pb.ListEnginesRequest) -> pb.ListEnginesResponse:
     after = _order(request.page_token) if request.page_token else None
-    chosen = sorted(
+    limit = _page_size(core, request.page_size)
+    chosen = heapq.nsmallest(
+        limit + 1,
         (
             rec
             for rec in core.registry.all()
@@ -91,10 +95,8 @@ def list_engines(core: BrokerCore, request: pb.ListEnginesRequest) -> pb.ListEng
         key=lambda rec: _order(rec.engine_id),
     )
     out = pb.ListEnginesResponse()
-    size, budget, limit = 0, _byte_budget(core), _page_size(core, request.page_size)
-    for rec in chosen:
-        if len(out.engines) >= limit:
-            break
+    size, budget = 0, _byte_budget(core)
+    for rec in chosen[:limit]:
         msg = _engine_pb(core, rec)
         size += msg.ByteSize() + 8
         if out.engines and size > budget:

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from kvbroker.broker.errors import InvalidArgument, NotFound, ResourceExhausted, shown
-from kvbroker.broker.listing import list_leases
+from kvbroker.broker.listing import list_engines, list_leases
 from kvbroker.common.causes import Cause
 from kvbroker.common.index import SHARDS, CompactPrefixIndex, namespace_salt
 from kvbroker.common.model import Namespace, Tier
@@ -133,3 +133,26 @@ def test_sizes_loads_and_echoes() -> None:
     assert len(err.value.message) < 200 and "65536 chars" in err.value.message
     assert len(err.value.metadata["engine_id"]) <= 256
     assert shown("short") == "'short'"
+
+
+def test_engines_list_in_pages_by_count_and_by_bytes() -> None:
+    core, _clock, _ = make_core(list_page_size=2, max_message_bytes=200_000, max_labels_bytes=60_000)
+    for i in range(5):
+        core.register(engine_info(f"e{i}", labels={"blob": "x" * 40_000}), 3000)
+    pages: list[list[str]] = []
+    token = ""
+    while True:
+        page = list_engines(core, pb.ListEnginesRequest(page_token=token))
+        pages.append([e.engine_id for e in page.engines])
+        token = page.next_page_token
+        if not token:
+            break
+    # 40 KB engines, 100 KB a page (half the message limit): two per page, in id order.
+    assert pages == [["e0", "e1"], ["e2", "e3"], ["e4"]]
+    one = list_engines(core, pb.ListEnginesRequest(page_size=1))
+    assert [e.engine_id for e in one.engines] == ["e0"] and one.next_page_token == "e0"
+    big, _clock, _ = make_core(list_page_size=10, max_message_bytes=200_000, max_labels_bytes=60_000)
+    for i in range(5):
+        big.register(engine_info(f"e{i}", labels={"blob": "x" * 40_000}), 3000)
+    first = list_engines(big, pb.ListEnginesRequest())
+    assert len(first.engines) == 2 and first.next_page_token == "e1"  # cut by bytes, not count

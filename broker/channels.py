@@ -42,16 +42,51 @@ SESSION_END_CAUSES: dict[str, Cause] = {
 
 @dataclass(slots=True)
 class SessionChannel:
+    """A session's outbound queue, bounded in bytes: an engine that sends commands but does
+    not read the answers is ended (RESOURCE_EXHAUSTED) instead of growing the broker."""
+
     session_id: str
     queue: asyncio.Queue[pb.SessionDown | Close] = field(default_factory=asyncio.Queue)
     closed: Close | None = None
+    max_bytes: int = 64 * 1024 * 1024
+    pending_bytes: int = 0
+
+    def put(self, msg: pb.SessionDown) -> None:
+        if self.closed is not None:
+            return
+        size = msg.ByteSize()
+        if self.pending_bytes + size > self.max_bytes:
+            self.closed = Close(
+                "RESOURCE_EXHAUSTED",
+                f"the session's answers waiting to be read passed {self.max_bytes} bytes "
+                "(--session-buffer-bytes): read the stream",
+                Cause.LIMIT_REACHED,
+            )
+            self.queue.put_nowait(self.closed)
+            return
+        self.pending_bytes += size
+        self.queue.put_nowait(msg)
+
+    def taken(self, item: pb.SessionDown | Close) -> None:
+        """The stream's writer took `item` off the queue."""
+        if isinstance(item, pb.SessionDown):
+            self.pending_bytes -= item.ByteSize()
 
 
 @dataclass(slots=True, eq=False)  # identity-hashed: kept in a set
 class Watcher:
+    """One Watch stream's queue, bounded in events and in bytes (a lease event carries its hashes)."""
+
     categories: frozenset[str]
     queue: asyncio.Queue[pb.WatchEvent | Close]
+    max_bytes: int = 16 * 1024 * 1024
+    pending_bytes: int = 0
     overflowed: bool = False
+
+    def taken(self, item: pb.WatchEvent | Close) -> None:
+        """The stream's writer took `item` off the queue."""
+        if isinstance(item, pb.WatchEvent):
+            self.pending_bytes -= item.ByteSize()
 
 
 class StreamNotifier:
@@ -65,8 +100,8 @@ class StreamNotifier:
 
     # -- sessions ---------------------------------------------------------------
 
-    def attach(self, session_id: str) -> SessionChannel:
-        channel = SessionChannel(session_id)
+    def attach(self, session_id: str, max_bytes: int = 64 * 1024 * 1024) -> SessionChannel:
+        channel = SessionChannel(session_id, max_bytes=max_bytes)
         self._channels[session_id] = channel
         return channel
 
@@ -75,8 +110,8 @@ class StreamNotifier:
 
     def _send(self, session_id: str, msg: pb.SessionDown) -> None:
         channel = self._channels.get(session_id)
-        if channel is not None and channel.closed is None:
-            channel.queue.put_nowait(msg)
+        if channel is not None:
+            channel.put(msg)
 
     def lease_revoked(self, session_id: str, lease: Lease) -> None:
         down = pb.SessionDown(
@@ -125,8 +160,8 @@ class StreamNotifier:
 
     # -- watchers ----------------------------------------------------------------
 
-    def add_watcher(self, categories: frozenset[str]) -> Watcher:
-        watcher = Watcher(categories, asyncio.Queue(self._watch_queue + 1))
+    def add_watcher(self, categories: frozenset[str], max_bytes: int = 16 * 1024 * 1024) -> Watcher:
+        watcher = Watcher(categories, asyncio.Queue(self._watch_queue + 1), max_bytes)
         self._watchers.add(watcher)
         for c in categories:
             self._watching[c] = self._watching.get(c, 0) + 1
@@ -146,20 +181,30 @@ class StreamNotifier:
 
     def event(self, event: WatchEvent) -> None:
         msg: pb.WatchEvent | None = None
+        size = 0
         for watcher in self._watchers:
             if event.category not in watcher.categories or watcher.overflowed:
                 continue
             if msg is None:
                 msg = codec.watch_event_pb(event, self._clock.now(), time.time())
+                size = msg.ByteSize()
+            behind = ""
             if watcher.queue.qsize() >= self._watch_queue:
+                behind = f"{self._watch_queue} events"
+            elif watcher.pending_bytes + size > watcher.max_bytes:
+                behind = (
+                    f"{watcher.pending_bytes + size} bytes (limit {watcher.max_bytes}, --watch-buffer-bytes)"
+                )
+            if behind:
                 # A watcher that cannot keep up is cut off, never silently skipped.
                 watcher.overflowed = True
                 watcher.queue.put_nowait(
                     Close(
                         "RESOURCE_EXHAUSTED",
-                        f"watcher fell {self._watch_queue} events behind; reconnect",
+                        f"watcher fell {behind} behind; reconnect",
                         Cause.WATCHER_BEHIND,
                     )
                 )
             else:
+                watcher.pending_bytes += size
                 watcher.queue.put_nowait(msg)

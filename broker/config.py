@@ -56,6 +56,41 @@ class BrokerConfig:
     ended_lease_history: int = setting(
         10_000, "ended leases kept for ListLeases(include_ended) and precise release errors"
     )
+    max_lease_blocks: int = setting(8_192, "most blocks in one lease (a hold or a resolve's acquire)")
+    max_leases_per_engine: int = setting(
+        4_096, "most live leases an engine may hold, and most it may read (RESOURCE_EXHAUSTED beyond)"
+    )
+    ended_lease_history_blocks: int = setting(
+        1_000_000, "most block hashes kept in the ended-lease history, over all its leases"
+    )
+    list_page_size: int = setting(
+        1_000, "most leases or engines in one ListLeases/ListEngines answer (page_size 0 or larger)"
+    )
+    max_id_bytes: int = setting(
+        256, "longest id accepted: engine, lease, request and agent ids, namespace layout and tenant"
+    )
+    max_labels_bytes: int = setting(16_384, "most bytes of an engine's labels (keys and values together)")
+    max_engine_info_bytes: int = setting(
+        4 * 1024 * 1024,
+        "largest engine registration, all ranks' NIXL agent metadata included (at most half of --max-message-bytes)",
+    )
+    max_text_bytes: int = setting(
+        1_024, "longest free-form text kept (reasons, pin errors, fingerprint fields); longer: cut"
+    )
+    register_timeout_ms: int = setting(
+        10_000, "a Session stream that sends no 'register' within this is closed (DEADLINE_EXCEEDED)"
+    )
+    watch_buffer_bytes: int = setting(
+        16 * 1024 * 1024, "most bytes of events buffered for one Watch stream; beyond it is cut off"
+    )
+    session_buffer_bytes: int = setting(
+        64 * 1024 * 1024,
+        "most bytes of answers and notices waiting for an engine to read its Session stream; beyond: ended",
+    )
+    mirror_buffer_bytes: int = setting(
+        64 * 1024 * 1024,
+        "most bytes of changes buffered for one Mirror stream; beyond it gets a fresh snapshot",
+    )
     expiry_interval_ms: int = setting(50, "how often the expiry loop looks for expired leases and sessions")
     expiry_batch: int = setting(1_000, "most leases or sessions ended per expiry pass (rate limit)")
     keepalive_min_ping_interval_ms: int = setting(
@@ -88,6 +123,17 @@ class BrokerConfig:
             "expiry_batch",
             "mirror_chunk",
             "keepalive_min_ping_interval_ms",
+            "max_lease_blocks",
+            "max_leases_per_engine",
+            "list_page_size",
+            "max_id_bytes",
+            "max_labels_bytes",
+            "max_engine_info_bytes",
+            "max_text_bytes",
+            "register_timeout_ms",
+            "watch_buffer_bytes",
+            "mirror_buffer_bytes",
+            "session_buffer_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0")

@@ -15,7 +15,7 @@ from kvbroker.broker.checks import Checks
 from kvbroker.broker.clock import Clock, MonotonicClock
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.declines import DeclineBook
-from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, shown
 from kvbroker.broker.events import Notifier, NullNotifier
 from kvbroker.broker.holders import find_holders
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
@@ -51,7 +51,9 @@ class BrokerCore:
         publish = Publisher(self.notifier, self.mirrors)
         self.index = ObservedIndex(index or CompactPrefixIndex(), publish)
         self.leases = ObservedLeaseTable(
-            leases or InMemoryLeaseTable(self.config.ended_lease_history), publish
+            leases
+            or InMemoryLeaseTable(self.config.ended_lease_history, self.config.ended_lease_history_blocks),
+            publish,
         )
         self.registry = ObservedRegistry(EngineRegistry(), publish)
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
@@ -65,6 +67,7 @@ class BrokerCore:
     def register(self, info: pb.EngineInfo, session_ttl_ms: int, expected_ranks: int = 0) -> EngineRecord:
         """Open a session. An engine id whose old session is alive ends that session first."""
         ttl_s = self.check.session_ttl_s(session_ttl_ms)
+        self.check.engine(info)
         old = self.registry.find(info.engine_id) if info.engine_id else None
         if old is not None:
             EngineRegistry.validate(info)  # a bad registration must not end a good session
@@ -99,9 +102,14 @@ class BrokerCore:
 
     def heartbeat(self, rec: EngineRecord, load: float) -> None:
         rec.deadline = self.clock.now() + rec.ttl_s
+        self.check.load(load, "heartbeat.load")
         rec.load = load
 
     def register_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
+        self.check.ident(engine_id, "engine_id")
+        self.check.rank(rank)
+        rec = self.registry.get(engine_id)
+        self.check.rank_fits(rec, rank)
         return self.registry.add_rank(engine_id, rank)
 
     # -- inventory -----------------------------------------------------------------
@@ -159,6 +167,7 @@ class BrokerCore:
     ) -> ResolveResult:
         self.check.namespace(ns)
         self.check.hashes(len(hashes), "block_hashes")
+        self.check.ident(request_id, "request_id")
         if asker is not None:
             self.check.layout(asker, ns)
         elif acquire:
@@ -178,8 +187,10 @@ class BrokerCore:
             return ResolveResult(matches, skipped_reason="below_min")
         holder = self.registry.get(best.engine_id)
         if best.hold_lease_id:
+            self.check.reader_room(self.leases, asker.engine_id)
             lease = self.leases.claim(best.hold_lease_id, asker.engine_id, ttl_s, self.clock.now())
             return ResolveResult(matches, lease=lease, holder=holder)
+        self.check.lease_room(self.leases, holder.engine_id, asker.engine_id, best.matched)
         now = self.clock.now()
         lease = self.leases.create(
             holder=holder.engine_id,
@@ -205,7 +216,8 @@ class BrokerCore:
         if not lease.state.live:
             return lease  # too late (pin timeout or a session ended); already settled
         if not ok:
-            done = self.leases.revoke(lease_id, RevokeCause.HOLDER_REFUSED, error or "holder refused the pin")
+            why = self.check.text(error) or "holder refused the pin"
+            done = self.leases.revoke(lease_id, RevokeCause.HOLDER_REFUSED, why)
             if done is not None:
                 self._after_revoke(done, tell_holder=False)  # it refused: it pinned nothing
             return lease
@@ -236,6 +248,9 @@ class BrokerCore:
         if not hashes:
             raise InvalidArgument("block_hashes is empty; a hold needs at least one block")
         self.check.hashes(len(hashes), "block_hashes")
+        self.check.ident(holder_id, "holder_engine_id")
+        self.check.ident(reader_id, "reader_engine_id")
+        self.check.ident(request_id, "request_id")
         if len(block_ids) != len(hashes):
             raise InvalidArgument(
                 f"block_ids has {len(block_ids)} entries for {len(hashes)} block_hashes; they must be parallel"
@@ -245,7 +260,7 @@ class BrokerCore:
         self.check.layout(holder, ns)
         if holder.draining:
             raise FailedPrecondition(
-                f"engine {holder_id!r} is draining and takes no new holds", Cause.DRAINING
+                f"engine {shown(holder_id)} is draining and takes no new holds", Cause.DRAINING
             )
         if reader_id:
             if reader_id == holder_id:
@@ -256,12 +271,14 @@ class BrokerCore:
             reason = self.registry.incompatibility(reader, holder)
             if reason is not None:
                 raise FailedPrecondition(
-                    f"reader {reader_id!r} cannot read holder {holder_id!r}: {reason}", Cause.INCOMPATIBLE
+                    f"reader {shown(reader_id)} cannot read holder {shown(holder_id)}: {reason}",
+                    Cause.INCOMPATIBLE,
                 )
+        self.check.lease_room(self.leases, holder_id, reader_id, len(hashes))
         now = self.clock.now()
         if request_id and self.declines.take(holder_id, request_id, now):
             raise FailedPrecondition(
-                f"request {request_id!r} of {holder_id!r} was declined before its hold arrived: "
+                f"request {shown(request_id)} of {shown(holder_id)} was declined before its hold arrived: "
                 "nobody will read it; free the blocks",
                 cause=RevokeCause.DECLINED.label,
             )
@@ -296,10 +313,13 @@ class BrokerCore:
             reason = self.registry.incompatibility(reader, holder)
             if reason is not None:
                 raise FailedPrecondition(
-                    f"reader {reader_id!r} cannot read holder {lease.holder!r}: {reason}", Cause.INCOMPATIBLE
+                    f"reader {shown(reader_id)} cannot read holder {shown(lease.holder)}: {reason}",
+                    Cause.INCOMPATIBLE,
                 )
         if lease.holder == reader_id:
             raise InvalidArgument("an engine cannot acquire its own hold")
+        if lease.reader != reader_id:
+            self.check.reader_room(self.leases, reader_id)
         lease = self.leases.claim(lease_id, reader_id, ttl_s, self.clock.now())
         assert holder is not None  # a live lease always has a live holder
         return lease, holder
@@ -329,6 +349,9 @@ class BrokerCore:
         """
         if not holder_id or not request_id:
             raise InvalidArgument("a decline names the holder_engine_id and the request_id of the hold")
+        self.check.ident(holder_id, "holder_engine_id")
+        self.check.ident(request_id, "request_id")
+        reason = self.check.text(reason)
         leases = [lease for lease in self.leases.by_holder(holder_id) if lease.request_id == request_id]
         if not leases:
             self.declines.add(holder_id, request_id, self.clock.now())
@@ -336,8 +359,8 @@ class BrokerCore:
         claimed = [lease for lease in leases if lease.state is not LeaseState.HELD]
         if claimed:
             raise FailedPrecondition(
-                f"the hold of request {request_id!r} on {holder_id!r} is {claimed[0].state.label} "
-                f"(lease {claimed[0].lease_id}, reader {claimed[0].reader!r}); only its reader ends it",
+                f"the hold of request {shown(request_id)} on {shown(holder_id)} is {claimed[0].state.label} "
+                f"(lease {claimed[0].lease_id}, reader {shown(claimed[0].reader)}); only its reader ends it",
                 cause=Cause.WRONG_LEASE_STATE,
             )
         for lease in leases:
@@ -352,7 +375,7 @@ class BrokerCore:
             if lease.cause is not RevokeCause.NONE:
                 how += f", cause {lease.cause.label}"
             raise FailedPrecondition(f"lease {lease_id} already ended ({how})", cause=ended_cause(lease))
-        self._revoke(lease, RevokeCause.OPERATOR, reason or "revoked by an operator")
+        self._revoke(lease, RevokeCause.OPERATOR, self.check.text(reason) or "revoked by an operator")
         return lease
 
     def _revoke(self, lease: Lease, cause: RevokeCause, detail: str) -> None:
@@ -395,7 +418,7 @@ class BrokerCore:
         if token_ids:
             if fp is None:
                 raise NotFound(
-                    f"no engine has registered layout_id {ns.layout_id!r}; cannot hash token ids",
+                    f"no engine has registered layout_id {shown(ns.layout_id)}; cannot hash token ids",
                     Cause.UNKNOWN_LAYOUT,
                 )
             self.check.hashes(len(token_ids) // block_size, "token_ids (in blocks)")
@@ -415,27 +438,10 @@ class BrokerCore:
         prefixes = self.index.longest_prefixes(ns, hashes)
         return ScoreResult(score_engines(prefixes, engines), len(hashes), block_size)
 
-    def list_engines(self, layout_id: str = "") -> list[EngineRecord]:
-        return [r for r in self.registry.all() if not layout_id or r.layout_id == layout_id]
-
-    def list_leases(self, engine_id: str = "", include_ended: bool = False) -> list[Lease]:
-        if engine_id:
-            by_id = {lease.lease_id: lease for lease in self.leases.by_holder(engine_id)}
-            by_id.update((lease.lease_id, lease) for lease in self.leases.by_reader(engine_id))
-            out = list(by_id.values())
-        else:
-            out = list(self.leases.live())
-        if include_ended:
-            out.extend(
-                lease
-                for lease in self.leases.recently_ended()
-                if not engine_id or engine_id in (lease.holder, lease.reader)
-            )
-        return out
-
     def drain(self, engine_id: str, reason: str = "") -> int:
         """Stop naming the engine, tell it, revoke its unclaimed holds. Active reads finish."""
         rec = self.registry.get(engine_id)
+        reason = self.check.text(reason)
         revoked = 0
         with self.registry.draining(rec, reason):
             self.notifier.drain(rec.session_id, reason or "drained by an operator")
@@ -498,5 +504,5 @@ class BrokerCore:
         for lease in self.leases.revoke_expired(now, limit):
             self._after_revoke(lease)
             ended += 1
-        self.index.maintain(limit * 50)
+        self.index.maintain(limit * 8)  # a few ms of sweep per pass: it shares the loop
         return ended

@@ -1,7 +1,9 @@
-"""An interceptor that answers undecodable unary requests with INVALID_ARGUMENT.
+"""An interceptor that answers undecodable requests with INVALID_ARGUMENT.
 
-Left alone, grpc.aio reports a protobuf DecodeError as UNKNOWN; bad bytes are
-bad input and get a precise status like any other (cause bad_request).
+Left alone, grpc.aio reports a protobuf DecodeError as UNKNOWN (and logs a
+traceback); bad bytes are bad input and get a precise status like any other
+(cause bad_request): unary calls, server streams (Watch, Mirror) and every
+message of a bidirectional stream (Session).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             if not inspect.iscoroutinefunction(handler.stream_stream):
                 return handler  # e.g. reflection's generator handlers: left as they are
             return self._guard_stream(handler, guarded_decode, method)
+        if handler.unary_stream is not None:
+            if not inspect.isasyncgenfunction(handler.unary_stream):
+                return handler
+            return self._guard_server_stream(handler, guarded_decode, method)
         if handler.unary_unary is None:
             return handler
         inner = handler.unary_unary
@@ -61,6 +67,27 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=guarded_decode, response_serializer=handler.response_serializer
+        )
+
+    @staticmethod
+    def _guard_server_stream(
+        handler: grpc.RpcMethodHandler, guarded_decode: Callable[[bytes], Any], method: str
+    ) -> grpc.RpcMethodHandler:
+        inner = handler.unary_stream
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Malformed):
+                await abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request to {method} is not a valid message: {request.reason}",
+                    Cause.BAD_REQUEST,
+                )
+            async for response in inner(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(
             guarded, request_deserializer=guarded_decode, response_serializer=handler.response_serializer
         )
 

@@ -14,6 +14,23 @@ from typing import ClassVar
 
 from kvbroker.common.causes import Cause
 
+# Caps on what an error echoes back: a request's strings may be long, the status (message and
+# details trailer) must stay small enough for any client's metadata limit.
+MAX_MESSAGE_CHARS = 1024
+MAX_METADATA_CHARS = 256
+SHOWN_CHARS = 64
+
+
+def shown(value: str) -> str:
+    """`value` quoted for a message; a long one cut, with its length, so an error stays small."""
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value)} chars)"
+
+
+def _capped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 24] + f"... ({len(text)} chars)"
+
 
 class BrokerError(Exception):
     """Base of all domain errors; never raised directly.
@@ -27,13 +44,16 @@ class BrokerError(Exception):
     def __init__(
         self, message: str, cause: Cause | str | None = None, metadata: Mapping[str, str] | None = None
     ) -> None:
+        message = _capped(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
         chosen = Cause(cause) if cause else self.default_cause
         if chosen is None:
             raise TypeError(f"{type(self).__name__} needs a cause: {message}")
         self.cause: Cause = chosen
-        self.metadata: dict[str, str] = dict(metadata or {})
+        self.metadata: dict[str, str] = {
+            k: _capped(v, MAX_METADATA_CHARS) for k, v in (metadata or {}).items()
+        }
 
 
 class NotFound(BrokerError):
@@ -66,12 +86,18 @@ class PermissionDenied(BrokerError):
     default_cause = Cause.NOT_PARTY
 
 
+class ResourceExhausted(BrokerError):
+    """A limit of the broker is reached (leases per engine, blocks per lease, buffered bytes)."""
+
+    default_cause = Cause.LIMIT_REACHED
+
+
 class AlreadyExists(BrokerError):
     """A duplicate that must stay unique (e.g. a session already registered on this stream)."""
 
 
-class ResourceExhausted(BrokerError):
-    """A quota is used up; the message names the limit."""
+class QuotaExceeded(ResourceExhausted):
+    """A quota of a tenant or identity is used up; the message names the limit."""
 
     default_cause = Cause.QUOTA_EXCEEDED
 

@@ -7,14 +7,15 @@ into an in-band SessionError of the command's seq.
 
 On the stream the session names the engine (``session_request``): an engine
 id left empty is filled with the session's, one naming another engine is
-refused, so an engine can act only as itself there.
+refused, so an engine can act only as itself there. The unary calls are held
+to the same rule by broker/callers.py.
 """
 
 from __future__ import annotations
 
 from kvbroker.broker import codec
 from kvbroker.broker.core import BrokerCore
-from kvbroker.broker.errors import InvalidArgument, PermissionDenied
+from kvbroker.broker.errors import InvalidArgument, PermissionDenied, shown
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.causes import Cause
@@ -87,9 +88,8 @@ def session_command(core: BrokerCore, rec: EngineRecord, msg: pb.SessionUp) -> p
         setattr(request, field, rec.engine_id)
     elif named != rec.engine_id and SESSION_COMMANDS[kind] is not None:
         raise PermissionDenied(
-            f"{kind}.{field} names engine {named!r}, but this session is engine {rec.engine_id!r}: "
-            f"on the session stream an engine acts only as itself; leave {field} empty "
-            f"(or use the unary {kind.capitalize()} call to act for another engine)",
+            f"{kind}.{field} names engine {shown(named)}, but this session is engine {shown(rec.engine_id)}: "
+            f"an engine acts only as itself; leave {field} empty",
             Cause.NOT_PARTY,
             {"engine_id": named, "session_engine_id": rec.engine_id},
         )

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied
+from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied, shown
 from kvbroker.broker.expiry import ExpiryQueue
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
@@ -80,6 +80,8 @@ class LeaseTable(Protocol):
     def revoke_expired(self, now: float, limit: int) -> list[Lease]: ...
     def by_holder(self, engine_id: str) -> list[Lease]: ...
     def by_reader(self, engine_id: str) -> list[Lease]: ...
+    def count_by_holder(self, engine_id: str) -> int: ...
+    def count_by_reader(self, engine_id: str) -> int: ...
     def live(self) -> Iterable[Lease]: ...
     def recently_ended(self) -> Iterable[Lease]: ...
     def live_counts(self) -> dict[LeaseState, int]: ...
@@ -110,10 +112,13 @@ def _ended_error(lease: Lease) -> FailedPrecondition:
 
 
 class InMemoryLeaseTable:
-    def __init__(self, history: int = 10_000) -> None:
+    def __init__(self, history: int = 10_000, history_blocks: int = 1_000_000) -> None:
         self._live: dict[str, Lease] = {}
         self._ended: OrderedDict[str, Lease] = OrderedDict()
+        # Bounded in leases and in blocks: a lease's hashes are most of its cost.
         self._history = history
+        self._history_blocks = history_blocks
+        self._ended_blocks = 0
         self._by_holder: dict[str, set[str]] = {}
         self._by_reader: dict[str, set[str]] = {}
         self._expiry = ExpiryQueue()
@@ -162,7 +167,7 @@ class InMemoryLeaseTable:
         lease = self._live.get(lease_id) or self._ended.get(lease_id)
         if lease is None:
             raise NotFound(
-                f"unknown lease {lease_id!r} (never existed, or ended long ago)",
+                f"unknown lease {shown(lease_id)} (never existed, or ended long ago)",
                 Cause.UNKNOWN_LEASE,
                 {"lease_id": lease_id},
             )
@@ -186,7 +191,7 @@ class InMemoryLeaseTable:
             )
         if lease.reader and lease.reader != reader:
             raise PermissionDenied(
-                f"lease {lease_id} is held for reader {lease.reader!r}, not {reader!r}",
+                f"lease {lease_id} is held for reader {shown(lease.reader)}, not {shown(reader)}",
                 metadata=about(lease, engine_id=reader),
             )
         if not lease.reader:
@@ -203,7 +208,7 @@ class InMemoryLeaseTable:
         lease = self._get_live(lease_id)
         if lease.holder != holder:
             raise PermissionDenied(
-                f"lease {lease_id} belongs to holder {lease.holder!r}, not {holder!r}",
+                f"lease {lease_id} belongs to holder {shown(lease.holder)}, not {shown(holder)}",
                 metadata=about(lease, engine_id=holder),
             )
         if lease.state is not LeaseState.PENDING:
@@ -223,7 +228,7 @@ class InMemoryLeaseTable:
         lease = self._get_live(lease_id)
         if engine_id not in (lease.holder, lease.reader):
             raise PermissionDenied(
-                f"engine {engine_id!r} is neither holder nor reader of lease {lease_id}",
+                f"engine {shown(engine_id)} is neither holder nor reader of lease {lease_id}",
                 metadata=about(lease, engine_id=engine_id),
             )
         if lease.state is LeaseState.PENDING:
@@ -248,7 +253,7 @@ class InMemoryLeaseTable:
             )
         if reader != lease.reader:
             raise PermissionDenied(
-                f"lease {lease_id} is read by {lease.reader!r}, not {reader!r}",
+                f"lease {lease_id} is read by {shown(lease.reader)}, not {shown(reader)}",
                 metadata=about(lease, engine_id=reader),
             )
         if epoch and epoch != lease.epoch:
@@ -308,8 +313,10 @@ class InMemoryLeaseTable:
         if lease.reader:
             self._discard(self._by_reader, lease.reader, lid)
         self._ended[lid] = lease
-        while len(self._ended) > self._history:
-            self._ended.popitem(last=False)
+        self._ended_blocks += len(lease.block_hashes)
+        while self._ended and (len(self._ended) > self._history or self._ended_blocks > self._history_blocks):
+            _, old = self._ended.popitem(last=False)
+            self._ended_blocks -= len(old.block_hashes)
 
     @staticmethod
     def _discard(index: dict[str, set[str]], key: str, lid: str) -> None:
@@ -326,6 +333,12 @@ class InMemoryLeaseTable:
 
     def by_reader(self, engine_id: str) -> list[Lease]:
         return [self._live[i] for i in self._by_reader.get(engine_id, ())]
+
+    def count_by_holder(self, engine_id: str) -> int:
+        return len(self._by_holder.get(engine_id, ()))
+
+    def count_by_reader(self, engine_id: str) -> int:
+        return len(self._by_reader.get(engine_id, ()))
 
     def live(self) -> Iterable[Lease]:
         return list(self._live.values())

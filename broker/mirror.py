@@ -13,7 +13,9 @@ snapshot and then the changes, in order, ends at the broker's state even
 when the snapshot saw some of those changes already.
 
 A subscriber that falls too far behind is not cut off: its buffer is dropped
-and it is sent a fresh snapshot (the `reset` flag tells the mirror).
+and it is sent a fresh snapshot (the `reset` flag tells the mirror). "Too far"
+is counted in bytes (8 a hash, an engine's whole serialized EngineInfo), so a
+subscriber that never reads costs at most its byte limit, whatever changes.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from dataclasses import dataclass, field
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 
-# Buffered hashes (stored + removed) after which a subscriber is resynced.
-DEFAULT_MAX_PENDING = 2_000_000
+# Buffered bytes after which a subscriber is resynced.
+DEFAULT_MAX_PENDING_BYTES = 64 * 1024 * 1024
+CHANGE_OVERHEAD_BYTES = 64  # a MirrorBlocks' fields and framing, roughly
 
 
 def mirror_engine_info(info: pb.EngineInfo) -> pb.EngineInfo:
@@ -47,7 +50,7 @@ class MirrorSubscriber:
 
     layout_id: str
     wake: Callable[[], None]
-    max_pending: int = DEFAULT_MAX_PENDING
+    max_pending: int = DEFAULT_MAX_PENDING_BYTES
     segments: list[tuple[list[pb.MirrorEngine], list[pb.MirrorBlocks]]] = field(default_factory=list)
     pending: int = 0
     overflowed: bool = False
@@ -77,14 +80,17 @@ class MirrorSubscriber:
             self.segments.append(([], [change]))
         self.wake()
 
-    def _add_engine(self, change: pb.MirrorEngine) -> None:
+    def _add_engine(self, change: pb.MirrorEngine, size: int) -> None:
         if self.overflowed:
             return
-        if not self.segments or self.segments[-1][1]:
+        self.pending += size
+        if self.pending > self.max_pending:
+            self.overflowed = True
+            self.segments = []
+        elif not self.segments or self.segments[-1][1]:
             self.segments.append(([change], []))
         else:
             self.segments[-1][0].append(change)
-        self.pending += 1
         self.wake()
 
 
@@ -95,7 +101,7 @@ class MirrorHub:
         self._by_layout: dict[str, set[MirrorSubscriber]] = {}
 
     def subscribe(
-        self, layout_id: str, wake: Callable[[], None], max_pending: int = DEFAULT_MAX_PENDING
+        self, layout_id: str, wake: Callable[[], None], max_pending: int = DEFAULT_MAX_PENDING_BYTES
     ) -> MirrorSubscriber:
         sub = MirrorSubscriber(layout_id, wake, max_pending)
         self._by_layout.setdefault(layout_id, set()).add(sub)
@@ -138,7 +144,7 @@ class MirrorHub:
             stored=stored,
             removed=removed,
         )
-        size = len(stored) + len(removed)
+        size = 8 * (len(stored) + len(removed)) + CHANGE_OVERHEAD_BYTES
         for sub in subs:
             sub._add_blocks(change, size)
 
@@ -148,7 +154,7 @@ class MirrorHub:
             return
         change = pb.MirrorBlocks(engine_id=engine_id, tier=pb.Tier.ValueType(tier), clear_tier=True)
         for sub in subs:
-            sub._add_blocks(change, 1)
+            sub._add_blocks(change, CHANGE_OVERHEAD_BYTES)
 
     def engine(self, layout_id: str, info: pb.EngineInfo | None, engine_id: str = "") -> None:
         """An engine became ready or changed (info), or is gone (info None, engine_id given)."""
@@ -159,5 +165,6 @@ class MirrorHub:
             msg = pb.MirrorEngine(engine=pb.EngineInfo(engine_id=engine_id), gone=True)
         else:
             msg = pb.MirrorEngine(engine=mirror_engine_info(info))
+        size = msg.ByteSize() + CHANGE_OVERHEAD_BYTES
         for sub in subs:
-            sub._add_engine(msg)
+            sub._add_engine(msg, size)

@@ -191,6 +191,12 @@ class ObservedLeaseTable:
     def by_reader(self, engine_id: str) -> list[Lease]:
         return self._table.by_reader(engine_id)
 
+    def count_by_holder(self, engine_id: str) -> int:
+        return self._table.count_by_holder(engine_id)
+
+    def count_by_reader(self, engine_id: str) -> int:
+        return self._table.count_by_reader(engine_id)
+
     def live(self) -> Iterable[Lease]:
         return self._table.live()
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvbroker.broker.errors import ResourceExhausted
+from kvbroker.broker.errors import QuotaExceeded
 from kvbroker.broker.identity import Identity
 from kvbroker.broker.security_config import SecurityConfig
 
@@ -57,7 +57,7 @@ class Quotas:
         rate = self.config.quota_rate
         burst = float(max(1, self.config.quota_burst))
         if rate > 0 and not _take(self._buckets, who, rate, burst, now, calls):
-            raise ResourceExhausted(
+            raise QuotaExceeded(
                 f"{who} made more than {rate:g} calls per second (quota --quota-rate {rate:g}, "
                 f"--quota-burst {int(burst)}); slow down",
                 metadata={"identity": who.uri, "limit": f"{rate:g}/s"},
@@ -66,7 +66,7 @@ class Quotas:
         if tenant_rate > 0 and not _take(
             self._tenant_buckets, who.tenant, tenant_rate, tenant_rate, now, calls
         ):
-            raise ResourceExhausted(
+            raise QuotaExceeded(
                 f"tenant {who.tenant!r} made more than {tenant_rate:g} calls per second, all its identities "
                 f"together (quota --quota-tenant-rate {tenant_rate:g}); {who} must wait",
                 metadata={"tenant": who.tenant, "limit": f"{tenant_rate:g}/s"},
@@ -76,7 +76,7 @@ class Quotas:
         limit = self.config.quota_streams
         count = self._streams.get(who, 0)
         if limit and count >= limit:
-            raise ResourceExhausted(
+            raise QuotaExceeded(
                 f"{who} has {count} Watch/Mirror streams open, its quota (--quota-streams {limit}); "
                 f"close one before opening a {method}",
                 metadata={"identity": who.uri, "limit": str(limit)},
@@ -95,7 +95,7 @@ class Quotas:
     def check_sessions(self, who: Identity, live_in_tenant: int) -> None:
         limit = self.config.quota_sessions
         if limit and live_in_tenant >= limit:
-            raise ResourceExhausted(
+            raise QuotaExceeded(
                 f"tenant {who.tenant!r} has {live_in_tenant} live sessions, its quota "
                 f"(--quota-sessions {limit}); {who} cannot open another",
                 metadata={"tenant": who.tenant, "limit": str(limit)},
@@ -104,7 +104,7 @@ class Quotas:
     def check_leases(self, who: Identity, live_in_tenant: int) -> None:
         limit = self.config.quota_leases
         if limit and live_in_tenant >= limit:
-            raise ResourceExhausted(
+            raise QuotaExceeded(
                 f"tenant {who.tenant!r} has {live_in_tenant} live leases, its quota "
                 f"(--quota-leases {limit}); release or let some end before holding more",
                 metadata={"tenant": who.tenant, "limit": str(limit)},
@@ -113,7 +113,7 @@ class Quotas:
     def check_blocks(self, who: Identity, indexed_in_tenant: int, adding: int) -> None:
         limit = self.config.quota_blocks
         if limit and adding and indexed_in_tenant + adding > limit:
-            raise ResourceExhausted(
+            raise QuotaExceeded(
                 f"tenant {who.tenant!r} has {indexed_in_tenant} indexed blocks; {adding} more would pass "
                 f"its quota (--quota-blocks {limit}); announce removals first",
                 metadata={"tenant": who.tenant, "limit": str(limit)},

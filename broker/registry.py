@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from kvbroker.broker.errors import InvalidArgument, NotFound
+from kvbroker.broker.errors import InvalidArgument, NotFound, shown
 from kvbroker.broker.expiry import ExpiryQueue
 from kvbroker.common.causes import Cause
 from kvbroker.common.layout import DEFAULT_HASH_ALGO, check_topology, layout_id
@@ -34,6 +34,7 @@ class EngineRecord:
     load: float = 0.0
     draining: bool = False
     ranks_version: int = 0
+    peer_host: str = ""  # host of the Session stream's connection (see broker/callers.py)
 
     @property
     def ready(self) -> bool:
@@ -98,7 +99,7 @@ class EngineRegistry:
         rec = self._engines.get(engine_id)
         if rec is None:
             raise NotFound(
-                f"unknown engine {engine_id!r}: it has no live session (register it first)",
+                f"unknown engine {shown(engine_id)}: it has no live session (register it first)",
                 Cause.UNKNOWN_ENGINE,
                 {"engine_id": engine_id},
             )
@@ -111,7 +112,7 @@ class EngineRegistry:
         rec = self._by_session.get(session_id)
         if rec is None:
             raise NotFound(
-                f"unknown session {session_id!r}", Cause.UNKNOWN_ENGINE, {"session_id": session_id}
+                f"unknown session {shown(session_id)}", Cause.UNKNOWN_ENGINE, {"session_id": session_id}
             )
         return rec
 
@@ -145,7 +146,7 @@ class EngineRegistry:
         del stored.ranks[:]
         rec = EngineRecord(
             engine_id=info.engine_id,
-            session_id=secrets.token_hex(8),
+            session_id=secrets.token_hex(16),  # a secret: it proves a call is the engine's
             info=stored,
             layout_id=lid,
             ttl_s=ttl_s,

@@ -19,8 +19,15 @@ from typing import NoReturn
 import grpc
 from opentelemetry.trace import Tracer
 
-from kvbroker.broker import codec, lease_calls
+from kvbroker.broker import codec, lease_calls, listing
 from kvbroker.broker import events as ev
+from kvbroker.broker.callers import (
+    ENGINE_ID_METADATA,
+    SESSION_ID_METADATA,
+    call_metadata,
+    check_owner,
+    peer_host,
+)
 from kvbroker.broker.channels import Close, SessionChannel, StreamNotifier
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
@@ -36,8 +43,6 @@ from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
 log = logging.getLogger("kvbroker.servicer")
-
-ENGINE_ID_METADATA = "kvbroker-engine-id"
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: BrokerError) -> NoReturn:
@@ -68,7 +73,17 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     async def Session(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.SessionUp], context: grpc.aio.ServicerContext
     ) -> None:
-        first = await anext(aiter(request_iterator), None)
+        timeout_ms = self.core.config.register_timeout_ms
+        try:
+            first = await asyncio.wait_for(anext(aiter(request_iterator), None), timeout_ms / 1000)
+        except TimeoutError:
+            await abort(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no 'register' message within {timeout_ms} ms of opening the Session stream "
+                "(--register-timeout-ms); send it first",
+                Cause.REGISTER_TIMEOUT,
+            )
         if first is None:
             return
         if first.WhichOneof("msg") != "register":
@@ -84,7 +99,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         except BrokerError as err:
             await _abort(context, err)
             return
-        channel = self.notifier.attach(rec.session_id)
+        rec.peer_host = peer_host(context.peer() or "")
+        channel = self.notifier.attach(rec.session_id, self.core.config.session_buffer_bytes)
         lock = asyncio.Lock()
         ttl_ms = int(rec.ttl_s * 1000)
         await context.write(
@@ -103,6 +119,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         try:
             while True:
                 item = await channel.queue.get()
+                channel.taken(item)
                 if isinstance(item, Close):
                     if item.code:  # the broker ended the session
                         code = grpc.StatusCode[item.code]
@@ -179,8 +196,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 # synchronous step as the core call: whatever the command causes later
                 # (the LeaseEnded of this hold, say) is queued behind it, and the writer
                 # writes the queue in order, so the engine reads this answer first.
-                if channel.closed is None:
-                    channel.queue.put_nowait(reply)
+                channel.put(reply)
             else:
                 async with lock:
                     await context.write(reply)
@@ -201,8 +217,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         if result.pending and result.lease is not None:
 
             def answer(lease: Lease) -> None:
-                if channel.closed is None:
-                    channel.queue.put_nowait(pb.SessionDown(seq=seq, resolve=self._settled(result, lease)))
+                channel.put(pb.SessionDown(seq=seq, resolve=self._settled(result, lease)))
 
             self.notifier.wait_pin(result.lease.lease_id, answer)
             return None
@@ -217,10 +232,30 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
 
     # -- unary: engine side ---------------------------------------------------------
 
+    def _acting_as(self, engine_id: str, context: grpc.aio.ServicerContext, what: str) -> None:
+        """A unary call acting as `engine_id` must come from its session (broker/callers.py)."""
+        rec = self.core.registry.find(engine_id)
+        if rec is not None:  # an unknown or empty id is the core's to refuse, precisely
+            check_owner(rec, context, what)
+
+    def _asker(self, context: grpc.aio.ServicerContext) -> EngineRecord | None:
+        """The engine a unary Resolve asks for: named by its session id, or by its engine id
+        from its own session's host; None for a router."""
+        session_id = call_metadata(context, SESSION_ID_METADATA)
+        if session_id:
+            return self.core.registry.by_session(session_id)
+        engine_id = call_metadata(context, ENGINE_ID_METADATA)
+        if not engine_id:
+            return None
+        rec = self.core.registry.get(engine_id)
+        check_owner(rec, context, f"Resolve with {ENGINE_ID_METADATA}")
+        return rec
+
     async def RegisterRank(
         self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterRankResponse:
         try:
+            self._acting_as(request.engine_id, context, "RegisterRank")
             self.core.register_rank(request.engine_id, request.rank)
         except BrokerError as err:
             await _abort(context, err)
@@ -228,6 +263,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
 
     async def Hold(self, request: pb.HoldRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         try:
+            self._acting_as(request.holder_engine_id, context, "Hold (holder_engine_id)")
             return lease_calls.hold(self.core, request)
         except BrokerError as err:
             await _abort(context, err)
@@ -236,12 +272,14 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaseResponse:
         try:
+            self._acting_as(request.reader_engine_id, context, "Acquire (reader_engine_id)")
             return lease_calls.acquire(self.core, request)
         except BrokerError as err:
             await _abort(context, err)
 
     async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         try:
+            self._acting_as(request.engine_id, context, "Renew (engine_id)")
             return lease_calls.renew(self.core, request)
         except BrokerError as err:
             await _abort(context, err)
@@ -250,6 +288,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.LeaseResponse:
         try:
+            self._acting_as(request.reader_engine_id, context, "Release (reader_engine_id)")
             return lease_calls.release(self.core, request)
         except BrokerError as err:
             await _abort(context, err)
@@ -267,8 +306,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     ) -> pb.ResolveResponse:
         core = self.core
         try:
-            asker_id = dict(context.invocation_metadata() or ()).get(ENGINE_ID_METADATA, "")
-            asker = core.registry.get(str(asker_id)) if asker_id else None
+            asker = self._asker(context)
             result = core.resolve(
                 asker,
                 codec.namespace(request.namespace),
@@ -309,20 +347,12 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
-        core = self.core
-        out = pb.ListEnginesResponse()
-        for rec in core.list_engines(request.layout_id):
-            held = sum(1 for lease in core.leases.by_holder(rec.engine_id) if lease.state.name == "ACTIVE")
-            read = sum(1 for lease in core.leases.by_reader(rec.engine_id) if lease.state.name == "ACTIVE")
-            out.engines.append(codec.engine_pb(rec, core.engine_blocks(rec), held, read))
-        return out
+        return listing.list_engines(self.core, request)
 
     async def ListLeases(
         self, request: pb.ListLeasesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListLeasesResponse:
-        now = self.core.clock.now()
-        leases = self.core.list_leases(request.engine_id, request.include_ended)
-        return pb.ListLeasesResponse(leases=[codec.lease_pb(lease, now) for lease in leases])
+        return listing.list_leases(self.core, request)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return codec.stats_pb(self.core.stats())
@@ -362,10 +392,11 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 Cause.TOO_MANY_WATCHERS,
                 {"limit": str(limit)},
             )
-        watcher = self.notifier.add_watcher(frozenset(wanted))
+        watcher = self.notifier.add_watcher(frozenset(wanted), self.core.config.watch_buffer_bytes)
         try:
             while True:
                 item = await watcher.queue.get()
+                watcher.taken(item)
                 if isinstance(item, Close):
                     code = grpc.StatusCode[item.code]
                     if item.cause:
@@ -378,6 +409,14 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
 
     # -- Mirror stream -------------------------------------------------------------
 
+    def _mirror_engines(self, layout_id: str) -> list[pb.MirrorUpdate]:
+        """The snapshot's first messages: reset, then the layout's engines, below the message limit."""
+        budget = self.core.config.max_message_bytes // 2
+        batches = _engine_batches(self.core.mirror_engines(layout_id), budget)
+        out = [pb.MirrorUpdate(reset=True, engines=batches[0])]
+        out.extend(pb.MirrorUpdate(engines=batch) for batch in batches[1:])
+        return out
+
     async def Mirror(
         self, request: pb.MirrorRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MirrorUpdate]:
@@ -388,6 +427,10 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 "layout_id is empty; mirror the layout_id an engine got at registration",
                 Cause.BAD_REQUEST,
             )
+        try:
+            self.core.check.ident(request.layout_id, "layout_id")
+        except BrokerError as err:
+            await _abort(context, err)
         hub = self.core.mirrors
         limit = self.core.config.max_mirrors
         if hub.subscriber_count() >= limit:
@@ -399,18 +442,18 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 {"limit": str(limit)},
             )
         ready = asyncio.Event()
-        sub = hub.subscribe(request.layout_id, ready.set)
+        sub = hub.subscribe(request.layout_id, ready.set, self.core.config.mirror_buffer_bytes)
         try:
             while not sub.closed:
                 # (Re)sync: changes buffer from this instant; the snapshot follows, then them.
                 sub.restart()
-                engines = self.core.mirror_engines(sub.layout_id)
-                yield pb.MirrorUpdate(
-                    reset=True, engines=[pb.MirrorEngine(engine=mirror_engine_info(e)) for e in engines]
-                )
+                for update in self._mirror_engines(sub.layout_id):
+                    yield update
                 for chunk in self.core.index.export(sub.layout_id, self.core.config.mirror_chunk):
                     if chunk:
                         yield pb.MirrorUpdate(blocks=[_mirror_blocks(*held) for held in chunk])
+                    else:
+                        await asyncio.sleep(0)  # a step that found nothing still lets others run
                     if sub.overflowed or sub.closed:
                         break
                 else:
@@ -426,6 +469,21 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             await abort(context, grpc.StatusCode.UNAVAILABLE, sub.closed, Cause.SHUTTING_DOWN)
         finally:
             hub.unsubscribe(sub)
+
+
+def _engine_batches(engines: list[pb.EngineInfo], budget: int) -> list[list[pb.MirrorEngine]]:
+    """The snapshot's engines in messages of at most `budget` bytes (one engine per message at least)."""
+    batches: list[list[pb.MirrorEngine]] = [[]]
+    size = 0
+    for info in engines:
+        msg = pb.MirrorEngine(engine=mirror_engine_info(info))
+        n = msg.ByteSize() + 8
+        if batches[-1] and size + n > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(msg)
+        size += n
+    return batches
 
 
 def _mirror_blocks(engine_id: str, tier: Tier, ns: Namespace, hashes: list[int]) -> pb.MirrorBlocks:

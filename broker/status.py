@@ -25,6 +25,7 @@ STATUS_OF_ERROR: dict[type[errors.BrokerError], grpc.StatusCode] = {
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 

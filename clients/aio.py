@@ -35,6 +35,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 5.0
 # Metadata naming the asking engine on a unary Resolve (the broker's servicer reads it).
 ENGINE_ID_METADATA = "kvbroker-engine-id"
+SESSION_ID_METADATA = "kvbroker-session-id"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # Keepalive pings find a dead broker on an otherwise quiet stream (Watch,
@@ -145,11 +146,15 @@ class AsyncBrokerClient:
         except TimeoutError:
             raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s") from None
 
-    async def _unary(self, method: str, request: Message, timeout: float | None, engine_id: str = "") -> Any:
+    async def _unary(
+        self, method: str, request: Message, timeout: float | None, engine_id: str = "", session_id: str = ""
+    ) -> Any:
         call = getattr(self.stub, method)
         metadata = trace_metadata()
         if engine_id:
             metadata = (*(metadata or ()), (ENGINE_ID_METADATA, engine_id))
+        if session_id:  # proves the call comes from that engine's session (acts as the engine)
+            metadata = (*(metadata or ()), (SESSION_ID_METADATA, session_id))
         try:
             return await call(
                 request,
@@ -161,31 +166,72 @@ class AsyncBrokerClient:
 
     # Engine side.
     async def register_rank(
-        self, request: pb.RegisterRankRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.RegisterRankRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.RegisterRankResponse:
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
         return await self._unary(
-            "RegisterRank", build_request(pb.RegisterRankRequest, request, fields), timeout
+            "RegisterRank",
+            build_request(pb.RegisterRankRequest, request, fields),
+            timeout,
+            session_id=session_id,
         )
 
     async def hold(
-        self, request: pb.HoldRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.HoldRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.LeaseResponse:
-        return await self._unary("Hold", build_request(pb.HoldRequest, request, fields), timeout)
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
+        return await self._unary(
+            "Hold", build_request(pb.HoldRequest, request, fields), timeout, session_id=session_id
+        )
 
     async def acquire(
-        self, request: pb.AcquireRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.AcquireRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.LeaseResponse:
-        return await self._unary("Acquire", build_request(pb.AcquireRequest, request, fields), timeout)
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
+        return await self._unary(
+            "Acquire", build_request(pb.AcquireRequest, request, fields), timeout, session_id=session_id
+        )
 
     async def renew(
-        self, request: pb.RenewRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.RenewRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.LeaseResponse:
-        return await self._unary("Renew", build_request(pb.RenewRequest, request, fields), timeout)
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
+        return await self._unary(
+            "Renew", build_request(pb.RenewRequest, request, fields), timeout, session_id=session_id
+        )
 
     async def release(
-        self, request: pb.ReleaseRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.ReleaseRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.LeaseResponse:
-        return await self._unary("Release", build_request(pb.ReleaseRequest, request, fields), timeout)
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
+        return await self._unary(
+            "Release", build_request(pb.ReleaseRequest, request, fields), timeout, session_id=session_id
+        )
 
     async def resolve(
         self,
@@ -193,6 +239,7 @@ class AsyncBrokerClient:
         *,
         timeout: float | None = None,
         engine_id: str = "",
+        session_id: str = "",
         **fields: Any,
     ) -> pb.ResolveResponse:
         """Unary resolve. ``engine_id`` names the asking engine (needed for ``acquire``).
@@ -200,7 +247,11 @@ class AsyncBrokerClient:
         Engines should resolve over their session instead (``EngineSession.resolve``): it is cheaper.
         """
         return await self._unary(
-            "Resolve", build_request(pb.ResolveRequest, request, fields), timeout, engine_id=engine_id
+            "Resolve",
+            build_request(pb.ResolveRequest, request, fields),
+            timeout,
+            engine_id=engine_id,
+            session_id=session_id,
         )
 
     # Routers.
@@ -213,14 +264,30 @@ class AsyncBrokerClient:
     async def list_engines(
         self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.ListEnginesResponse:
-        return await self._unary(
-            "ListEngines", build_request(pb.ListEnginesRequest, request, fields), timeout
-        )
+        """Every engine (all pages), or the one page asked for when page_size or page_token is set."""
+        req = build_request(pb.ListEnginesRequest, request, fields)
+        out: pb.ListEnginesResponse = await self._unary("ListEngines", req, timeout)
+        every = not (req.page_size or req.page_token)
+        while out.next_page_token and every:
+            req.page_token = out.next_page_token
+            page = await self._unary("ListEngines", req, timeout)
+            out.engines.extend(page.engines)
+            out.next_page_token = page.next_page_token
+        return out
 
     async def list_leases(
         self, request: pb.ListLeasesRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.ListLeasesResponse:
-        return await self._unary("ListLeases", build_request(pb.ListLeasesRequest, request, fields), timeout)
+        """Every lease (all pages), or the one page asked for when page_size or page_token is set."""
+        req = build_request(pb.ListLeasesRequest, request, fields)
+        out: pb.ListLeasesResponse = await self._unary("ListLeases", req, timeout)
+        every = not (req.page_size or req.page_token)
+        while out.next_page_token and every:
+            req.page_token = out.next_page_token
+            page = await self._unary("ListLeases", req, timeout)
+            out.leases.extend(page.leases)
+            out.next_page_token = page.next_page_token
+        return out
 
     async def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
         return await self._unary("Stats", pb.StatsRequest(), timeout)

@@ -206,7 +206,7 @@ class SessionStream:
 
     async def _register_rank(self, rank: pb.RankInfo) -> None:
         try:
-            await self.client.register_rank(engine_id=self.engine_id, rank=rank)
+            await self.client.register_rank(engine_id=self.engine_id, rank=rank)  # the session's own host
         except errors.BrokerError as err:
             log.warning("register_rank pp=%d tp=%d failed: %s", rank.pp_rank, rank.tp_rank, err)
 
@@ -277,9 +277,9 @@ class SessionStream:
             self._resync(registered, outbox)
             self._connected.set()
             log.info(
-                "engine %s registered: session %s, layout %s, ttl %d ms",
+                "engine %s registered: session %s..., layout %s, ttl %d ms",
                 self.engine_id,
-                registered.session_id,
+                registered.session_id[:8],  # the whole id is a secret: it proves calls are this engine's
                 registered.layout_id,
                 registered.session_ttl_ms,
             )

@@ -18,6 +18,7 @@ from kvbroker.clients.aio import (
     DEFAULT_ADDRESS,
     DEFAULT_TIMEOUT_S,
     ENGINE_ID_METADATA,
+    SESSION_ID_METADATA,
     build_request,
     channel_options,
     trace_metadata,
@@ -63,11 +64,15 @@ class BrokerClient:
         except grpc.FutureTimeoutError:
             raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s") from None
 
-    def _unary(self, method: str, request: Message, timeout: float | None, engine_id: str = "") -> Any:
+    def _unary(
+        self, method: str, request: Message, timeout: float | None, engine_id: str = "", session_id: str = ""
+    ) -> Any:
         call = getattr(self.stub, method)
         metadata = trace_metadata()
         if engine_id:
             metadata = (*(metadata or ()), (ENGINE_ID_METADATA, engine_id))
+        if session_id:  # proves the call comes from that engine's session (acts as the engine)
+            metadata = (*(metadata or ()), (SESSION_ID_METADATA, session_id))
         try:
             return call(request, timeout=self.timeout if timeout is None else timeout, metadata=metadata)
         except grpc.RpcError as err:
@@ -75,29 +80,72 @@ class BrokerClient:
 
     # Engine side.
     def register_rank(
-        self, request: pb.RegisterRankRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.RegisterRankRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.RegisterRankResponse:
-        return self._unary("RegisterRank", build_request(pb.RegisterRankRequest, request, fields), timeout)
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
+        return self._unary(
+            "RegisterRank",
+            build_request(pb.RegisterRankRequest, request, fields),
+            timeout,
+            session_id=session_id,
+        )
 
     def hold(
-        self, request: pb.HoldRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.HoldRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.LeaseResponse:
-        return self._unary("Hold", build_request(pb.HoldRequest, request, fields), timeout)
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
+        return self._unary(
+            "Hold", build_request(pb.HoldRequest, request, fields), timeout, session_id=session_id
+        )
 
     def acquire(
-        self, request: pb.AcquireRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.AcquireRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.LeaseResponse:
-        return self._unary("Acquire", build_request(pb.AcquireRequest, request, fields), timeout)
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
+        return self._unary(
+            "Acquire", build_request(pb.AcquireRequest, request, fields), timeout, session_id=session_id
+        )
 
     def renew(
-        self, request: pb.RenewRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.RenewRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.LeaseResponse:
-        return self._unary("Renew", build_request(pb.RenewRequest, request, fields), timeout)
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
+        return self._unary(
+            "Renew", build_request(pb.RenewRequest, request, fields), timeout, session_id=session_id
+        )
 
     def release(
-        self, request: pb.ReleaseRequest | None = None, *, timeout: float | None = None, **fields: Any
+        self,
+        request: pb.ReleaseRequest | None = None,
+        *,
+        timeout: float | None = None,
+        session_id: str = "",
+        **fields: Any,
     ) -> pb.LeaseResponse:
-        return self._unary("Release", build_request(pb.ReleaseRequest, request, fields), timeout)
+        """``session_id``: the acting engine's session id, for a call made outside its session's host."""
+        return self._unary(
+            "Release", build_request(pb.ReleaseRequest, request, fields), timeout, session_id=session_id
+        )
 
     def resolve(
         self,
@@ -105,6 +153,7 @@ class BrokerClient:
         *,
         timeout: float | None = None,
         engine_id: str = "",
+        session_id: str = "",
         **fields: Any,
     ) -> pb.ResolveResponse:
         """Unary resolve. ``engine_id`` names the asking engine (needed for ``acquire``).
@@ -112,7 +161,11 @@ class BrokerClient:
         Engines should resolve over their session instead (``EngineSession.resolve``): it is cheaper.
         """
         return self._unary(
-            "Resolve", build_request(pb.ResolveRequest, request, fields), timeout, engine_id=engine_id
+            "Resolve",
+            build_request(pb.ResolveRequest, request, fields),
+            timeout,
+            engine_id=engine_id,
+            session_id=session_id,
         )
 
     # Routers.
@@ -125,12 +178,30 @@ class BrokerClient:
     def list_engines(
         self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.ListEnginesResponse:
-        return self._unary("ListEngines", build_request(pb.ListEnginesRequest, request, fields), timeout)
+        """Every engine (all pages), or the one page asked for when page_size or page_token is set."""
+        req = build_request(pb.ListEnginesRequest, request, fields)
+        out: pb.ListEnginesResponse = self._unary("ListEngines", req, timeout)
+        every = not (req.page_size or req.page_token)
+        while out.next_page_token and every:
+            req.page_token = out.next_page_token
+            page = self._unary("ListEngines", req, timeout)
+            out.engines.extend(page.engines)
+            out.next_page_token = page.next_page_token
+        return out
 
     def list_leases(
         self, request: pb.ListLeasesRequest | None = None, *, timeout: float | None = None, **fields: Any
     ) -> pb.ListLeasesResponse:
-        return self._unary("ListLeases", build_request(pb.ListLeasesRequest, request, fields), timeout)
+        """Every lease (all pages), or the one page asked for when page_size or page_token is set."""
+        req = build_request(pb.ListLeasesRequest, request, fields)
+        out: pb.ListLeasesResponse = self._unary("ListLeases", req, timeout)
+        every = not (req.page_size or req.page_token)
+        while out.next_page_token and every:
+            req.page_token = out.next_page_token
+            page = self._unary("ListLeases", req, timeout)
+            out.leases.extend(page.leases)
+            out.next_page_token = page.next_page_token
+        return out
 
     def stats(self, *, timeout: float | None = None) -> pb.StatsResponse:
         return self._unary("Stats", pb.StatsRequest(), timeout)

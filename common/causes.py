@@ -61,6 +61,9 @@ class Cause(StrEnum):
     TOO_MANY_WATCHERS = "too_many_watchers"
     WATCHER_BEHIND = "watcher_behind"
     TOO_MANY_MIRRORS = "too_many_mirrors"
+    LIMIT_REACHED = "limit_reached"
+    REGISTER_TIMEOUT = "register_timeout"
+    NOT_SESSION_OWNER = "not_session_owner"
 
     # Who is calling (transport security, identities, roles, tenants, quotas).
     UNAUTHENTICATED = "unauthenticated"
@@ -243,6 +246,23 @@ CAUSES: dict[Cause, CauseInfo] = {
         "RESOURCE_EXHAUSTED",
         "a per-tenant or per-identity quota is used up (the message names the limit)",
         "wait for the use to drop (end sessions, release leases, slow down), or raise the quota",
+    ),
+    Cause.LIMIT_REACHED: CauseInfo(
+        "RESOURCE_EXHAUSTED",
+        "a per-engine or per-request limit of the broker (live leases, blocks per lease, "
+        "buffered bytes of a stream); the message names the limit and its flag",
+        "end leases you no longer need, split the request, read the stream faster, or raise the limit",
+    ),
+    Cause.REGISTER_TIMEOUT: CauseInfo(
+        "DEADLINE_EXCEEDED",
+        "a Session stream sent no 'register' within --register-timeout-ms",
+        "send the register message first, at once",
+    ),
+    Cause.NOT_SESSION_OWNER: CauseInfo(
+        "PERMISSION_DENIED",
+        "a call acts as an engine but does not come from that engine: it carries neither the "
+        "engine's session id (kvbroker-session-id metadata) nor comes from its session's host",
+        "act over the engine's own Session stream, or send its session id with the call",
     ),
     Cause.NO_HOLDER: CauseInfo(
         "", "resolve found no engine holding a prefix the asker can read", "recompute"

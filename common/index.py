@@ -3,10 +3,13 @@
 `PrefixIndex` is the interface the core uses; `CompactPrefixIndex` is the
 in-memory backend, built to stay small at tens of millions of blocks:
 
-- One dict for everything: key = block hash XOR a 64-bit namespace salt (a
+- One table for everything: key = block hash XOR a 64-bit namespace salt (a
   plain int), value = the id of an interned *holder set*. Ids come out of
   the intern table, so every entry shares the same few int objects; the
-  per-block cost is the dict slot plus the key int.
+  per-block cost is the dict slot plus the key int. The table is 256 dicts
+  (shards, by the key's low byte), so that whatever walks all of it (a mirror's
+  snapshot, the sweep) copies and visits one small shard per step and never
+  holds the event loop for a scan of the whole table.
 - A holder *slot* stands for one (engine, tier, namespace). Holder sets are
   frozensets of slots; transitions (set + slot, set - slot) are cached, so an
   inventory update is a dict get and a dict set per block.
@@ -14,14 +17,21 @@ in-memory backend, built to stay small at tens of millions of blocks:
   list): lookups filter dead slots at once, and an incremental sweep
   (`maintain`) rewrites the entries later, then recycles the slots.
 
-Collision note: keys are the 64-bit wire hashes XOR a per-namespace salt, so
-two namespaces share a key only by a 2^-64 accident per pair.
+Isolation: keys are the 64-bit wire hashes XOR a per-namespace salt, so two
+namespaces share a key only when h1 ^ salt(A) == h2 ^ salt(B). The salt is a
+keyed hash under a secret drawn per index (per process), so no client can
+compute salt(A) ^ salt(B) and craft a hash that lands on another tenant's key.
+Should two namespaces still share a key (by a 2^-64 accident, or a salt that
+leaked), the entry's holder set holds slots of both, and every lookup keeps only
+the slots of its own namespace: a prefix never matches across namespaces, by
+construction rather than by the salt alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -29,6 +39,9 @@ from typing import Protocol, cast
 from kvbroker.common.model import Namespace, Tier
 
 MASK64 = (1 << 64) - 1
+SHARD_BITS = 8
+SHARDS = 1 << SHARD_BITS
+SHARD_MASK = SHARDS - 1
 
 
 class PrefixIndex(Protocol):
@@ -63,9 +76,13 @@ class PrefixIndex(Protocol):
         ...
 
 
-def namespace_salt(namespace: Namespace) -> int:
+def namespace_salt(namespace: Namespace, key: bytes = b"") -> int:
+    """A namespace's 64-bit salt; keyed (blake2b MAC) so that without `key` nobody can predict it."""
     digest = hashlib.blake2b(
-        f"{namespace.layout_id}\x00{namespace.tenant}".encode(), digest_size=8, person=b"kvbroker-ns"
+        f"{namespace.layout_id}\x00{namespace.tenant}".encode(),
+        digest_size=8,
+        key=key,
+        person=b"kvbroker-ns",
     ).digest()
     return int.from_bytes(digest, "big")
 
@@ -80,9 +97,11 @@ class _Slot:
 
 
 class CompactPrefixIndex:
-    def __init__(self) -> None:
-        self._entries: dict[int, int] = {}
+    def __init__(self, salt_key: bytes | None = None) -> None:
+        self._shards: list[dict[int, int]] = [{} for _ in range(SHARDS)]
         self._salts: dict[Namespace, int] = {}
+        # Secret per index: the salts (and so which keys two namespaces could share) are unpredictable.
+        self._salt_key = secrets.token_bytes(32) if salt_key is None else salt_key
         # Holder sets, interned.
         self._sets: dict[int, frozenset[int]] = {}
         self._set_id: dict[frozenset[int], int] = {}
@@ -101,7 +120,10 @@ class CompactPrefixIndex:
         self._dead_blocks = 0  # entries' worth of garbage waiting for a sweep
         self._live_blocks = 0
         self._ns_blocks: dict[Namespace, int] = {}
-        # Sweep in progress.
+        self._layout_blocks: dict[str, int] = {}
+        # Sweep in progress: shard by shard.
+        self._sweeping = False
+        self._sweep_shard = 0
         self._sweep_keys: list[int] | None = None
         self._sweep_pos = 0
         self._sweep_dead: frozenset[int] = frozenset()
@@ -122,7 +144,7 @@ class CompactPrefixIndex:
     def _salt(self, namespace: Namespace) -> int:
         salt = self._salts.get(namespace)
         if salt is None:
-            salt = self._salts[namespace] = namespace_salt(namespace)
+            salt = self._salts[namespace] = namespace_salt(namespace, self._salt_key)
         return salt
 
     def _slot_for(self, engine_id: str, tier: Tier, namespace: Namespace) -> int:
@@ -155,12 +177,13 @@ class CompactPrefixIndex:
     def add(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
         slot = self._slot_for(engine_id, tier, namespace)
         salt = self._salt(namespace)
-        entries = self._entries
+        shards = self._shards
         single = self._single[slot]
         cache = self._add_cache
         added = 0
         for h in hashes:
             key = h ^ salt
+            entries = shards[key & SHARD_MASK]
             sid = entries.get(key)
             if sid is None:
                 entries[key] = single
@@ -183,11 +206,12 @@ class CompactPrefixIndex:
         if slot is None:
             return 0
         salt = self._salt(namespace)
-        entries = self._entries
+        shards = self._shards
         cache = self._del_cache
         removed = 0
         for h in hashes:
             key = h ^ salt
+            entries = shards[key & SHARD_MASK]
             sid = entries.get(key)
             if sid is None:
                 continue
@@ -216,6 +240,10 @@ class CompactPrefixIndex:
             self._ns_blocks[info.namespace] = self._ns_blocks.get(info.namespace, 0) + delta
             if not self._ns_blocks[info.namespace]:
                 del self._ns_blocks[info.namespace]
+            layout = info.namespace.layout_id
+            self._layout_blocks[layout] = self._layout_blocks.get(layout, 0) + delta
+            if not self._layout_blocks[layout]:
+                del self._layout_blocks[layout]
 
     def drop_holder(self, engine_id: str, tier: Tier | None = None) -> int:
         slots = self._engine_slots.get(engine_id)
@@ -245,20 +273,26 @@ class CompactPrefixIndex:
         salt = self._salts.get(namespace)
         if salt is None:
             return []  # nothing was ever stored in this namespace
-        get = self._entries.get
+        shards = self._shards
         chain = hashes if isinstance(hashes, list | tuple) else list(hashes)
-        if not chain or get(chain[0] ^ salt) is None:
+        if not chain:
+            return []
+        first = chain[0] ^ salt
+        if shards[first & SHARD_MASK].get(first) is None:
             return []  # the common miss costs one lookup
-        # Look every block up at C speed, cut at the first block nobody holds.
-        found = list(map(get, [h ^ salt for h in chain]))
+        # Look every block up, cut at the first block nobody holds.
+        found = [shards[k & SHARD_MASK].get(k) for k in [h ^ salt for h in chain]]
         n = found.index(None) if None in found else len(found)
         sids = cast(list[int], found[:n])
         slots = self._slots
         prev = sids[0]
+        # Only this namespace's slots count, whatever else shares the keys (see Isolation above).
+        active = frozenset(s for s in self._live(prev) if slots[s].namespace == namespace)
+        if not active:
+            return []
         if sids.count(prev) == n:  # one holder set all along (the usual case)
-            return [(slots[s].engine_id, slots[s].tier, n) for s in self._live(prev)]
+            return [(slots[s].engine_id, slots[s].tier, n) for s in active]
         # Holder sets change along the chain: narrow the active set where they do.
-        active = self._live(prev)
         matched: list[tuple[int, int]] = []
         for i in range(1, n):
             sid = sids[i]
@@ -274,19 +308,30 @@ class CompactPrefixIndex:
         return [(slots[s].engine_id, slots[s].tier, m) for s, m in matched]
 
     def export(self, layout_id: str, chunk: int) -> Iterator[list[tuple[str, Tier, Namespace, list[int]]]]:
-        keys = list(self._entries)  # 8 bytes a block, for the length of the export
-        for start in range(0, len(keys), chunk):
-            groups: dict[int, list[int]] = {}
-            entries, slots = self._entries, self._slots
-            for key in keys[start : start + chunk]:
-                sid = entries.get(key)
-                if sid is None:
-                    continue
-                for slot in self._live(sid):
-                    ns = slots[slot].namespace
-                    if ns.layout_id == layout_id:
-                        groups.setdefault(slot, []).append(key ^ self._salts[ns])
-            yield [(slots[s].engine_id, slots[s].tier, slots[s].namespace, hs) for s, hs in groups.items()]
+        if not self._layout_blocks.get(layout_id):
+            return  # nothing of this layout: no walk at all
+        for entries in self._shards:
+            # One shard's keys at a time: a copy of 1/256 of the table, then steps of `chunk`.
+            keys = list(entries)
+            for start in range(0, len(keys), chunk):
+                yield self._export_step(entries, keys[start : start + chunk], layout_id)
+            if not keys:
+                yield []  # a step per shard, even an empty one: the caller may yield the loop
+
+    def _export_step(
+        self, entries: dict[int, int], keys: list[int], layout_id: str
+    ) -> list[tuple[str, Tier, Namespace, list[int]]]:
+        groups: dict[int, list[int]] = {}
+        slots = self._slots
+        for key in keys:
+            sid = entries.get(key)
+            if sid is None:
+                continue
+            for slot in self._live(sid):
+                ns = slots[slot].namespace
+                if ns.layout_id == layout_id:
+                    groups.setdefault(slot, []).append(key ^ self._salts[ns])
+        return [(slots[s].engine_id, slots[s].tier, slots[s].namespace, hs) for s, hs in groups.items()]
 
     def blocks_of(self, engine_id: str) -> dict[Tier, int]:
         counts = {Tier.GPU: 0, Tier.CPU: 0}
@@ -304,36 +349,45 @@ class CompactPrefixIndex:
     # -- background sweep --------------------------------------------------------
 
     def maintain(self, budget: int) -> None:
-        if self._sweep_keys is None:
+        if not self._sweeping:
             # Sweep once garbage is a quarter of the table (amortised O(1) per dropped block).
-            if not self._dead or self._dead_blocks * 4 < len(self._entries):
+            if not self._dead or self._dead_blocks * 4 < sum(map(len, self._shards)):
                 return
-            self._sweep_keys = list(self._entries)
-            self._sweep_pos = 0
+            self._sweeping = True
+            self._sweep_shard = 0
+            self._sweep_keys = None
             self._sweep_dead = frozenset(self._dead)
             self._sweep_blocks = self._dead_blocks
-        keys = self._sweep_keys
-        end = min(self._sweep_pos + budget, len(keys))
-        entries = self._entries
         cleaned: dict[int, int | None] = {}
         dead = self._sweep_dead
-        for key in keys[self._sweep_pos : end]:
-            sid = entries.get(key)
-            if sid is None:
-                continue
-            if sid in cleaned:
-                new = cleaned[sid]
-            else:
-                slots = self._sets[sid]
-                new = sid if slots.isdisjoint(dead) else self._intern(slots - dead)
-                cleaned[sid] = new
-            if new != sid:
-                if new is None:
-                    del entries[key]
+        while budget > 0 and self._sweep_shard < SHARDS:
+            entries = self._shards[self._sweep_shard]
+            if self._sweep_keys is None:
+                self._sweep_keys = list(entries)
+                self._sweep_pos = 0
+            keys = self._sweep_keys
+            end = min(self._sweep_pos + budget, len(keys))
+            budget -= end - self._sweep_pos + 1
+            for key in keys[self._sweep_pos : end]:
+                sid = entries.get(key)
+                if sid is None:
+                    continue
+                if sid in cleaned:
+                    new = cleaned[sid]
                 else:
-                    entries[key] = new
-        self._sweep_pos = end
-        if end >= len(keys):
+                    slots = self._sets[sid]
+                    new = sid if slots.isdisjoint(dead) else self._intern(slots - dead)
+                    cleaned[sid] = new
+                if new != sid:
+                    if new is None:
+                        del entries[key]
+                    else:
+                        entries[key] = new
+            self._sweep_pos = end
+            if end >= len(keys):
+                self._sweep_shard += 1
+                self._sweep_keys = None
+        if self._sweep_shard >= SHARDS:
             self._finish_sweep()
 
     def _finish_sweep(self) -> None:
@@ -351,6 +405,7 @@ class CompactPrefixIndex:
         self._add_cache.clear()
         self._del_cache.clear()
         self._live_cache.clear()
+        self._sweeping = False
         self._sweep_keys = None
         self._sweep_dead = frozenset()
         self._sweep_blocks = 0

@@ -196,7 +196,8 @@ def test_engine_back_with_new_blocks_keeps_order() -> None:
 def test_subscriber_that_falls_behind_is_resynced_not_cut_off() -> None:
     hub = MirrorHub()
     woken: list[int] = []
-    sub = hub.subscribe("L", lambda: woken.append(1), max_pending=10)
+    # Bytes: 6 hashes are 6 * 8 + 64 = 112 bytes; two such changes pass 200.
+    sub = hub.subscribe("L", lambda: woken.append(1), max_pending=200)
     ns = Namespace("L", "")
     hub.blocks("e0", ns, Tier.GPU, stored=list(range(6)))
     assert not sub.overflowed
@@ -209,6 +210,20 @@ def test_subscriber_that_falls_behind_is_resynced_not_cut_off() -> None:
     hub.blocks("e0", ns, Tier.GPU, stored=[7])
     assert [list(b.stored) for u in sub.take() for b in u.blocks] == [[7]]
     assert woken
+
+
+def test_engine_changes_count_their_bytes_toward_the_limit() -> None:
+    """An engine change costs its whole EngineInfo, not one item: large labels overflow soon."""
+    hub = MirrorHub()
+    sub = hub.subscribe("L", lambda: None, max_pending=1 << 20)
+    info = engine_info("big")
+    info.labels["blob"] = "x" * (300 << 10)
+    for _ in range(3):
+        hub.engine("L", info)
+    assert not sub.overflowed and len(sub.take()) == 1
+    for _ in range(4):  # 4 * 300 KiB > 1 MiB: dropped, and a resync is due
+        hub.engine("L", info)
+    assert sub.overflowed and sub.take() == [] and sub.pending == 0
 
 
 def test_other_layouts_and_unwatched_layouts_cost_nothing() -> None:

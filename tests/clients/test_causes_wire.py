@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvbroker.broker.security_config import SecurityConfig
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.session import EngineSession
@@ -355,6 +356,55 @@ async def _too_many_mirrors(w: World) -> errors.BrokerError:
         with pytest.raises(grpc.RpcError) as info:
             await call.read()
     return errors.from_rpc_error(info.value)
+
+
+@scenario(Cause.LIMIT_REACHED)
+async def _limit_reached(w: World) -> errors.BrokerError:
+    other = await w.start_broker(max_lease_blocks=2)
+    raw, channel = w.raw(other)
+    async with channel, AsyncBrokerClient(other.address) as client:
+        reg = await raw.register(make_engine_info("E"))
+        ns = pb.Namespace(layout_id=reg.layout_id)
+        err = await refused(
+            client.hold(holder_engine_id="E", namespace=ns, tier=GPU, block_hashes=H[:3], block_ids=IDS[:3])
+        )
+    assert err.metadata == {"limit": "2"}
+    return err
+
+
+@scenario(Cause.REGISTER_TIMEOUT)
+async def _register_timeout(w: World) -> errors.BrokerError:
+    other = await w.start_broker(register_timeout_ms=100)
+    async with grpc.aio.insecure_channel(other.address) as channel:
+        call = broker_pb2_grpc.KVBrokerStub(channel).Session()  # and never registers
+        with pytest.raises(grpc.RpcError) as info:
+            await call.read()
+    return errors.from_rpc_error(info.value)
+
+
+@scenario(Cause.NOT_SESSION_OWNER)
+async def _not_session_owner(w: World) -> errors.BrokerError:
+    # The session comes from ::1, the call from 127.0.0.1: two hosts to a broker on [::].
+    other = await w.start_broker(address="[::]:0", security=SecurityConfig(insecure=True))
+    async with grpc.aio.insecure_channel(f"[::1]:{other.port}") as channel:
+        raw = RawSession(broker_pb2_grpc.KVBrokerStub(channel))
+        reg = await raw.register(make_engine_info("E"))
+        ns = pb.Namespace(layout_id=reg.layout_id)
+        async with AsyncBrokerClient(f"127.0.0.1:{other.port}") as client:
+            err = await refused(
+                client.hold(holder_engine_id="E", namespace=ns, tier=GPU, block_hashes=[1], block_ids=[1])
+            )
+            held = await client.hold(
+                holder_engine_id="E",
+                namespace=ns,
+                tier=GPU,
+                block_hashes=[1],
+                block_ids=[1],
+                session_id=reg.session_id,
+            )
+            assert held.lease.holder_engine_id == "E"  # its session id is the proof
+    assert err.metadata == {"engine_id": "E"}
+    return err
 
 
 # -- the tests ------------------------------------------------------------------------

@@ -34,7 +34,8 @@ Causes are stable lowercase words; a new one may be added, none is renamed:
                   layout_mismatch, incompatible, draining
   requests        bad_request, out_of_range
   streams ended   session_superseded, session_expired, shutting_down,
-                  too_many_watchers, watcher_behind, too_many_mirrors
+                  too_many_watchers, watcher_behind, too_many_mirrors,
+                  limit_reached, register_timeout, not_session_owner
   who is calling  unauthenticated, role_denied, other_tenant, not_yours,
                   session_owned, quota_exceeded
 ResolveResponse.skipped_reason uses the same words (and no_holder,
@@ -1455,19 +1456,31 @@ Global___ScoreResponse: _TypeAlias = ScoreResponse  # noqa: Y015
 
 @_typing.final
 class ListEnginesRequest(_message.Message):
+    """The List calls answer in pages: at most page_size items (0 or more than the
+    broker's --list-page-size: that), fewer when the page would come near the
+    message size limit. A non-empty next_page_token means more follow: ask again
+    with it as page_token (and the same filters). Items come in a stable order.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     LAYOUT_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     layout_id: _builtins.str
     """optional filter"""
+    page_size: _builtins.int
+    page_token: _builtins.str
     def __init__(
         self,
         *,
         layout_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout_id", b"layout_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout_id", b"layout_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1478,16 +1491,19 @@ class ListEnginesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENGINES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineInfo]: ...
     def __init__(
         self,
         *,
         engines: _abc.Iterable[Global___EngineInfo] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1499,19 +1515,25 @@ class ListLeasesRequest(_message.Message):
 
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     INCLUDE_ENDED_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """optional: holder or reader"""
     include_ended: _builtins.bool
     """recent ended leases too"""
+    page_size: _builtins.int
+    page_token: _builtins.str
     def __init__(
         self,
         *,
         engine_id: _builtins.str = ...,
         include_ended: _builtins.bool = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "include_ended", b"include_ended"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "include_ended", b"include_ended", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1522,16 +1544,19 @@ class ListLeasesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
     @_builtins.property
     def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___Lease]: ...
     def __init__(
         self,
         *,
         leases: _abc.Iterable[Global___Lease] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -50,7 +50,9 @@ class BrokerConfig:
     )
     expiry_interval_ms: int = setting(50, "how often the expiry loop looks for expired leases and sessions")
     expiry_batch: int = setting(1_000, "most leases or sessions ended per expiry pass (rate limit)")
-    metrics_port: int = setting(0, "Prometheus /metrics port (0 = off)")
+    metrics_port: int = setting(
+        9400, "Prometheus /metrics port (0 = off; a port already taken turns metrics off with a warning)"
+    )
     metrics_host: str = setting("0.0.0.0", "Prometheus listen host")
     otlp_endpoint: str = setting(
         "", "OTLP gRPC endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; empty = off)"

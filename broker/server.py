@@ -26,7 +26,7 @@ from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.decode_guard import DecodeGuardInterceptor
 from kvbroker.broker.errors import InvalidArgument
-from kvbroker.broker.metrics import MetricsInterceptor, start_metrics_http
+from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
 from kvbroker.broker.servicer import BrokerServicer
 from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider, otlp_endpoint
 from kvbroker.common import settings
@@ -119,6 +119,7 @@ async def start_server(
     if config.metrics_port:
         metrics_registry = CollectorRegistry()
         interceptors.append(MetricsInterceptor(metrics_registry))
+        servicer.stream_observer = SessionStreamMetrics(metrics_registry)
     provider = tracer_provider or make_tracer_provider(otlp_endpoint(config.otlp_endpoint))
     if provider is not None:
         interceptors.append(TracingInterceptor(provider))
@@ -152,8 +153,11 @@ async def start_server(
     metrics_port = 0
     if metrics_registry is not None:
         http = start_metrics_http(core, metrics_registry, config.metrics_host, config.metrics_port)
-        extras.append(http)
-        metrics_port = http.server_port
+        if http is not None:
+            extras.append(http)
+            metrics_port = http.server_port
+        else:  # the port is taken: count nothing nobody can read
+            servicer.stream_observer = None
     running = RunningServer(
         server=server,
         core=core,

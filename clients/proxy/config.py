@@ -86,6 +86,10 @@ class ProxyConfig:
         env="OTEL_EXPORTER_OTLP_ENDPOINT",
     )
     log_level: str = setting("INFO", "how much the proxy logs", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    metrics: bool = setting(True, "serve Prometheus /metrics on the proxy's own port")
+    access_log: bool = setting(
+        True, "log one line per request (method, path, status, duration, engines) as kvbroker.proxy.access"
+    )
 
     def engines_for(self, role: str) -> list[EngineSpec]:
         return [e for e in self.engines if e.serves(role)]

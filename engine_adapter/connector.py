@@ -270,7 +270,12 @@ class BrokerConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         # Ended holds whose pool reference is still ours, pins of cached blocks to take or
         # give back: one more step does it (an idle engine is woken: engine_adapter/wakeup.py).
-        return self._scheduler is not None and self._scheduler.has_pool_returns()
+        # vLLM's engine loop asks this on the scheduler thread after every message it handles,
+        # so KV cache events of an idle engine (a prefix-cache reset) are read here too.
+        if self._scheduler is None:
+            return False
+        self._scheduler.read_cache_events()
+        return self._scheduler.has_pool_returns()
 
     def has_pending_block_frees(self) -> bool:
         # Asked when an allocation fails, before vLLM preempts: ended holds give their blocks back now.

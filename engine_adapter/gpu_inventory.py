@@ -188,7 +188,7 @@ class GpuInventory:
         future: Future[pb.PinResult] = Future()
         with self._requests_lock:
             self._requests.append((command, command.lease.lease_id, future))
-        self._wake()
+        self.wake_engine()
         return future
 
     def unpin(self, lease_id: str) -> None:
@@ -197,7 +197,7 @@ class GpuInventory:
             self._requests.append((None, lease_id, None))
             pinned = lease_id in self._pinned or any(c is not None for c, _, _ in self._requests)
         if pinned:
-            self._wake()
+            self.wake_engine()
 
     def has_work(self) -> bool:
         with self._requests_lock:
@@ -228,7 +228,7 @@ class GpuInventory:
             self._requests.extend((None, lease_id, None) for lease_id in self._pinned)
         for command, future in waiting:
             future.set_result(pb.PinResult(lease_id=command.lease.lease_id, ok=False, error="session lost"))
-        self._wake()
+        self.wake_engine()
 
     def _pin_now(self, command: pb.PinCommand) -> pb.PinResult:
         lease = command.lease
@@ -256,6 +256,7 @@ class GpuInventory:
         )
         return pb.PinResult(lease_id=lease.lease_id, ok=True, block_ids=[b.block_id for b in blocks])
 
-    def _wake(self) -> None:
+    def wake_engine(self) -> None:
+        """Make vLLM's engine loop step once more, if it sleeps (any thread)."""
         if self.wake is not None:
             self.wake()

@@ -225,6 +225,7 @@ class Holds:
             # allocation that could need the blocks; vLLM freed the request long ago.
             self._pool_returns.append(held.block_ids)
             self._returned(held)
+            self._inventory.wake_engine()  # an idle engine gives them back now, not at its next request
         else:
             self._ctx.pending_frees.append(held.request_id)
         self._ctx.stats.count("holds_freed")

@@ -99,7 +99,9 @@ class BrokerConfig:
         f"(kvbroker clients ping every {keepalive.CLIENT_PING_INTERVAL_MS // 1000} s); a client pinging "
         "faster gets GOAWAY too_many_pings",
     )
-    metrics_port: int = setting(0, "Prometheus /metrics port (0 = off)")
+    metrics_port: int = setting(
+        9400, "Prometheus /metrics port (0 = off; a port already taken turns metrics off with a warning)"
+    )
     metrics_host: str = setting("0.0.0.0", "Prometheus listen host")
     otlp_endpoint: str = setting(
         "",

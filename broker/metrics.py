@@ -5,22 +5,43 @@
   on the hot path.
 - `MetricsInterceptor` times every unary RPC (histogram by method and code)
   and counts Session/Watch streams opened.
+- `SessionStreamMetrics` counts and times what the engines' Session streams
+  carry (resolves, lease commands, inventory, pin results, heartbeats), and
+  how long a reader's pin waited for the holder; the servicer calls it once per
+  message (a few microseconds).
+- The process collector (CPU, memory, file descriptors) and
+  `kvbroker_build_info`.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import platform
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from importlib import metadata
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvbroker.broker.core import BrokerCore
 
+log = logging.getLogger("kvbroker.metrics")
+
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# Session-stream messages are handled in tens of microseconds.
+STREAM_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 
 
 class BrokerCollector(Collector):
@@ -98,8 +119,65 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+class SessionStreamMetrics:
+    """The servicer's StreamObserver: Session-stream messages and pin waits."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.messages = Counter(
+            "kvbroker_session_messages",
+            "Session-stream messages handled, by kind (resolve, hold, acquire, release, inventory, ...) and code",
+            ["kind", "code"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "kvbroker_session_message_seconds",
+            "Time the broker spent on one Session-stream message, by kind",
+            ["kind"],
+            buckets=STREAM_BUCKETS,
+            registry=registry,
+        )
+        self.pins = Histogram(
+            "kvbroker_pin_wait_seconds",
+            "From a reader's resolve that needs a pin to the holder's answer, by outcome",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def message(self, kind: str, code: str, seconds: float) -> None:
+        self.messages.labels(kind, code).inc()
+        self.seconds.labels(kind).observe(seconds)
+
+    def pin(self, outcome: str, seconds: float) -> None:
+        self.pins.labels(outcome).observe(seconds)
+
+
+def build_info(registry: CollectorRegistry) -> None:
+    """``kvbroker_build_info{version, python, grpc} 1``."""
+    try:
+        version = metadata.version("kvbroker")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    info = Gauge(
+        "kvbroker_build_info",
+        "The broker's version, Python and grpcio (always 1)",
+        ["version", "python", "grpc"],
+        registry=registry,
+    )
+    info.labels(version, platform.python_version(), grpc.__version__).set(1)
+
+
 def start_metrics_http(core: BrokerCore, registry: CollectorRegistry, host: str, port: int) -> Any:
-    """Serve /metrics on a background thread; returns the server (call .shutdown() to stop)."""
+    """Serve /metrics on a background thread; returns the server (call .shutdown() to stop),
+    or None when the port is taken: the broker then runs without metrics, and says so."""
     registry.register(BrokerCollector(core))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    ProcessCollector(registry=registry)
+    build_info(registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        log.warning("metrics off: port %d on %s is taken (set --metrics-port, or 0 for off)", port, host)
+        return None
     return server

@@ -30,7 +30,7 @@ from kvbroker.broker.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.decode_guard import DecodeGuardInterceptor
 from kvbroker.broker.errors import InvalidArgument
 from kvbroker.broker.identity import Authenticator, TokenTable
-from kvbroker.broker.metrics import MetricsInterceptor, start_metrics_http
+from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
 from kvbroker.broker.quotas import Quotas
 from kvbroker.broker.security_config import SecurityConfig, is_loopback
 from kvbroker.broker.servicer import BrokerServicer
@@ -173,6 +173,7 @@ async def start_server(
     if config.metrics_port:
         metrics_registry = CollectorRegistry()
         interceptors.append(MetricsInterceptor(metrics_registry))
+        servicer.stream_observer = SessionStreamMetrics(metrics_registry)
     provider = tracer_provider or make_tracer_provider(config.otlp_endpoint)
     if provider is not None:
         interceptors.append(TracingInterceptor(provider))
@@ -213,8 +214,11 @@ async def start_server(
     metrics_port = 0
     if metrics_registry is not None:
         http = start_metrics_http(core, metrics_registry, config.metrics_host, config.metrics_port)
-        extras.append(http)
-        metrics_port = http.server_port
+        if http is not None:
+            extras.append(http)
+            metrics_port = http.server_port
+        else:  # the port is taken: count nothing nobody can read
+            servicer.stream_observer = None
     running = RunningServer(
         server=server,
         core=core,

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import grpc
 from opentelemetry.trace import Tracer
@@ -58,11 +59,21 @@ def _session_error(seq: int, err: BrokerError) -> pb.SessionDown:
     )
 
 
+class StreamObserver(Protocol):
+    """Told about each Session-stream message the broker handled (broker/metrics.py)."""
+
+    def message(self, kind: str, code: str, seconds: float) -> None: ...
+
+    def pin(self, outcome: str, seconds: float) -> None: ...
+
+
 class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     def __init__(self, core: BrokerCore, notifier: StreamNotifier) -> None:
         self.core = core
         self.notifier = notifier
         self.shutting_down = False
+        # Session-stream metrics (None: off); the unary calls are timed by an interceptor.
+        self.stream_observer: StreamObserver | None = None
         # Spans for the lease commands on Session streams (set when tracing is on).
         self.tracer: Tracer | None = None
         # Checks each Session message as the caller's identity (broker.auth; set when it authenticates).
@@ -155,9 +166,12 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     ) -> None:
         core = self.core
         clock = core.clock
+        observer = self.stream_observer
         async for msg in request_iterator:
             if channel.closed is not None:
                 return
+            started = time.perf_counter() if observer is not None else 0.0
+            code = "OK"
             rec.deadline = clock.now() + rec.ttl_s  # any message proves liveness
             kind = msg.WhichOneof("msg")
             seq = msg.seq
@@ -189,6 +203,9 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                     raise InvalidArgument("empty SessionUp message: set one of the msg fields")
             except BrokerError as err:
                 reply = _session_error(seq, err)
+                code = reply.error.code
+            if observer is not None:
+                observer.message(kind or "empty", code, time.perf_counter() - started)
             if reply is None:
                 continue
             if kind in lease_calls.SESSION_COMMANDS:
@@ -215,8 +232,13 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             request_id=req.request_id,
         )
         if result.pending and result.lease is not None:
+            observer = self.stream_observer
+            asked = time.perf_counter()
 
             def answer(lease: Lease) -> None:
+                if observer is not None:
+                    outcome = "pinned" if lease.state.live else lease.cause.label
+                    observer.pin(outcome, time.perf_counter() - asked)
                 channel.put(pb.SessionDown(seq=seq, resolve=self._settled(result, lease)))
 
             self.notifier.wait_pin(result.lease.lease_id, answer)

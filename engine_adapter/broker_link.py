@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvbroker.v1 import broker_pb2 as pb
 
+# Answers a PinCommand at once, or with a Future that another thread settles.
+PinHandler = Callable[[pb.PinCommand], "pb.PinResult | Future[pb.PinResult]"]
+
 if TYPE_CHECKING:
     from kvbroker.clients.credentials import ClientSecurity
 
@@ -87,9 +90,9 @@ class BrokerLink(Protocol):
         or the connection changes, so holds settle while vLLM's scheduler is idle."""
         ...
 
-    def set_pin_handlers(
-        self, pin: Callable[[pb.PinCommand], pb.PinResult], unpin: Callable[[str], None]
-    ) -> None: ...
+    def set_pin_handlers(self, pin: PinHandler, unpin: Callable[[str], None]) -> None:
+        """``pin`` answers at once, or with a Future the scheduler thread settles."""
+        ...
 
     def close(self) -> None: ...
 
@@ -130,7 +133,7 @@ class SessionBrokerLink:
         from kvbroker.clients.threaded_session import ThreadedEngineSession
 
         self._ends = LeaseEndQueue()
-        self._pin: Callable[[pb.PinCommand], pb.PinResult] | None = None
+        self._pin: PinHandler | None = None
         self._listener: Callable[[], None] | None = None
         self._unpin: Callable[[str], None] | None = None
         self._session = ThreadedEngineSession(
@@ -217,10 +220,8 @@ class SessionBrokerLink:
     def announce_removed(self, namespace: pb.Namespace, hashes: list[int], tier: int = pb.TIER_GPU) -> None:
         self._session.announce_removed(namespace, tier, hashes)
 
-    def set_pin_handlers(
-        self, pin: Callable[[pb.PinCommand], pb.PinResult], unpin: Callable[[str], None]
-    ) -> None:
-        """Pins are answered on the session thread (an idle engine's scheduler may not step)."""
+    def set_pin_handlers(self, pin: PinHandler, unpin: Callable[[str], None]) -> None:
+        """Pins arrive on the session thread; a Future answer is sent when it settles."""
         self._pin, self._unpin = pin, unpin
 
     def take_lease_ends(self) -> list[LeaseEndNotice]:
@@ -251,7 +252,7 @@ class SessionBrokerLink:
         self._ends.put(LeaseEndNotice(lease.lease_id, cause))
         self._notify()
 
-    def _on_pin(self, command: pb.PinCommand) -> pb.PinResult:
+    def _on_pin(self, command: pb.PinCommand) -> pb.PinResult | Future[pb.PinResult]:
         if self._pin is not None:
             return self._pin(command)
         # Without a CPU tier this engine offers only blocks under a hold lease,

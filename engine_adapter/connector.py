@@ -37,6 +37,12 @@ if TYPE_CHECKING:
     import torch
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -203,6 +209,41 @@ class BrokerConnector(KVConnectorBase_V1):
             return None, None
         return self._worker.get_finished(finished_req_ids)
 
+    # ------------------------------------------------------------------
+    # vLLM's connector stats and /metrics (engine_adapter/vllm_metrics.py)
+    # ------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # The scheduler calls this every step, right before it drains the block pool's
+        # KV cache events: read the evictions there first.
+        if self._scheduler is None:
+            return None
+        self._scheduler.read_cache_events()
+        delta = self._scheduler.take_stats_delta()
+        if delta is None:
+            return None
+        from kvbroker.engine_adapter.vllm_metrics import BrokerConnectorStats
+
+        return BrokerConnectorStats(data=delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        from kvbroker.engine_adapter.vllm_metrics import BrokerConnectorStats
+
+        return BrokerConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        from kvbroker.engine_adapter.vllm_metrics import BrokerPromMetrics
+
+        return BrokerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -223,12 +264,19 @@ class BrokerConnector(KVConnectorBase_V1):
         # Holds keep their blocks with a reference in this pool, not by keeping the
         # finished request in vLLM (which vLLM counts as work: the engine would spin).
         if self._scheduler is not None:
-            self._scheduler.bind_block_pool(gpu_block_pool)
+            from kvbroker.engine_adapter.wakeup import find_engine_wakeup
+
+            self._scheduler.bind_block_pool(gpu_block_pool, wake=find_engine_wakeup())
 
     def has_pending_push_work(self) -> bool:
-        # Ended holds whose pool reference is still ours: one more step gives it back.
-        # (An idle engine steps again on its next message, e.g. a prefix-cache reset.)
-        return self._scheduler is not None and self._scheduler.has_pool_returns()
+        # Ended holds whose pool reference is still ours, pins of cached blocks to take or
+        # give back: one more step does it (an idle engine is woken: engine_adapter/wakeup.py).
+        # vLLM's engine loop asks this on the scheduler thread after every message it handles,
+        # so KV cache events of an idle engine (a prefix-cache reset) are read here too.
+        if self._scheduler is None:
+            return False
+        self._scheduler.read_cache_events()
+        return self._scheduler.has_pool_returns()
 
     def has_pending_block_frees(self) -> bool:
         # Asked when an allocation fails, before vLLM preempts: ended holds give their blocks back now.

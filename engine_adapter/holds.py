@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from kvbroker.engine_adapter.decisions import (
     parse_transfer_params,
     wire_hashes,
 )
+from kvbroker.engine_adapter.gpu_inventory import GpuInventory
 from kvbroker.engine_adapter.scheduler_context import SchedulerContext, finished_normally
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -62,13 +62,13 @@ class Held:
 
 
 class Holds:
-    def __init__(self, ctx: SchedulerContext, on_reply: Callable[[], None]) -> None:
+    def __init__(self, ctx: SchedulerContext, inventory: GpuInventory, on_reply: Callable[[], None]) -> None:
         self._ctx = ctx
+        self._inventory = inventory
         # Called on the session thread when a Hold is answered (the scheduler's on_link_event).
         self._on_reply = on_reply
         self._held: dict[str, Held] = {}
         self._held_by_lease: dict[str, str] = {}
-        self._announced: Counter[tuple[str, str, int]] = Counter()
         # vLLM's block pool (bind_block_pool) and the held blocks to give back to it.
         # Only the scheduler thread may touch the pool: returns wait for its next hook.
         self._block_pool: Any = None
@@ -225,6 +225,7 @@ class Holds:
             # allocation that could need the blocks; vLLM freed the request long ago.
             self._pool_returns.append(held.block_ids)
             self._returned(held)
+            self._inventory.wake_engine()  # an idle engine gives them back now, not at its next request
         else:
             self._ctx.pending_frees.append(held.request_id)
         self._ctx.stats.count("holds_freed")
@@ -240,28 +241,12 @@ class Holds:
         self._ctx.stats.count("held_blocks_returned", len(held.block_ids))
 
     def _announce(self, held: Held, *, stored: bool) -> None:
-        """Announce each (namespace, hash) once, however many holds cover it."""
-        link = self._ctx.link
-        if link is None or held.announced == stored:
+        """The GPU inventory announces each (namespace, hash) once, however many holds
+        (and whether vLLM's prefix cache) cover it."""
+        if held.announced == stored:
             return
         held.announced = stored
-        changed: list[int] = []
-        for h in held.hashes:
-            key = (held.namespace.layout_id, held.namespace.tenant, h)
-            if stored:
-                self._announced[key] += 1
-                if self._announced[key] == 1:
-                    changed.append(h)
-            else:
-                self._announced[key] -= 1
-                if self._announced[key] <= 0:
-                    del self._announced[key]
-                    changed.append(h)
-        if changed:
-            if stored:
-                link.announce_stored(held.namespace, changed)
-            else:
-                link.announce_removed(held.namespace, changed)
+        self._inventory.held(held.namespace, held.hashes, stored=stored)
 
     def _decode_params(self, num_blocks: int, hold_request_id: str = "") -> dict[str, Any]:
         """kv_transfer_params that make D pull (through the broker) instead of prefill."""

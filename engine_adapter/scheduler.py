@@ -17,6 +17,8 @@ the lock) and composes the parts:
 - loads.py: lease acquire, LoadSpecs for the worker, release commits the read;
 - holds.py: finished requests' blocks held for readers, vLLM's block pool;
 - cpu_stores.py: copies to the CPU offload tier and pins of it for readers;
+- gpu_inventory.py: every block vLLM's prefix cache has, announced, and pins
+  of cached blocks no hold covers;
 - stats.py: the counters, and the thread that writes ``stats_path``.
 """
 
@@ -26,12 +28,15 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, ParamSpec, TypeVar
 
 from kvbroker.engine_adapter.broker_link import BrokerLink
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.cpu_directory import CpuDirectory
 from kvbroker.engine_adapter.cpu_stores import CpuStores
+from kvbroker.engine_adapter.decisions import holdable_blocks
+from kvbroker.engine_adapter.gpu_inventory import GpuInventory
 from kvbroker.engine_adapter.holds import HoldPin, Holds
 from kvbroker.engine_adapter.loads import LOCAL_PIN_PREFIX, Loads
 from kvbroker.engine_adapter.lookups import Lookups
@@ -88,7 +93,8 @@ class AdapterScheduler:
         )
         self.lookups = Lookups(self._ctx)
         self.loads = Loads(self._ctx)
-        self.holds = Holds(self._ctx, on_reply=self.on_link_event)
+        self.gpu = GpuInventory(self._ctx)
+        self.holds = Holds(self._ctx, self.gpu, on_reply=self.on_link_event)
         self.stores = CpuStores(self._ctx)
         self._was_connected = False
         # Writes stats_path on its own thread, from snapshots taken here.
@@ -98,17 +104,25 @@ class AdapterScheduler:
         # so that an idle engine (no scheduler steps) still frees at once.
         self._lock = threading.RLock()
         if link is not None:
-            if self.cpu is not None:
-                link.set_pin_handlers(self.pin_cpu_blocks, self.unpin_cpu_blocks)
+            link.set_pin_handlers(self.pin_blocks, self.unpin_blocks)
             link.set_event_listener(self.on_link_event)
 
-    def bind_block_pool(self, block_pool: Any) -> None:
-        """vLLM's block pool: holds then keep their blocks with a pool reference (HoldPin.BLOCK_POOL)."""
+    def bind_block_pool(self, block_pool: Any, wake: Callable[[], None] | None = None) -> None:
+        """vLLM's block pool: holds keep their blocks with a pool reference (HoldPin.BLOCK_POOL),
+        every block it caches is announced, and readers may pin cached blocks.
+        ``wake`` makes an idle engine step (engine_adapter/wakeup.py)."""
         self.holds.bind_block_pool(block_pool)
+        self.gpu.bind(block_pool)
+        self.gpu.wake = wake
 
     def has_pool_returns(self) -> bool:
-        """Ended holds whose blocks still wait for return_held_blocks."""
-        return self.holds.has_pool_returns()
+        """Work only the scheduler thread may do: ended holds' blocks, pins of cached blocks."""
+        return self.holds.has_pool_returns() or self.gpu.has_work()
+
+    def read_cache_events(self) -> None:
+        """vLLM's KV cache events since the last look: evicted blocks are announced removed."""
+        with self._lock:
+            self.gpu.read_events()
 
     def return_held_blocks(self) -> bool:
         """Give ended holds' blocks back to vLLM's pool (scheduler thread only); True if any."""
@@ -152,6 +166,8 @@ class AdapterScheduler:
     def build_connector_meta(self) -> AdapterMetadata:
         now = self._clock()
         self.return_held_blocks()
+        self.gpu.serve()
+        self.gpu.read_events()
         self._check_connection()
         self.holds.advance(now)  # answered holds first, then their ends (Holds.take_lease_ends)
         self.holds.take_lease_ends()
@@ -191,6 +207,7 @@ class AdapterScheduler:
             # Aborted while loading: vLLM keeps its blocks until we report the
             # load finished; the protocol completes normally.
             return False, None
+        self._cached_finished(request, block_ids)
         pin, params = self.holds.hold_finished(request, block_ids)
         # A CPU-tier copy keeps the request in vLLM (delay_free) until the copy is done;
         # the worker then reports it freed, unless a delay_free hold still needs it.
@@ -210,15 +227,32 @@ class AdapterScheduler:
     # the broker session's thread
     # ------------------------------------------------------------------
 
-    @_locked
-    def pin_cpu_blocks(self, command: pb.PinCommand) -> pb.PinResult:
-        """Broker PinCommand (session thread): pin CPU-tier slots for a reader's lease."""
-        return self.stores.pin(command)
+    def pin_blocks(self, command: pb.PinCommand) -> pb.PinResult | Future[pb.PinResult]:
+        """Broker PinCommand (session thread): pin CPU-tier slots now, or cached GPU blocks
+        on the scheduler thread's next step (a Future)."""
+        if command.lease.tier == pb.TIER_GPU and self.gpu.bound:
+            return self.gpu.pin(command)
+        with self._lock:
+            return self.stores.pin(command)
 
-    @_locked
-    def unpin_cpu_blocks(self, lease_id: str) -> None:
-        """A lease ended (session thread): its CPU-tier slots may be evicted again."""
-        self.stores.unpin(lease_id)
+    def unpin_blocks(self, lease_id: str) -> None:
+        """A lease ended (session thread): its CPU-tier slots may be evicted again, its GPU blocks freed."""
+        self.gpu.unpin(lease_id)
+        with self._lock:
+            self.stores.unpin(lease_id)
+
+    def _cached_finished(self, request: Any, block_ids: Sequence[int]) -> None:
+        """Announce the finished request's blocks that vLLM's prefix cache now has."""
+        link = self.link
+        if not self.gpu.bound or link is None or not link.layout_id:
+            return
+        n = holdable_blocks(
+            request.num_computed_tokens, len(request.block_hashes), len(block_ids), self.block_size
+        )
+        if n:
+            self.gpu.cached_from_request(
+                self._ctx.namespace(request), request.block_hashes[:n], block_ids[:n]
+            )
 
     def _check_connection(self) -> None:
         link = self.link
@@ -226,6 +260,8 @@ class AdapterScheduler:
         if self._was_connected and not connected:
             # The broker lost our leases with our session: nobody can claim these blocks.
             self.holds.free_all("broker session lost")
+            if self.gpu.bound:
+                self.gpu.unpin_all()
             if self.cpu is not None:
                 self.cpu.unpin_all(keep_prefix=LOCAL_PIN_PREFIX)
         self._was_connected = connected
@@ -233,6 +269,12 @@ class AdapterScheduler:
     # ------------------------------------------------------------------
     # stats
     # ------------------------------------------------------------------
+
+    @_locked
+    def take_stats_delta(self) -> dict[str, Any] | None:
+        """For vLLM's connector stats: the counts since the last call (None: nothing new)."""
+        held_requests, held_blocks = self.holds.live()
+        return self.stats.take_delta({"held_requests": held_requests, "held_blocks": held_blocks})
 
     @_locked
     def stats_snapshot(self) -> dict[str, Any]:

@@ -1,5 +1,9 @@
 """Counters of the scheduler side, and the thread that writes them to ``stats_path``.
 
+vLLM gets them through its connector stats interface: ``take_delta`` hands
+what changed since the last call to ``get_kv_connector_stats`` each step, and
+engine_adapter/vllm_metrics.py turns it into series of vLLM's own /metrics.
+
 vLLM's scheduler loop does no file I/O: when the counters changed, the
 scheduler copies them into a plain dict on its own thread (``as_dict``, cheap)
 and hands it to ``StatsWriter``, whose daemon thread writes it. A change after
@@ -44,14 +48,27 @@ class SchedulerStats:
     counters: Counter[str] = field(default_factory=Counter)
     skips: Counter[str] = field(default_factory=Counter)
     dirty: bool = True
+    # What vLLM's connector stats have been handed so far (take_delta).
+    _reported: Counter[str] = field(default_factory=Counter)
+    _reported_skips: Counter[str] = field(default_factory=Counter)
+    _unreported: bool = True
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
-        self.dirty = True
+        self.dirty = self._unreported = True
 
     def skip(self, reason: str) -> None:
         self.skips[reason] += 1
-        self.dirty = True
+        self.dirty = self._unreported = True
+
+    def take_delta(self, gauges: dict[str, int]) -> dict[str, Any] | None:
+        """The counts since the last call, and the gauges' values; None if nothing was counted."""
+        if not self._unreported:
+            return None
+        self._unreported = False
+        counters, skips = self.counters - self._reported, self.skips - self._reported_skips
+        self._reported, self._reported_skips = Counter(self.counters), Counter(self.skips)
+        return {"counters": dict(counters), "skips": dict(skips), "gauges": dict(gauges)}
 
     def as_dict(self, held_requests: int, held_blocks: int) -> dict[str, Any]:
         return {

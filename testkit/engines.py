@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvbroker.tools.launch import EngineProcess, connector_config
+from kvbroker.tools.launch import DEFAULT_KV_CACHE_BYTES, EngineProcess, connector_config
 from testkit.processes import BrokerProcess
 
 BLOCK_SIZE = 32
@@ -36,12 +36,16 @@ def start_engine(
     max_model_len: int = 2048,
     session_ttl_ms: int = SESSION_TTL_MS,
     load_failure_policy: str = "",
+    kv_cache_bytes: int | None = None,
+    log_stats: bool = False,
     **extra: Any,
 ) -> tuple[EngineProcess, Path]:
     """Start (not wait for) an engine with our connector; returns it and its stats file.
 
     `env` replaces the engine's environment (default: `engine_environment()`);
-    `load_failure_policy` sets vLLM's kv_load_failure_policy (default: vLLM's)."""
+    `load_failure_policy` sets vLLM's kv_load_failure_policy (default: vLLM's);
+    `kv_cache_bytes` its KV cache size (default: the launcher's); `log_stats` turns on
+    vLLM's stats, and with them the engine and connector series of its /metrics."""
     stats_path = log_dir / f"{name}-stats.json"
     config = connector_config(
         broker_address=broker_address,
@@ -63,6 +67,8 @@ def start_engine(
         max_model_len=max_model_len,
         log_path=log_dir / f"{name}.log",
         env=env,
+        log_stats=log_stats,
+        kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
     )
     engine.start()
     return engine, stats_path

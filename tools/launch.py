@@ -165,6 +165,7 @@ class EngineProcess:
         env: Mapping[str, str] | None = None,
         log_path: str | Path | None = None,
         python: str = sys.executable,
+        log_stats: bool = False,
     ) -> None:
         if block_size % 32 != 0:
             raise ValueError(f"block_size {block_size}: vLLM's CPU backend needs a multiple of 32")
@@ -181,6 +182,9 @@ class EngineProcess:
         self.extra_args = list(extra_args)
         # False for pipeline parallel on CPU: see PIPELINE_PARALLEL_CPU_ARGS.
         self.enforce_eager = enforce_eager
+        # vLLM's stats (and with them /metrics' engine and connector series) cost a little
+        # every step; benchmarks and tests leave them off unless they read /metrics.
+        self.log_stats = log_stats
         self.env = engine_environment() if env is None else dict(env)
         if log_path is None:
             log_dir = Path(tempfile.mkdtemp(prefix="kvbroker-engine-"))
@@ -227,8 +231,9 @@ class EngineProcess:
             str(self.max_model_len),
             "--kv-cache-memory-bytes",
             str(self.kv_cache_bytes),
-            "--disable-log-stats",
         ]
+        if not self.log_stats:
+            cmd.append("--disable-log-stats")
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.served_model_name:

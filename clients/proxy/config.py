@@ -96,6 +96,10 @@ class ProxyConfig:
         "sets their cache_salt to TENANT[/SALT] (a salt naming another tenant is refused); empty = off",
     )
     log_level: str = setting("INFO", "how much the proxy logs", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    metrics: bool = setting(True, "serve Prometheus /metrics on the proxy's own port")
+    access_log: bool = setting(
+        True, "log one line per request (method, path, status, duration, engines) as kvbroker.proxy.access"
+    )
     security: ClientSecurity | None = setting(  # noqa: RUF009 (frozen; flag=False: set by config_from_args)
         None,
         "TLS, client certificate or token for the broker (None: the KVBROKER_TLS_* variables)",

@@ -1,4 +1,4 @@
-"""The proxy's aiohttp application: OpenAI endpoints, /health, /v1/models."""
+"""The proxy's aiohttp application: OpenAI endpoints, /health, /v1/models, /metrics (metrics.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from kvbroker.clients.proxy.config import ProxyConfig
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.forward import EngineFailure, Forwarder, Outcome, RequestRejected, openai_error
+from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
@@ -76,6 +77,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
             return openai_error(e.status, e.message, "invalid_request_error" if e.status == 400 else kind)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     outcome = Outcome(request_id)
+    request[OUTCOME_KEY] = outcome  # for the metrics and the access log
     tracer = state.tracer
     with tracer.start_as_current_span(
         f"POST {endpoint}",
@@ -108,15 +110,6 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
             span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
         if response.status >= 500:
             span.set_status(Status(StatusCode.ERROR, "; ".join(outcome.failures)[:500]))
-        log.info(
-            "%s %s mode=%s prefill=%s decode=%s%s",
-            request_id,
-            endpoint,
-            outcome.mode,
-            outcome.prefill.label if outcome.prefill else "-",
-            outcome.decode.label if outcome.decode else "-",
-            f" fallback={outcome.fallback_reason!r}" if outcome.fallback_reason else "",
-        )
         return response
 
 
@@ -223,8 +216,14 @@ def build_app(
         tracer=tracer,
         api_keys=ApiKeys(config.api_keys_file) if config.api_keys_file else None,
     )
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    middlewares = []
+    metrics = ProxyMetrics(access_log_on=config.access_log) if (config.metrics or config.access_log) else None
+    if metrics is not None:
+        middlewares.append(metrics.middleware)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[STATE_KEY] = state
+    if metrics is not None and config.metrics:
+        app.router.add_get("/metrics", metrics.handle_metrics)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_post(CHAT_COMPLETIONS, chat_completions)
     app.router.add_get("/health", health)

@@ -111,7 +111,9 @@ def test_off_by_default_nothing_stored_and_pins_refused() -> None:
     sched = AdapterScheduler(config=config, link=link, block_size=BS, clock=FakeClock())
     assert sched.request_finished(finished("a", 3), [1, 2, 3, 4]) == (False, None)
     assert sched.build_connector_meta().stores == []
-    assert link.pin_handler is None
+    for tier in (pb.TIER_CPU, pb.TIER_GPU):  # no CPU tier, no bound block pool: nothing to pin
+        lease = pb.Lease(lease_id="L", tier=tier, block_hashes=[1])
+        assert link.pin_handler(pb.PinCommand(lease=lease)).ok is False
 
 
 def test_finished_request_is_copied_then_announced_as_cpu_and_freed_by_the_worker() -> None:

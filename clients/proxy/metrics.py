@@ -1,0 +1,132 @@
+"""The proxy's /metrics and access log: one aiohttp middleware sees every request.
+
+For each request the middleware records, once it is answered (a streamed
+answer: once the stream ended):
+
+- ``kvbroker_proxy_requests_total{path, status, mode}`` and
+  ``kvbroker_proxy_request_seconds{path}``; ``mode`` is ``pd`` (P then D),
+  ``single`` (one engine, a fallback or ``--no-disaggregate``) or empty for
+  requests that reach no engine (/health, /metrics, a refused body);
+- ``kvbroker_proxy_fallbacks_total{reason}``: P/D requests served by one engine;
+- one access-log line (logger ``kvbroker.proxy.access``, INFO): method, path,
+  status, duration, mode, the prefill and decode engines, the request id, and
+  why P/D fell back to one engine, if it did.
+
+/metrics also carries the process collector (CPU, memory, file descriptors)
+and ``kvbroker_proxy_build_info``. The registry is the proxy's own, so several
+proxies in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Awaitable, Callable
+from importlib import metadata
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+from kvbroker.clients.proxy.forward import Outcome
+
+access_log = logging.getLogger("kvbroker.proxy.access")
+
+OUTCOME_KEY: web.RequestKey[Outcome] = web.RequestKey("kvbroker_outcome", Outcome)
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# Paths outside these are counted under one label, so that scanners cannot grow the series.
+KNOWN_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ProxyMetrics:
+    def __init__(self, *, access_log_on: bool = True) -> None:
+        self.registry = CollectorRegistry()
+        self.access_log_on = access_log_on
+        self.requests = Counter(
+            "kvbroker_proxy_requests",
+            "Requests answered, by path, HTTP status and mode (pd, single, or empty)",
+            ["path", "status", "mode"],
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "kvbroker_proxy_request_seconds",
+            "From a request's arrival to the end of its answer (streams included), by path",
+            ["path"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.fallbacks = Counter(
+            "kvbroker_proxy_fallbacks",
+            "Requests that P/D could not serve and one engine served whole, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        ProcessCollector(registry=self.registry)
+        try:
+            version = metadata.version("kvbroker")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        info = Gauge(
+            "kvbroker_proxy_build_info",
+            "The proxy's version and Python (always 1)",
+            ["version", "python"],
+            registry=self.registry,
+        )
+        info.labels(version, platform.python_version()).set(1)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            self._record(request, status, time.perf_counter() - started)
+
+    def _record(self, request: web.Request, status: int, seconds: float) -> None:
+        path = request.path if request.path in KNOWN_PATHS else "other"
+        outcome = request.get(OUTCOME_KEY)
+        mode = outcome.mode if outcome is not None else ""
+        self.requests.labels(path, str(status), mode).inc()
+        self.seconds.labels(path).observe(seconds)
+        if outcome is not None and outcome.fallback_reason:
+            self.fallbacks.labels(_reason_label(outcome.fallback_reason)).inc()
+        if self.access_log_on:
+            access_log.info(
+                "%s %s %d %.1fms mode=%s prefill=%s decode=%s id=%s%s",
+                request.method,
+                request.path,
+                status,
+                seconds * 1000.0,
+                mode or "-",
+                outcome.prefill.label if outcome is not None and outcome.prefill else "-",
+                outcome.decode.label if outcome is not None and outcome.decode else "-",
+                outcome.request_id if outcome is not None else request.headers.get("X-Request-Id", "-"),
+                f" fallback={outcome.fallback_reason!r}"
+                if outcome is not None and outcome.fallback_reason
+                else "",
+            )
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _reason_label(reason: str) -> str:
+    """A fallback reason without its per-request details (engine names, messages)."""
+    return reason.split(":", 1)[0].strip()[:60] or "unknown"

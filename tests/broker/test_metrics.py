@@ -1,0 +1,93 @@
+"""The broker's /metrics: the Session stream's hot path, pin waits, process metrics and
+build info; metrics on by default, and off (with a warning) when the port is taken."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import urllib.request
+
+import pytest
+
+from kvbroker.broker.config import BrokerConfig
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import running_broker
+from testkit.builders import engine_info
+from testkit.ports import free_port
+from tests.broker.session_util import RawSession
+
+
+async def _scrape(port: int) -> str:
+    url = f"http://127.0.0.1:{port}/metrics"
+    return (await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())).decode()
+
+
+def _value(body: str, series: str) -> float:
+    match = re.search(rf"^{re.escape(series)} (\S+)$", body, re.MULTILINE)
+    assert match is not None, f"{series} not in /metrics"
+    return float(match.group(1))
+
+
+def test_metrics_are_on_by_default() -> None:
+    assert BrokerConfig().metrics_port == 9400
+
+
+async def test_session_stream_resolves_inventory_and_pins_are_counted_and_timed() -> None:
+    import grpc
+
+    config = {"metrics_port": free_port(), "metrics_host": "127.0.0.1", "stop_grace": 0.5}
+    async with running_broker(**config) as running, grpc.aio.insecure_channel(running.address) as channel:
+        stub = broker_pb2_grpc.KVBrokerStub(channel)
+        holder, reader = RawSession(stub), RawSession(stub)
+        reg = await holder.register(engine_info("H"))
+        await reader.register(engine_info("R"))
+        ns = pb.Namespace(layout_id=reg.layout_id)
+        hashes = list(range(700, 708))
+        await holder.announce(ns, pb.TIER_GPU, hashes)
+        await holder.applied()
+        assert (await reader.resolve(ns, hashes)).resolve.matches[0].matched_blocks == 8
+        bad = await reader.resolve(pb.Namespace(layout_id="nope"), hashes)
+        assert bad.error.code == "FAILED_PRECONDITION"  # another layout than the session's
+        # No hold covers the blocks: the broker asks the holder to pin them for the reader.
+        seq = await reader.send(
+            resolve=pb.ResolveRequest(namespace=ns, block_hashes=hashes, acquire=True, lease_ttl_ms=5000)
+        )
+        pin = (await holder.read_kind("pin")).pin
+        await holder.send(
+            pin_result=pb.PinResult(lease_id=pin.lease.lease_id, ok=True, block_ids=list(range(8)))
+        )
+        while (down := await reader.read()).seq != seq:
+            pass
+        assert down.resolve.lease.lease_id == pin.lease.lease_id
+        body = await _scrape(running.metrics_port)
+        await holder.close()
+        await reader.close()
+    assert _value(body, 'kvbroker_session_messages_total{code="OK",kind="resolve"}') == 2
+    assert _value(body, 'kvbroker_session_messages_total{code="FAILED_PRECONDITION",kind="resolve"}') == 1
+    assert _value(body, 'kvbroker_session_messages_total{code="OK",kind="inventory"}') == 1
+    assert _value(body, 'kvbroker_session_messages_total{code="OK",kind="pin_result"}') == 1
+    assert _value(body, 'kvbroker_session_message_seconds_count{kind="resolve"}') == 3
+    assert _value(body, 'kvbroker_pin_wait_seconds_count{outcome="pinned"}') == 1
+    assert _value(body, "process_cpu_seconds_total") > 0
+    assert re.search(r'^kvbroker_build_info\{grpc="[^"]+",python="[^"]+",version="[^"]+"\} 1\.0$', body, re.M)
+
+
+async def test_a_taken_metrics_port_turns_metrics_off_and_the_broker_serves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import grpc
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="kvbroker.metrics"):
+            async with running_broker(metrics_port=port, metrics_host="127.0.0.1", stop_grace=0.5) as running:
+                assert running.metrics_port == 0
+                async with grpc.aio.insecure_channel(running.address) as channel:
+                    stats = await broker_pb2_grpc.KVBrokerStub(channel).Stats(pb.StatsRequest())
+                    assert stats.engines == 0
+    assert f"port {port}" in caplog.text and "taken" in caplog.text

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvbroker.engine_adapter.kv_regions import Region
 from kvbroker.engine_adapter.nixl_agent import NIXL_LOCK, NixlApi, create_agent, real_nixl
-from kvbroker.engine_adapter.xfer_descs import Span, block_pieces, coalesce, registered_spans
+from kvbroker.engine_adapter.xfer_descs import RegionTable, Span, block_pieces, coalesce, registered_spans
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,15 @@ class _LocalTier:
     num_blocks: int
     reg_descs: Any  # what register_memory returned, for deregister_memory
     spans: list[Span]  # the registered [start, end) ranges
+    table: RegionTable  # the regions as columns, for a read's descriptor math
     regions_of_layer: dict[int, list[int]]
 
 
 @dataclass
 class _Peer:
     metadata: bytes
-    # Registered spans of the peer's regions, per (regions, blocks they cover).
-    spans: dict[tuple[tuple[Region, ...], int], list[Span]] = field(default_factory=dict)
+    # The peer's regions as columns with what it registered, per (regions, blocks they cover).
+    tables: dict[tuple[tuple[Region, ...], int], RegionTable] = field(default_factory=dict)
     dead_reason: str | None = None
 
 
@@ -128,7 +129,8 @@ class BlockMover:
             by_layer: dict[int, list[int]] = {}
             for i, r in enumerate(regions):
                 by_layer.setdefault(r.layer, []).append(i)
-            self._tiers[tier] = _LocalTier(mem_type, list(regions), num_blocks, reg, spans, by_layer)
+            table = RegionTable.of(regions, spans)
+            self._tiers[tier] = _LocalTier(mem_type, list(regions), num_blocks, reg, spans, table, by_layer)
 
     def agent_metadata(self) -> bytes:
         """This agent's NIXL metadata (connection info and registered memory) for peers."""
@@ -220,11 +222,11 @@ class BlockMover:
             if peer.dead_reason is not None:
                 self._early_failed[handle] = f"peer {peer_agent!r} is unreachable ({peer.dead_reason})"
                 return handle
-            theirs = [peer_regions[j] for j in peer_region_idx]
+            theirs = _peer_table(peer, peer_regions, peer_num_blocks or int(remote_ids.max()) + 1)
             pieces = coalesce(
-                block_pieces([tier.regions[i] for i in local_regions], theirs, local_ids, remote_ids),
-                tier.spans,
-                _peer_spans(peer, peer_regions, peer_num_blocks or int(remote_ids.max()) + 1),
+                block_pieces(
+                    tier.table.take(local_regions), theirs.take(peer_region_idx), local_ids, remote_ids
+                )
             )
             try:
                 local_dl = self._agent.get_xfer_descs(pieces.local_descs(), tier.mem_type)
@@ -418,12 +420,13 @@ def _as_ids(ids: Sequence[int], what: str) -> np.ndarray:
     return arr
 
 
-def _peer_spans(peer: _Peer, regions: list[Region], num_blocks: int) -> list[Span]:
-    """What the peer registered for `regions` (a BlockMover registers exactly this), cached."""
+def _peer_table(peer: _Peer, regions: list[Region], num_blocks: int) -> RegionTable:
+    """The peer's regions as columns, with what it registered (a BlockMover registers exactly
+    `registered_spans`); cached per region list."""
     key = (tuple(regions), num_blocks)
-    spans = peer.spans.get(key)
-    if spans is None:
-        if len(peer.spans) > 64:  # a peer re-registered often: keep the cache small
-            peer.spans.clear()
-        spans = peer.spans[key] = registered_spans(regions, num_blocks)
-    return spans
+    table = peer.tables.get(key)
+    if table is None:
+        if len(peer.tables) > 64:  # a peer re-registered often: keep the cache small
+            peer.tables.clear()
+        table = peer.tables[key] = RegionTable.of(regions, registered_spans(regions, num_blocks))
+    return table

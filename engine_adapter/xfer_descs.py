@@ -24,6 +24,33 @@ Span = tuple[int, int, int]  # [start, end) bytes on device
 
 
 @dataclass(frozen=True)
+class RegionTable:
+    """Regions as columns (one row per region), with the registered span each lies in.
+
+    Built once per local tier and per peer's region list, so a read costs a
+    few array operations, not a Python loop over regions.
+    """
+
+    base: np.ndarray  # uint64
+    stride: np.ndarray  # uint64
+    nbytes: np.ndarray  # uint64
+    dev: np.ndarray  # uint64
+    span: np.ndarray  # int64: index into the spans given to `of` (-1: in none)
+
+    @classmethod
+    def of(cls, regions: Sequence[Region], spans: Sequence[Span]) -> RegionTable:
+        def col(attr: str) -> np.ndarray:
+            return np.array([getattr(r, attr) for r in regions], dtype=np.uint64)
+
+        base, dev = col("base_addr"), col("device_id")
+        return cls(base, col("block_stride"), col("block_bytes"), dev, _span_ids(base, dev, spans))
+
+    def take(self, rows: Sequence[int]) -> RegionTable:
+        idx = np.asarray(rows, dtype=np.int64)
+        return RegionTable(self.base[idx], self.stride[idx], self.nbytes[idx], self.dev[idx], self.span[idx])
+
+
+@dataclass(frozen=True)
 class Pieces:
     """Parallel arrays: piece i copies `length[i]` bytes from `remote[i]` to `local[i]`."""
 
@@ -32,6 +59,8 @@ class Pieces:
     length: np.ndarray  # uint64 byte counts
     local_dev: np.ndarray  # uint64 device ids
     remote_dev: np.ndarray  # uint64 device ids
+    local_span: np.ndarray  # int64 registered span of the local side (-1: none known)
+    remote_span: np.ndarray  # int64
 
     def __len__(self) -> int:
         return len(self.length)
@@ -47,75 +76,77 @@ class Pieces:
     def remote_descs(self) -> np.ndarray:
         return np.stack([self.remote, self.length, self.remote_dev], axis=1)
 
+    def take(self, idx: np.ndarray) -> Pieces:
+        return Pieces(*(getattr(self, f)[idx] for f in _FIELDS))
+
+
+_FIELDS = ("local", "remote", "length", "local_dev", "remote_dev", "local_span", "remote_span")
+
 
 def block_pieces(
-    local_regions: Sequence[Region],
-    remote_regions: Sequence[Region],
-    local_ids: np.ndarray,
-    remote_ids: np.ndarray,
+    local: RegionTable, remote: RegionTable, local_ids: np.ndarray, remote_ids: np.ndarray
 ) -> Pieces:
-    """One piece per (region pair, block): remote block `remote_ids[i]` of `remote_regions[k]`
-    lands in local block `local_ids[i]` of `local_regions[k]`. Regions are paired by position."""
-    if len(local_regions) != len(remote_regions):
-        raise ValueError(f"{len(local_regions)} local regions but {len(remote_regions)} remote regions")
+    """One piece per (region pair, block), region-major: remote block `remote_ids[i]` of
+    remote region k lands in local block `local_ids[i]` of local region k."""
+    if len(local.base) != len(remote.base):
+        raise ValueError(f"{len(local.base)} local regions but {len(remote.base)} remote regions")
     if len(local_ids) != len(remote_ids):
         raise ValueError(f"{len(local_ids)} local blocks but {len(remote_ids)} remote blocks")
-    n, r = len(local_ids), len(local_regions)
-    lids = np.asarray(local_ids, dtype=np.uint64)
-    rids = np.asarray(remote_ids, dtype=np.uint64)
+    if not np.array_equal(local.nbytes, remote.nbytes):
+        raise ValueError(
+            f"bytes per block differ: local {local.nbytes.tolist()}, remote {remote.nbytes.tolist()}"
+        )
+    lids = np.asarray(local_ids, dtype=np.uint64)[None, :]
+    rids = np.asarray(remote_ids, dtype=np.uint64)[None, :]
+    n = lids.shape[1]
 
-    def column(regions: Sequence[Region], attr: str) -> np.ndarray:
-        return np.array([getattr(x, attr) for x in regions], dtype=np.uint64)[:, None]
+    def each(column: np.ndarray) -> np.ndarray:
+        return np.repeat(column, n)
 
-    for a, b in zip(local_regions, remote_regions, strict=True):
-        if a.block_bytes != b.block_bytes:
-            raise ValueError(
-                f"layer {a.layer}: {a.block_bytes} local bytes per block, {b.block_bytes} remote"
-            )
-    shape = (r, n)
     return Pieces(
-        local=(
-            column(local_regions, "base_addr") + lids[None, :] * column(local_regions, "block_stride")
-        ).ravel(),
-        remote=(
-            column(remote_regions, "base_addr") + rids[None, :] * column(remote_regions, "block_stride")
-        ).ravel(),
-        length=np.broadcast_to(column(local_regions, "block_bytes"), shape).ravel().copy(),
-        local_dev=np.broadcast_to(column(local_regions, "device_id"), shape).ravel().copy(),
-        remote_dev=np.broadcast_to(column(remote_regions, "device_id"), shape).ravel().copy(),
+        local=(local.base[:, None] + lids * local.stride[:, None]).ravel(),
+        remote=(remote.base[:, None] + rids * remote.stride[:, None]).ravel(),
+        length=each(local.nbytes),
+        local_dev=each(local.dev),
+        remote_dev=each(remote.dev),
+        local_span=each(local.span),
+        remote_span=each(remote.span),
     )
 
 
-def coalesce(pieces: Pieces, local_spans: Sequence[Span], remote_spans: Sequence[Span]) -> Pieces:
-    """Merge pieces that continue each other on both sides and share a span on each side.
+def coalesce(pieces: Pieces) -> Pieces:
+    """Merge pieces that continue each other on both sides within one registered span per side.
 
-    Pieces are ordered by local address first. `*_spans` are the registered
-    [start, end) ranges per device (`registered_spans`); a piece outside every
-    span is left alone (NIXL will refuse it with a precise error).
+    Pieces come out ordered by local address (they usually are already).
+    Pieces outside every known span (span -1) are left alone: NIXL refuses
+    them with a precise error.
     """
     if len(pieces) <= 1:
         return pieces
-    order = np.lexsort((pieces.local, pieces.local_dev))
-    p = Pieces(*(getattr(pieces, f)[order] for f in ("local", "remote", "length", "local_dev", "remote_dev")))
-    lspan = _span_ids(p.local, p.local_dev, local_spans)
-    rspan = _span_ids(p.remote, p.remote_dev, remote_spans)
+    p = pieces
+    if not bool(np.all(p.local[1:] >= p.local[:-1])):
+        # Spans differ by device where addresses may repeat: span first, then address.
+        p = p.take(np.lexsort((p.local, p.local_span)))
     follows = (
         (p.local[1:] == p.local[:-1] + p.length[:-1])
         & (p.remote[1:] == p.remote[:-1] + p.length[:-1])
-        & (p.local_dev[1:] == p.local_dev[:-1])
-        & (p.remote_dev[1:] == p.remote_dev[:-1])
-        & (lspan[1:] == lspan[:-1])
-        & (rspan[1:] == rspan[:-1])
-        & (lspan[1:] >= 0)
-        & (rspan[1:] >= 0)
+        & (p.local_span[1:] == p.local_span[:-1])
+        & (p.remote_span[1:] == p.remote_span[:-1])
+        & (p.local_span[1:] >= 0)
+        & (p.remote_span[1:] >= 0)
     )
+    if not bool(follows.any()):
+        return p
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    merged = p.take(starts)
     return Pieces(
-        local=p.local[starts],
-        remote=p.remote[starts],
-        length=np.add.reduceat(p.length, starts).astype(np.uint64),
-        local_dev=p.local_dev[starts],
-        remote_dev=p.remote_dev[starts],
+        merged.local,
+        merged.remote,
+        np.add.reduceat(p.length, starts).astype(np.uint64),
+        merged.local_dev,
+        merged.remote_dev,
+        merged.local_span,
+        merged.remote_span,
     )
 
 
@@ -135,9 +166,8 @@ def registered_spans(regions: Sequence[Region], num_blocks: int) -> list[Span]:
 
 
 def _span_ids(addr: np.ndarray, dev: np.ndarray, spans: Sequence[Span]) -> np.ndarray:
-    """Index of the span holding each address (-1: none). Spans do not overlap per device."""
+    """Index of the span holding each address (-1: none)."""
     out = np.full(len(addr), -1, dtype=np.int64)
     for i, (start, end, d) in enumerate(spans):
-        inside = (dev == d) & (addr >= start) & (addr < end)
-        out[inside] = i
+        out[(dev == np.uint64(d)) & (addr >= np.uint64(start)) & (addr < np.uint64(end))] = i
     return out

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from kvbroker.engine_adapter.kv_regions import Region
-from kvbroker.engine_adapter.xfer_descs import Pieces, block_pieces, coalesce, registered_spans
+from kvbroker.engine_adapter.xfer_descs import (
+    Pieces,
+    RegionTable,
+    Span,
+    block_pieces,
+    coalesce,
+    registered_spans,
+)
 
 PAGE = 64
 LAYERS = 4
@@ -34,17 +41,29 @@ def kv_split(bases: list[int]) -> list[Region]:
     ]
 
 
+def table(regions: list[Region], spans: list[Span] | None = None) -> RegionTable:
+    return RegionTable.of(regions, registered_spans(regions, BLOCKS) if spans is None else spans)
+
+
+def pieces(
+    local: list[Region],
+    remote: list[Region],
+    local_ids: list[int],
+    remote_ids: list[int],
+    local_spans: list[Span] | None = None,
+    remote_spans: list[Span] | None = None,
+) -> Pieces:
+    mine, theirs = table(local, local_spans), table(remote, remote_spans)
+    return block_pieces(mine, theirs, np.array(local_ids), np.array(remote_ids))
+
+
 def merged(regions: list[Region], local_ids: list[int], remote_ids: list[int], local_base: int = 0) -> Pieces:
     mine = [Region(r.layer, r.base_addr + local_base, r.block_stride, r.block_bytes) for r in regions]
-    spans = registered_spans(regions, BLOCKS)
-    local_spans = registered_spans(mine, BLOCKS)
-    return coalesce(
-        block_pieces(mine, regions, np.array(local_ids), np.array(remote_ids)), local_spans, spans
-    )
+    return coalesce(pieces(mine, regions, local_ids, remote_ids))
 
 
 def test_a_piece_per_region_and_block() -> None:
-    p = block_pieces(lbhnc(0), lbhnc(1 << 20), np.array([3, 4]), np.array([7, 9]))
+    p = pieces(lbhnc(0), lbhnc(1 << 20), [3, 4], [7, 9])
     assert len(p) == LAYERS * 2 and p.nbytes == LAYERS * 2 * PAGE
     assert p.local[:2].tolist() == [3 * PAGE, 4 * PAGE]
     assert p.remote[:2].tolist() == [(1 << 20) + 7 * PAGE, (1 << 20) + 9 * PAGE]
@@ -78,22 +97,31 @@ def test_runs_break_where_either_side_jumps() -> None:
 def test_no_merge_across_registered_spans() -> None:
     """Adjacent bytes in two registrations stay two descriptors (NIXL checks each against one)."""
     regions = lbhnc(0)
-    pieces = block_pieces(regions, regions, np.array([BLOCKS - 1, 0]), np.array([BLOCKS - 1, 0]))
+    ids = [BLOCKS - 1, 0]
     one_span = registered_spans(regions, BLOCKS)
     assert len(one_span) == 1
     per_layer = [(*r.span(BLOCKS), 0) for r in regions]
-    assert len(coalesce(pieces, one_span, one_span)) == LAYERS + 1  # last block of l + first of l+1
-    assert len(coalesce(pieces, per_layer, one_span)) == 2 * LAYERS
-    assert len(coalesce(pieces, one_span, per_layer)) == 2 * LAYERS
+    both = coalesce(pieces(regions, regions, ids, ids, local_spans=one_span, remote_spans=one_span))
+    assert len(both) == LAYERS + 1  # last block of l + first of l+1
+    assert (
+        len(coalesce(pieces(regions, regions, ids, ids, local_spans=per_layer, remote_spans=one_span)))
+        == 2 * LAYERS
+    )
+    assert (
+        len(coalesce(pieces(regions, regions, ids, ids, local_spans=one_span, remote_spans=per_layer)))
+        == 2 * LAYERS
+    )
+    # A piece in no known span never merges either.
+    assert (
+        len(coalesce(pieces(regions, regions, ids, ids, local_spans=[], remote_spans=one_span))) == 2 * LAYERS
+    )
 
 
 def test_devices_never_merge() -> None:
     a = Region(0, 0, PAGE, PAGE, device_id=0)
     b = Region(1, BLOCKS * PAGE, PAGE, PAGE, device_id=1)
-    spans = registered_spans([a, b], BLOCKS)
-    assert len(spans) == 2
-    pieces = block_pieces([a, b], [a, b], np.array([BLOCKS - 1, 0]), np.array([BLOCKS - 1, 0]))
-    assert len(coalesce(pieces, spans, spans)) == 4
+    assert len(registered_spans([a, b], BLOCKS)) == 2
+    assert len(coalesce(pieces([a, b], [a, b], [BLOCKS - 1, 0], [BLOCKS - 1, 0]))) == 4
 
 
 def test_registered_spans_join_touching_and_overlapping_regions() -> None:
@@ -105,12 +133,12 @@ def test_registered_spans_join_touching_and_overlapping_regions() -> None:
 
 def test_mismatched_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="regions"):
-        block_pieces(lbhnc(0), lbhnc(0)[:2], np.array([0]), np.array([0]))
+        pieces(lbhnc(0), lbhnc(0)[:2], [0], [0])
     with pytest.raises(ValueError, match="blocks"):
-        block_pieces(lbhnc(0), lbhnc(0), np.array([0, 1]), np.array([0]))
+        pieces(lbhnc(0), lbhnc(0), [0, 1], [0])
     other = [Region(r.layer, r.base_addr, r.block_stride, PAGE // 2) for r in lbhnc(0)]
     with pytest.raises(ValueError, match="bytes per block"):
-        block_pieces(lbhnc(0), other, np.array([0]), np.array([0]))
+        pieces(lbhnc(0), other, [0], [0])
 
 
 @pytest.mark.parametrize("layout", ["lbhnc", "blhnc", "kv_split"])
@@ -138,12 +166,8 @@ def test_coalesced_pieces_move_exactly_the_same_bytes(layout: str) -> None:
                 return blhnc(base)
             return kv_split([base + i * BLOCKS * PAGE for i in range(LAYERS)])
 
-        plain = block_pieces(regions(w), regions(s), np.array(local), np.array(remote))
-        coalesced = coalesce(
-            block_pieces(regions(g), regions(s), np.array(local), np.array(remote)),
-            registered_spans(regions(g), BLOCKS),
-            registered_spans(regions(s), BLOCKS),
-        )
+        plain = pieces(regions(w), regions(s), local, remote)
+        coalesced = coalesce(pieces(regions(g), regions(s), local, remote))
         assert len(coalesced) <= len(plain) and coalesced.nbytes == plain.nbytes
         for p in (plain, coalesced):
             for la, ra, n_bytes in zip(p.local.tolist(), p.remote.tolist(), p.length.tolist(), strict=True):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from kvbroker.engine_adapter.broker_link import BrokerLink
@@ -149,8 +149,11 @@ class AdapterScheduler:
             self.loads.start(lookup, plan, block_ids, num_external_tokens)
 
     @_locked
-    def build_connector_meta(self) -> AdapterMetadata:
+    def build_connector_meta(self, scheduled: Collection[str] = ()) -> AdapterMetadata:
+        """The step's metadata; `scheduled`: the requests this step computes tokens for."""
+        self._ctx.step += 1
         now = self._clock()
+        self.loads.scheduled(scheduled)
         self.return_held_blocks()
         self._check_connection()
         self.holds.advance(now)  # answered holds first, then their ends (Holds.take_lease_ends)
@@ -180,6 +183,7 @@ class AdapterScheduler:
             self.loads.received(req_id)
         for req_id in finished_sending or ():
             self.holds.sent(req_id)
+        self.loads.step_done()
         self._publish_stats()
 
     @_locked
@@ -187,6 +191,7 @@ class AdapterScheduler:
         req_id = request.request_id
         self.loads.failed.discard(req_id)
         self.lookups.request_finished(req_id)
+        self.loads.request_finished(req_id)
         if self.loads.abort(req_id):
             # Aborted while loading: vLLM keeps its blocks until we report the
             # load finished; the protocol completes normally.

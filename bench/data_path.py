@@ -270,7 +270,7 @@ def measure_layout(
                 "history_tokens": history,
                 "blocks": n,
                 "bytes": nbytes,
-                "descriptors_per_block_and_region": len(pieces),
+                "descriptors_per_block_and_region": len(regions) * n,
                 "descriptors_adapter": len(coalesced),
                 **{name: summary(nbytes, s) for name, s in samples.items()},
             }

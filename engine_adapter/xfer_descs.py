@@ -36,18 +36,27 @@ class RegionTable:
     nbytes: np.ndarray  # uint64
     dev: np.ndarray  # uint64
     span: np.ndarray  # int64: index into the spans given to `of` (-1: in none)
+    dense: bool  # every region's blocks are back to back (block_stride == block_bytes)
 
     @classmethod
     def of(cls, regions: Sequence[Region], spans: Sequence[Span]) -> RegionTable:
         def col(attr: str) -> np.ndarray:
             return np.array([getattr(r, attr) for r in regions], dtype=np.uint64)
 
-        base, dev = col("base_addr"), col("device_id")
-        return cls(base, col("block_stride"), col("block_bytes"), dev, _span_ids(base, dev, spans))
+        base, dev, stride, nbytes = (
+            col("base_addr"),
+            col("device_id"),
+            col("block_stride"),
+            col("block_bytes"),
+        )
+        dense = bool(np.array_equal(stride, nbytes))
+        return cls(base, stride, nbytes, dev, _span_ids(base, dev, spans), dense)
 
     def take(self, rows: Sequence[int]) -> RegionTable:
         idx = np.asarray(rows, dtype=np.int64)
-        return RegionTable(self.base[idx], self.stride[idx], self.nbytes[idx], self.dev[idx], self.span[idx])
+        return RegionTable(
+            self.base[idx], self.stride[idx], self.nbytes[idx], self.dev[idx], self.span[idx], self.dense
+        )
 
 
 @dataclass(frozen=True)
@@ -86,8 +95,9 @@ _FIELDS = ("local", "remote", "length", "local_dev", "remote_dev", "local_span",
 def block_pieces(
     local: RegionTable, remote: RegionTable, local_ids: np.ndarray, remote_ids: np.ndarray
 ) -> Pieces:
-    """One piece per (region pair, block), region-major: remote block `remote_ids[i]` of
-    remote region k lands in local block `local_ids[i]` of local region k."""
+    """Pieces region-major: remote block `remote_ids[i]` of remote region k lands in local
+    block `local_ids[i]` of local region k. One piece per (region, block), or per (region,
+    run of ids adjacent on both sides) when every region on both sides is dense."""
     if len(local.base) != len(remote.base):
         raise ValueError(f"{len(local.base)} local regions but {len(remote.base)} remote regions")
     if len(local_ids) != len(remote_ids):
@@ -96,17 +106,24 @@ def block_pieces(
         raise ValueError(
             f"bytes per block differ: local {local.nbytes.tolist()}, remote {remote.nbytes.tolist()}"
         )
-    lids = np.asarray(local_ids, dtype=np.uint64)[None, :]
-    rids = np.asarray(remote_ids, dtype=np.uint64)[None, :]
-    n = lids.shape[1]
+    lids = np.asarray(local_ids, dtype=np.int64)
+    rids = np.asarray(remote_ids, dtype=np.int64)
+    counts = np.ones(len(lids), dtype=np.uint64)
+    if local.dense and remote.dense and len(lids) > 1:
+        # Dense regions: a run of ids adjacent on both sides is one piece per region already.
+        breaks = np.flatnonzero((np.diff(lids) != 1) | (np.diff(rids) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        counts = np.diff(np.append(starts, len(lids))).astype(np.uint64)
+        lids, rids = lids[starts], rids[starts]
+    n = len(lids)
 
     def each(column: np.ndarray) -> np.ndarray:
         return np.repeat(column, n)
 
     return Pieces(
-        local=(local.base[:, None] + lids * local.stride[:, None]).ravel(),
-        remote=(remote.base[:, None] + rids * remote.stride[:, None]).ravel(),
-        length=each(local.nbytes),
+        local=(local.base[:, None] + lids.astype(np.uint64)[None, :] * local.stride[:, None]).ravel(),
+        remote=(remote.base[:, None] + rids.astype(np.uint64)[None, :] * remote.stride[:, None]).ravel(),
+        length=(local.nbytes[:, None] * counts[None, :]).ravel(),
         local_dev=each(local.dev),
         remote_dev=each(remote.dev),
         local_span=each(local.span),

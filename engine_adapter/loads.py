@@ -348,7 +348,7 @@ class Loads:
         self._unpin_local(load)  # every load ends here; a restore's slots may be evicted again
         elapsed_s = self._ctx.clock() - load.started
         self._mark(load, "committed")
-        attributes = {
+        attributes: dict[str, Any] = {
             "kvbroker.lease_id": load.lease.lease_id if load.lease else "",
             "kvbroker.bytes": load.bytes_read,
             "kvbroker.duration_ms": elapsed_s * 1000.0,

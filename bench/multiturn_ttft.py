@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import time
 import uuid
 from pathlib import Path
@@ -79,6 +80,62 @@ def adapter_pull_times(p_log: Path) -> dict[int, dict[str, list[float]]]:
         kind, blocks, _, ms = m.groups()
         out.setdefault(int(blocks), {"read": [], "pulled": []})[kind].append(float(ms) / 1000)
     return out
+
+
+_PULLED_LINE = re.compile(r"kvbroker: request (\S+): pulled (\d+) blocks")
+_TIMELINE_LINE = re.compile(r"kvbroker: request (\S+): pull timeline: (.*)$", re.M)
+_PHASE = re.compile(r"(\w+) ([\d.]+) ms(?:/(\d+) steps?)?")
+TIMELINE_COLUMNS = (
+    "lookup",
+    "allocate",
+    "lease",
+    "read",
+    "release",
+    "notice",
+    "schedule",
+    "prefill",
+    "waiting",
+)
+
+
+def pull_timelines(p_log: Path) -> dict[int, list[dict[str, float]]]:
+    """P's pull timelines (decision -> first token, pull_timeline.py) per pulled block count, in order.
+
+    Each: phase -> ms, plus `<phase>_steps`, the broker's answer times and the worker's read."""
+    text = p_log.read_text(errors="replace")
+    blocks_of = {m.group(1): int(m.group(2)) for m in _PULLED_LINE.finditer(text)}
+    out: dict[int, list[dict[str, float]]] = {}
+    for m in _TIMELINE_LINE.finditer(text):
+        entry: dict[str, float] = {}
+        for name, ms, steps in _PHASE.findall(m.group(2)):
+            entry[name] = float(ms)
+            if steps:
+                entry[f"{name}_steps"] = int(steps)
+        if m.group(1) in blocks_of:
+            out.setdefault(blocks_of[m.group(1)], []).append(entry)
+    return out
+
+
+def timeline_table(per_history: dict[str, Any]) -> str:
+    rows = []
+    for history, entry in per_history.items():
+        t = entry.get("pull_timeline") or {}
+        if not t:
+            continue
+        cells = []
+        for name in TIMELINE_COLUMNS:
+            ms = t.get(name)
+            steps = t.get(f"{name}_steps")
+            cells.append("-" if ms is None else f"{ms:.1f}" + ("" if steps is None else f" /{steps:g}"))
+        rows.append([history, *cells, f"{entry['pull']['median_ms']:.1f}"])
+    return format_table(
+        [
+            "history",
+            *(f"{c} ms" + ("" if c == "waiting" else " /steps") for c in TIMELINE_COLUMNS),
+            "TTFT pull ms",
+        ],
+        rows,
+    )
 
 
 def broker_names_holder(client: BrokerClient, holder: str, chain: list[int]) -> bool:
@@ -180,10 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         broker.stop()
 
     timings = adapter_pull_times(p.log_path)
+    timelines = pull_timelines(p.log_path)
     warmup_blocks = (256 - 1) // BLOCK_SIZE
     if warmup_blocks in timings:  # the unrecorded warm-up conversation pulled first
         for kind in ("read", "pulled"):
             timings[warmup_blocks][kind] = timings[warmup_blocks][kind][1:]
+    if timelines.get(warmup_blocks):
+        timelines[warmup_blocks] = timelines[warmup_blocks][1:]
     per_history: dict[str, Any] = {}
     table_rows = []
     for history in args.histories:
@@ -204,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         t = timings.get((history - 1) // BLOCK_SIZE, {})
         entry["adapter_nixl_read"] = summary(t["read"]) if t.get("read") else None
         entry["adapter_pull_total"] = summary(t["pulled"]) if t.get("pulled") else None
+        runs = timelines.get((history - 1) // BLOCK_SIZE, [])
+        entry["pull_timeline"] = {
+            key: round(statistics.median(r[key] for r in runs if key in r), 3)
+            for key in sorted({k for r in runs for k in r})
+        }
+        entry["pull_timeline_runs"] = runs
         per_history[str(history)] = entry
         table_rows.append(
             [
@@ -234,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"turn-2 time to first token on P, {args.reps} repetitions; machine shared, load {load_note()}")
     print(table)
+    steps = timeline_table(per_history)
+    print("P's pull, decision to first token (medians; /steps: scheduler steps the phase spanned; ")
+    print("waiting = every phase but the read and the prefill):")
+    print(steps)
     path = write_json(
         "multiturn_ttft",
         {
@@ -251,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             "shared_machine": "other vLLM engines and test runs were using the same cores during the run",
             "results": per_history,
             "runs": rows,
-            "table": table,
+            "table": table + "\n\npull timeline on P, medians (ms /scheduler steps):\n" + steps,
         },
         args.out_dir,
     )

@@ -37,19 +37,36 @@ def _targets(results: Path) -> str:
 
 
 def _data_path(d: dict[str, Any]) -> str:
-    rows = ["| block | adapter GB/s | raw NIXL GB/s | memcpy GB/s | adapter / raw |", "|---|---|---|---|---|"]
+    """vLLM's CPU layout, sequential block ids (the judged rows), and the target verdicts."""
+    rows = [
+        "| model | history | MB | descriptors | adapter GB/s | one contiguous read GB/s | raw NIXL GB/s "
+        "| memcpy GB/s | adapter / contiguous | adapter spread |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(m: dict[str, Any]) -> str:
+        text = f"{m['gbps_median']:.2f} ({m['gbps_min']:.2f}..{m['gbps_max']:.2f})"
+        return f"INVALID {text} ({'; '.join(m['invalid'])})" if m.get("invalid") else text
+
     for r in d["results"]:
-        kib = r["block_bytes"] // 1024
-        size = f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB"
-
-        def cell(m: dict[str, Any]) -> str:
-            text = f"{m['gbps_median']:.2f} ({m['gbps_min']:.2f}..{m['gbps_max']:.2f})"
-            return f"INVALID {text} ({'; '.join(m['invalid'])})" if m.get("invalid") else text
-
+        if r.get("layout") != "cpu" or r.get("pattern") != "runs":
+            continue
         rows.append(
-            f"| {size} | {cell(r['adapter'])} | {cell(r['raw_nixl'])} | {cell(r['memcpy'])} | "
-            f"{r['adapter_vs_raw']:.2f} |"
+            f"| {r['model']} | {r['history_tokens']} | {r['bytes'] / 1e6:.1f} | "
+            f"{r['descriptors_per_block_and_region']} -> {r['descriptors_adapter']} | {cell(r['adapter'])} | "
+            f"{cell(r['contiguous'])} | {cell(r['raw_nixl'])} | {cell(r['memcpy'])} | "
+            f"{r['adapter_vs_contiguous']:.2f} | {r['adapter']['spread']:.2f}x |"
         )
+    for v in d.get("targets", []):
+        rows.append("")
+        rows.append(
+            f"{v['model']}: {v['target']}: worst {v['worst_ratio']:.2f}x, spread {v['worst_spread']:.2f}x: "
+            f"**{v['verdict']}**"
+        )
+    load = d.get("settings", {}).get("load_avg_before_after")
+    if load:
+        rows.append("")
+        rows.append(f"Load average (1/5/15 min) before, after the run: {load[0]}, {load[1]} on 2 cores.")
     return "\n".join(rows)
 
 
@@ -75,7 +92,9 @@ def summary(results: Path) -> str:
     dp = _load(results, "data_path")
     if dp is not None:
         out.append(
-            f"**Data path** (`bench/data_path.py`, {dp.get('date_utc', '?')}; {dp.get('note', '')}), median (min..max):"
+            f"**Data path at real KV layouts** (`bench/data_path.py`, {dp.get('date_utc', '?')}; "
+            f"{dp.get('note', '')}), vLLM CPU layout, sequential block ids, median (min..max); "
+            "every layout and pattern: `bench/results/data_path.json`:"
         )
         out.append(_data_path(dp))
     return "\n\n".join(out)

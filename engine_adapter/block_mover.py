@@ -2,10 +2,10 @@
 
 One `BlockMover` per rank owns one NIXL agent (UCX backend, NIXL's progress
 thread off). Local memory is registered per tier (the KV cache as tier GPU,
-the offload buffer as tier CPU); for each tier, and for each (peer, peer
-regions) pair, a descriptor list with one descriptor per (region, block) is
-prepared once, so a read of N blocks x L layers is a single NIXL transfer
-built from two index arrays.
+the offload buffer as tier CPU). A read of N blocks x L layers is a single
+NIXL transfer whose descriptors are coalesced first (xfer_descs.py): runs of
+blocks that are adjacent on both sides, and in block-outermost layouts the
+layers of one block, travel as one descriptor each.
 
 Failure model: anything that goes wrong with a peer (unknown, disconnected,
 killed with -9, a transfer in an error state, a read that outlives its
@@ -37,12 +37,12 @@ import numpy as np
 
 from kvbroker.engine_adapter.kv_regions import Region
 from kvbroker.engine_adapter.nixl_agent import NIXL_LOCK, NixlApi, create_agent, real_nixl
+from kvbroker.engine_adapter.xfer_descs import RegionTable, Span, block_pieces, coalesce, registered_spans
 
 log = logging.getLogger(__name__)
 
-_LOCAL = "NIXL_INIT_AGENT"
 # The ticker polls fast for this long after the last read, peer or notification.
-_BUSY_AFTER_ACTIVITY_S = 1.0  # NIXL's name for "the local side" of a descriptor list
+_BUSY_AFTER_ACTIVITY_S = 1.0
 
 
 @dataclass
@@ -51,21 +51,16 @@ class _LocalTier:
     regions: list[Region]
     num_blocks: int
     reg_descs: Any  # what register_memory returned, for deregister_memory
-    dlist: Any  # prepared local descriptor list: index = region_index * num_blocks + block
+    spans: list[Span]  # the registered [start, end) ranges
+    table: RegionTable  # the regions as columns, for a read's descriptor math
     regions_of_layer: dict[int, list[int]]
-
-
-@dataclass
-class _PeerDlist:
-    handle: Any
-    num_blocks: int  # descriptors per region in this list
 
 
 @dataclass
 class _Peer:
     metadata: bytes
-    dlists: dict[tuple[str, tuple[Region, ...]], _PeerDlist] = field(default_factory=dict)
-    retired: list[Any] = field(default_factory=list)  # outgrown dlists, released with the peer
+    # The peer's regions as columns with what it registered, per (regions, blocks they cover).
+    tables: dict[tuple[tuple[Region, ...], int], RegionTable] = field(default_factory=dict)
     dead_reason: str | None = None
 
 
@@ -127,20 +122,15 @@ class BlockMover:
         """
         if num_blocks <= 0 or not regions:
             raise ValueError(f"tier {tier}: need at least one region and one block")
-        spans = _merge_spans([(*r.span(num_blocks), r.device_id) for r in regions])
-        descs = _block_descs(regions, num_blocks)
+        spans = registered_spans(regions, num_blocks)
         with self._lock:
             self._drop_tier(tier)
             reg = self._agent.register_memory([(s, e - s, dev, "") for s, e, dev in spans], mem_type)
-            try:
-                dlist = self._agent.prep_xfer_dlist(_LOCAL, descs, mem_type)
-            except self._api.errors:
-                self._agent.deregister_memory(reg)
-                raise
             by_layer: dict[int, list[int]] = {}
             for i, r in enumerate(regions):
                 by_layer.setdefault(r.layer, []).append(i)
-            self._tiers[tier] = _LocalTier(mem_type, list(regions), num_blocks, reg, dlist, by_layer)
+            table = RegionTable.of(regions, spans)
+            self._tiers[tier] = _LocalTier(mem_type, list(regions), num_blocks, reg, spans, table, by_layer)
 
     def agent_metadata(self) -> bytes:
         """This agent's NIXL metadata (connection info and registered memory) for peers."""
@@ -232,16 +222,16 @@ class BlockMover:
             if peer.dead_reason is not None:
                 self._early_failed[handle] = f"peer {peer_agent!r} is unreachable ({peer.dead_reason})"
                 return handle
-            needed = int(remote_ids.max()) + 1
+            theirs = _peer_table(peer, peer_regions, peer_num_blocks or int(remote_ids.max()) + 1)
+            pieces = coalesce(
+                block_pieces(
+                    tier.table.take(local_regions), theirs.take(peer_region_idx), local_ids, remote_ids
+                )
+            )
             try:
-                pdl = self._peer_dlist(
-                    peer_agent, peer, peer_mem_type or tier.mem_type, peer_regions, needed, peer_num_blocks
-                )
-                local_idx = _indices(local_regions, tier.num_blocks, local_ids)
-                remote_idx = _indices(peer_region_idx, pdl.num_blocks, remote_ids)
-                xfer = self._agent.make_prepped_xfer(
-                    "READ", tier.dlist, local_idx, pdl.handle, remote_idx, notif or b""
-                )
+                local_dl = self._agent.get_xfer_descs(pieces.local_descs(), tier.mem_type)
+                remote_dl = self._agent.get_xfer_descs(pieces.remote_descs(), peer_mem_type or tier.mem_type)
+                xfer = self._agent.initialize_xfer("READ", local_dl, remote_dl, peer_agent, notif or b"")
             except self._api.errors as exc:
                 self._fail_early(handle, peer_agent, "could not prepare the read", exc)
                 return handle
@@ -372,28 +362,6 @@ class BlockMover:
             peer_idx.extend(theirs)
         return local_idx, peer_idx
 
-    def _peer_dlist(
-        self,
-        name: str,
-        peer: _Peer,
-        mem_type: str,
-        regions: list[Region],
-        needed: int,
-        peer_num_blocks: int | None,
-    ) -> _PeerDlist:
-        key = (mem_type, tuple(regions))
-        have = peer.dlists.get(key)
-        if have is not None and have.num_blocks >= needed:
-            return have
-        size = peer_num_blocks if peer_num_blocks is not None else needed
-        # Without the peer's size, a list can only cover blocks up to the
-        # highest one asked for; a longer request prepares a longer list.
-        handle = self._agent.prep_xfer_dlist(name, _block_descs(regions, size), mem_type)
-        if have is not None:
-            peer.retired.append(have.handle)
-        peer.dlists[key] = _PeerDlist(handle, size)
-        return peer.dlists[key]
-
     def _fail_early(self, handle: int, peer: str, what: str, exc: BaseException) -> None:
         self._early_failed[handle] = self._describe_failure(peer, what, exc)
 
@@ -418,16 +386,11 @@ class BlockMover:
             log.debug("could not release NIXL transfer handle: %s", exc)
 
     def _forget_peer(self, name: str, reason: str) -> None:
-        peer = self._peers.pop(name)
+        del self._peers[name]
         for handle, read in list(self._reads.items()):
             if read.peer == name:
                 self._early_failed[handle] = f"read from {name!r} abandoned: {reason}"
                 self._finish(handle)
-        for dl in [*(d.handle for d in peer.dlists.values()), *peer.retired]:
-            try:
-                dl.release()
-            except self._api.errors as exc:
-                log.debug("could not release descriptor list of %s: %s", name, exc)
         self._invalidate(name)
 
     def _invalidate(self, name: str) -> None:
@@ -445,7 +408,6 @@ class BlockMover:
                 self._early_failed[handle] = f"local tier {tier} was re-registered or closed"
                 self._finish(handle)
         try:
-            old.dlist.release()
             self._agent.deregister_memory(old.reg_descs)
         except self._api.errors as exc:
             log.debug("could not deregister tier %s: %s", tier, exc)
@@ -458,31 +420,13 @@ def _as_ids(ids: Sequence[int], what: str) -> np.ndarray:
     return arr
 
 
-def _indices(region_idx: list[int], num_blocks: int, block_ids: np.ndarray) -> np.ndarray:
-    """Descriptor indices region-major: adjacent blocks of one region stay adjacent, so NIXL merges them."""
-    regions = np.asarray(region_idx, dtype=np.int64)[:, None]
-    return (regions * num_blocks + block_ids[None, :]).ravel().astype(np.int32)
-
-
-def _block_descs(regions: list[Region], num_blocks: int) -> np.ndarray:
-    """(address, length, device) per (region, block), region-major, as NIXL's Nx3 array."""
-    blocks = np.arange(num_blocks, dtype=np.uint64)
-    out = np.empty((len(regions) * num_blocks, 3), dtype=np.uint64)
-    for i, r in enumerate(regions):
-        rows = out[i * num_blocks : (i + 1) * num_blocks]
-        rows[:, 0] = np.uint64(r.base_addr) + blocks * np.uint64(r.block_stride)
-        rows[:, 1] = r.block_bytes
-        rows[:, 2] = r.device_id
-    return out
-
-
-def _merge_spans(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Union of [start, end) byte ranges per device, so overlapping regions register once."""
-    merged: list[tuple[int, int, int]] = []
-    for start, end, dev in sorted(spans, key=lambda s: (s[2], s[0])):
-        if merged and merged[-1][2] == dev and start <= merged[-1][1]:
-            prev = merged[-1]
-            merged[-1] = (prev[0], max(prev[1], end), dev)
-        else:
-            merged.append((start, end, dev))
-    return merged
+def _peer_table(peer: _Peer, regions: list[Region], num_blocks: int) -> RegionTable:
+    """The peer's regions as columns, with what it registered (a BlockMover registers exactly
+    `registered_spans`); cached per region list."""
+    key = (tuple(regions), num_blocks)
+    table = peer.tables.get(key)
+    if table is None:
+        if len(peer.tables) > 64:  # a peer re-registered often: keep the cache small
+            peer.tables.clear()
+        table = peer.tables[key] = RegionTable.of(regions, registered_spans(regions, num_blocks))
+    return table

@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbroker.engine_adapter.decisions import PullPlan
 from kvbroker.engine_adapter.lookups import Budget, Lookup
 from kvbroker.engine_adapter.metadata import Commit, HolderRank, LoadSpec, ReadOutcomes, RegionSpec
+from kvbroker.engine_adapter.pull_timeline import PullTimeline
 from kvbroker.engine_adapter.scheduler_context import SchedulerContext, tier_name
 from kvbroker.engine_adapter.topology import check_sizes
 from kvbroker.engine_adapter.tracing import Span, current, end_span, start_span
@@ -53,6 +54,8 @@ class Load:
     span: Span | None = None
     # Restore from this engine's own CPU tier (no lease): the pin that keeps the slots.
     local_pin: str = ""
+    # Decision -> first token, step by step (pull_timeline.py); the span stays open until then.
+    timeline: PullTimeline = field(default_factory=PullTimeline)
 
 
 class Loads:
@@ -65,6 +68,8 @@ class Loads:
         self.failed: set[str] = set()
         self._pending_specs: list[LoadSpec] = []
         self._pending_commits: list[Commit] = []
+        # Committed loads whose remainder's prefill has not produced its first token yet.
+        self._to_first_token: dict[str, Load] = {}
 
     # ------------------------------------------------------------------
     # what the scheduler's hooks call
@@ -95,6 +100,7 @@ class Loads:
             budget=Budget(ctx.config.acquire_wait_ms / 1000.0, now),
         )
         self.active[req_id] = load
+        self._start_timeline(load, lookup)
         load.span = start_span(
             "kvbroker.pull",
             lookup.params.trace_context,
@@ -131,6 +137,7 @@ class Loads:
                 request_id=req_id,
             )
         ctx.stats.count("leases_requested")
+        self._time_answer(load, "lease_answer", "allocated")
 
     def advance(self, now: float) -> None:
         """Check every load's pending broker call (a step of the scheduler)."""
@@ -149,12 +156,38 @@ class Loads:
                 continue
             load.ranks_done += count
             load.bytes_read += outcomes.bytes_read.get(req_id, 0)
+            if req_id in outcomes.read_s:
+                ms = outcomes.read_s[req_id] * 1000.0
+                load.timeline.extra_ms["worker_read"] = max(
+                    ms, load.timeline.extra_ms.get("worker_read", 0.0)
+                )
             if load.ranks_done >= self._ctx.expected_ranks:
+                self._mark(load, "read_done")
                 self._finish_reads(load)
 
     def received(self, req_id: str) -> None:
         """vLLM reports the request's load finished (finished_recving)."""
         self.active.pop(req_id, None)
+        load = self._to_first_token.get(req_id)
+        if load is not None:
+            self._mark(load, "load_finished")
+
+    def scheduled(self, req_ids: Any) -> None:
+        """This step computes these requests: a loaded one's remainder prefill starts now."""
+        for req_id, load in self._to_first_token.items():
+            if "load_finished" in load.timeline.marks and req_id in req_ids:
+                self._mark(load, "prefill_scheduled")
+
+    def step_done(self) -> None:
+        """A step's output came back: a prefill scheduled in it produced its first token."""
+        for req_id, load in list(self._to_first_token.items()):
+            if "prefill_scheduled" in load.timeline.marks:
+                self._mark(load, "first_token")
+                self._end_timeline(req_id, "")
+
+    def request_finished(self, req_id: str) -> None:
+        if req_id in self._to_first_token:
+            self._end_timeline(req_id, "request finished before its first token")
 
     def abort(self, req_id: str) -> bool:
         """The request finished while loading; True if it was. The protocol completes normally:
@@ -226,6 +259,7 @@ class Loads:
             self._fail(load, f"holder {holder.engine_id or lease.holder_engine_id} incompatible: {reason}")
             return
         load.state = "reading"
+        self._mark(load, "lease_granted")
         if load.span is not None:
             # Which holder rank serves which layers, for the trace: "pp0/tp0:[0,2)".
             load.span.set_attribute(
@@ -291,6 +325,7 @@ class Loads:
         load.state = "releasing"
         with current(load.span):
             load.future = link.release(load.lease.lease_id, load.lease.epoch)
+        self._time_answer(load, "release_answer", "read_done")
 
     def _fail(self, load: Load, reason: str) -> None:
         link = self._ctx.link
@@ -312,19 +347,24 @@ class Loads:
         load.state = "done"
         self._unpin_local(load)  # every load ends here; a restore's slots may be evicted again
         elapsed_s = self._ctx.clock() - load.started
-        end_span(
-            load.span,
-            {
-                "kvbroker.lease_id": load.lease.lease_id if load.lease else "",
-                "kvbroker.bytes": load.bytes_read,
-                "kvbroker.duration_ms": elapsed_s * 1000.0,
-                "kvbroker.gb_per_s": load.bytes_read / elapsed_s / 1e9 if elapsed_s > 0 else 0.0,
-                "kvbroker.committed": ok,
-                "kvbroker.skip_reason": "" if ok else reason,
-            },
-            error="" if ok else reason,
-        )
-        load.span = None
+        self._mark(load, "committed")
+        attributes: dict[str, Any] = {
+            "kvbroker.lease_id": load.lease.lease_id if load.lease else "",
+            "kvbroker.bytes": load.bytes_read,
+            "kvbroker.duration_ms": elapsed_s * 1000.0,
+            "kvbroker.gb_per_s": load.bytes_read / elapsed_s / 1e9 if elapsed_s > 0 else 0.0,
+            "kvbroker.committed": ok,
+            "kvbroker.skip_reason": "" if ok else reason,
+        }
+        if ok:
+            # The span stays open until the remainder's first token (step_done).
+            for key, value in attributes.items():
+                if load.span is not None:
+                    load.span.set_attribute(key, value)
+            self._to_first_token[load.request_id] = load
+        else:
+            end_span(load.span, {**attributes, **load.timeline.attributes()}, error=reason)
+            load.span = None
         if ok and load.plan.holder_engine_id == self._ctx.config.engine_id:
             stats.count("cpu_restores")
             stats.count("cpu_restored_blocks", load.plan.num_blocks)
@@ -353,6 +393,32 @@ class Loads:
         if not ok:
             self.failed.add(load.request_id)
         self._pending_commits.append(Commit(load.request_id, ok, load.local_block_ids, reason))
+
+    # ------------------------------------------------------------------
+    # the timeline (pull_timeline.py)
+    # ------------------------------------------------------------------
+
+    def _start_timeline(self, load: Load, lookup: Lookup) -> None:
+        t = load.timeline
+        t.marks["lookup_started"] = lookup.started_at
+        t.marks["decided"] = lookup.decided_at or lookup.started_at
+        t.marks["allocated"] = (load.started, self._ctx.step)
+
+    def _mark(self, load: Load, name: str) -> None:
+        load.timeline.mark(name, self._ctx.clock(), self._ctx.step, load.span)
+
+    def _time_answer(self, load: Load, name: str, since: str) -> None:
+        """When the broker's answer arrives (session thread), apart from when a step sees it."""
+        future = load.future
+        if future is not None:
+            clock = self._ctx.clock
+            future.add_done_callback(lambda _f: load.timeline.since(name, since, clock()))
+
+    def _end_timeline(self, req_id: str, error: str) -> None:
+        load = self._to_first_token.pop(req_id)
+        end_span(load.span, load.timeline.attributes(), error=error)
+        load.span = None
+        logger.info("kvbroker: request %s: pull timeline: %s", req_id, load.timeline.describe())
 
     def _release_abandoned(self, future: Future[Any]) -> None:
         """A lease granted after we gave up on it: end it so the holder frees."""

@@ -80,6 +80,9 @@ class Lookup:
     logged: bool = False
     span: Span | None = None
     answered_by: str = "broker"  # or "mirror": the local index mirror answered at once
+    # (monotonic s, scheduler step) the lookup began and was first decided: a pull's timeline.
+    started_at: tuple[float, int] = (0.0, 0)
+    decided_at: tuple[float, int] | None = None
 
 
 # A hold the router named for a request: (holder engine id, the holder's request id).
@@ -111,6 +114,8 @@ class Lookups:
             lookup.decision = self._poll(lookup, now)
             if lookup.decision is None:
                 return None, False
+        if lookup.decided_at is None:
+            lookup.decided_at = (now, self._ctx.step)
         # Re-decide against the current local hit (it may have grown since).
         decision = lookup.decision
         local_cpu = self._local_cpu_blocks(lookup)
@@ -215,6 +220,7 @@ class Lookups:
             namespace=ctx.namespace(request),
             hashes=hashes,
             budget=Budget(ctx.config.resolve_wait_ms / 1000.0, now),
+            started_at=(now, ctx.step),
         )
         lookup.span = start_span(
             "kvbroker.resolve",

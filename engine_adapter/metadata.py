@@ -115,6 +115,8 @@ class ReadOutcomes(KVConnectorWorkerMetadata):
     # CPU tier: per store id, ranks whose copy finished / why a copy failed.
     stores_done: dict[int, int] = field(default_factory=dict)
     stores_failed: dict[int, str] = field(default_factory=dict)
+    # Per request: seconds this rank's reads took, as the worker timed them (the slowest rank wins).
+    read_s: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ReadOutcomes)
@@ -124,6 +126,7 @@ class ReadOutcomes(KVConnectorWorkerMetadata):
             dict(self.bytes_read),
             dict(self.stores_done),
             dict(self.stores_failed),
+            dict(self.read_s),
         )
         for req_id, count in other.done.items():
             merged.done[req_id] = merged.done.get(req_id, 0) + count
@@ -135,4 +138,6 @@ class ReadOutcomes(KVConnectorWorkerMetadata):
             merged.stores_done[store_id] = merged.stores_done.get(store_id, 0) + count
         for store_id, reason in other.stores_failed.items():
             merged.stores_failed.setdefault(store_id, reason)
+        for req_id, seconds in other.read_s.items():
+            merged.read_s[req_id] = max(seconds, merged.read_s.get(req_id, 0.0))
         return merged

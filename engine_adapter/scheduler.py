@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any, ParamSpec, TypeVar
 
@@ -163,8 +163,11 @@ class AdapterScheduler:
             self.loads.start(lookup, plan, block_ids, num_external_tokens)
 
     @_locked
-    def build_connector_meta(self) -> AdapterMetadata:
+    def build_connector_meta(self, scheduled: Collection[str] = ()) -> AdapterMetadata:
+        """The step's metadata; `scheduled`: the requests this step computes tokens for."""
+        self._ctx.step += 1
         now = self._clock()
+        self.loads.scheduled(scheduled)
         self.return_held_blocks()
         self.gpu.serve()
         self.gpu.read_events()
@@ -196,6 +199,7 @@ class AdapterScheduler:
             self.loads.received(req_id)
         for req_id in finished_sending or ():
             self.holds.sent(req_id)
+        self.loads.step_done()
         self._publish_stats()
 
     @_locked
@@ -203,6 +207,7 @@ class AdapterScheduler:
         req_id = request.request_id
         self.loads.failed.discard(req_id)
         self.lookups.request_finished(req_id)
+        self.loads.request_finished(req_id)
         if self.loads.abort(req_id):
             # Aborted while loading: vLLM keeps its blocks until we report the
             # load finished; the protocol completes normally.

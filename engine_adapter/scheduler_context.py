@@ -34,6 +34,8 @@ class SchedulerContext:
     # Requests the worker is to report freed in the next step: ended delay_free
     # holds (holds.py) and finished CPU-tier copies (cpu_stores.py).
     pending_frees: list[str] = field(default_factory=list)
+    # Scheduler steps so far (build_connector_meta calls): pull timelines count steps with it.
+    step: int = 0
 
     @property
     def expected_ranks(self) -> int:

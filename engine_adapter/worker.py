@@ -339,6 +339,7 @@ class AdapterWorker:
                 )
             self._outcomes.done[req_id] = self._outcomes.done.get(req_id, 0) + 1
             self._outcomes.bytes_read[req_id] = reading.bytes_total
+            self._outcomes.read_s[req_id] = self._clock() - reading.started
             del self._reading[req_id]
         self._settle_commits()
 

@@ -286,16 +286,44 @@ def test_spans_continue_the_callers_trace_and_carry_transfer_attributes() -> Non
         )
         sched.build_connector_meta()
         sched.update_connector_output(
-            worker_meta=ReadOutcomes(done={"r1": 1}, bytes_read={"r1": 4096}),
+            worker_meta=ReadOutcomes(done={"r1": 1}, bytes_read={"r1": 4096}, read_s={"r1": 0.0025}),
             finished_sending=None,
             finished_recving=None,
         )
         link.named("release")[0].future.set_result(pb.Lease(lease_id="hold-1"))  # type: ignore[union-attr]
         sched.build_connector_meta()
+        no_output = {"worker_meta": None, "finished_sending": None}
+        sched.update_connector_output(**no_output, finished_recving={"r1"})  # vLLM saw the load finish
+        assert [s.name for s in exporter.get_finished_spans()] == ["kvbroker.resolve"], (
+            "open until the first token"
+        )
+        sched.build_connector_meta({"r1": 12})  # the remainder's prefill is scheduled
+        sched.update_connector_output(**no_output, finished_recving=None)  # ... and its step ended
     finally:
         tracing.set_tracer(None)
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert set(spans) == {"kvbroker.resolve", "kvbroker.pull"}
+    # Decision to first token, step by step, on the pull's span.
+    events = [e.name for e in spans["kvbroker.pull"].events]
+    assert events == [
+        "kvbroker.lease_granted",
+        "kvbroker.read_done",
+        "kvbroker.committed",
+        "kvbroker.load_finished",
+        "kvbroker.prefill_scheduled",
+        "kvbroker.first_token",
+    ]
+    timeline = spans["kvbroker.pull"].attributes or {}
+    for phase in ("lookup", "allocate", "lease", "read", "release", "notice", "schedule", "prefill"):
+        assert timeline[f"kvbroker.timeline.{phase}_ms"] >= 0, phase
+    assert timeline["kvbroker.timeline.lookup_steps"] == 0 and timeline["kvbroker.timeline.lease_steps"] == 1
+    assert (
+        timeline["kvbroker.timeline.schedule_steps"] == 1 and timeline["kvbroker.timeline.prefill_steps"] == 0
+    )
+    assert timeline["kvbroker.timeline.worker_read_ms"] == 2.5
+    assert (
+        "kvbroker.timeline.lease_answer_ms" in timeline and "kvbroker.timeline.release_answer_ms" in timeline
+    )
     for span in spans.values():
         assert f"{span.context.trace_id:032x}" == trace_id
     pull = spans["kvbroker.pull"].attributes or {}

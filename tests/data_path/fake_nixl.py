@@ -56,6 +56,17 @@ class FakeDlist:
 
 
 @dataclass
+class FakeXferDescs:
+    descs: np.ndarray  # Nx3 (address, length, device)
+    mem_type: str
+
+
+def _inside(addr: int, length: int, mem_type: str, spans: list[tuple[int, int, str]]) -> None:
+    if not any(s <= addr and addr + length <= e and mt == mem_type for s, e, mt in spans):
+        raise FakeNixlError(f"descriptor {addr:#x}+{length} is outside registered {mem_type} memory")
+
+
+@dataclass
 class FakeXfer:
     peer: str
     pairs: list[tuple[int, int, int]]  # (local addr, remote addr, length)
@@ -151,6 +162,39 @@ class FakeAgent:
                 raise FakeNixlError(f"descriptor {addr:#x}+{length} is outside registered {mem_type} memory")
         self.fabric.live_dlists += 1
         return FakeDlist(self, agent_name, np.asarray(descs, dtype=np.uint64))
+
+    def get_xfer_descs(self, descs: np.ndarray, mem_type: str) -> FakeXferDescs:
+        arr = np.asarray(descs, dtype=np.uint64)
+        if arr.ndim != 2 or arr.shape[1] != 3:
+            raise FakeNixlError(f"descriptors must be an Nx3 array, got shape {arr.shape}")
+        return FakeXferDescs(arr, mem_type)
+
+    def initialize_xfer(
+        self,
+        operation: str,
+        local: FakeXferDescs,
+        remote: FakeXferDescs,
+        remote_agent: str,
+        notif_msg: bytes = b"",
+    ) -> FakeXfer:
+        """Like NIXL's createXferReq: every descriptor must lie inside one registration."""
+        if operation != "READ":
+            raise FakeNixlError("the fake supports READ only")
+        if remote_agent not in self.remote:
+            raise FakeNixlError(f"no metadata for remote agent {remote_agent!r}")
+        if len(local.descs) != len(remote.descs):
+            raise FakeNixlError("descriptor lists differ in length")
+        pairs = []
+        for (laddr, llen, _), (raddr, rlen, _) in zip(
+            local.descs.tolist(), remote.descs.tolist(), strict=True
+        ):
+            if llen != rlen:
+                raise FakeNixlError(f"descriptor lengths differ: {llen} != {rlen}")
+            _inside(laddr, llen, local.mem_type, self.registered)
+            _inside(raddr, rlen, remote.mem_type, self.remote[remote_agent])
+            pairs.append((laddr, raddr, llen))
+        self.fabric.live_xfers += 1
+        return FakeXfer(remote_agent, pairs, bytes(notif_msg))
 
     def make_prepped_xfer(
         self,

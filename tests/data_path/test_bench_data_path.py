@@ -27,7 +27,8 @@ pytestmark = [
 def test_bench_runs_and_writes_json(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
-    args = ["--sizes", "16,64", "--mib", "2", "--reps", "2", "--out-dir", str(tmp_path), "--name", "dp-smoke"]
+    args = ["--models", "tiny", "--layouts", "cpu,blhnc", "--histories", "256", "--reps", "2"]
+    args += ["--out-dir", str(tmp_path), "--name", "dp-smoke"]
     proc = subprocess.run(
         [sys.executable, "-m", "bench.data_path", *args],
         cwd=REPO,
@@ -38,13 +39,17 @@ def test_bench_runs_and_writes_json(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "adapter/raw" in proc.stdout
+    assert "ad/contig" in proc.stdout
     doc = json.loads((tmp_path / "dp-smoke.json").read_text())
-    assert [r["block_bytes"] for r in doc["results"]] == [16384, 65536]
+    cases = [(r["layout"], r["pattern"], r["history_tokens"]) for r in doc["results"]]
+    assert cases == [(lay, pat, 256) for lay in ("cpu", "blhnc") for pat in ("runs", "scattered")]
     for row in doc["results"]:
-        for method in ("adapter", "raw_nixl", "memcpy"):
+        for method in ("adapter", "raw_nixl", "contiguous", "memcpy"):
             assert len(row[method]["samples_gbps"]) == 2 and row[method]["gbps_median"] > 0
-        assert row["adapter_vs_raw"] > 0
+        assert row["adapter_vs_contiguous"] > 0 and row["bytes"] == 8 * 32 * 1024
+        assert row["descriptors_adapter"] <= row["descriptors_per_block_and_region"]
+    runs = {r["layout"]: r["descriptors_adapter"] for r in doc["results"] if r["pattern"] == "runs"}
+    assert runs == {"cpu": 2, "blhnc": 1}  # one per layer; block-outermost: one for the whole history
     # Every GB/s figure was checked against memcpy of the same bytes, and passed.
     assert "Consistency checks (Little's law, cores, memcpy)" in proc.stdout
     assert doc["checks"] == {"invalid": [], "passed": True}

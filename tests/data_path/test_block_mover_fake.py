@@ -78,8 +78,8 @@ def test_read_moves_the_right_blocks_of_every_layer(pair: Pair, fabric: FakeFabr
         for r, loc in [(3, 0), (7, 12), (8, 5), (9, 6)]:
             assert torch.equal(dst[loc], src[r])
         assert not dst[1].any()  # untouched blocks stay untouched
-    # 4 blocks x 3 layers in ONE transfer
-    assert fabric.transfers_posted == 1 and fabric.descs_per_transfer == [12]
+    # 4 blocks x 3 layers in ONE transfer; blocks 8, 9 -> 5, 6 are adjacent on both sides: one descriptor
+    assert fabric.transfers_posted == 1 and fabric.descs_per_transfer == [3 * 3]
 
 
 def test_layer_subset_touches_only_those_layers(pair: Pair) -> None:
@@ -217,15 +217,26 @@ def test_empty_read_finishes_at_once(pair: Pair, fabric: FakeFabric) -> None:
     assert fabric.transfers_posted == 0
 
 
-def test_peer_dlist_prepared_once_with_known_size(pair: Pair, fabric: FakeFabric) -> None:
-    for i in range(5):
-        pair.read([i], [i], peer_num_blocks=pair.num_blocks)
-    poll_until_settled(pair.reader)
-    # one local list per tier on each side + one peer list on the reader
-    assert fabric.live_dlists == 3
+def test_adjacent_blocks_travel_as_one_descriptor(pair: Pair, fabric: FakeFabric) -> None:
+    h = pair.read([4, 5, 6, 7], [10, 11, 12, 13], peer_num_blocks=pair.num_blocks)
+    assert poll_until_settled(pair.reader) == ([h], {})
+    assert fabric.descs_per_transfer == [3]  # one per layer
+    for layer in range(3):
+        assert torch.equal(pair.layer(pair.reader_kv, layer)[10:14], pair.layer(pair.holder_kv, layer)[4:8])
 
 
-def test_peer_dlist_grows_without_known_size(pair: Pair) -> None:
+def test_a_layers_last_block_merges_with_the_next_layers_first(pair: Pair, fabric: FakeFabric) -> None:
+    """Layer-compact layout in one allocation: block 23 of layer l ends where block 0 of layer l+1 starts."""
+    last = pair.num_blocks - 1
+    h = pair.read([last, 0], [last, 0], peer_num_blocks=pair.num_blocks)
+    assert poll_until_settled(pair.reader) == ([h], {})
+    assert fabric.descs_per_transfer == [4]  # L0b0, L0b23+L1b0, L1b23+L2b0, L2b23
+    for layer in range(3):
+        for b in (0, last):
+            assert torch.equal(pair.layer(pair.reader_kv, layer)[b], pair.layer(pair.holder_kv, layer)[b])
+
+
+def test_read_beyond_the_first_without_known_size(pair: Pair) -> None:
     h1 = pair.read([1], [1])
     h2 = pair.read([20], [2])  # beyond the first list's reach
     done, failed = poll_until_settled(pair.reader)
@@ -292,7 +303,7 @@ def test_ticker_collects_notifications_in_background(fabric: FakeFabric) -> None
 
 
 def test_peer_memory_type_can_differ_from_local(fabric: FakeFabric, clock: FakeClock) -> None:
-    """Peer VRAM into the local (DRAM) CPU tier: the peer list is prepared with the peer's type."""
+    """Peer VRAM into the local (DRAM) CPU tier: the peer descriptors carry the peer's type."""
     holder = BlockMover("hv", nixl=fabric.api(), progress_interval_s=None, clock=clock)
     reader = BlockMover("rv", nixl=fabric.api(), progress_interval_s=None, clock=clock)
     src = torch.arange(2 * 4 * 32, dtype=torch.uint8).view(2, 4, 32)

@@ -59,7 +59,9 @@ def read_gpu(reader: Reader, peer: Peer, remote: list[int], local: list[int], **
     ("remote", "local"),
     [
         ([0], [0]),
-        ([5, 6, 7, 8], [0, 1, 2, 3]),  # a run: NIXL merges adjacent descriptors
+        ([5, 6, 7, 8], [0, 1, 2, 3]),  # a run: one coalesced descriptor per layer
+        ([22, 23, 0, 1], [22, 23, 0, 1]),  # runs joined across layers: layer l's end, layer l+1's start
+        (list(range(24)), list(range(24))),  # the whole cache: one descriptor for every layer
         ([23, 1, 12, 4], [2, 20, 9, 17]),  # scattered
         (list(range(24)), list(reversed(range(24)))),  # every block, permuted
     ],

@@ -1,0 +1,190 @@
+"""Descriptor math of a read: which bytes go where, in as few pieces as possible.
+
+A read of N blocks x R regions is N x R (local address, remote address,
+length) pieces. Pieces that continue each other on both sides (the next
+block of a layer, or, in block-outermost layouts, the next layer of the same
+block) are one piece to UCX, which pays a fixed cost per piece. `coalesce`
+merges them, but never across the end of a registered span on either side:
+NIXL checks every descriptor against one registration.
+
+Pure numpy, no NIXL: the block mover builds its NIXL descriptor lists from
+what these functions return, and unit tests check the arithmetic directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbroker.engine_adapter.kv_regions import Region
+
+Span = tuple[int, int, int]  # [start, end) bytes on device
+
+
+@dataclass(frozen=True)
+class RegionTable:
+    """Regions as columns (one row per region), with the registered span each lies in.
+
+    Built once per local tier and per peer's region list, so a read costs a
+    few array operations, not a Python loop over regions.
+    """
+
+    base: np.ndarray  # uint64
+    stride: np.ndarray  # uint64
+    nbytes: np.ndarray  # uint64
+    dev: np.ndarray  # uint64
+    span: np.ndarray  # int64: index into the spans given to `of` (-1: in none)
+    dense: bool  # every region's blocks are back to back (block_stride == block_bytes)
+
+    @classmethod
+    def of(cls, regions: Sequence[Region], spans: Sequence[Span]) -> RegionTable:
+        def col(attr: str) -> np.ndarray:
+            return np.array([getattr(r, attr) for r in regions], dtype=np.uint64)
+
+        base, dev, stride, nbytes = (
+            col("base_addr"),
+            col("device_id"),
+            col("block_stride"),
+            col("block_bytes"),
+        )
+        dense = bool(np.array_equal(stride, nbytes))
+        return cls(base, stride, nbytes, dev, _span_ids(base, dev, spans), dense)
+
+    def take(self, rows: Sequence[int]) -> RegionTable:
+        idx = np.asarray(rows, dtype=np.int64)
+        return RegionTable(
+            self.base[idx], self.stride[idx], self.nbytes[idx], self.dev[idx], self.span[idx], self.dense
+        )
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Parallel arrays: piece i copies `length[i]` bytes from `remote[i]` to `local[i]`."""
+
+    local: np.ndarray  # uint64 addresses
+    remote: np.ndarray  # uint64 addresses
+    length: np.ndarray  # uint64 byte counts
+    local_dev: np.ndarray  # uint64 device ids
+    remote_dev: np.ndarray  # uint64 device ids
+    local_span: np.ndarray  # int64 registered span of the local side (-1: none known)
+    remote_span: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def local_descs(self) -> np.ndarray:
+        """NIXL's Nx3 (address, length, device) array for the local side."""
+        return np.stack([self.local, self.length, self.local_dev], axis=1)
+
+    def remote_descs(self) -> np.ndarray:
+        return np.stack([self.remote, self.length, self.remote_dev], axis=1)
+
+    def take(self, idx: np.ndarray) -> Pieces:
+        return Pieces(*(getattr(self, f)[idx] for f in _FIELDS))
+
+
+_FIELDS = ("local", "remote", "length", "local_dev", "remote_dev", "local_span", "remote_span")
+
+
+def block_pieces(
+    local: RegionTable, remote: RegionTable, local_ids: np.ndarray, remote_ids: np.ndarray
+) -> Pieces:
+    """Pieces region-major: remote block `remote_ids[i]` of remote region k lands in local
+    block `local_ids[i]` of local region k. One piece per (region, block), or per (region,
+    run of ids adjacent on both sides) when every region on both sides is dense."""
+    if len(local.base) != len(remote.base):
+        raise ValueError(f"{len(local.base)} local regions but {len(remote.base)} remote regions")
+    if len(local_ids) != len(remote_ids):
+        raise ValueError(f"{len(local_ids)} local blocks but {len(remote_ids)} remote blocks")
+    if not np.array_equal(local.nbytes, remote.nbytes):
+        raise ValueError(
+            f"bytes per block differ: local {local.nbytes.tolist()}, remote {remote.nbytes.tolist()}"
+        )
+    lids = np.asarray(local_ids, dtype=np.int64)
+    rids = np.asarray(remote_ids, dtype=np.int64)
+    counts = np.ones(len(lids), dtype=np.uint64)
+    if local.dense and remote.dense and len(lids) > 1:
+        # Dense regions: a run of ids adjacent on both sides is one piece per region already.
+        breaks = np.flatnonzero((np.diff(lids) != 1) | (np.diff(rids) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        counts = np.diff(np.append(starts, len(lids))).astype(np.uint64)
+        lids, rids = lids[starts], rids[starts]
+    n = len(lids)
+
+    def each(column: np.ndarray) -> np.ndarray:
+        return np.repeat(column, n)
+
+    return Pieces(
+        local=(local.base[:, None] + lids.astype(np.uint64)[None, :] * local.stride[:, None]).ravel(),
+        remote=(remote.base[:, None] + rids.astype(np.uint64)[None, :] * remote.stride[:, None]).ravel(),
+        length=(local.nbytes[:, None] * counts[None, :]).ravel(),
+        local_dev=each(local.dev),
+        remote_dev=each(remote.dev),
+        local_span=each(local.span),
+        remote_span=each(remote.span),
+    )
+
+
+def coalesce(pieces: Pieces) -> Pieces:
+    """Merge pieces that continue each other on both sides within one registered span per side.
+
+    Pieces come out ordered by local address (they usually are already).
+    Pieces outside every known span (span -1) are left alone: NIXL refuses
+    them with a precise error.
+    """
+    if len(pieces) <= 1:
+        return pieces
+    p = pieces
+    if not bool(np.all(p.local[1:] >= p.local[:-1])):
+        # Spans differ by device where addresses may repeat: span first, then address.
+        p = p.take(np.lexsort((p.local, p.local_span)))
+    follows = (
+        (p.local[1:] == p.local[:-1] + p.length[:-1])
+        & (p.remote[1:] == p.remote[:-1] + p.length[:-1])
+        & (p.local_span[1:] == p.local_span[:-1])
+        & (p.remote_span[1:] == p.remote_span[:-1])
+        & (p.local_span[1:] >= 0)
+        & (p.remote_span[1:] >= 0)
+    )
+    if not bool(follows.any()):
+        return p
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    merged = p.take(starts)
+    return Pieces(
+        merged.local,
+        merged.remote,
+        np.add.reduceat(p.length, starts).astype(np.uint64),
+        merged.local_dev,
+        merged.remote_dev,
+        merged.local_span,
+        merged.remote_span,
+    )
+
+
+def registered_spans(regions: Sequence[Region], num_blocks: int) -> list[Span]:
+    """The [start, end) ranges a BlockMover registers for `regions` of `num_blocks` blocks:
+    the union per device, so touching or overlapping regions register as one."""
+    merged: list[Span] = []
+    for start, end, dev in sorted(
+        ((*r.span(num_blocks), r.device_id) for r in regions), key=lambda s: (s[2], s[0])
+    ):
+        if merged and merged[-1][2] == dev and start <= merged[-1][1]:
+            prev = merged[-1]
+            merged[-1] = (prev[0], max(prev[1], end), dev)
+        else:
+            merged.append((start, end, dev))
+    return merged
+
+
+def _span_ids(addr: np.ndarray, dev: np.ndarray, spans: Sequence[Span]) -> np.ndarray:
+    """Index of the span holding each address (-1: none)."""
+    out = np.full(len(addr), -1, dtype=np.int64)
+    for i, (start, end, d) in enumerate(spans):
+        out[(dev == np.uint64(d)) & (addr >= np.uint64(start)) & (addr < np.uint64(end))] = i
+    return out

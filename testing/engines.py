@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbroker.testing.processes import BrokerProcess
-from kvbroker.tools.launch import EngineProcess, connector_config
+from kvbroker.tools.launch import DEFAULT_KV_CACHE_BYTES, EngineProcess, connector_config
 
 BLOCK_SIZE = 32
 # Generous budgets: the tests share two cores with three engines (and maybe other
@@ -36,6 +36,8 @@ def start_engine(
     max_model_len: int = 2048,
     session_ttl_ms: int = SESSION_TTL_MS,
     load_failure_policy: str = "",
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    served_model_name: str | None = None,
     **extra: Any,
 ) -> tuple[EngineProcess, Path]:
     """Start (not wait for) an engine with our connector; returns it and its stats file.
@@ -61,6 +63,8 @@ def start_engine(
         kv_transfer_config=config,
         block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
+        kv_cache_bytes=kv_cache_bytes,
+        served_model_name=served_model_name,
         log_path=log_dir / f"{name}.log",
         env=env,
     )

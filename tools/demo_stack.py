@@ -188,7 +188,7 @@ def start_stack(
     for role in ("prefill", "decode"):
         engine = stack.prefill if role == "prefill" else stack.decode
         try:
-            engine.wait_ready(timeout=400, progress=lambda m: say("      " + m))
+            engine.wait_ready(timeout=600, progress=lambda m: say("      " + m))
         except EngineStartError as e:
             # Another process may have taken the port picked for it (free ports
             # are only free when picked): one more try on a new port.
@@ -199,7 +199,7 @@ def start_stack(
                 stack.prefill = engine
             else:
                 stack.decode = engine
-            engine.wait_ready(timeout=400, progress=lambda m: say("      " + m))
+            engine.wait_ready(timeout=600, progress=lambda m: say("      " + m))
 
     stack.proxy_url = f"http://127.0.0.1:{proxy_port}"
     say(f"[4/4] starting the proxy on {stack.proxy_url} ...")

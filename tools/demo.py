@@ -52,8 +52,10 @@ TURNS = (
 # The real model's conversation: each turn builds on the one before. No system message: the
 # model's chat template puts its own default system prompt first, the same for every chat.
 REAL_SYSTEM_PROMPT = ""
+# Each answer runs to a few full blocks, so from turn 2 on the history P pulls from D
+# includes answer blocks P never saw (a one-line answer would fit in P's own last block).
 REAL_TURNS = (
-    "What is the capital of France?",
+    "Tell me about Paris, the capital of France.",
     "Tell me about the Eiffel Tower in Paris.",
     "And what can I see in the Louvre museum?",
 )

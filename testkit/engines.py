@@ -38,6 +38,7 @@ def start_engine(
     load_failure_policy: str = "",
     kv_cache_bytes: int | None = None,
     log_stats: bool = False,
+    served_model_name: str | None = None,
     **extra: Any,
 ) -> tuple[EngineProcess, Path]:
     """Start (not wait for) an engine with our connector; returns it and its stats file.
@@ -65,6 +66,7 @@ def start_engine(
         kv_transfer_config=config,
         block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
+        served_model_name=served_model_name,
         log_path=log_dir / f"{name}.log",
         env=env,
         log_stats=log_stats,

@@ -1,0 +1,227 @@
+"""The demo's stack: broker, a prefill and a decode vLLM engine with our connector, and the P/D proxy,
+each a child process in its own process group with its log in the work directory.
+
+`start_stack(workdir, model="real" | "tiny", ...)` starts it and returns a `Stack`
+whose `stop()` ends everything (also registered with atexit). Two models:
+
+- `real`: SmolLM2-135M-Instruct (kvbroker.tools.real_model, converted once and
+  cached outside the repository); a real chat model, served as `smollm2`;
+- `tiny`: the 2-layer random-weight model (kvbroker.tools.tiny_model), built in
+  the work directory in a second, served as `tiny`: fast, but its answers are
+  noise.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbroker.tools.launch import EngineProcess, EngineStartError, connector_config
+
+# model choice -> the name the proxy and engines serve it under
+SERVED_NAMES = {"real": "smollm2", "tiny": "tiny"}
+# KV cache per engine: about 340 blocks of the real model (1.5 MB each, 10,900 tokens), thousands of the tiny one's.
+KV_CACHE_BYTES = {"real": 512 << 20, "tiny": 256 << 20}
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class ChildProcess:
+    """A helper process (broker, proxy) in its own process group, logging to a file."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path) -> None:
+        self.name, self.cmd, self.log_path = name, cmd, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ChildProcess:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class Stack:
+    workdir: Path
+    model: str = "tiny"
+    served_name: str = "tiny"
+    broker: ChildProcess | None = None
+    broker_address: str = ""
+    prefill: EngineProcess | None = None
+    decode: EngineProcess | None = None
+    proxy: ChildProcess | None = None
+    proxy_url: str = ""
+    stats: dict[str, Path] = field(default_factory=dict)
+    _stopped: bool = False
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for part in (self.proxy, self.decode, self.prefill, self.broker):
+            if part is not None:
+                try:
+                    part.stop()
+                except Exception as e:
+                    print(f"warning: stopping {part}: {e}", file=sys.stderr)
+
+
+def wait_http(url: str, what: str, timeout: float, alive: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"{what} exited while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{what} not ready after {timeout:.0f} s")
+
+
+def model_folder(model: str, workdir: Path) -> Path:
+    """The model's checkpoint folder, built first if needed (progress on stdout)."""
+    if model == "real":
+        from kvbroker.tools.real_model import ensure_real_model
+
+        folder = ensure_real_model(log=lambda m: say("      " + m))
+        say(f"[1/4] SmolLM2-135M-Instruct (float32, 30 layers) in {folder}")
+        return folder
+    if model != "tiny":
+        raise ValueError(f"model {model!r}: choose one of {sorted(SERVED_NAMES)}")
+    from kvbroker.tools.tiny_model import build_tiny_model, is_tiny_model_dir
+
+    folder = workdir / "tiny-model"
+    if not is_tiny_model_dir(folder):
+        say(f"[1/4] building the tiny model in {folder} ...")
+        build_tiny_model(folder)
+    else:
+        say(f"[1/4] tiny model already in {folder}")
+    return folder
+
+
+def start_stack(
+    workdir: Path,
+    *,
+    proxy_port: int,
+    broker_port: int,
+    threshold: int,
+    model: str = "tiny",
+    connector_extra: dict[str, Any] | None = None,
+) -> Stack:
+    """Build or find the model, start broker, P, D and proxy; `connector_extra` adds
+    kv_connector_extra_config keys to both engines (e.g. hold_ttl_ms)."""
+    stack = Stack(workdir, model=model, served_name=SERVED_NAMES.get(model, model))
+    atexit.register(stack.stop)
+    model_dir = model_folder(model, workdir)
+
+    stack.broker_address = f"127.0.0.1:{broker_port}"
+    say(f"[2/4] starting the broker on {stack.broker_address} ...")
+    stack.broker = ChildProcess(
+        "broker",
+        [sys.executable, "-m", "kvbroker.broker", "--address", stack.broker_address],
+        workdir / "broker.log",
+    ).start()
+    from kvbroker.clients.sync import BrokerClient
+
+    with BrokerClient(stack.broker_address) as client:
+        client.wait_ready(timeout=30)
+
+    say("[3/4] starting the prefill and decode vLLM engines (CPU; 1-2 minutes, progress every 5 s) ...")
+
+    def make_engine(name: str, role: str, attempt: int) -> EngineProcess:
+        stats = workdir / f"{name}-stats.json"
+        stack.stats[name] = stats
+        config = connector_config(
+            broker_address=stack.broker_address,
+            engine_id=name,
+            role=role,
+            kv_recompute_threshold=threshold,
+            stats_path=str(stats),
+            # D holds each finished turn (prompt + answer) so the next turn's prefill can pull it.
+            multi_turn=(role == "decode"),
+            **(connector_extra or {}),
+        )
+        return EngineProcess(
+            model_dir,
+            name=name,
+            kv_transfer_config=config,
+            served_model_name=stack.served_name,
+            max_model_len=4096,
+            kv_cache_bytes=KV_CACHE_BYTES.get(model, KV_CACHE_BYTES["tiny"]),
+            extra_args=["--enable-prompt-tokens-details"],
+            log_path=workdir / f"{name}{'-retry' if attempt else ''}.log",
+        ).start()
+
+    stack.prefill = make_engine("prefill-0", "prefill", 0)
+    stack.decode = make_engine("decode-0", "decode", 0)
+    for role in ("prefill", "decode"):
+        engine = stack.prefill if role == "prefill" else stack.decode
+        try:
+            engine.wait_ready(timeout=600, progress=lambda m: say("      " + m))
+        except EngineStartError as e:
+            # Another process may have taken the port picked for it (free ports
+            # are only free when picked): one more try on a new port.
+            say(f"      {engine.name} failed to start, retrying on a new port: {str(e).splitlines()[0]}")
+            engine.stop()
+            engine = make_engine(engine.name, role, 1)
+            if role == "prefill":
+                stack.prefill = engine
+            else:
+                stack.decode = engine
+            engine.wait_ready(timeout=600, progress=lambda m: say("      " + m))
+
+    stack.proxy_url = f"http://127.0.0.1:{proxy_port}"
+    say(f"[4/4] starting the proxy on {stack.proxy_url} ...")
+    stack.proxy = ChildProcess(
+        "proxy",
+        [
+            sys.executable,
+            "-m",
+            "kvbroker.clients.proxy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(proxy_port),
+            "--prefill",
+            f"prefill-0={stack.prefill.url}",
+            "--decode",
+            f"decode-0={stack.decode.url}",
+            "--broker",
+            stack.broker_address,
+        ],
+        workdir / "proxy.log",
+    ).start()
+    proxy = stack.proxy
+    wait_http(stack.proxy_url + "/health", "proxy", 30, proxy.alive)
+    return stack

@@ -156,7 +156,8 @@ def profile_chat(setup: Setup, conv: Conversation, turns: int, answer_tokens: in
 def run_setup(
     name: str, args: argparse.Namespace, model: Path, convs: list[Conversation], profile_conv: Conversation
 ) -> dict[str, Any]:
-    log(f"setup {name}: starting; load {load_note()}")
+    load_start = load_note()
+    log(f"setup {name}: starting; load {load_start}")
     setup: Setup | None = None
     try:
         setup = start_setup(name, model, args.workdir, args.start_timeout_s)
@@ -251,23 +252,36 @@ def main(argv: list[str] | None = None) -> int:
         "broker": "BrokerConnector (D multi_turn), kvbroker.clients.proxy with --broker",
     }
     # In the order given (the machine's load drifts; a run can put the setup it cares about first).
-    setups: dict[str, Any] = {name: run_setup(name, args, model, convs, profile_conv) for name in args.setups}
-    for name in SETUPS:
-        setups.setdefault(name, {"available": False, "reason": "not selected (--setups)"})
-    load_end = load_note()
-    doc = evaluate(setups, settings)
-    text = report(doc, setups, load_end)
+    # The results are written after every setup, so an interrupted run keeps the setups it finished.
+    setups: dict[str, Any] = {}
+    for name in args.setups:
+        setups[name] = run_setup(name, args, model, convs, profile_conv)
+        doc, text = write_results(setups, settings, args, final=name == args.setups[-1])
     print(text)
-    for s in setups.values():
+    return 0 if doc["identical"]["all"] else 1
+
+
+def write_results(
+    setups: dict[str, Any], settings: dict[str, Any], args: argparse.Namespace, final: bool
+) -> tuple[dict[str, Any], str]:
+    every = dict(setups)
+    for name in SETUPS:
+        every.setdefault(name, {"available": False, "reason": "not run (--setups, or the run was stopped)"})
+    load_end = load_note()
+    doc = evaluate(every, settings)
+    text = report(doc, every, load_end)
+    stored = json.loads(json.dumps(every))  # the answers' token ids were compared; the JSON keeps the text
+    for s in stored.values():
         for r in s.get("rows", []):
             r.pop("token_ids", None)
-    doc.update(settings=settings, setups=setups, table=text, load_at_end=load_end)
-    name = "chat_compare-quick" if q else "chat_compare"
-    path = write_json(name, doc, args.out_dir)
-    print(f"wrote {path}")
+    doc.update(settings=settings, setups=stored, table=text, load_at_end=load_end, complete=final)
+    path = write_json("chat_compare-quick" if args.quick else "chat_compare", doc, args.out_dir)
+    log(f"wrote {path} ({', '.join(setups)} done)")
     if not args.no_plot:
         png = plot_ttft(doc, path.with_suffix(".png"))
-        print(f"PNG: {png}" if png else "PNG: skipped (matplotlib missing or nothing measured)")
+        log(f"PNG: {png}" if png else "PNG: skipped (matplotlib missing or nothing measured)")
+    return doc, text
+
     return 0 if doc["identical"]["all"] else 1
 
 

@@ -90,6 +90,10 @@ def run_chat(setup: Setup, conv: Conversation, turns: int, answer_tokens: int) -
             "text": t.text,
             "headers": t.headers,
         }
+        mode = t.headers.get("X-KVBroker-Mode")
+        if mode and mode != "pd":
+            # Our proxy fell back to one engine (e.g. P was unreachable): not a P/D turn.
+            row["fallback"] = f"{mode}: {t.headers.get('X-KVBroker-Fallback', '')}"
         if setup.stats_paths:
             time.sleep(STATS_SETTLE_S)
             after = setup.pulled_blocks()
@@ -160,7 +164,9 @@ def run_setup(
     log(f"setup {name}: starting; load {load_start}")
     setup: Setup | None = None
     try:
-        setup = start_setup(name, model, args.workdir, args.start_timeout_s)
+        setup = start_setup(
+            name, model, args.workdir, args.start_timeout_s, kv_cache_bytes=args.kv_cache_mib << 20
+        )
         run_chat(setup, warmup_conversation(args.turns), min(args.turns, 2), min(args.answer_tokens, 16))
         rows: list[dict[str, Any]] = []
         wall = time.perf_counter()
@@ -214,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "--answer-tokens", type=int, default=None, help="tokens per answer (default 96; quick 32)"
     )
     ap.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="which, in this order")
+    ap.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache per engine (default 1024)")
     ap.add_argument("--no-profile", action="store_true", help="skip the broker setup's direct P/D chat")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--workdir", type=Path, default=None, help="engine logs (default: a new temp dir)")
@@ -250,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "nixl": "NixlConnector, kv_buffer_device cpu, bidirectional_kv_xfer true, NIXL progress thread off "
         "(bench.nixl_quiet), proxy bench.nixl_proxy: P non-streamed, D non-streamed relayed as one SSE chunk",
         "broker": "BrokerConnector (D multi_turn), kvbroker.clients.proxy with --broker",
+        "kv_cache_mib_per_engine": args.kv_cache_mib,
     }
     # In the order given (the machine's load drifts; a run can put the setup it cares about first).
     # The results are written after every setup, so an interrupted run keeps the setups it finished.

@@ -43,8 +43,13 @@ def per_turn(setups: dict[str, Any]) -> dict[str, dict[str, Any]]:
         rows = s["rows"]
         for turn in sorted({r["turn"] for r in rows}):
             every = [r for r in rows if r["turn"] == turn]
-            ok = [r for r in every if "error" not in r]
-            entry: dict[str, Any] = {"ok": len(ok), "failed": len(every) - len(ok)}
+            ok = [r for r in every if "error" not in r and "fallback" not in r]
+            fallback = sum(1 for r in every if "fallback" in r)
+            entry: dict[str, Any] = {
+                "ok": len(ok),
+                "failed": len(every) - len(ok) - fallback,
+                "fallback": fallback,
+            }
             if ok:
                 entry.update(
                     prompt_tokens=[r["prompt_tokens"] for r in ok],
@@ -188,7 +193,9 @@ def report(doc: dict[str, Any], setups: dict[str, Any], load_end: str) -> str:
     for name in LABELS:
         for turn_key, e in results.get(name, {}).items():
             if not e["ok"]:
-                rows.append([name, turn_key[4:], "-", "all failed", "-", "-", "-", str(e["failed"])])
+                rows.append(
+                    [name, turn_key[4:], "-", "none", "-", "-", "-", f"{e['failed']}/{e['fallback']}"]
+                )
                 continue
             pulled = e.get("pulled_tokens")
             rows.append(
@@ -200,7 +207,7 @@ def report(doc: dict[str, Any], setups: dict[str, Any], load_end: str) -> str:
                     f"{e['turn_latency']['p50_ms']:.0f} / {e['turn_latency']['p90_ms']:.0f}",
                     _span(e["cached_tokens"]),
                     " ".join(f"{k} {_span(v)}" for k, v in pulled.items()) if pulled else "-",
-                    str(e["failed"]),
+                    f"{e['failed']}/{e['fallback']}",
                 ]
             )
     table = format_table(
@@ -212,7 +219,7 @@ def report(doc: dict[str, Any], setups: dict[str, Any], load_end: str) -> str:
             "turn ms p50/p90",
             "cached (answering engine)",
             "pulled tokens",
-            "failed",
+            "failed/fallback",
         ],
         rows,
     )

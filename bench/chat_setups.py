@@ -96,7 +96,13 @@ def _env_with_repo() -> dict[str, str]:
 
 
 def _engine(
-    model: Path, work: Path, name: str, *, cls: type[EngineProcess] = EngineProcess, **kw: Any
+    model: Path,
+    work: Path,
+    name: str,
+    *,
+    kv_cache_bytes: int,
+    cls: type[EngineProcess] = EngineProcess,
+    **kw: Any,
 ) -> EngineProcess:
     extra = list(ENGINE_ARGS) + list(kw.pop("extra_args", ()))
     return cls(
@@ -104,7 +110,7 @@ def _engine(
         name=name,
         block_size=BLOCK_SIZE,
         max_model_len=MAX_MODEL_LEN,
-        kv_cache_bytes=KV_CACHE_BYTES,
+        kv_cache_bytes=kv_cache_bytes,
         served_model_name=SERVED_MODEL,
         extra_args=extra,
         log_path=work / f"{name}.log",
@@ -143,13 +149,15 @@ class Setup:
             self.broker.stop()
 
 
-def start_setup(name: str, model: Path, work: Path, start_timeout_s: float) -> Setup:
+def start_setup(
+    name: str, model: Path, work: Path, start_timeout_s: float, kv_cache_bytes: int = KV_CACHE_BYTES
+) -> Setup:
     """Start a setup's processes and wait until its client endpoint answers."""
     setup = Setup(name)
     try:
         if name in ("single", "nocache"):
             extra = ["--no-enable-prefix-caching"] if name == "nocache" else []
-            engine = _engine(model, work, name, extra_args=extra).start()
+            engine = _engine(model, work, name, kv_cache_bytes=kv_cache_bytes, extra_args=extra).start()
             setup.engines = [engine]
             engine.wait_ready(timeout=start_timeout_s, progress=log)
             setup.url = engine.url
@@ -169,7 +177,15 @@ def start_setup(name: str, model: Path, work: Path, start_timeout_s: float) -> S
                     "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
                 }
                 engines.append(
-                    _engine(model, work, role, cls=LoggingStatsEngine, kv_transfer_config=config, env=env)
+                    _engine(
+                        model,
+                        work,
+                        role,
+                        kv_cache_bytes=kv_cache_bytes,
+                        cls=LoggingStatsEngine,
+                        kv_transfer_config=config,
+                        env=env,
+                    )
                 )
             setup.engines = [e.start() for e in engines]
             for e in setup.engines:
@@ -215,7 +231,11 @@ def start_setup(name: str, model: Path, work: Path, start_timeout_s: float) -> S
                     **role_extra,
                 )
                 config["kv_load_failure_policy"] = "recompute"
-                setup.engines.append(_engine(model, work, eng_name, kv_transfer_config=config).start())
+                setup.engines.append(
+                    _engine(
+                        model, work, eng_name, kv_cache_bytes=kv_cache_bytes, kv_transfer_config=config
+                    ).start()
+                )
                 setup.stats_paths[eng_name] = stats
             for e in setup.engines:
                 e.wait_ready(timeout=start_timeout_s, progress=log)

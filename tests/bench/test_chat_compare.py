@@ -229,3 +229,12 @@ def test_targets_missed_when_slower() -> None:
     by = {t["target"]: t for t in targets(per_turn(setups), "full")}
     assert by["turn-2 TTFT: recompute / kvbroker P/D >= 10x"]["verdict"] == "MISSED"
     assert by["turn-2 TTFT: kvbroker P/D / prefix-cache hit <= 1.5x"]["verdict"] == "MISSED"
+
+
+def test_a_turn_our_proxy_served_on_one_engine_is_not_counted_as_pd() -> None:
+    setups = _setups([3, 4])
+    setups["broker"]["rows"][1]["fallback"] = "single: no prefill engine answered"
+    turn2 = per_turn(setups)["broker"]["turn2"]
+    assert turn2["ok"] == 0 and turn2["fallback"] == 1 and turn2["failed"] == 0 and "ttft" not in turn2
+    by = {t["target"]: t for t in targets(per_turn(setups), "full")}
+    assert by["turn-2 TTFT: recompute / kvbroker P/D >= 10x"]["verdict"] == "not measured"

@@ -82,6 +82,12 @@ def summary(results: Path) -> str:
     for name, title in (
         ("reclaim", "Lease reclamation after kill -9 of the reader"),
         ("idle_hold", "Engine CPU while it only holds blocks for a reader (cores; 1.00 = one core)"),
+        ("multiturn_ttft", "Multi-turn, turn-2 TTFT, pull vs recompute, tiny random-weight model"),
+        (
+            "pd_compare",
+            "P/D three ways on the tiny random-weight model: one engine, NixlConnector, kvbroker "
+            "(TTFT ms p50/p90 per turn)",
+        ),
     ):
         d = _load(results, name)
         if d is not None:

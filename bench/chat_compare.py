@@ -177,7 +177,8 @@ def run_setup(
             "available": True,
             "rows": rows,
             "wall_s": round(wall, 2),
-            "load": load_note(),
+            "load_at_start": load_start,
+            "load_after_chats": load_note(),
         }
         if name == "nixl":
             with urllib.request.urlopen(setup.url + "/stats", timeout=5) as resp:

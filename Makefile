@@ -67,7 +67,7 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 	$(BIN)/python -m bench.reclaim
 	$(BIN)/python -m bench.idle_hold
 	$(BIN)/python -m bench.multiturn_ttft
-	$(BIN)/python -m bench.pd_compare
+	$(BIN)/python -m bench.chat_compare
 	$(BIN)/python -m bench.chat_load
 	$(BIN)/python -m bench.summary --write-readme
 

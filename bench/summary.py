@@ -70,6 +70,23 @@ def _data_path(d: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _chat_compare(d: dict[str, Any], results: Path) -> str:
+    """The real-model chat comparison: its table (with the targets) and its plot."""
+    s = d.get("settings", {})
+    head = (
+        f"**Multi-turn chats on a real model, four ways** (`bench/chat_compare.py`, {s.get('mode', '?')} mode, "
+        f"{d.get('date_utc', '?')}; {s.get('conversations', '?')} chats x {s.get('turns', '?')} turns, "
+        f"first prompt {min(s.get('first_prompt_tokens') or [0])} tokens, answers {s.get('answer_tokens', '?')} "
+        f"tokens; load at the end {d.get('load_at_end', '?')}; {d.get('note', '')}):"
+    )
+    if d.get("complete") is False:
+        head += " **partial run: the setups not shown did not finish.**"
+    parts = [head, "```\n" + str(d["table"]).strip() + "\n```"]
+    if (results / "chat_compare.png").exists():
+        parts.append("![TTFT per turn, four setups](bench/results/chat_compare.png)")
+    return "\n\n".join(parts)
+
+
 def summary(results: Path) -> str:
     out: list[str] = []
     cp = _load(results, "control_plane") or _load(results, "broker_bench")
@@ -82,13 +99,20 @@ def summary(results: Path) -> str:
     for name, title in (
         ("reclaim", "Lease reclamation after kill -9 of the reader"),
         ("idle_hold", "Engine CPU while it only holds blocks for a reader (cores; 1.00 = one core)"),
-        ("multiturn_ttft", "Multi-turn, turn-2 TTFT, pull vs recompute"),
-        ("pd_compare", "P/D three ways: one engine, NixlConnector, kvbroker (TTFT ms p50/p90 per turn)"),
+        ("multiturn_ttft", "Multi-turn, turn-2 TTFT, pull vs recompute, tiny random-weight model"),
+        (
+            "pd_compare",
+            "P/D three ways on the tiny random-weight model: one engine, NixlConnector, kvbroker "
+            "(TTFT ms p50/p90 per turn)",
+        ),
     ):
         d = _load(results, name)
         if d is not None:
             out.append(f"**{title}** (`bench/{name}.py`, {d.get('date_utc', '?')}; {d.get('note', '')}):")
             out.append("```\n" + str(d["table"]).strip() + "\n```")
+    chat = _load(results, "chat_compare")
+    if chat is not None:
+        out.append(_chat_compare(chat, results))
     dp = _load(results, "data_path")
     if dp is not None:
         out.append(

@@ -53,6 +53,7 @@ class Load:
     span: Span | None = None
     # Restore from this engine's own CPU tier (no lease): the pin that keeps the slots.
     local_pin: str = ""
+    committed: bool = False  # the read was committed (released, or restored)
 
 
 class Loads:
@@ -95,6 +96,7 @@ class Loads:
             budget=Budget(ctx.config.acquire_wait_ms / 1000.0, now),
         )
         self.active[req_id] = load
+        ctx.pulls_in_flight[plan.holder_engine_id] += 1
         load.span = start_span(
             "kvbroker.pull",
             lookup.params.trace_context,
@@ -153,8 +155,22 @@ class Loads:
                 self._finish_reads(load)
 
     def received(self, req_id: str) -> None:
-        """vLLM reports the request's load finished (finished_recving)."""
-        self.active.pop(req_id, None)
+        """vLLM reports the request's load finished (finished_recving).
+
+        A committed load's time from allocation to here, what the request waited,
+        is a pull observation of the cost model."""
+        load = self.active.pop(req_id, None)
+        if load is not None and load.committed and not load.aborted:
+            ctx = self._ctx
+            now = ctx.clock()
+            ctx.costs.observe_pull(
+                now,
+                load.plan.holder_engine_id,
+                load.plan.tier,
+                load.plan.num_blocks,
+                load.bytes_read,
+                now - load.started,
+            )
 
     def abort(self, req_id: str) -> bool:
         """The request finished while loading; True if it was. The protocol completes normally:
@@ -310,6 +326,11 @@ class Loads:
     def _commit(self, load: Load, *, ok: bool, reason: str) -> None:
         stats = self._ctx.stats
         load.state = "done"
+        load.committed = ok
+        ctx = self._ctx
+        ctx.pulls_in_flight[load.plan.holder_engine_id] -= 1
+        if ctx.pulls_in_flight[load.plan.holder_engine_id] <= 0:
+            del ctx.pulls_in_flight[load.plan.holder_engine_id]
         self._unpin_local(load)  # every load ends here; a restore's slots may be evicted again
         elapsed_s = self._ctx.clock() - load.started
         end_span(

@@ -17,7 +17,9 @@ the lock) and composes the parts:
 - loads.py: lease acquire, LoadSpecs for the worker, release commits the read;
 - holds.py: finished requests' blocks held for readers, vLLM's block pool;
 - cpu_stores.py: copies to the CPU offload tier and pins of it for readers;
-- stats.py: the counters, and the thread that writes ``stats_path``.
+- stats.py: the counters, and the thread that writes ``stats_path``;
+- cost_model.py: what a prefill and a pull cost here, from this engine's own
+  steps (``build_connector_meta``) and loads; pull_policy.py decides from it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from kvbroker.engine_adapter.broker_link import BrokerLink
 from kvbroker.engine_adapter.config import AdapterConfig
+from kvbroker.engine_adapter.cost_model import CostModel
 from kvbroker.engine_adapter.cpu_directory import CpuDirectory
 from kvbroker.engine_adapter.cpu_stores import CpuStores
 from kvbroker.engine_adapter.holds import HoldPin, Holds
@@ -65,6 +68,8 @@ class AdapterScheduler:
         tp_size: int = 1,
         pp_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        block_bytes: int = 0,
+        chunk_tokens: int = 0,
     ) -> None:
         self.config = config
         self.link = link
@@ -85,7 +90,9 @@ class AdapterScheduler:
             clock=clock,
             stats=self.stats,
             cpu=self.cpu,
+            costs=CostModel(block_bytes=block_bytes, chunk_tokens=chunk_tokens),
         )
+        self.costs = self._ctx.costs
         self.lookups = Lookups(self._ctx)
         self.loads = Loads(self._ctx)
         self.holds = Holds(self._ctx, on_reply=self.on_link_event)
@@ -149,8 +156,13 @@ class AdapterScheduler:
             self.loads.start(lookup, plan, block_ids, num_external_tokens)
 
     @_locked
-    def build_connector_meta(self) -> AdapterMetadata:
+    def build_connector_meta(
+        self, scheduled: Sequence[tuple[str, int, int]] | None = None
+    ) -> AdapterMetadata:
+        """``scheduled``: the step's (request id, new tokens, context tokens), which times the last step."""
         now = self._clock()
+        if scheduled is not None:
+            self.costs.steps.on_step(now, scheduled)
         self.return_held_blocks()
         self._check_connection()
         self.holds.advance(now)  # answered holds first, then their ends (Holds.take_lease_ends)
@@ -185,6 +197,7 @@ class AdapterScheduler:
     @_locked
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self.costs.steps.on_finished(req_id)
         self.loads.failed.discard(req_id)
         self.lookups.request_finished(req_id)
         if self.loads.abort(req_id):
@@ -237,6 +250,7 @@ class AdapterScheduler:
     @_locked
     def stats_snapshot(self) -> dict[str, Any]:
         snapshot = self.stats.as_dict(*self.holds.live())
+        snapshot["cost_model"] = self.costs.snapshot(self._clock())
         if self.cpu is not None:
             snapshot["cpu_tier_used_slots"] = self.cpu.used_slots()
             snapshot["cpu_tier_pinned_slots"] = self.cpu.pinned_slots()

@@ -43,6 +43,8 @@ class SchedulerStats:
 
     counters: Counter[str] = field(default_factory=Counter)
     skips: Counter[str] = field(default_factory=Counter)
+    # Latest values (not counts), e.g. the last pull-or-recompute decision's predictions.
+    figures: dict[str, float | str] = field(default_factory=dict)
     dirty: bool = True
 
     def count(self, name: str, n: int = 1) -> None:
@@ -53,10 +55,15 @@ class SchedulerStats:
         self.skips[reason] += 1
         self.dirty = True
 
+    def figure(self, name: str, value: float | str) -> None:
+        self.figures[name] = value
+        self.dirty = True
+
     def as_dict(self, held_requests: int, held_blocks: int) -> dict[str, Any]:
         return {
             **dict(self.counters),
             "skips": dict(self.skips),
+            "figures": dict(self.figures),
             "held_requests": held_requests,
             "held_blocks": held_blocks,
         }

@@ -43,6 +43,10 @@ def start_engine(
     `env` replaces the engine's environment (default: `engine_environment()`);
     `load_failure_policy` sets vLLM's kv_load_failure_policy (default: vLLM's)."""
     stats_path = log_dir / f"{name}-stats.json"
+    # The fixed rule unless asked otherwise: tests and benchmarks that pull short
+    # histories on the tiny model need the pull to happen (the adaptive policy
+    # would rightly recompute them there).
+    extra.setdefault("pull_policy", "threshold")
     config = connector_config(
         broker_address=broker_address,
         engine_id=name,

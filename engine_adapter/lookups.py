@@ -118,8 +118,9 @@ class Lookups:
         local_cpu = self._local_cpu_blocks(lookup)
         if lookup.response is not None or local_cpu:
             ctx = self._ctx
+            params = lookup.params
             choice = choose(
-                policy=ctx.config.pull_policy,
+                policy=params.pull_policy or ctx.config.pull_policy,
                 model=ctx.costs,
                 now=now,
                 matches=list(lookup.response.matches) if lookup.response is not None else [],
@@ -127,8 +128,12 @@ class Lookups:
                 num_prompt_tokens=request.num_tokens,
                 num_local_tokens=num_computed_tokens,
                 block_size=ctx.block_size,
-                threshold_tokens=ctx.config.kv_recompute_threshold,
-                preferred_holder=lookup.params.holder_engine_id,
+                threshold_tokens=(
+                    ctx.config.kv_recompute_threshold
+                    if params.recompute_threshold is None
+                    else params.recompute_threshold
+                ),
+                preferred_holder=params.holder_engine_id,
                 local_cpu_blocks=local_cpu,
                 pulls_in_flight=ctx.pulls_in_flight,
             )

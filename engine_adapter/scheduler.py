@@ -162,7 +162,10 @@ class AdapterScheduler:
         """``scheduled``: the step's (request id, new tokens, context tokens), which times the last step."""
         now = self._clock()
         if scheduled is not None:
+            prefills = self.costs.prefill.prefill_steps
             self.costs.steps.on_step(now, scheduled)
+            if self.costs.prefill.prefill_steps != prefills:
+                self.stats.dirty = True  # the cost model's figures changed (decode steps do not count)
         self.return_held_blocks()
         self._check_connection()
         self.holds.advance(now)  # answered holds first, then their ends (Holds.take_lease_ends)

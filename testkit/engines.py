@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvbroker.tools.launch import EngineProcess, connector_config
+from kvbroker.tools.launch import DEFAULT_KV_CACHE_BYTES, EngineProcess, connector_config
 from testkit.processes import BrokerProcess
 
 BLOCK_SIZE = 32
@@ -36,6 +36,7 @@ def start_engine(
     max_model_len: int = 2048,
     session_ttl_ms: int = SESSION_TTL_MS,
     load_failure_policy: str = "",
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     **extra: Any,
 ) -> tuple[EngineProcess, Path]:
     """Start (not wait for) an engine with our connector; returns it and its stats file.
@@ -67,6 +68,7 @@ def start_engine(
         max_model_len=max_model_len,
         log_path=log_dir / f"{name}.log",
         env=env,
+        kv_cache_bytes=kv_cache_bytes,
     )
     engine.start()
     return engine, stats_path

@@ -11,7 +11,7 @@ from kvbroker.engine_adapter.metadata import ReadOutcomes
 from kvbroker.engine_adapter.pull_policy import SKIP_COST, Choice, choose
 from kvbroker.v1 import broker_pb2 as pb
 from tests.adapter.fakes import FakeRequest, holder_info
-from tests.adapter.scheduler_util import make, pull_to_reading
+from tests.adapter.scheduler_util import make, match, pull_to_reading, resolved
 
 BS = 32
 MB = 1_000_000
@@ -218,3 +218,18 @@ def test_scheduler_learns_from_its_steps_and_pulls_and_reports_why() -> None:
     holders = sched.stats_snapshot()["cost_model"]["holders"]
     assert holders["holder/TIER_GPU"]["observations"] == 1
     assert sched.costs.block_bytes == MB
+
+
+def test_a_request_may_name_its_rule() -> None:
+    from kvbroker.engine_adapter.decisions import BadTransferParams, parse_transfer_params
+
+    sched, link, _ = make()  # adaptive, threshold 64
+    fixed = FakeRequest("r1", num_tokens=60, kv_transfer_params={"kvbroker": {"kv_recompute_threshold": 0}})
+    sched.get_num_new_matched_tokens(fixed, 0)
+    resolved(link, match(1))
+    assert sched.get_num_new_matched_tokens(fixed, 0) == (32, True), "threshold 0 for this request: pull"
+    assert parse_transfer_params({"kvbroker": {"pull_policy": "adaptive"}}).pull_policy == "adaptive"
+    assert parse_transfer_params({"kvbroker": {"kv_recompute_threshold": 5}}).pull_policy == "threshold"
+    for bad in ({"pull_policy": "never"}, {"kv_recompute_threshold": -1}, {"kv_recompute_threshold": "5"}):
+        with pytest.raises(BadTransferParams, match="kvbroker"):
+            parse_transfer_params({"kvbroker": bad})

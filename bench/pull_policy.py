@@ -28,6 +28,7 @@ and .png; the machine's load (uptime) is recorded before and after.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -152,8 +153,6 @@ def run_model(name: str, model: Path, work: Path, args: argparse.Namespace) -> d
 
 
 def _json_stats(path: Path) -> dict[str, Any]:
-    import json
-
     try:
         return dict(json.loads(path.read_text()))
     except (OSError, ValueError):
@@ -172,6 +171,14 @@ def evaluate(rows: list[dict[str, Any]], histories: list[int]) -> dict[str, Any]
         adaptive_pulled = sorted(
             {r["pulled_tokens"] for r in rows if r["history"] == history and r["policy"] == "adaptive"}
         )
+        faster = (
+            "pull" if per["always_pull"]["median_ms"] <= per["always_recompute"]["median_ms"] else "recompute"
+        )
+        choice = (
+            "mixed"
+            if len(adaptive_pulled) > 1
+            else ("pull" if adaptive_pulled and adaptive_pulled[0] else "recompute")
+        )
         out[str(history)] = {
             "ttft": per,
             "better_fixed_ms": best,
@@ -180,6 +187,10 @@ def evaluate(rows: list[dict[str, Any]], histories: list[int]) -> dict[str, Any]
             "threshold_64_vs_better": round(per["threshold_64"]["median_ms"] / best, 3),
             "adaptive_within_target": per["adaptive"]["median_ms"] <= TARGET * best,
             "threshold_64_within_target": per["threshold_64"]["median_ms"] <= TARGET * best,
+            # Less noisy than TTFT ratios on a loaded machine: did adaptive take the quicker fixed choice?
+            "faster_fixed": faster,
+            "adaptive_choice": choice,
+            "adaptive_chose_faster": choice == faster,
         }
     return out
 
@@ -209,29 +220,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
-    ap.add_argument("--histories", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048, 4096])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--name", default="pull_policy", help="results file name (bench/results/NAME.json)")
-    add_run_arguments(ap)
-    args = ap.parse_args(argv)
-    import tempfile
-
-    from kvbroker.tools.real_model import ensure_real_model
-    from kvbroker.tools.tiny_model import build_tiny_model
-
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvbroker-pull-policy-"))
-    work.mkdir(parents=True, exist_ok=True)
-    uptime_before = uptime()
-    log(f"work dir {work}; {uptime_before}")
-    results: dict[str, Any] = {}
-    for name in args.models:
-        model = build_tiny_model(work / "tiny-model") if name == "tiny" else ensure_real_model(log=log)
-        run = run_model(name, model, work, args)
-        results[name] = {"per_history": evaluate(run["rows"], args.histories), **run}
-    uptime_after = uptime()
+def report(
+    results: dict[str, Any],
+    args: argparse.Namespace,
+    uptime_before: str,
+    uptime_after: str,
+    date_utc: str | None = None,
+) -> None:
+    """Print the tables, write the JSON, the text and the plot."""
     lines = []
     for name, res in results.items():
         table = [
@@ -239,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 h,
                 *(f"{e['ttft'][p]['median_ms']:.1f}" for p in POLICIES),
                 "/".join(map(str, e["adaptive_pulled_tokens"])),
+                f"{e['adaptive_choice']} / {e['faster_fixed']}",
                 f"{e['adaptive_vs_better']:.2f}{'' if e['adaptive_within_target'] else ' MISS'}",
                 f"{e['threshold_64_vs_better']:.2f}{'' if e['threshold_64_within_target'] else ' MISS'}",
             ]
@@ -247,14 +244,24 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{name}: turn-2 TTFT, median ms of {args.reps}")
         lines.append(
             format_table(
-                ["history", *POLICIES, "adaptive pulled", "adaptive/better", "threshold_64/better"], table
+                [
+                    "history",
+                    *POLICIES,
+                    "adaptive pulled",
+                    "adaptive chose / faster fixed",
+                    "adaptive/better",
+                    "threshold_64/better",
+                ],
+                table,
             )
         )
         hits = sum(e["adaptive_within_target"] for e in res["per_history"].values())
         fixed = sum(e["threshold_64_within_target"] for e in res["per_history"].values())
+        chose = sum(e["adaptive_chose_faster"] for e in res["per_history"].values())
         lines.append(
-            f"{name}: adaptive within 10% of the better fixed choice at {hits}/{len(table)} lengths; "
-            f"threshold_64 at {fixed}/{len(table)}\n"
+            f"{name}: adaptive within 10% of the better fixed choice at {hits}/{len(table)} lengths "
+            f"(threshold_64 at {fixed}/{len(table)}); adaptive took the faster fixed choice at "
+            f"{chose}/{len(table)}\n"
         )
     lines.append(f"uptime before: {uptime_before}\nuptime after:  {uptime_after}")
     text = "\n".join(lines)
@@ -269,8 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             "answer_tokens": ANSWER_TOKENS,
             "new_tokens": NEW_TOKENS,
             "target": "adaptive median TTFT <= 1.10 x min(always_pull, always_recompute) at every length",
+            "measured_utc": date_utc or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "uptime_before": uptime_before,
             "uptime_after": uptime_after,
+            "table": text,
             "results": results,
         },
         out_dir,
@@ -281,6 +290,45 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         log(f"no plot: {e}")
     log(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    ap.add_argument("--histories", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--name", default="pull_policy", help="results file name (bench/results/NAME.json)")
+    add_run_arguments(ap)
+    ap.add_argument(
+        "--from-json", type=Path, default=None, help="rebuild the tables and plot from a saved run's rows"
+    )
+    args = ap.parse_args(argv)
+    import tempfile
+
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        args.histories, args.reps = saved["histories"], saved["reps"]
+        rebuilt = {
+            name: {**res, "per_history": evaluate(res["rows"], args.histories)}
+            for name, res in saved["results"].items()
+        }
+        measured = saved.get("measured_utc") or saved.get("date_utc")
+        report(rebuilt, args, saved["uptime_before"], saved["uptime_after"], date_utc=measured)
+        return 0
+
+    from kvbroker.tools.real_model import ensure_real_model
+    from kvbroker.tools.tiny_model import build_tiny_model
+
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvbroker-pull-policy-"))
+    work.mkdir(parents=True, exist_ok=True)
+    uptime_before = uptime()
+    log(f"work dir {work}; {uptime_before}")
+    results: dict[str, Any] = {}
+    for name in args.models:
+        model = build_tiny_model(work / "tiny-model") if name == "tiny" else ensure_real_model(log=log)
+        run = run_model(name, model, work, args)
+        results[name] = {"per_history": evaluate(run["rows"], args.histories), **run}
+    report(results, args, uptime_before, uptime())
     return 0
 
 

@@ -67,6 +67,7 @@ def summary(results: Path) -> str:
         ("idle_hold", "Engine CPU while it only holds blocks for a reader (cores; 1.00 = one core)"),
         ("multiturn_ttft", "Multi-turn, turn-2 TTFT, pull vs recompute"),
         ("pd_compare", "P/D three ways: one engine, NixlConnector, kvbroker (TTFT ms p50/p90 per turn)"),
+        ("pull_policy", "Pull or recompute: turn-2 TTFT per policy, adaptive against the fixed rules"),
     ):
         d = _load(results, name)
         if d is not None:

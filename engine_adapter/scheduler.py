@@ -162,10 +162,11 @@ class AdapterScheduler:
         """``scheduled``: the step's (request id, new tokens, context tokens), which times the last step."""
         now = self._clock()
         if scheduled is not None:
-            prefills = self.costs.prefill.prefill_steps
+            before = (self.costs.prefill.prefill_steps, self.costs.ready)
             self.costs.steps.on_step(now, scheduled)
-            if self.costs.prefill.prefill_steps != prefills:
-                self.stats.dirty = True  # the cost model's figures changed (decode steps do not count)
+            if (self.costs.prefill.prefill_steps, self.costs.ready) != before:
+                # A prefill observed, or the model became ready: worth a stats write (a decode step is not).
+                self.stats.dirty = True
         self.return_held_blocks()
         self._check_connection()
         self.holds.advance(now)  # answered holds first, then their ends (Holds.take_lease_ends)

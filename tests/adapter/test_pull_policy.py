@@ -196,7 +196,10 @@ def test_config_pull_policy() -> None:
 def test_scheduler_learns_from_its_steps_and_pulls_and_reports_why() -> None:
     sched, link, clock = make(threshold=10_000)  # adaptive: the threshold only rules until observed
     for tokens, context in [(300, 0), (1, 300), (900, 0), (1, 900), (2000, 0), (1, 2000)]:
+        was_ready, sched.stats.dirty = sched.costs.ready, False
         sched.build_connector_meta([("warm", tokens, context)])
+        if sched.costs.ready and not was_ready:
+            assert sched.stats.dirty, "the stats file hears that the model is ready"
         clock.advance(step_seconds(tokens, context, **BIG))
     sched.build_connector_meta([])
     assert sched.costs.ready

@@ -163,6 +163,8 @@ def evaluate(rows: list[dict[str, Any]], histories: list[int]) -> dict[str, Any]
     """Per history: each policy's TTFT summary, what adaptive pulled, and the 10% check."""
     out: dict[str, Any] = {}
     for history in histories:
+        if any(not any(r["history"] == history and r["policy"] == p for r in rows) for p in POLICIES):
+            continue  # a run stopped early: this length lacks a policy
         per = {
             p: summary([r["ttft_s"] for r in rows if r["history"] == history and r["policy"] == p])
             for p in POLICIES

@@ -51,6 +51,9 @@ _TOKENS = 1e3
 _PAIRS = 1e6
 _MB = 1e6
 _RIDGE = 1e-6
+# No pull is taken to move more than 100 GB/s: a fit whose slope is lost in the
+# noise of the fixed part (small blocks) would otherwise claim any bandwidth.
+_MIN_S_PER_MB = 1e-5
 
 
 def _decay(half_life_s: float, dt: float) -> float:
@@ -198,7 +201,7 @@ class _PullFit:
         sol = _solve(m, v)
         if sol is None:
             return prior
-        return max(0.0, sol[0]), max(1e-9, sol[1])
+        return max(0.0, sol[0]), max(_MIN_S_PER_MB, sol[1])
 
 
 @dataclass(frozen=True)

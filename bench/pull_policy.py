@@ -228,6 +228,7 @@ def report(
     uptime_before: str,
     uptime_after: str,
     date_utc: str | None = None,
+    stopped_early: str = "",
 ) -> None:
     """Print the tables, write the JSON, the text and the plot."""
     lines = []
@@ -243,7 +244,8 @@ def report(
             ]
             for h, e in res["per_history"].items()
         ]
-        lines.append(f"{name}: turn-2 TTFT, median ms of {args.reps}")
+        reps = len({r["rep"] for r in res["rows"]})
+        lines.append(f"{name}: turn-2 TTFT, median ms of {reps} (lengths every policy completed)")
         lines.append(
             format_table(
                 [
@@ -281,6 +283,7 @@ def report(
             "measured_utc": date_utc or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "uptime_before": uptime_before,
             "uptime_after": uptime_after,
+            "stopped_early": stopped_early,
             "table": text,
             "results": results,
         },
@@ -315,7 +318,14 @@ def main(argv: list[str] | None = None) -> int:
             for name, res in saved["results"].items()
         }
         measured = saved.get("measured_utc") or saved.get("date_utc")
-        report(rebuilt, args, saved["uptime_before"], saved["uptime_after"], date_utc=measured)
+        report(
+            rebuilt,
+            args,
+            saved["uptime_before"],
+            saved["uptime_after"],
+            date_utc=measured,
+            stopped_early=saved.get("stopped_early", ""),
+        )
         return 0
 
     from kvbroker.tools.real_model import ensure_real_model

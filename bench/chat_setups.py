@@ -27,9 +27,9 @@ from typing import Any
 
 from bench.chat_workload import ROOT, SERVED_MODEL
 from bench.common import log
-from kvbroker.testing.engines import ACQUIRE_WAIT_MS, BLOCK_SIZE, RESOLVE_WAIT_MS, read_stats
-from kvbroker.testing.processes import BrokerProcess
 from kvbroker.tools.launch import EngineProcess, connector_config, engine_environment, free_port
+from testkit.engines import ACQUIRE_WAIT_MS, BLOCK_SIZE, RESOLVE_WAIT_MS, read_stats
+from testkit.processes import BrokerProcess
 
 SETUPS = ("single", "nocache", "nixl", "broker")
 KV_CACHE_BYTES = 1 << 30

@@ -105,6 +105,7 @@ def summary(results: Path) -> str:
             "P/D three ways on the tiny random-weight model: one engine, NixlConnector, kvbroker "
             "(TTFT ms p50/p90 per turn)",
         ),
+        ("pull_policy", "Pull or recompute: turn-2 TTFT per policy, adaptive against the fixed rules"),
     ):
         d = _load(results, name)
         if d is not None:

@@ -31,9 +31,17 @@ class AdapterConfig:
     engine_id: str = setting("", "Unique name of this engine in the broker; generated when empty.")
     role: str = setting("both", "Free-form role label (prefill, decode, both) shown by `kvbroker engines`.")
     url: str = setting("", "Base URL of this engine's OpenAI server, published as a label for routers.")
+    pull_policy: str = setting(
+        "adaptive",
+        "How to choose between pulling a remote prefix and recomputing it: adaptive (compare the predicted times, "
+        "learned from this engine's own steps and pulls) or threshold (pull when the remote part has at least "
+        "kv_recompute_threshold tokens). Setting kv_recompute_threshold without pull_policy selects threshold.",
+        choices=("adaptive", "threshold"),
+    )
     kv_recompute_threshold: int = setting(
         64,
-        "Pull only when the remote prefix beyond the local hit has at least this many tokens; shorter ones are cheaper to recompute.",
+        "The fixed rule: pull only when the remote prefix beyond the local hit has at least this many tokens. "
+        "The adaptive policy uses it until it has observed enough of this engine's steps.",
     )
     session_ttl_ms: int = setting(
         5000, "Session TTL: how long the broker keeps our leases after it last heard from us."
@@ -92,12 +100,17 @@ class AdapterConfig:
             config: AdapterConfig = settings.from_mapping(cls, extra, "kv_connector_extra_config")
         except settings.SettingError as exc:
             raise AdapterConfigError(str(exc)) from None
+        if extra and "kv_recompute_threshold" in extra and "pull_policy" not in extra:
+            # A fixed threshold asked for by name is an override: keep the fixed rule.
+            config = dataclasses.replace(config, pull_policy="threshold")
         if not config.engine_id:
             config = dataclasses.replace(config, engine_id=f"engine-{uuid.uuid4().hex[:12]}")
         config.validate()
         return config
 
     def validate(self) -> None:
+        if self.pull_policy not in ("adaptive", "threshold"):
+            raise AdapterConfigError(f"pull_policy must be adaptive or threshold (got {self.pull_policy!r})")
         for name in ("session_ttl_ms", "hold_ttl_ms", "lease_ttl_ms"):
             if getattr(self, name) <= 0:
                 raise AdapterConfigError(f"{name} must be > 0 (got {getattr(self, name)})")

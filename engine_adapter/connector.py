@@ -153,6 +153,8 @@ class BrokerConnector(KVConnectorBase_V1):
             block_size=int(vllm_config.cache_config.block_size),
             tp_size=tp,
             pp_size=pp,
+            block_bytes=_block_bytes(self._kv_cache_config, tp),
+            chunk_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
         )
 
     def _make_worker(self) -> AdapterWorker:
@@ -297,7 +299,7 @@ class BrokerConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output.num_scheduled_tokens)
+        return self._scheduler.build_connector_meta(_scheduled_work(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
@@ -310,6 +312,29 @@ class BrokerConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+
+def _scheduled_work(output: SchedulerOutput) -> list[tuple[str, int, int]]:
+    """(request id, tokens computed in this step, tokens already computed) per scheduled request."""
+    counts = output.num_scheduled_tokens
+    work = [(r.req_id, counts.get(r.req_id, 0), r.num_computed_tokens) for r in output.scheduled_new_reqs]
+    cached = output.scheduled_cached_reqs
+    work += [
+        (req_id, counts.get(req_id, 0), computed)
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=False)
+    ]
+    return work
+
+
+def _block_bytes(kv_cache_config: Any, tp_size: int) -> int:
+    """Bytes one block of the whole model moves on a pull (every layer, every TP rank); 0 if unknown."""
+    try:
+        per_rank = sum(
+            int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in kv_cache_config.kv_cache_groups
+        )
+    except (AttributeError, TypeError):
+        return 0  # learned from the first pull instead
+    return per_rank * tp_size
 
 
 def _make_mover(agent_name: str) -> Any:

@@ -119,6 +119,9 @@ class TransferParams:
     # The named holder's parallel sizes, as its answer stated them (0 = not stated).
     holder_tp_size: int = 0
     holder_pp_size: int = 0
+    # This request's pull-or-recompute rule, when the caller names one ("" / None: the engine's).
+    pull_policy: str = ""
+    recompute_threshold: int | None = None
 
 
 class BadTransferParams(ValueError):
@@ -161,6 +164,20 @@ def parse_transfer_params(params: Any) -> TransferParams:
                 f"kv_transfer_params.kvbroker.{key} must be a positive integer (0 or absent: not stated), got {value!r}"
             )
         sizes[key] = value
+    policy = broker_part.get("pull_policy", "") or ""
+    if policy not in ("", "adaptive", "threshold"):
+        raise BadTransferParams(
+            f"kv_transfer_params.kvbroker.pull_policy must be adaptive or threshold, got {policy!r}"
+        )
+    threshold = broker_part.get("kv_recompute_threshold")
+    if threshold is not None and (
+        isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
+    ):
+        raise BadTransferParams(
+            f"kv_transfer_params.kvbroker.kv_recompute_threshold must be an integer >= 0, got {threshold!r}"
+        )
+    if threshold is not None and not policy:
+        policy = "threshold"  # a threshold named alone is the fixed rule, as in the extra config
     trace = params.get("trace_context")
     if trace is not None and not (
         isinstance(trace, Mapping)
@@ -177,6 +194,8 @@ def parse_transfer_params(params: Any) -> TransferParams:
         trace_context=trace,
         holder_tp_size=sizes["tp_size"],
         holder_pp_size=sizes["pp_size"],
+        pull_policy=policy,
+        recompute_threshold=threshold,
     )
 
 

@@ -56,6 +56,7 @@ class Load:
     local_pin: str = ""
     # Decision -> first token, step by step (pull_timeline.py); the span stays open until then.
     timeline: PullTimeline = field(default_factory=PullTimeline)
+    committed: bool = False  # the read was committed (released, or restored)
 
 
 class Loads:
@@ -101,6 +102,7 @@ class Loads:
         )
         self.active[req_id] = load
         self._start_timeline(load, lookup)
+        ctx.pulls_in_flight[plan.holder_engine_id] += 1
         load.span = start_span(
             "kvbroker.pull",
             lookup.params.trace_context,
@@ -166,11 +168,25 @@ class Loads:
                 self._finish_reads(load)
 
     def received(self, req_id: str) -> None:
-        """vLLM reports the request's load finished (finished_recving)."""
-        self.active.pop(req_id, None)
-        load = self._to_first_token.get(req_id)
-        if load is not None:
-            self._mark(load, "load_finished")
+        """vLLM reports the request's load finished (finished_recving): a pull timeline mark.
+
+        A committed load's time from allocation to here, what the request waited,
+        is a pull observation of the cost model."""
+        load = self.active.pop(req_id, None)
+        if load is not None and load.committed and not load.aborted:
+            ctx = self._ctx
+            now = ctx.clock()
+            ctx.costs.observe_pull(
+                now,
+                load.plan.holder_engine_id,
+                load.plan.tier,
+                load.plan.num_blocks,
+                load.bytes_read,
+                now - load.started,
+            )
+        waiting = self._to_first_token.get(req_id)
+        if waiting is not None:
+            self._mark(waiting, "load_finished")
 
     def scheduled(self, req_ids: Any) -> None:
         """This step computes these requests: a loaded one's remainder prefill starts now."""
@@ -345,6 +361,11 @@ class Loads:
     def _commit(self, load: Load, *, ok: bool, reason: str) -> None:
         stats = self._ctx.stats
         load.state = "done"
+        load.committed = ok
+        ctx = self._ctx
+        ctx.pulls_in_flight[load.plan.holder_engine_id] -= 1
+        if ctx.pulls_in_flight[load.plan.holder_engine_id] <= 0:
+            del ctx.pulls_in_flight[load.plan.holder_engine_id]
         self._unpin_local(load)  # every load ends here; a restore's slots may be evicted again
         elapsed_s = self._ctx.clock() - load.started
         self._mark(load, "committed")

@@ -4,8 +4,9 @@ The local index mirror answers in the step a request arrives; without a synced
 mirror, or when the request's kv_transfer_params name a holder (P -> D), a
 Resolve goes over the broker session and vLLM is told "ask again" until its
 answer comes or ``resolve_wait_ms`` is used up (a ``Budget``, which loads.py
-uses for ``acquire_wait_ms`` too). The decision itself is decisions.decide_pull,
-made again against the current local hit each time vLLM asks. A hold the router
+uses for ``acquire_wait_ms`` too). The decision itself is pull_policy.choose
+(predicted costs, or the fixed threshold of decisions.decide_pull), made again
+against the current local hit each time vLLM asks. A hold the router
 named for a request that will not read it is declined here, so its holder
 frees at once instead of at its TTL.
 """
@@ -27,10 +28,10 @@ from kvbroker.engine_adapter.decisions import (
     Decision,
     PullPlan,
     TransferParams,
-    decide_pull,
     parse_transfer_params,
     wire_hashes,
 )
+from kvbroker.engine_adapter.pull_policy import Costs, choose
 from kvbroker.engine_adapter.scheduler_context import SchedulerContext, tier_name
 from kvbroker.engine_adapter.topology import check_sizes
 from kvbroker.engine_adapter.tracing import Span, end_span, start_span
@@ -77,6 +78,7 @@ class Lookup:
     last_response: pb.ResolveResponse | None = None
     num_local_tokens: int = 0
     decision: Decision | None = None
+    costs: Costs | None = None  # what the last decision was made from
     logged: bool = False
     span: Span | None = None
     answered_by: str = "broker"  # or "mirror": the local index mirror answered at once
@@ -120,17 +122,28 @@ class Lookups:
         decision = lookup.decision
         local_cpu = self._local_cpu_blocks(lookup)
         if lookup.response is not None or local_cpu:
-            decision = decide_pull(
+            ctx = self._ctx
+            params = lookup.params
+            choice = choose(
+                policy=params.pull_policy or ctx.config.pull_policy,
+                model=ctx.costs,
+                now=now,
                 matches=list(lookup.response.matches) if lookup.response is not None else [],
-                self_engine_id=self._ctx.config.engine_id,
+                self_engine_id=ctx.config.engine_id,
                 num_prompt_tokens=request.num_tokens,
                 num_local_tokens=num_computed_tokens,
-                block_size=self._ctx.block_size,
-                threshold_tokens=self._ctx.config.kv_recompute_threshold,
-                preferred_holder=lookup.params.holder_engine_id,
+                block_size=ctx.block_size,
+                threshold_tokens=(
+                    ctx.config.kv_recompute_threshold
+                    if params.recompute_threshold is None
+                    else params.recompute_threshold
+                ),
+                preferred_holder=params.holder_engine_id,
                 local_cpu_blocks=local_cpu,
+                pulls_in_flight=ctx.pulls_in_flight,
             )
-            lookup.decision = decision
+            decision = lookup.decision = choice.decision
+            lookup.costs = choice.costs
         self._log_decision(req_id, lookup, decision)
         if decision.plan is None:
             return 0, False
@@ -325,9 +338,13 @@ class Lookups:
             return
         lookup.logged = True
         plan = decision.plan
+        costs = lookup.costs
+        if costs is not None:
+            self._record_costs(costs, pulled=plan is not None)
         end_span(
             lookup.span,
             {
+                **(costs.attributes() if costs is not None else {}),
                 "kvbroker.decision": decision.reason,
                 "kvbroker.skip_reason": "" if plan else decision.reason,
                 "kvbroker.holder_engine_id": plan.holder_engine_id if plan else "",
@@ -348,6 +365,13 @@ class Lookups:
                 decision.plan.holder_engine_id,
                 tier_name(decision.plan.tier),
             )
+
+    def _record_costs(self, costs: Costs, *, pulled: bool) -> None:
+        """The decision's inputs in the stats: a count per policy and outcome, the latest figures."""
+        stats = self._ctx.stats
+        stats.count(f"decided_{'pull' if pulled else 'recompute'}_{costs.policy}")
+        for key, value in costs.attributes().items():
+            stats.figure("last_" + key.removeprefix("kvbroker."), value)
 
     def _skip(self, req_id: str, reason: str, detail: str) -> None:
         self._ctx.stats.skip(reason)

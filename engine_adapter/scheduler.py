@@ -19,7 +19,9 @@ the lock) and composes the parts:
 - cpu_stores.py: copies to the CPU offload tier and pins of it for readers;
 - gpu_inventory.py: every block vLLM's prefix cache has, announced, and pins
   of cached blocks no hold covers;
-- stats.py: the counters, and the thread that writes ``stats_path``.
+- stats.py: the counters, and the thread that writes ``stats_path``;
+- cost_model.py: what a prefill and a pull cost here, from this engine's own
+  steps (``build_connector_meta``) and loads; pull_policy.py decides from it.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, ParamSpec, TypeVar
 
 from kvbroker.engine_adapter.broker_link import BrokerLink
 from kvbroker.engine_adapter.config import AdapterConfig
+from kvbroker.engine_adapter.cost_model import CostModel
 from kvbroker.engine_adapter.cpu_directory import CpuDirectory
 from kvbroker.engine_adapter.cpu_stores import CpuStores
 from kvbroker.engine_adapter.decisions import holdable_blocks
@@ -70,6 +73,8 @@ class AdapterScheduler:
         tp_size: int = 1,
         pp_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        block_bytes: int = 0,
+        chunk_tokens: int = 0,
     ) -> None:
         self.config = config
         self.link = link
@@ -90,7 +95,9 @@ class AdapterScheduler:
             clock=clock,
             stats=self.stats,
             cpu=self.cpu,
+            costs=CostModel(block_bytes=block_bytes, chunk_tokens=chunk_tokens),
         )
+        self.costs = self._ctx.costs
         self.lookups = Lookups(self._ctx)
         self.loads = Loads(self._ctx)
         self.gpu = GpuInventory(self._ctx)
@@ -163,11 +170,20 @@ class AdapterScheduler:
             self.loads.start(lookup, plan, block_ids, num_external_tokens)
 
     @_locked
-    def build_connector_meta(self, scheduled: Collection[str] = ()) -> AdapterMetadata:
-        """The step's metadata; `scheduled`: the requests this step computes tokens for."""
+    def build_connector_meta(
+        self, scheduled: Sequence[tuple[str, int, int]] | None = None
+    ) -> AdapterMetadata:
+        """``scheduled``: the step's (request id, new tokens, context tokens). It times the last step
+        for the cost model and marks a loaded request's remainder prefill for its pull timeline."""
         self._ctx.step += 1
         now = self._clock()
-        self.loads.scheduled(scheduled)
+        if scheduled is not None:
+            before = (self.costs.prefill.prefill_steps, self.costs.ready)
+            self.costs.steps.on_step(now, scheduled)
+            if (self.costs.prefill.prefill_steps, self.costs.ready) != before:
+                # A prefill observed, or the model became ready: worth a stats write (a decode step is not).
+                self.stats.dirty = True
+            self.loads.scheduled({req_id for req_id, _, _ in scheduled})
         self.return_held_blocks()
         self.gpu.serve()
         self.gpu.read_events()
@@ -205,6 +221,7 @@ class AdapterScheduler:
     @_locked
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self.costs.steps.on_finished(req_id)
         self.loads.failed.discard(req_id)
         self.lookups.request_finished(req_id)
         self.loads.request_finished(req_id)
@@ -284,6 +301,7 @@ class AdapterScheduler:
     @_locked
     def stats_snapshot(self) -> dict[str, Any]:
         snapshot = self.stats.as_dict(*self.holds.live())
+        snapshot["cost_model"] = self.costs.snapshot(self._clock())
         if self.cpu is not None:
             snapshot["cpu_tier_used_slots"] = self.cpu.used_slots()
             snapshot["cpu_tier_pinned_slots"] = self.cpu.pinned_slots()

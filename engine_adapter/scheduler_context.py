@@ -9,12 +9,14 @@ scheduler's lock.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvbroker.engine_adapter.broker_link import BrokerLink
 from kvbroker.engine_adapter.config import AdapterConfig
+from kvbroker.engine_adapter.cost_model import CostModel
 from kvbroker.engine_adapter.cpu_directory import CpuDirectory
 from kvbroker.engine_adapter.stats import SchedulerStats
 from kvbroker.v1 import broker_pb2 as pb
@@ -31,11 +33,15 @@ class SchedulerContext:
     stats: SchedulerStats
     # The CPU offload tier's slot directory (cpu_tier_blocks > 0), else None.
     cpu: CpuDirectory | None
+    # What prefills and pulls cost here (cost_model.py): read by lookups, fed by steps and loads.
+    costs: CostModel = field(default_factory=CostModel)
     # Requests the worker is to report freed in the next step: ended delay_free
     # holds (holds.py) and finished CPU-tier copies (cpu_stores.py).
     pending_frees: list[str] = field(default_factory=list)
     # Scheduler steps so far (build_connector_meta calls): pull timelines count steps with it.
     step: int = 0
+    # Loads under way per holder engine (loads.py): they share its bandwidth (pull_policy.py).
+    pulls_in_flight: Counter[str] = field(default_factory=Counter)
 
     @property
     def expected_ranks(self) -> int:

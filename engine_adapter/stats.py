@@ -47,6 +47,8 @@ class SchedulerStats:
 
     counters: Counter[str] = field(default_factory=Counter)
     skips: Counter[str] = field(default_factory=Counter)
+    # Latest values (not counts), e.g. the last pull-or-recompute decision's predictions.
+    figures: dict[str, float | str] = field(default_factory=dict)
     dirty: bool = True
     # What vLLM's connector stats have been handed so far (take_delta).
     _reported: Counter[str] = field(default_factory=Counter)
@@ -70,10 +72,15 @@ class SchedulerStats:
         self._reported, self._reported_skips = Counter(self.counters), Counter(self.skips)
         return {"counters": dict(counters), "skips": dict(skips), "gauges": dict(gauges)}
 
+    def figure(self, name: str, value: float | str) -> None:
+        self.figures[name] = value
+        self.dirty = True
+
     def as_dict(self, held_requests: int, held_blocks: int) -> dict[str, Any]:
         return {
             **dict(self.counters),
             "skips": dict(self.skips),
+            "figures": dict(self.figures),
             "held_requests": held_requests,
             "held_blocks": held_blocks,
         }

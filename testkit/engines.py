@@ -48,6 +48,10 @@ def start_engine(
     `kv_cache_bytes` its KV cache size (default: the launcher's); `log_stats` turns on
     vLLM's stats, and with them the engine and connector series of its /metrics."""
     stats_path = log_dir / f"{name}-stats.json"
+    # The fixed rule unless asked otherwise: tests and benchmarks that pull short
+    # histories on the tiny model need the pull to happen (the adaptive policy
+    # would rightly recompute them there).
+    extra.setdefault("pull_policy", "threshold")
     config = connector_config(
         broker_address=broker_address,
         engine_id=name,

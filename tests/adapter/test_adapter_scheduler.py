@@ -297,7 +297,7 @@ def test_spans_continue_the_callers_trace_and_carry_transfer_attributes() -> Non
         assert [s.name for s in exporter.get_finished_spans()] == ["kvbroker.resolve"], (
             "open until the first token"
         )
-        sched.build_connector_meta({"r1": 12})  # the remainder's prefill is scheduled
+        sched.build_connector_meta([("r1", 12, 96)])  # the remainder's prefill is scheduled
         sched.update_connector_output(**no_output, finished_recving=None)  # ... and its step ended
     finally:
         tracing.set_tracer(None)

@@ -21,7 +21,7 @@ from bench.nixl_proxy import (
     decode_request,
     prefill_request,
 )
-from kvbroker.testing.ports import free_port
+from testkit.ports import free_port
 
 D_PARAMS = {
     "do_remote_prefill": False,

@@ -106,6 +106,7 @@ def _start(model: Path, log_dir: Path, name: str, broker_address: str) -> Engine
         resolve_wait_ms=RESOLVE_WAIT_MS,
         acquire_wait_ms=ACQUIRE_WAIT_MS,
         stats_path=str(log_dir / f"{name}-stats.json"),
+        pull_policy="threshold",  # these prompts must be pulled, even where recomputing is quicker
     )
     args = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
     if pp > 1:

@@ -1,0 +1,323 @@
+"""What a prefill and a pull cost on this engine, learned from what it observes.
+
+Two small online models, both cheap enough for vLLM's scheduler loop (every
+update and prediction is O(1); nothing blocks, nothing does I/O):
+
+- ``PrefillModel``: seconds of one engine step as
+  ``a + b * new_tokens + c * attention`` where ``attention`` is the sum over the
+  step's requests of ``new * (context + new / 2)`` (the token pairs attention
+  touches). Fitted by least squares over the engine's own steps, older steps
+  weighing less (half-life ``STEP_HALF_LIFE_S``). A step's time is the gap
+  between two ``build_connector_meta`` calls (``StepTimer``), kept only when a
+  request of that step was still running at the next call, so that idle time
+  (the engine waiting for work) is never taken for compute.
+- ``PullModel``: seconds of a pull as ``fixed + bytes / bandwidth``, per holder
+  and tier, from this engine's own completed pulls (request allocated ->
+  blocks received). The fit is pulled towards a prior (the tier-wide fit, and
+  for that the constants below) with the weight of ``PRIOR_WEIGHT``
+  observations, and observations fade (half-life ``PULL_HALF_LIFE_S``), so a
+  holder that turned slow is tried again once its slow spell is old: the
+  estimate drifts back to the tier's and a pull measures it afresh.
+
+``ready`` says whether the prefill model has seen enough to be trusted; until
+then the policy (pull_policy.py) uses the fixed ``kv_recompute_threshold``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvbroker.v1 import broker_pb2 as pb
+
+# A pull that was never observed is assumed to cost this much plus its bytes at
+# PRIOR_BANDWIDTH (one lease acquire and release on the broker and two engine
+# steps, which is what a pull of a few blocks costs on the CPU build).
+PRIOR_PULL_FIXED_S = 0.025
+PRIOR_BANDWIDTH_BPS = 2e9
+PRIOR_WEIGHT = 1.0
+# The prior enters the pull fit as pseudo-observations of an empty pull and of
+# one of this size, so that it holds the slope as firmly as real pulls do.
+PRIOR_REF_MB = 16.0
+PULL_HALF_LIFE_S = 60.0
+STEP_HALF_LIFE_S = 300.0
+# The prefill model is trusted after this many steps, one of them a prefill of
+# at least PREFILL_MIN_TOKENS tokens (decode steps alone say nothing of b and c).
+MIN_STEPS = 4
+PREFILL_MIN_TOKENS = 16
+# Feature scales keep the normal equations well conditioned.
+_TOKENS = 1e3
+_PAIRS = 1e6
+_MB = 1e6
+_RIDGE = 1e-6
+# No pull is taken to move more than 100 GB/s: a fit whose slope is lost in the
+# noise of the fixed part (small blocks) would otherwise claim any bandwidth.
+_MIN_S_PER_MB = 1e-5
+
+
+def _decay(half_life_s: float, dt: float) -> float:
+    return 0.5 ** (max(0.0, dt) / half_life_s)
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(v)
+    a = [[*row, v[i]] for i, row in enumerate(m)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                for k in range(col, n + 1):
+                    a[r][k] -= f * a[col][k]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def attention_pairs(new_tokens: int, context_tokens: int) -> float:
+    return new_tokens * (context_tokens + new_tokens / 2.0)
+
+
+@dataclass
+class PrefillModel:
+    """Step seconds ~ a + b * tokens + c * attention pairs (decayed least squares)."""
+
+    steps: int = 0
+    prefill_steps: int = 0
+    _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _xty: list[float] = field(default_factory=lambda: [0.0] * 3)
+    _last: float | None = None
+    _coef: tuple[float, float, float] | None = None
+
+    def observe(self, now: float, seconds: float, work: Iterable[tuple[int, int]]) -> None:
+        """One step that took ``seconds`` and computed ``(new_tokens, context_tokens)`` per request."""
+        tokens = 0
+        pairs = 0.0
+        for new, context in work:
+            tokens += new
+            pairs += attention_pairs(new, context)
+        if tokens <= 0 or seconds <= 0:
+            return
+        if self._last is not None:
+            f = _decay(STEP_HALF_LIFE_S, now - self._last)
+            self._xtx = [[x * f for x in row] for row in self._xtx]
+            self._xty = [x * f for x in self._xty]
+        self._last = now
+        x = (1.0, tokens / _TOKENS, pairs / _PAIRS)
+        for i in range(3):
+            self._xty[i] += x[i] * seconds
+            for j in range(3):
+                self._xtx[i][j] += x[i] * x[j]
+        self.steps += 1
+        if tokens >= PREFILL_MIN_TOKENS:
+            self.prefill_steps += 1
+        self._coef = None
+
+    @property
+    def ready(self) -> bool:
+        return self.steps >= MIN_STEPS and self.prefill_steps >= 1
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a seconds, b seconds per 1k tokens, c seconds per 1M pairs), each >= 0."""
+        if self._coef is None:
+            self._coef = self._fit()
+        return self._coef
+
+    def _fit(self) -> tuple[float, float, float]:
+        # Fit all three; a negative term (too few kinds of step to tell them
+        # apart) is dropped and the rest refitted, so predictions never shrink
+        # as a prompt grows.
+        for keep in ((0, 1, 2), (0, 1), (1,)):
+            m = [[self._xtx[i][j] + (_RIDGE if i == j else 0.0) for j in keep] for i in keep]
+            sol = _solve(m, [self._xty[i] for i in keep])
+            if sol is not None and all(s >= 0 for s in sol):
+                coef = [0.0, 0.0, 0.0]
+                for i, s in zip(keep, sol, strict=True):
+                    coef[i] = s
+                return coef[0], coef[1], coef[2]
+        return 0.0, 0.0, 0.0
+
+    def predict(self, new_tokens: int, context_tokens: int, chunk_tokens: int = 0) -> float:
+        """Seconds to compute ``new_tokens`` after ``context_tokens``, in chunks of ``chunk_tokens``."""
+        a, b, c = self.coefficients()
+        chunk = chunk_tokens if chunk_tokens > 0 else max(1, new_tokens)
+        total, done = 0.0, 0
+        while True:
+            n = min(chunk, new_tokens - done)
+            total += a + b * n / _TOKENS + c * attention_pairs(n, context_tokens + done) / _PAIRS
+            done += n
+            if done >= new_tokens:
+                return total
+
+
+@dataclass
+class _PullFit:
+    """seconds ~ fixed + per_mb * megabytes; decayed sums, fitted against a prior."""
+
+    w: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    last: float | None = None
+    observations: int = 0
+
+    def add(self, now: float, megabytes: float, seconds: float) -> None:
+        self.fade(now)
+        self.w += 1.0
+        self.sx += megabytes
+        self.sy += seconds
+        self.sxx += megabytes * megabytes
+        self.sxy += megabytes * seconds
+        self.observations += 1
+
+    def fade(self, now: float) -> None:
+        if self.last is not None:
+            f = _decay(PULL_HALF_LIFE_S, now - self.last)
+            self.w, self.sx, self.sy, self.sxx, self.sxy = (
+                self.w * f,
+                self.sx * f,
+                self.sy * f,
+                self.sxx * f,
+                self.sxy * f,
+            )
+        self.last = now
+
+    def weight(self, now: float) -> float:
+        return self.w * (_decay(PULL_HALF_LIFE_S, now - self.last) if self.last is not None else 1.0)
+
+    def fit(self, now: float, prior: tuple[float, float]) -> tuple[float, float]:
+        """(fixed s, s per MB): least squares over the faded observations and the prior's
+        pseudo-observations (weight PRIOR_WEIGHT / 2 each at 0 and PRIOR_REF_MB)."""
+        f = _decay(PULL_HALF_LIFE_S, now - self.last) if self.last is not None else 1.0
+        p0, p1 = prior
+        h, x1 = PRIOR_WEIGHT / 2.0, PRIOR_REF_MB
+        y1 = p0 + p1 * x1
+        m = [[self.w * f + 2 * h, self.sx * f + h * x1], [self.sx * f + h * x1, self.sxx * f + h * x1 * x1]]
+        v = [self.sy * f + h * (p0 + y1), self.sxy * f + h * x1 * y1]
+        sol = _solve(m, v)
+        if sol is None:
+            return prior
+        return max(0.0, sol[0]), max(_MIN_S_PER_MB, sol[1])
+
+
+@dataclass(frozen=True)
+class PullEstimate:
+    seconds: float
+    fixed_s: float
+    bandwidth_bps: float
+    observations: int  # of this holder and tier (0: the tier's or the prior's figures)
+
+
+class PullModel:
+    """Per (holder, tier) fits, each pulled towards its tier's fit, that towards the constants."""
+
+    def __init__(self) -> None:
+        self._tiers: dict[int, _PullFit] = {}
+        self._holders: dict[tuple[str, int], _PullFit] = {}
+
+    def observe(self, now: float, holder: str, tier: int, nbytes: int, seconds: float) -> None:
+        if seconds <= 0 or nbytes < 0:
+            return
+        mb = nbytes / _MB
+        self._tiers.setdefault(tier, _PullFit()).add(now, mb, seconds)
+        self._holders.setdefault((holder, tier), _PullFit()).add(now, mb, seconds)
+
+    def estimate(self, now: float, holder: str, tier: int, nbytes: int) -> PullEstimate:
+        prior = (PRIOR_PULL_FIXED_S, _MB / PRIOR_BANDWIDTH_BPS)
+        tier_fit = self._tiers.get(tier)
+        if tier_fit is not None:
+            prior = tier_fit.fit(now, prior)
+        fit = self._holders.get((holder, tier))
+        fixed, per_mb = fit.fit(now, prior) if fit is not None else prior
+        return PullEstimate(
+            seconds=fixed + per_mb * nbytes / _MB,
+            fixed_s=fixed,
+            bandwidth_bps=_MB / per_mb,
+            observations=fit.observations if fit is not None else 0,
+        )
+
+    def holders(self, now: float) -> dict[str, dict[str, float]]:
+        """Current figures per holder and tier, for the stats."""
+        out: dict[str, dict[str, float]] = {}
+        for (holder, tier), fit in self._holders.items():
+            est = self.estimate(now, holder, tier, 0)
+            out[f"{holder}/{pb.Tier.Name(tier)}"] = {  # type: ignore[arg-type]
+                "fixed_ms": round(est.fixed_s * 1000.0, 3),
+                "bandwidth_gbps": round(est.bandwidth_bps / 1e9, 3),
+                "weight": round(fit.weight(now), 3),
+                "observations": fit.observations,
+            }
+        return out
+
+
+class StepTimer:
+    """Times engine steps from the scheduler side: the gap between two build_connector_meta calls.
+
+    In vLLM's synchronous loop that gap is the previous step's forward pass plus
+    one schedule. It is kept only when some request of the previous step was
+    still unfinished at the next call: then the engine went straight on to the
+    next step, and the gap holds no idle time. (With async scheduling the gap
+    is still one step in steady state.)"""
+
+    def __init__(self, model: PrefillModel) -> None:
+        self._model = model
+        self._started: float | None = None
+        self._work: list[tuple[int, int]] = []
+        self._running: set[str] = set()
+
+    def on_step(self, now: float, scheduled: Iterable[tuple[str, int, int]]) -> None:
+        """A new step is scheduled: ``(request id, new tokens, context tokens)`` per request."""
+        if self._started is not None and self._running:
+            self._model.observe(now, now - self._started, self._work)
+        work = [(req, new, ctx) for req, new, ctx in scheduled if new > 0]
+        self._work = [(new, ctx) for _, new, ctx in work]
+        self._running = {req for req, _, _ in work}
+        self._started = now if work else None
+
+    def on_finished(self, req_id: str) -> None:
+        self._running.discard(req_id)
+
+
+class CostModel:
+    """The engine's cost figures: prefill (from its steps) and pulls (from its loads)."""
+
+    def __init__(self, *, block_bytes: int = 0, chunk_tokens: int = 0) -> None:
+        self.prefill = PrefillModel()
+        self.pulls = PullModel()
+        self.steps = StepTimer(self.prefill)
+        # Bytes one block moves on a pull (all layers, all ranks): from the layout, then from pulls.
+        self.block_bytes = block_bytes
+        self.chunk_tokens = chunk_tokens  # vLLM's max_num_batched_tokens (0: one chunk)
+
+    @property
+    def ready(self) -> bool:
+        return self.prefill.ready
+
+    def observe_pull(
+        self, now: float, holder: str, tier: int, blocks: int, nbytes: int, seconds: float
+    ) -> None:
+        if blocks > 0 and nbytes > 0:
+            self.block_bytes = math.ceil(nbytes / blocks)  # what a pull really moves wins
+        self.pulls.observe(now, holder, tier, nbytes, seconds)
+
+    def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
+        return self.prefill.predict(new_tokens, context_tokens, self.chunk_tokens)
+
+    def pull(self, now: float, holder: str, tier: int, blocks: int) -> PullEstimate:
+        return self.pulls.estimate(now, holder, tier, blocks * self.block_bytes)
+
+    def snapshot(self, now: float) -> dict[str, object]:
+        a, b, c = self.prefill.coefficients()
+        return {
+            "prefill_ready": self.ready,
+            "prefill_steps": self.prefill.steps,
+            "step_ms": round(a * 1000.0, 3),
+            "ms_per_1k_tokens": round(b * 1000.0, 3),
+            "ms_per_1m_pairs": round(c * 1000.0, 3),
+            "block_bytes": self.block_bytes,
+            "holders": self.pulls.holders(now),
+        }

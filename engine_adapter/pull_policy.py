@@ -1,0 +1,203 @@
+"""Pull or recompute, from predicted times (``adaptive``) or the fixed threshold (``threshold``).
+
+``choose`` is what the scheduler side calls each time vLLM asks about a
+request. With ``pull_policy = threshold``, or while the cost model has not yet
+seen enough engine steps to predict a prefill, it is decisions.decide_pull
+(pull when the remote part has at least ``kv_recompute_threshold`` tokens).
+
+With ``adaptive`` it predicts the time to the request's first token for every
+way of serving the prompt and takes the quickest:
+
+- recompute everything beyond the local hit: prefill(N - L new, after L);
+- for each holder (a GPU holder, a CPU tier, this engine's own CPU tier) and
+  each block boundary k it covers: pull blocks [L, k) from it, then prefill
+  the rest: pull(holder, tier, k - L blocks) + prefill(N - k new, after k).
+  A holder that covers only part of the prompt, or whose pull pays only for
+  part, is taken for that part (partial coverage).
+
+A pull's bandwidth part is scaled by (1 + pulls already in flight from that
+holder): they share it. Pure: the cost model is read, never updated, so
+``get_num_new_matched_tokens`` stays free of side effects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvbroker.engine_adapter.cost_model import CostModel
+from kvbroker.engine_adapter.decisions import SKIP_NO_HOLDER, Decision, PullPlan, decide_pull
+from kvbroker.v1 import broker_pb2 as pb
+
+POLICY_ADAPTIVE = "adaptive"
+POLICY_THRESHOLD = "threshold"
+POLICIES = (POLICY_ADAPTIVE, POLICY_THRESHOLD)
+
+# Skip reason when the predicted recompute is quicker than any pull.
+SKIP_COST = "recompute_cheaper"
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the decision was made from; on the trace span and in the stats."""
+
+    policy: str  # "adaptive", "threshold", or "threshold_until_observed"
+    predicted_pull_ms: float = 0.0  # best pull option, to the first token (0: none)
+    predicted_recompute_ms: float = 0.0  # recomputing everything beyond the local hit
+    pull_bandwidth_gbps: float = 0.0  # of the chosen (or best) holder and tier
+    pull_observations: int = 0  # that holder's and tier's observed pulls (0: prior)
+
+    def attributes(self) -> dict[str, float | str | int]:
+        return {
+            "kvbroker.pull_policy": self.policy,
+            "kvbroker.predicted_pull_ms": round(self.predicted_pull_ms, 3),
+            "kvbroker.predicted_recompute_ms": round(self.predicted_recompute_ms, 3),
+            "kvbroker.pull_bandwidth_gbps": round(self.pull_bandwidth_gbps, 3),
+            "kvbroker.pull_observations": self.pull_observations,
+        }
+
+
+@dataclass(frozen=True)
+class Choice:
+    decision: Decision
+    costs: Costs
+
+
+def choose(
+    *,
+    policy: str,
+    model: CostModel,
+    now: float,
+    matches: Sequence[pb.HolderMatch],
+    self_engine_id: str,
+    num_prompt_tokens: int,
+    num_local_tokens: int,
+    block_size: int,
+    threshold_tokens: int,
+    preferred_holder: str = "",
+    local_cpu_blocks: int = 0,
+    pulls_in_flight: Mapping[str, int] | None = None,
+) -> Choice:
+    fixed = decide_pull(
+        matches=matches,
+        self_engine_id=self_engine_id,
+        num_prompt_tokens=num_prompt_tokens,
+        num_local_tokens=num_local_tokens,
+        block_size=block_size,
+        threshold_tokens=threshold_tokens,
+        preferred_holder=preferred_holder,
+        local_cpu_blocks=local_cpu_blocks,
+    )
+    if policy != POLICY_ADAPTIVE:
+        return Choice(fixed, Costs(POLICY_THRESHOLD))
+    if not model.ready:
+        return Choice(fixed, Costs("threshold_until_observed"))
+    # The threshold rule has already settled the cases with nothing to weigh.
+    plain = decide_pull(
+        matches=matches,
+        self_engine_id=self_engine_id,
+        num_prompt_tokens=num_prompt_tokens,
+        num_local_tokens=num_local_tokens,
+        block_size=block_size,
+        threshold_tokens=0,
+        preferred_holder=preferred_holder,
+        local_cpu_blocks=local_cpu_blocks,
+    )
+    recompute_s = model.prefill_s(num_prompt_tokens - num_local_tokens, num_local_tokens)
+    if plain.plan is None:
+        return Choice(plain, Costs(POLICY_ADAPTIVE, predicted_recompute_ms=recompute_s * 1000.0))
+    return _cheapest(
+        model=model,
+        now=now,
+        candidates=_candidates(matches, self_engine_id, local_cpu_blocks, plain.plan),
+        num_prompt_tokens=num_prompt_tokens,
+        num_local_tokens=num_local_tokens,
+        block_size=block_size,
+        recompute_s=recompute_s,
+        in_flight=pulls_in_flight or {},
+    )
+
+
+def _candidates(
+    matches: Sequence[pb.HolderMatch], self_engine_id: str, local_cpu_blocks: int, preferred: PullPlan
+) -> list[pb.HolderMatch]:
+    """Every holder worth weighing: the one the fixed rule picked first (it wins ties), then others."""
+    first = pb.HolderMatch(
+        engine_id=preferred.holder_engine_id,
+        tier=preferred.tier,  # type: ignore[arg-type]
+        matched_blocks=0,
+        hold_lease_id=preferred.hold_lease_id,
+    )
+    out: list[pb.HolderMatch] = []
+    for m in matches:
+        if m.engine_id == self_engine_id or m.matched_blocks <= 0:
+            continue
+        if m.engine_id == first.engine_id and m.tier == first.tier and m.hold_lease_id == first.hold_lease_id:
+            first.matched_blocks = m.matched_blocks
+            continue
+        out.append(m)
+    if preferred.holder_engine_id == self_engine_id:
+        first.matched_blocks = local_cpu_blocks
+    if first.matched_blocks <= 0:
+        first.matched_blocks = preferred.first_block + preferred.num_blocks
+    return [first, *out]
+
+
+def _cheapest(
+    *,
+    model: CostModel,
+    now: float,
+    candidates: list[pb.HolderMatch],
+    num_prompt_tokens: int,
+    num_local_tokens: int,
+    block_size: int,
+    recompute_s: float,
+    in_flight: Mapping[str, int],
+) -> Choice:
+    local_blocks = num_local_tokens // block_size
+    best: tuple[float, pb.HolderMatch, int, float, int] | None = None  # (total s, holder, end block, bw, obs)
+    for m in candidates:
+        end_max = min(int(m.matched_blocks), -(-(num_prompt_tokens - 1) // block_size))
+        share = 1 + in_flight.get(m.engine_id, 0)
+        for end in range(local_blocks + 1, end_max + 1):
+            covered = min(end * block_size, num_prompt_tokens - 1)
+            if covered <= num_local_tokens:
+                continue
+            est = model.pull(now, m.engine_id, int(m.tier), end - local_blocks)
+            pull_s = est.fixed_s + (est.seconds - est.fixed_s) * share
+            total = pull_s + model.prefill_s(num_prompt_tokens - covered, covered)
+            if best is None or total < best[0]:
+                best = (total, m, end, est.bandwidth_bps, est.observations)
+    if best is None:
+        return Choice(
+            Decision(None, SKIP_NO_HOLDER, "no holder covers a block beyond the local hit"),
+            Costs(POLICY_ADAPTIVE, predicted_recompute_ms=recompute_s * 1000.0),
+        )
+    total, holder, end, bandwidth, observations = best
+    costs = Costs(
+        POLICY_ADAPTIVE,
+        predicted_pull_ms=total * 1000.0,
+        predicted_recompute_ms=recompute_s * 1000.0,
+        pull_bandwidth_gbps=bandwidth / 1e9,
+        pull_observations=observations,
+    )
+    if recompute_s <= total:
+        detail = (
+            f"recompute {recompute_s * 1000.0:.1f} ms <= pull from {holder.engine_id} "
+            f"{total * 1000.0:.1f} ms (to the first token, predicted)"
+        )
+        return Choice(Decision(None, SKIP_COST, detail), costs)
+    remote_tokens = min(end * block_size, num_prompt_tokens - 1) - num_local_tokens
+    plan = PullPlan(
+        holder_engine_id=holder.engine_id,
+        tier=int(holder.tier),
+        hold_lease_id=holder.hold_lease_id,
+        first_block=local_blocks,
+        num_blocks=end - local_blocks,
+        num_tokens=remote_tokens,
+    )
+    detail = (
+        f"{remote_tokens} tokens from {holder.engine_id}: pull {total * 1000.0:.1f} ms < "
+        f"recompute {recompute_s * 1000.0:.1f} ms (to the first token, predicted)"
+    )
+    return Choice(Decision(plan, "pull", detail), costs)

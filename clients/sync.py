@@ -23,7 +23,7 @@ from kvbroker.clients.aio import (
     channel_options,
     trace_metadata,
 )
-from kvbroker.clients.credentials import ClientSecurity, sync_channel
+from kvbroker.clients.credentials import ClientSecurity, FileStamp, sync_channel
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
@@ -40,12 +40,27 @@ class BrokerClient:
         channel: grpc.Channel | None = None,
         security: ClientSecurity | None = None,
     ) -> None:
-        """`security`: TLS, mutual TLS or a token (default: from the KVBROKER_TLS_* variables)."""
+        """`security`: TLS, mutual TLS or a token (default: from the KVBROKER_TLS_* variables).
+
+        When the certificate files change, later calls go over a new channel
+        made from them; calls in flight finish on the old one."""
         self.address = address
         self.timeout = timeout
         self._owns_channel = channel is None
-        self.channel = channel or sync_channel(address, security, channel_options(options))
-        self.stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+        self._security = security if security is not None else ClientSecurity.from_env()
+        self._options = channel_options(options)
+        self.channel = channel or sync_channel(address, self._security, self._options)
+        self._files = FileStamp(self._security) if channel is None and self._security.tls else None
+        self._retired: list[grpc.Channel] = []
+        self._stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+
+    @property
+    def stub(self) -> broker_pb2_grpc.KVBrokerStub:
+        if self._files is not None and self._files.changed():
+            self._retired.append(self.channel)
+            self.channel = sync_channel(self.address, self._security, self._options)
+            self._stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+        return self._stub
 
     def __enter__(self) -> BrokerClient:
         return self
@@ -55,6 +70,8 @@ class BrokerClient:
 
     def close(self) -> None:
         if self._owns_channel:
+            for old in self._retired:
+                old.close()
             self.channel.close()
 
     def wait_ready(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:

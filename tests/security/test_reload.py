@@ -119,3 +119,27 @@ async def test_a_client_follows_its_renewed_certificate(tmp_path: Path) -> None:
             _install(operator.cert, live / "me.pem")
             time.sleep(1.1)  # the client looks at its files at most once a second
             await client.list_leases()  # the same client, now as the operator
+
+
+@pytest.mark.timeout(60)
+def test_the_blocking_client_follows_its_renewed_certificate(tmp_path: Path) -> None:
+    ca = CertificateAuthority.create(tmp_path / "pki")
+    server = ca.server()
+    router = ca.client("router", "kvbroker://acme/router/r1")
+    operator = ca.client("operator", "kvbroker://acme/operator/o1")
+    live = tmp_path / "live"
+    live.mkdir()
+    shutil.copyfile(router.cert, live / "me.pem")
+    shutil.copyfile(router.key, live / "me.key")
+    args = ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-ca", str(ca.cert)]
+    security = ClientSecurity(
+        tls_ca=str(ca.cert), tls_cert=str(live / "me.pem"), tls_key=str(live / "me.key")
+    )
+    with BrokerProcess(tmp_path, args) as proc, BrokerClient(proc.address, security=security) as client:
+        with pytest.raises(errors.PermissionDenied, match="acme/router/r1"):
+            client.list_leases()
+        time.sleep(1.1)
+        _install(operator.key, live / "me.key")
+        _install(operator.cert, live / "me.pem")
+        time.sleep(1.1)  # the client looks at its files at most once a second
+        client.list_leases()  # the same client, now as the operator

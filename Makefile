@@ -5,9 +5,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # Where pip finds torch's CPU build (PyPI's Linux torch is the CUDA build).
-# Empty: only the configured indexes (e.g. a local wheel folder).
+# Used only when it answers within 3 s: pip retries an unreachable index for
+# every package, which costs many minutes on a machine without it (one whose
+# pip finds a local CPU wheel). Empty: never.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+TORCH_INDEX_ARG = $(if $(TORCH_INDEX),$(shell $(PY) -c "import urllib.request; urllib.request.urlopen('$(TORCH_INDEX)/', timeout=3)" >/dev/null 2>&1 && echo --extra-index-url $(TORCH_INDEX)))
 
 .PHONY: help venv protos protos-check lint test test-fast run up bench clean
 

@@ -232,7 +232,12 @@ class EngineProcess:
             "--kv-cache-memory-bytes",
             str(self.kv_cache_bytes),
         ]
-        if not self.log_stats:
+        otlp = vllm_otlp_traces_endpoint(self.env)
+        if otlp and "--otlp-traces-endpoint" in self.extra_args:
+            otlp = ""
+        # vLLM's request tracing reads each request's stats (its output processor
+        # asserts they exist), so an engine that exports spans keeps stats on.
+        if not self.log_stats and not otlp:
             cmd.append("--disable-log-stats")
         if self.enforce_eager:
             cmd.append("--enforce-eager")
@@ -240,8 +245,7 @@ class EngineProcess:
             cmd += ["--served-model-name", self.served_model_name]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
-        otlp = vllm_otlp_traces_endpoint(self.env)
-        if otlp and "--otlp-traces-endpoint" not in self.extra_args:
+        if otlp:
             cmd += ["--otlp-traces-endpoint", otlp]  # vLLM's own request spans join the traces
         return cmd + self.extra_args
 

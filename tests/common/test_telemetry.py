@@ -164,9 +164,10 @@ def test_the_launcher_gives_vllm_the_otlp_endpoint(tmp_path: Path) -> None:
     assert vllm_otlp_traces_endpoint({**grpc_env, "OTEL_TRACES_EXPORTER": "none"}) == ""
     command = EngineProcess(tmp_path, env=grpc_env, log_path=tmp_path / "e.log").command()
     assert command[command.index("--otlp-traces-endpoint") + 1] == "http://collector:4317"
-    assert (
-        "--otlp-traces-endpoint" not in EngineProcess(tmp_path, env={}, log_path=tmp_path / "e.log").command()
-    )
+    # vLLM's tracing needs its per-request stats (it asserts them): stats stay on.
+    assert "--disable-log-stats" not in command
+    quiet = EngineProcess(tmp_path, env={}, log_path=tmp_path / "e.log").command()
+    assert "--otlp-traces-endpoint" not in quiet and "--disable-log-stats" in quiet
 
 
 def test_the_compose_engine_entrypoint_passes_the_otlp_endpoint(tmp_path: Path) -> None:

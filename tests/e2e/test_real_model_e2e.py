@@ -332,7 +332,9 @@ def test_broker_killed_and_restarted_under_load_costs_recomputes_not_errors(
     assert mismatches(runs, load.reference) == []
     # Pulls resume with the re-registered engines: P->D, and D->P for the next turn.
     chat = _two_turns(cluster, TEACHER + " You like short answers.")
-    assert chat.d_pulled > 0 and chat.p_pulled == chat.expected_p_pulled > 0, chat
+    # After the load P's own prefix cache may have lost some of turn 1's prompt
+    # blocks: it then pulls those from D too, never less than what only D has.
+    assert chat.d_pulled > 0 and 0 < chat.expected_p_pulled <= chat.p_pulled <= chat.d_held, chat
     _assert_nothing_pinned(cluster, ("P", "D"))
 
 

@@ -50,6 +50,9 @@ class AdapterConfig:
         30000, "TTL of a hold (blocks kept for a reader that has not claimed them yet)."
     )
     lease_ttl_ms: int = setting(10000, "TTL of a read lease (from claim to release).")
+    read_timeout_ms: int = setting(
+        60000, "A NIXL read not finished in this long fails, and its tokens are recomputed."
+    )
     index_mirror: bool = setting(
         True,
         "Keep a live copy of the broker's index for this layout (the Mirror stream), so that the scheduler decides pull-or-recompute in the step it sees a request, without a round trip; the lease still comes from the broker.",

@@ -17,6 +17,7 @@ docs/adapter.md lists the modules.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +169,7 @@ class BrokerConnector(KVConnectorBase_V1):
             engine_id=config.engine_id,
             pp_rank=int(get_pp_group().rank_in_group),
             tp_rank=int(get_tensor_model_parallel_rank()),
-            mover_factory=_make_mover,
+            mover_factory=functools.partial(_make_mover, read_timeout_s=config.read_timeout_ms / 1000),
             region_factory=_region_from_spec,
             rank_registrar=registrar,
             cpu_tier_slots=config.cpu_tier_blocks,
@@ -337,10 +338,10 @@ def _block_bytes(kv_cache_config: Any, tp_size: int) -> int:
     return per_rank * tp_size
 
 
-def _make_mover(agent_name: str) -> Any:
+def _make_mover(agent_name: str, read_timeout_s: float) -> Any:
     from kvbroker.engine_adapter.block_mover import BlockMover
 
-    return BlockMover(agent_name)
+    return BlockMover(agent_name, read_timeout_s=read_timeout_s)
 
 
 def _make_cpu_tier(regions: list[Any], num_slots: int) -> Any:

@@ -52,9 +52,12 @@ MAX_MODEL_LEN = 1024
 # cores with whatever else runs, and a starved session thread that misses its
 # heartbeats ends the session (and turns a pull into a recompute).
 SESSION_TTL_MS = 30000
-# Reads here can stall for seconds: five engines' idle TP/PP workers poll vLLM's
-# shared-memory queues and starve two cores (a read once took 13.7 s in CI).
-LEASE_TTL_MS = 30000
+# Reads here can stall for tens of seconds: five engines' idle TP/PP workers poll
+# vLLM's shared-memory queues and starve two cores (load average 80; reads took
+# 13.7 s and 31 s in CI, and one hit the 60 s read timeout). A starved read must
+# still finish and commit rather than be recomputed: lease and read get 150 s.
+LEASE_TTL_MS = 150000
+READ_TIMEOUT_MS = 150000
 # The broker's answers can be seconds late for the same reason (a 2 s resolve timed
 # out once, and a holder's announcement took more than 3 s to be indexed).
 RESOLVE_WAIT_MS = 15000
@@ -103,6 +106,7 @@ def _start(model: Path, log_dir: Path, name: str, broker_address: str) -> Engine
         role="both",
         session_ttl_ms=SESSION_TTL_MS,
         lease_ttl_ms=LEASE_TTL_MS,
+        read_timeout_ms=READ_TIMEOUT_MS,
         resolve_wait_ms=RESOLVE_WAIT_MS,
         acquire_wait_ms=ACQUIRE_WAIT_MS,
         stats_path=str(log_dir / f"{name}-stats.json"),
@@ -225,7 +229,9 @@ def test_pull_across_ranks_matches_single_engine(
     returned_before = cluster.stat(holder, "holds_returned")
 
     params = _prefill_for_remote_decode(cluster, holder, prompt)
-    answer = complete(cluster.engines[reader], prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    answer = complete(
+        cluster.engines[reader], prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params, timeout=300
+    )
 
     assert output_ids(answer) == reference
     assert cluster.stat(reader, "pulls_failed") == failed_before

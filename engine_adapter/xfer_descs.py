@@ -167,6 +167,30 @@ def coalesce(pieces: Pieces) -> Pieces:
     )
 
 
+def block_rows(table: RegionTable, num_blocks: int) -> np.ndarray:
+    """One (address, length, device) row per region and block, in memory order: region-major
+    where each region's blocks are back to back, block-major in block-outermost layouts."""
+    blocks = np.arange(num_blocks, dtype=np.uint64)
+    addr = table.base[:, None] + blocks[None, :] * table.stride[:, None]
+    length = np.broadcast_to(table.nbytes[:, None], addr.shape)
+    dev = np.broadcast_to(table.dev[:, None], addr.shape)
+    rows = np.stack([addr, length, dev], axis=2)  # region x block x 3
+    return (rows if table.dense else rows.transpose(1, 0, 2)).reshape(-1, 3)
+
+
+def prepped_indices(
+    table: RegionTable, num_blocks: int, regions: Sequence[int], ids: np.ndarray, block_major: bool
+) -> np.ndarray:
+    """Indices into `block_rows(table, num_blocks)` of block `ids` in each of `regions`, listed
+    block-major or region-major (both sides of a read list their pieces in the same order).
+
+    NIXL merges descriptors that continue each other when their indices are consecutive,
+    so the lists are laid out, and read in, memory order."""
+    r = np.asarray(regions, dtype=np.int64)[:, None]
+    idx = r * num_blocks + ids[None, :] if table.dense else ids[None, :] * len(table.base) + r
+    return (idx.T if block_major else idx).ravel().astype(np.int32)
+
+
 def registered_spans(regions: Sequence[Region], num_blocks: int) -> list[Span]:
     """The [start, end) ranges a BlockMover registers for `regions` of `num_blocks` blocks:
     the union per device, so touching or overlapping regions register as one."""

@@ -86,6 +86,7 @@ class FakeFabric:
         self.erroring: set[str] = set()
         self.transfers_posted = 0
         self.descs_per_transfer: list[int] = []
+        self.prepped_transfers = 0  # requests made from prepared lists (make_prepped_xfer)
         self.live_xfers = 0
         self.live_dlists = 0
 
@@ -221,7 +222,11 @@ class FakeAgent:
                 raise FakeNixlError(f"descriptor lengths differ: {llen} != {rlen}")
             pairs.append((laddr, raddr, llen))
         self.fabric.live_xfers += 1
+        self.fabric.prepped_transfers += 1
         return FakeXfer(remote.agent, pairs, bytes(notif_msg))
+
+    def release_dlist_handle(self, dlist: FakeDlist) -> None:
+        dlist.release()
 
     def transfer(self, xfer: FakeXfer, notif_msg: bytes = b"") -> str:
         self._check_peer(xfer.peer)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvbroker.engine_adapter import block_mover
 from kvbroker.engine_adapter.block_mover import BlockMover
 from kvbroker.engine_adapter.kv_regions import Region, regions_from_kv_caches
 from testkit.clock import FakeClock
@@ -57,6 +58,12 @@ def pair(fabric: FakeFabric, clock: FakeClock) -> Iterator[Pair]:
     p.holder.close()
 
 
+@pytest.fixture
+def coalescing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read builds coalesced descriptors (none is small enough for prepared lists)."""
+    monkeypatch.setattr(block_mover, "_PREPPED_MAX_DESCS", 0)
+
+
 def poll_until_settled(mover: BlockMover, max_polls: int = 100) -> tuple[list[int], dict[int, str]]:
     done: list[int] = []
     failed: dict[int, str] = {}
@@ -69,7 +76,7 @@ def poll_until_settled(mover: BlockMover, max_polls: int = 100) -> tuple[list[in
     return done, failed
 
 
-def test_read_moves_the_right_blocks_of_every_layer(pair: Pair, fabric: FakeFabric) -> None:
+def test_read_moves_the_right_blocks_of_every_layer(pair: Pair, fabric: FakeFabric, coalescing: None) -> None:
     h = pair.read([3, 7, 8, 9], [0, 12, 5, 6])
     done, failed = poll_until_settled(pair.reader)
     assert (done, failed) == ([h], {})
@@ -90,7 +97,7 @@ def test_layer_subset_touches_only_those_layers(pair: Pair) -> None:
         assert torch.equal(pair.layer(pair.reader_kv, layer)[1:3], pair.layer(pair.holder_kv, layer)[1:3])
 
 
-def test_split_kv_layout_moves_k_and_v(fabric: FakeFabric, clock: FakeClock) -> None:
+def test_split_kv_layout_moves_k_and_v(fabric: FakeFabric, clock: FakeClock, coalescing: None) -> None:
     p = Pair(fabric, clock, split=True)
     h = p.read([4, 5], [0, 9])
     assert poll_until_settled(p.reader) == ([h], {})
@@ -217,7 +224,7 @@ def test_empty_read_finishes_at_once(pair: Pair, fabric: FakeFabric) -> None:
     assert fabric.transfers_posted == 0
 
 
-def test_adjacent_blocks_travel_as_one_descriptor(pair: Pair, fabric: FakeFabric) -> None:
+def test_adjacent_blocks_travel_as_one_descriptor(pair: Pair, fabric: FakeFabric, coalescing: None) -> None:
     h = pair.read([4, 5, 6, 7], [10, 11, 12, 13], peer_num_blocks=pair.num_blocks)
     assert poll_until_settled(pair.reader) == ([h], {})
     assert fabric.descs_per_transfer == [3]  # one per layer
@@ -225,7 +232,9 @@ def test_adjacent_blocks_travel_as_one_descriptor(pair: Pair, fabric: FakeFabric
         assert torch.equal(pair.layer(pair.reader_kv, layer)[10:14], pair.layer(pair.holder_kv, layer)[4:8])
 
 
-def test_a_layers_last_block_merges_with_the_next_layers_first(pair: Pair, fabric: FakeFabric) -> None:
+def test_a_layers_last_block_merges_with_the_next_layers_first(
+    pair: Pair, fabric: FakeFabric, coalescing: None
+) -> None:
     """Layer-compact layout in one allocation: block 23 of layer l ends where block 0 of layer l+1 starts."""
     last = pair.num_blocks - 1
     h = pair.read([last, 0], [last, 0], peer_num_blocks=pair.num_blocks)
@@ -318,3 +327,33 @@ def test_peer_memory_type_can_differ_from_local(fabric: FakeFabric, clock: FakeC
     h = reader.start_read("hv", regions, [3], CPU, [0], peer_mem_type="VRAM", peer_num_blocks=4)
     assert poll_until_settled(reader) == ([h], {})
     assert torch.equal(dst[:, 0], src[:, 3])
+
+
+def test_a_small_read_of_a_known_size_uses_prepared_lists(pair: Pair, fabric: FakeFabric) -> None:
+    """One descriptor per (layer, block) from lists prepared once; the same bytes arrive."""
+    h1 = pair.read([4, 5, 9], [10, 11, 2], peer_num_blocks=pair.num_blocks)
+    h2 = pair.read([last := pair.num_blocks - 1], [0], peer_num_blocks=pair.num_blocks)
+    assert sorted(poll_until_settled(pair.reader)[0]) == [h1, h2]
+    assert fabric.prepped_transfers == 2 and fabric.descs_per_transfer == [3 * 3, 3]
+    assert fabric.live_dlists == 2  # the local tier's and the peer tier's, kept for the next read
+    for layer in range(3):
+        src, dst = pair.layer(pair.holder_kv, layer), pair.layer(pair.reader_kv, layer)
+        for r, loc in [(4, 10), (5, 11), (9, 2), (last, 0)]:
+            assert torch.equal(dst[loc], src[r])
+    pair.reader.remove_peer("holder")
+    assert fabric.live_dlists == 1  # the peer's list went with the peer
+
+
+def test_large_reads_and_unknown_sizes_coalesce(
+    pair: Pair, fabric: FakeFabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(block_mover, "_PREPPED_MAX_DESCS", 3 * 3)
+    h1 = pair.read([0, 1, 2, 3], [4, 5, 6, 7], peer_num_blocks=pair.num_blocks)  # 12 pieces > 9
+    h2 = pair.read([8], [8])  # the peer's tier size is not known: no list can be prepared
+    assert sorted(poll_until_settled(pair.reader)[0]) == [h1, h2]
+    assert fabric.prepped_transfers == 0 and fabric.descs_per_transfer == [3, 3]
+    monkeypatch.setattr(block_mover, "_PREPPED_MAX_ROWS", 3 * pair.num_blocks - 1)  # the tier is too big
+    h3 = pair.read([9], [9], peer_num_blocks=pair.num_blocks)
+    assert poll_until_settled(pair.reader)[0] == [h3]
+    assert fabric.prepped_transfers == 0 and fabric.live_dlists == 0
+    assert torch.equal(pair.layer(pair.reader_kv, 2)[4:10], pair.layer(pair.holder_kv, 2)[[0, 1, 2, 3, 8, 9]])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvbroker.engine_adapter.cost_model import CostModel
 from kvbroker.engine_adapter.decisions import SKIP_NO_HOLDER, Decision, PullPlan, decide_pull
@@ -78,31 +79,23 @@ def choose(
     local_cpu_blocks: int = 0,
     pulls_in_flight: Mapping[str, int] | None = None,
 ) -> Choice:
-    fixed = decide_pull(
+    rule = partial(
+        decide_pull,
         matches=matches,
         self_engine_id=self_engine_id,
         num_prompt_tokens=num_prompt_tokens,
         num_local_tokens=num_local_tokens,
         block_size=block_size,
-        threshold_tokens=threshold_tokens,
         preferred_holder=preferred_holder,
         local_cpu_blocks=local_cpu_blocks,
     )
+    fixed = rule(threshold_tokens=threshold_tokens)
     if policy != POLICY_ADAPTIVE:
         return Choice(fixed, Costs(POLICY_THRESHOLD))
     if not model.ready:
         return Choice(fixed, Costs("threshold_until_observed"))
     # The threshold rule has already settled the cases with nothing to weigh.
-    plain = decide_pull(
-        matches=matches,
-        self_engine_id=self_engine_id,
-        num_prompt_tokens=num_prompt_tokens,
-        num_local_tokens=num_local_tokens,
-        block_size=block_size,
-        threshold_tokens=0,
-        preferred_holder=preferred_holder,
-        local_cpu_blocks=local_cpu_blocks,
-    )
+    plain = rule(threshold_tokens=0)
     recompute_s = model.prefill_s(num_prompt_tokens - num_local_tokens, num_local_tokens)
     if plain.plan is None:
         return Choice(plain, Costs(POLICY_ADAPTIVE, predicted_recompute_ms=recompute_s * 1000.0))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,52 +96,58 @@ def _install_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@dataclass
+class RenewingClient:
+    """A TLS broker and a client identity (router r1) whose files can be renewed as operator o1."""
+
+    args: list[str]  # the broker's TLS flags
+    security: ClientSecurity
+    live: Path  # the client's certificate and key, as the client reads them
+    operator: Any
+
+    @classmethod
+    def create(cls, tmp_path: Path) -> RenewingClient:
+        ca = CertificateAuthority.create(tmp_path / "pki")
+        server = ca.server()
+        router = ca.client("router", "kvbroker://acme/router/r1")
+        live = tmp_path / "live"
+        live.mkdir()
+        shutil.copyfile(router.cert, live / "me.pem")
+        shutil.copyfile(router.key, live / "me.key")
+        args = ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-ca", str(ca.cert)]
+        security = ClientSecurity(
+            tls_ca=str(ca.cert), tls_cert=str(live / "me.pem"), tls_key=str(live / "me.key")
+        )
+        return cls(args, security, live, ca.client("operator", "kvbroker://acme/operator/o1"))
+
+    def renew_as_operator(self) -> None:
+        time.sleep(1.1)
+        _install(self.operator.key, self.live / "me.key")
+        _install(self.operator.cert, self.live / "me.pem")
+        time.sleep(1.1)  # a client looks at its files at most once a second
+
+
 @pytest.mark.timeout(60)
 async def test_a_client_follows_its_renewed_certificate(tmp_path: Path) -> None:
     from kvbroker.clients.aio import AsyncBrokerClient
 
-    ca = CertificateAuthority.create(tmp_path / "pki")
-    server = ca.server()
-    router = ca.client("router", "kvbroker://acme/router/r1")
-    operator = ca.client("operator", "kvbroker://acme/operator/o1")
-    live = tmp_path / "live"
-    live.mkdir()
-    shutil.copyfile(router.cert, live / "me.pem")
-    shutil.copyfile(router.key, live / "me.key")
-    args = ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-ca", str(ca.cert)]
-    security = ClientSecurity(
-        tls_ca=str(ca.cert), tls_cert=str(live / "me.pem"), tls_key=str(live / "me.key")
-    )
-    with BrokerProcess(tmp_path, args) as proc:
-        async with AsyncBrokerClient(proc.address, security=security) as client:
+    renewing = RenewingClient.create(tmp_path)
+    with BrokerProcess(tmp_path, renewing.args) as proc:
+        async with AsyncBrokerClient(proc.address, security=renewing.security) as client:
             with pytest.raises(errors.PermissionDenied, match="acme/router/r1"):
                 await client.list_leases()
-            time.sleep(1.1)
-            _install(operator.key, live / "me.key")
-            _install(operator.cert, live / "me.pem")
-            time.sleep(1.1)  # the client looks at its files at most once a second
+            renewing.renew_as_operator()
             await client.list_leases()  # the same client, now as the operator
 
 
 @pytest.mark.timeout(60)
 def test_the_blocking_client_follows_its_renewed_certificate(tmp_path: Path) -> None:
-    ca = CertificateAuthority.create(tmp_path / "pki")
-    server = ca.server()
-    router = ca.client("router", "kvbroker://acme/router/r1")
-    operator = ca.client("operator", "kvbroker://acme/operator/o1")
-    live = tmp_path / "live"
-    live.mkdir()
-    shutil.copyfile(router.cert, live / "me.pem")
-    shutil.copyfile(router.key, live / "me.key")
-    args = ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-ca", str(ca.cert)]
-    security = ClientSecurity(
-        tls_ca=str(ca.cert), tls_cert=str(live / "me.pem"), tls_key=str(live / "me.key")
-    )
-    with BrokerProcess(tmp_path, args) as proc, BrokerClient(proc.address, security=security) as client:
+    renewing = RenewingClient.create(tmp_path)
+    with (
+        BrokerProcess(tmp_path, renewing.args) as proc,
+        BrokerClient(proc.address, security=renewing.security) as client,
+    ):
         with pytest.raises(errors.PermissionDenied, match="acme/router/r1"):
             client.list_leases()
-        time.sleep(1.1)
-        _install(operator.key, live / "me.key")
-        _install(operator.cert, live / "me.pem")
-        time.sleep(1.1)  # the client looks at its files at most once a second
+        renewing.renew_as_operator()
         client.list_leases()  # the same client, now as the operator

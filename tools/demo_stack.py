@@ -117,7 +117,7 @@ class Supervisor:
                 continue
             code = self.child.proc.returncode if self.child.proc is not None else None
             self.report(
-                f"!! the {self.child.name} exited (code {code}); starting it again in {backoff:.0f} s "
+                f"!! the {self.child.name} exited (code {code}); starting it again in {backoff:g} s "
                 f"(engines and proxy stay up and reconnect; log: {self.child.log_path})"
             )
             if self._stop.wait(backoff):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,7 +168,8 @@ def test_openai_surface_through_the_proxy(stack: Any) -> None:
     chat = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hello there " * 8}], max_tokens=8
     )
-    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens == 8
+    assert chat.choices[0].message.content is not None and chat.usage is not None
+    assert 1 <= chat.usage.completion_tokens <= 8
     text = "".join(
         c.choices[0].text
         for c in client.completions.create(model="tiny", prompt="tell me " * 20, max_tokens=8, stream=True)
@@ -218,9 +220,8 @@ def test_printed_commands_run_as_printed(stack: Any) -> None:
         )
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         if bench:
-            assert "Successful requests:" in done.stdout and "Failed requests:" not in done.stdout.replace(
-                "Failed requests:                         0", ""
-            ), done.stdout[-2000:]
+            served = re.search(r"Successful requests:\s+(\d+)", done.stdout)
+            assert served is not None and int(served.group(1)) == 2, done.stdout[-2000:]
         elif "engines" in command:
             assert "decode-0" in done.stdout and "prefill-0" in done.stdout
         else:

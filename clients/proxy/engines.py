@@ -55,6 +55,13 @@ class EnginePool:
         self._listed_once: set[str] = set()  # engine ids the broker has listed at some point
         self._session_gone: set[str] = set()  # urls of engines the broker listed once but no longer does
         self._learned_ids: dict[str, str] = {}  # url -> engine id learned from the broker's labels
+        self._listed: set[str] = set()  # engine ids in the broker's latest list
+        self._listed_at: float | None = None  # when that list was read
+        self.stale_after_s = 10.0  # older than this, the broker's list says nothing about liveness
+        # After the broker was unreachable (restarting), engines take a while to register
+        # with the new one: one missing from its list meanwhile has not lost its session.
+        self.restart_grace_s = 10.0
+        self._grace_until = 0.0
         self._cooldown_s = cooldown_s
         self._clock = clock
         self.broker_seen = False  # the broker's engine list was read at least once
@@ -78,6 +85,14 @@ class EnginePool:
     def session_gone(self, engine: EngineSpec) -> bool:
         """The broker listed this engine once and no longer does: its session ended or expired."""
         return engine.url in self._session_gone
+
+    def broker_vouches_for(self, engine: EngineSpec) -> bool:
+        """The broker's fresh list has this engine: its session is live (heartbeats arrive).
+
+        Sessions survive a starved host (the broker and the engines discount their own
+        stalls), so this outweighs a /health probe that timed out on a loaded machine."""
+        fresh = self._listed_at is not None and self._clock() - self._listed_at <= self.stale_after_s
+        return fresh and bool(engine.engine_id) and engine.engine_id in self._listed
 
     def unhealthy_reason(self, engine: EngineSpec) -> str:
         """Why the engine is not routed to now ("" when it is healthy)."""
@@ -132,6 +147,7 @@ class EnginePool:
         self._draining = {i.engine_id for i in infos if i.draining}
         listed = {i.engine_id for i in infos}
         self._listed_once |= listed
+        self._listed, self._listed_at = listed, self._clock()
         if self._static:
             engines = []
             for spec in self._static:
@@ -146,6 +162,8 @@ class EnginePool:
                 role = info.labels.get("role", "both")
                 engines.append(EngineSpec(url, role if role in ROLES else "both", info.engine_id))
         gone = {e.url for e in engines if e.engine_id in self._listed_once and e.engine_id not in listed}
+        if self._clock() < self._grace_until:
+            gone &= self._session_gone  # only those already gone before the broker went away
         for e in engines:
             if (e.url in gone) != (e.url in self._session_gone):
                 if e.url in gone:
@@ -164,6 +182,7 @@ class EnginePool:
             response = await broker.list_engines(timeout=2.0)
         except BrokerError as e:
             log.debug("broker engine list unavailable: %s", e)
+            self._grace_until = self._clock() + self.restart_grace_s
             return False
         self.apply_broker_engines(list(response.engines))
         return True

@@ -205,7 +205,10 @@ class Forwarder:
             else:
                 outcome.fallback_reason = "no decode engine"
             single = [*d_list, *p_list]
-        return await self._serve_single(request, endpoint, body, _single_order(single, tried), outcome, tried)
+        # An engine that hung on this request will not answer a moment later: not tried again.
+        hung = {f.url for f, kind in zip(tried, outcome.failure_kinds, strict=False) if kind == HUNG}
+        order = [e for e in _single_order(single, tried) if e.url not in hung]
+        return await self._serve_single(request, endpoint, body, order, outcome, tried)
 
     async def serve_whole(
         self, request: web.Request, endpoint: str, body: dict[str, Any], outcome: Outcome

@@ -1,15 +1,19 @@
 """The first-byte budget: how the proxy tells a hung engine from a busy one.
 
 An engine that takes longer than the budget to send its first byte (a
-prefill's answer, a non-streamed answer's headers, a stream's first chunk) is
-checked: it is live if the broker still lists its session and its own
-``/health`` answers within the probe timeout. A live engine keeps the request
+prefill's answer, a non-streamed answer's headers, a stream's next chunk) is
+checked. Its broker session is what the proxy trusts most: an engine the
+broker no longer lists is not live; one the broker's fresh list still has is
+live even when its ``/health`` is slow (a starved host keeps its session, see
+the broker's starvation rules, but may miss a 2 s probe). Engines the broker
+does not know are live when their ``/health`` answers within the probe timeout. A live engine keeps the request
 (a long prompt or a long non-streamed answer legitimately takes longer than a
 few seconds on a CPU) and is checked again after each further budget; an
 engine that fails the check is abandoned, so the forwarder retries the step on
-another engine. A frozen engine (SIGSTOP, a stuck GIL, a dead engine core
-whose API server still accepts connections) is thus left after the budget plus
-one probe, instead of after the read timeout.
+another engine. A frozen engine (SIGSTOP) is thus left at the first check
+after the broker dropped its session (its TTL, 5 s by default), or after the
+budget plus one probe when the broker does not know it, instead of after the
+read timeout.
 """
 
 from __future__ import annotations
@@ -63,6 +67,12 @@ class FirstByteWatch:
         """ "" when the engine looks live; otherwise what failed."""
         if self.pool.session_gone(engine):
             return "its broker session ended"
+        why = await self._probe(engine)
+        if why and self.pool.broker_vouches_for(engine):
+            return ""  # slow, not dead: its session is live
+        return why
+
+    async def _probe(self, engine: EngineSpec) -> str:
         try:
             async with self.http.get(
                 f"{engine.url}/health", timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)

@@ -278,6 +278,8 @@ def build_app(
 
         broker = AsyncBrokerClient(config.broker, security=config.security)
     pool = EnginePool(config.engines, cooldown_s=config.cooldown_s)
+    # Missed refreshes make the broker's list too old to vouch for an engine's liveness.
+    pool.stale_after_s = max(3 * config.refresh_interval_s, 5.0)
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), json_serialize=json.dumps)
     metrics = ProxyMetrics(access_log_on=config.access_log) if (config.metrics or config.access_log) else None
     if metrics is not None:

@@ -4,14 +4,18 @@ SIGSTOPped vLLM engine: tests/serving/test_hung_engine_e2e.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
 
+import aiohttp
 import pytest
 
+from kvbroker.clients.errors import Unavailable
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EnginePool
+from kvbroker.clients.proxy.liveness import EngineHung, FirstByteWatch
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.clock import FakeClock
 from tests.serving.test_proxy import COMPLETION, engines, proxy
@@ -171,3 +175,59 @@ def test_an_engine_the_broker_never_listed_is_routed_to() -> None:
     pool.apply_broker_engines([_info("p", "http://p:1")])
     assert [e.url for e in pool.candidates("decode")] == ["http://d:1"]
     assert pool.unhealthy_reason(pool.engines[0]) == ""
+
+
+async def test_a_live_broker_session_outweighs_a_slow_health_probe(engines: Any) -> None:
+    """A starved engine may miss a 2 s /health probe but keeps its broker session: it is not
+    abandoned while the broker lists it, and is as soon as the broker drops it."""
+    frozen = await engines("D", mode="frozen")
+    engine = EngineSpec(frozen.url, "decode", "d")
+    pool = EnginePool([engine])
+    pool.apply_broker_engines([_info("d", frozen.url)])
+    async with aiohttp.ClientSession() as http:
+        watch = FirstByteWatch(http, pool, budget_s=0.2, probe_timeout_s=0.2)
+        async with watch.guard(engine):
+            await asyncio.sleep(1.0)  # five budgets, every probe failing: kept, the broker vouches
+        pool.apply_broker_engines([])
+        pool.apply_broker_engines([_info("other", "http://other:1")])  # d's session ended
+        started = time.monotonic()
+        with pytest.raises(EngineHung, match="broker session ended"):
+            async with watch.guard(engine):
+                await asyncio.sleep(5.0)
+        assert time.monotonic() - started < 1.0
+        pool.stale_after_s = 0.0  # a broker list too old says nothing: the probe decides
+        pool.apply_broker_engines([_info("d", frozen.url)])
+        await asyncio.sleep(0.05)
+        with pytest.raises(EngineHung, match="/health did not answer"):
+            async with watch.guard(engine):
+                await asyncio.sleep(5.0)
+
+
+def test_engines_missing_from_a_restarted_brokers_list_are_not_dropped_at_once() -> None:
+    """After the broker was unreachable, engines register with the new one one by one: those not
+    back yet keep being routed to during the grace; one still missing after it is gone."""
+    clock = FakeClock()
+    pool = EnginePool([EngineSpec("http://p:1", "prefill"), EngineSpec("http://d:1", "decode")], clock=clock)
+    pool.apply_broker_engines([_info("p", "http://p:1"), _info("d", "http://d:1")])
+
+    class DownBroker:
+        async def list_engines(self, timeout: float) -> Any:
+            raise Unavailable("connection refused")
+
+    assert asyncio.run(pool.refresh(DownBroker())) is False
+    pool.apply_broker_engines([_info("d", "http://d:1")])  # the new broker: d is back, p not yet
+    assert [e.engine_id for e in pool.candidates("prefill")] == ["p"]
+    clock.advance(pool.restart_grace_s + 1)
+    pool.apply_broker_engines([_info("d", "http://d:1")])  # p never came back: it is gone
+    assert pool.candidates("prefill") == []
+
+
+async def test_an_engine_that_hung_is_not_tried_again_for_the_same_request(engines: Any, proxy: Any) -> None:
+    """One engine in both roles, frozen: prefill on it is abandoned, and the single-engine fallback
+    does not wait on it a second time: the 504 comes after one budget, not two."""
+    frozen = await engines("D", mode="frozen")
+    px = await proxy([frozen.url], [frozen.url], **FAST)
+    started = time.monotonic()
+    status, _, _ = await px.post("/v1/completions", COMPLETION)
+    assert status == 504 and time.monotonic() - started < 1.2
+    assert len(frozen.completions()) == 1

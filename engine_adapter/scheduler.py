@@ -113,6 +113,9 @@ class AdapterScheduler:
         if link is not None:
             link.set_pin_handlers(self.pin_blocks, self.unpin_blocks)
             link.set_event_listener(self.on_link_event)
+        # A restarted engine replaces the file its previous run left now, not at its
+        # first request: until then readers would take a dead engine's counters as ours.
+        self._publish_stats()
 
     def bind_block_pool(self, block_pool: Any, wake: Callable[[], None] | None = None) -> None:
         """vLLM's block pool: holds keep their blocks with a pool reference (HoldPin.BLOCK_POOL),

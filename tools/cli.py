@@ -55,6 +55,11 @@ def _serve_arguments() -> Callable[[argparse.ArgumentParser], None] | None:
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     argv = list(sys.argv[1:] if argv is None else argv)
+    if _command_of(argv) == "vllm":
+        # Everything after `vllm` is vLLM's: its own parser reads it.
+        from kvbroker.tools.vllm_cli import main as vllm_main
+
+        return vllm_main(argv[argv.index("vllm") + 1 :])
     # Only `serve` needs the broker's modules: other commands start fast and work without them.
     wants_serve = _command_of(argv) == "serve"
     parser = build_parser(_serve_arguments() if wants_serve else None)

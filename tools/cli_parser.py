@@ -111,6 +111,14 @@ def build_parser(
     )
     doctor.set_defaults(handler=None)
 
+    commands.add_parser(
+        "vllm",
+        add_help=False,
+        help="vLLM's own command line from this venv: `kvbroker vllm serve ...`, `kvbroker vllm bench serve ...`",
+        description="Run vLLM's command line with the arguments that follow (the CPU build's own `vllm` "
+        "command stops with PackageNotFoundError: vllm).",
+    )
+
     engines = commands.add_parser(
         "engines",
         parents=[common],

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -280,22 +281,51 @@ def _print_summary(rows: list[dict[str, Any]]) -> None:
     )
 
 
+def venv_command(name: str) -> str:
+    """How to run this venv's `name` script from the current directory, as printed in hints:
+    `.venv/bin/kvbroker` under `make up`, not a bare name that needs the venv on PATH."""
+    script = Path(sys.executable).parent / name
+    try:
+        relative = os.path.relpath(script)
+    except ValueError:
+        return str(script)
+    return relative if not relative.startswith("..") else str(script)
+
+
+def try_commands(stack: Stack) -> list[str]:
+    """The commands `make up` prints, runnable as printed from the directory it ran in."""
+    assert stack.prefill is not None
+    kvbroker = venv_command("kvbroker")
+    chat = json.dumps(
+        {
+            "model": stack.served_name,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32,
+        }
+    )
+    return [
+        f"curl -s {stack.proxy_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{chat}'",
+        f"{kvbroker} --broker {stack.broker_address} engines   # or: leases --all, stats, watch",
+        f"{kvbroker} vllm bench serve --base-url {stack.proxy_url} --model {stack.served_name} "
+        f"--tokenizer {stack.prefill.model_dir} --dataset-name random --random-input-len 256 "
+        "--random-output-len 32 --num-prompts 8",
+    ]
+
+
 def print_access(stack: Stack) -> None:
     assert stack.prefill is not None and stack.decode is not None
     say("")
     say("The stack is running. Reach it with:")
     say(f"  proxy (OpenAI API):  {stack.proxy_url}   model name: {stack.served_name}")
-    say(f"  broker (gRPC):       {stack.broker_address}")
-    say(f"  prefill engine:      {stack.prefill.url}")
-    say(f"  decode engine:       {stack.decode.url}")
+    say(f"  proxy health:        {stack.proxy_url}/health   (metrics: {stack.proxy_url}/metrics)")
+    say(f"  broker (gRPC):       {stack.broker_address}   (metrics: {stack.broker_metrics_url})")
+    say(f"  prefill engine:      {stack.prefill.url}   (metrics: {stack.prefill.url}/metrics)")
+    say(f"  decode engine:       {stack.decode.url}   (metrics: {stack.decode.url}/metrics)")
     say(f"  logs:                {stack.workdir}")
-    say("Try:")
-    say(f"  curl -s {stack.proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\")
-    say(
-        f'       -d \'{{"model": "{stack.served_name}", "messages": [{{"role": "user", "content": '
-        '"What is the capital of France?"}], "max_tokens": 32}\''
-    )
-    say(f"  KVBROKER_ADDR={stack.broker_address} kvbroker engines   # or: kvbroker leases --all")
+    say("Try (from this directory):")
+    for command in try_commands(stack):
+        say(f"  {command}")
+    say("The broker is supervised: if it dies it is started again; engines and proxy ride through.")
     say("Press Ctrl-C to stop everything.")
 
 
@@ -358,9 +388,10 @@ def main(argv: list[str] | None = None) -> int:
             run_chat(stack, args.turns, max_tokens, compare=not args.no_compare)
         if args.keep_running:
             print_access(stack)
-            while all(p is not None and p.alive() for p in (stack.broker, stack.proxy)):
+            # The broker has its supervisor; the proxy ending ends the stack.
+            while stack.proxy is not None and stack.proxy.alive():
                 time.sleep(1)
-            say("a part of the stack exited; stopping")
+            say("the proxy exited; stopping")
     except KeyboardInterrupt:
         say("\ninterrupted")
     except Exception as e:

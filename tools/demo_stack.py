@@ -2,7 +2,12 @@
 each a child process in its own process group with its log in the work directory.
 
 `start_stack(workdir, model="real" | "tiny", ...)` starts it and returns a `Stack`
-whose `stop()` ends everything (also registered with atexit). Two models:
+whose `stop()` ends everything (also registered with atexit). The broker is
+supervised: when it dies it is started again on the same address, with
+backoff, while the engines and the proxy stay up and reconnect to it (the
+guarantee the stack is there to show). Engines keep vLLM's stats on, so their
+/metrics has the `vllm:*` series (KV cache usage); the broker serves /metrics
+on a port of its own. Two models:
 
 - `real`: SmolLM2-135M-Instruct (kvbroker.tools.real_model, converted once and
   cached outside the repository); a real chat model, served as `smollm2`;
@@ -18,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -55,6 +61,10 @@ class ChildProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -68,6 +78,59 @@ class ChildProcess:
             pass
 
 
+class Supervisor:
+    """Starts a child process again whenever it exits, waiting 1, 2, 4 ... s (at most `max_backoff_s`)
+    between tries; the wait drops back to 1 s once the child has stayed up for `stable_s`."""
+
+    def __init__(
+        self,
+        child: ChildProcess,
+        *,
+        min_backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        stable_s: float = 60.0,
+        report: Callable[[str], None] = say,
+    ) -> None:
+        self.child = child
+        self.min_backoff_s, self.max_backoff_s, self.stable_s = min_backoff_s, max_backoff_s, stable_s
+        self.report = report
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"supervise-{child.name}", daemon=True)
+
+    def start(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        backoff = self.min_backoff_s
+        up_since = time.monotonic()
+        while not self._stop.wait(0.2):
+            if self.child.alive():
+                if time.monotonic() - up_since >= self.stable_s:
+                    backoff = self.min_backoff_s
+                continue
+            code = self.child.proc.returncode if self.child.proc is not None else None
+            self.report(
+                f"!! the {self.child.name} exited (code {code}); starting it again in {backoff:g} s "
+                f"(engines and proxy stay up and reconnect; log: {self.child.log_path})"
+            )
+            if self._stop.wait(backoff):
+                return
+            self.child.start()
+            self.restarts += 1
+            up_since = time.monotonic()
+            self.report(
+                f"!! the {self.child.name} is running again (pid {self.child.pid}, restart {self.restarts})"
+            )
+            backoff = min(backoff * 2, self.max_backoff_s)
+
+
 @dataclass
 class Stack:
     workdir: Path
@@ -75,6 +138,8 @@ class Stack:
     served_name: str = "tiny"
     broker: ChildProcess | None = None
     broker_address: str = ""
+    broker_metrics_url: str = ""
+    broker_supervisor: Supervisor | None = None
     prefill: EngineProcess | None = None
     decode: EngineProcess | None = None
     proxy: ChildProcess | None = None
@@ -86,6 +151,8 @@ class Stack:
         if self._stopped:
             return
         self._stopped = True
+        if self.broker_supervisor is not None:
+            self.broker_supervisor.stop()
         for part in (self.proxy, self.decode, self.prefill, self.broker):
             if part is not None:
                 try:
@@ -138,6 +205,7 @@ def start_stack(
     threshold: int,
     model: str = "tiny",
     connector_extra: dict[str, Any] | None = None,
+    broker_metrics_port: int = 0,
 ) -> Stack:
     """Build or find the model, start broker, P, D and proxy; `connector_extra` adds
     kv_connector_extra_config keys to both engines (e.g. hold_ttl_ms)."""
@@ -145,17 +213,32 @@ def start_stack(
     atexit.register(stack.stop)
     model_dir = model_folder(model, workdir)
 
+    from kvbroker.tools.launch import free_port
+
     stack.broker_address = f"127.0.0.1:{broker_port}"
-    say(f"[2/4] starting the broker on {stack.broker_address} ...")
+    metrics_port = broker_metrics_port or free_port()
+    stack.broker_metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    say(f"[2/4] starting the broker on {stack.broker_address} (metrics: {stack.broker_metrics_url}) ...")
     stack.broker = ChildProcess(
         "broker",
-        [sys.executable, "-m", "kvbroker.broker", "--address", stack.broker_address],
+        [
+            sys.executable,
+            "-m",
+            "kvbroker.broker",
+            "--address",
+            stack.broker_address,
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            str(metrics_port),
+        ],
         workdir / "broker.log",
     ).start()
     from kvbroker.clients.sync import BrokerClient
 
     with BrokerClient(stack.broker_address) as client:
         client.wait_ready(timeout=30)
+    stack.broker_supervisor = Supervisor(stack.broker).start()
 
     say("[3/4] starting the prefill and decode vLLM engines (CPU; 1-2 minutes, progress every 5 s) ...")
 
@@ -180,6 +263,8 @@ def start_stack(
             max_model_len=4096,
             kv_cache_bytes=KV_CACHE_BYTES.get(model, KV_CACHE_BYTES["tiny"]),
             extra_args=["--enable-prompt-tokens-details"],
+            # vLLM's stats on: the engines' /metrics then has the vllm:* series (KV cache usage).
+            log_stats=True,
             log_path=workdir / f"{name}{'-retry' if attempt else ''}.log",
         ).start()
 

@@ -77,6 +77,13 @@ class ProxyConfig:
     connect_timeout_s: float = setting(5.0, "time to connect to an engine before trying the next")
     prefill_timeout_s: float = setting(300.0, "longest a prefill request may take")
     read_timeout_s: float = setting(300.0, "longest silence while reading an engine's answer")
+    first_byte_timeout_s: float = setting(
+        5.0,
+        "first-byte budget of each step: an engine silent this long is checked (broker session, its /health) "
+        "and, when not live, abandoned and the step retried on another engine; a live but busy engine keeps "
+        "the request; 0 = off",
+    )
+    probe_timeout_s: float = setting(2.0, "how long the liveness check waits for an engine's /health")
     cooldown_s: float = setting(5.0, "an engine that failed is tried only after the others for this long")
     max_attempts: int = setting(2, "engines tried per role before falling back to a single engine")
     disaggregate: bool = setting(
@@ -167,6 +174,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raise SystemExit("error: give engines (--prefill/--decode/--engine) or --broker to discover them")
     if args.max_attempts < 1:
         raise SystemExit("error: --max-attempts must be at least 1")
+    if args.first_byte_timeout_s < 0 or args.probe_timeout_s <= 0:
+        raise SystemExit("error: --first-byte-timeout-s must be >= 0 and --probe-timeout-s > 0")
     security = settings.from_args(ClientSecurity, args)
     config: ProxyConfig = settings.from_args(ProxyConfig, args, engines=tuple(engines), security=security)
     return config

@@ -5,6 +5,13 @@ engines do) and labels (role, url). The pool re-reads that list in the
 background; requests never wait on it. An engine that just failed goes to the
 back of every candidate list for a cool-down period instead of being dropped,
 so a lone engine that had a hiccup is still tried.
+
+Liveness the proxy can trust comes from two places: the broker's sessions (an
+engine the broker listed and no longer lists has lost its session: it stopped
+heartbeating, like a frozen or dead engine, and is not routed to) and the
+forwarder's first-byte budget (forward.py), which marks an engine that stayed
+silent and failed a liveness probe. `unhealthy_reason` says why an engine is
+not used, for /health.
 """
 
 from __future__ import annotations
@@ -44,6 +51,17 @@ class EnginePool:
         self._load: dict[str, float] = {}
         self._draining: set[str] = set()
         self._failed_until: dict[str, float] = {}
+        self._failure: dict[str, str] = {}  # url -> why it last failed (shown while cooling down)
+        self._listed_once: set[str] = set()  # engine ids the broker has listed at some point
+        self._session_gone: set[str] = set()  # urls of engines the broker listed once but no longer does
+        self._learned_ids: dict[str, str] = {}  # url -> engine id learned from the broker's labels
+        self._listed: set[str] = set()  # engine ids in the broker's latest list
+        self._listed_at: float | None = None  # when that list was read
+        self.stale_after_s = 10.0  # older than this, the broker's list says nothing about liveness
+        # After the broker was unreachable (restarting), engines take a while to register
+        # with the new one: one missing from its list meanwhile has not lost its session.
+        self.restart_grace_s = 10.0
+        self._grace_until = 0.0
         self._cooldown_s = cooldown_s
         self._clock = clock
         self.broker_seen = False  # the broker's engine list was read at least once
@@ -64,16 +82,50 @@ class EnginePool:
     def is_cooling_down(self, engine: EngineSpec) -> bool:
         return self._failed_until.get(engine.url, 0.0) > self._clock()
 
+    def session_gone(self, engine: EngineSpec) -> bool:
+        """The broker listed this engine once and no longer does: its session ended or expired."""
+        return engine.url in self._session_gone
+
+    def broker_vouches_for(self, engine: EngineSpec) -> bool:
+        """The broker's fresh list has this engine: its session is live (heartbeats arrive).
+
+        Sessions survive a starved host (the broker and the engines discount their own
+        stalls), so this outweighs a /health probe that timed out on a loaded machine."""
+        fresh = self._listed_at is not None and self._clock() - self._listed_at <= self.stale_after_s
+        return fresh and bool(engine.engine_id) and engine.engine_id in self._listed
+
+    def unhealthy_reason(self, engine: EngineSpec) -> str:
+        """Why the engine is not routed to now ("" when it is healthy)."""
+        if self.session_gone(engine):
+            return "its broker session ended (the broker no longer lists it: stopped, frozen or dead)"
+        if self.is_cooling_down(engine):
+            left = self._failed_until[engine.url] - self._clock()
+            what = self._failure.get(engine.url) or "failed"
+            return f"{what}; tried after the others for {left:.1f} s more"
+        return ""
+
     def candidates(self, role: str) -> list[EngineSpec]:
-        """Engines that can take `role`, those not cooling down after a failure first."""
+        """Engines that can take `role`: healthy first, then those cooling down after a failure.
+
+        Engines whose broker session ended are left out, unless every engine the
+        proxy knows lost its session at once: that is the broker restarting (or
+        losing its state), not every engine dying, so they are all still tried.
+        """
         able = [e for e in self._engines if e.serves(role)]
+        if not self._everyone_gone():
+            able = [e for e in able if not self.session_gone(e)]
         return [e for e in able if not self.is_cooling_down(e)] + [e for e in able if self.is_cooling_down(e)]
 
-    def mark_failed(self, engine: EngineSpec) -> None:
+    def _everyone_gone(self) -> bool:
+        return bool(self._engines) and all(self.session_gone(e) for e in self._engines)
+
+    def mark_failed(self, engine: EngineSpec, reason: str = "") -> None:
         self._failed_until[engine.url] = self._clock() + self._cooldown_s
+        self._failure[engine.url] = reason
 
     def mark_ok(self, engine: EngineSpec) -> None:
         self._failed_until.pop(engine.url, None)
+        self._failure.pop(engine.url, None)
 
     def apply_broker_engines(self, infos: Sequence[pb.EngineInfo]) -> None:
         """Learn ids, layouts and loads from the broker's engine list.
@@ -93,18 +145,32 @@ class EnginePool:
             if url:
                 by_url[normalize_url(url)] = info
         self._draining = {i.engine_id for i in infos if i.draining}
+        listed = {i.engine_id for i in infos}
+        self._listed_once |= listed
+        self._listed, self._listed_at = listed, self._clock()
         if self._static:
             engines = []
             for spec in self._static:
                 known = by_url.get(spec.url)
-                if not spec.engine_id and known is not None:
-                    spec = EngineSpec(spec.url, spec.role, known.engine_id)
-                engines.append(spec)
+                if known is not None:
+                    self._learned_ids[spec.url] = known.engine_id
+                engine_id = spec.engine_id or self._learned_ids.get(spec.url, "")
+                engines.append(EngineSpec(spec.url, spec.role, engine_id))
         else:
             engines = []
             for url, info in by_url.items():
                 role = info.labels.get("role", "both")
                 engines.append(EngineSpec(url, role if role in ROLES else "both", info.engine_id))
+        gone = {e.url for e in engines if e.engine_id in self._listed_once and e.engine_id not in listed}
+        if self._clock() < self._grace_until:
+            gone &= self._session_gone  # only those already gone before the broker went away
+        for e in engines:
+            if (e.url in gone) != (e.url in self._session_gone):
+                if e.url in gone:
+                    log.warning("engine %s (%s): its broker session ended; not routing to it", e.label, e.url)
+                else:
+                    log.info("engine %s (%s) has a broker session again", e.label, e.url)
+        self._session_gone = gone
         if [e.label for e in engines] != [e.label for e in self._engines]:
             log.info("engines: %s", ", ".join(f"{e.label} ({e.role}) {e.url}" for e in engines) or "none")
         self._engines = engines
@@ -116,6 +182,7 @@ class EnginePool:
             response = await broker.list_engines(timeout=2.0)
         except BrokerError as e:
             log.debug("broker engine list unavailable: %s", e)
+            self._grace_until = self._clock() + self.restart_grace_s
             return False
         self.apply_broker_engines(list(response.engines))
         return True

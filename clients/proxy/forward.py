@@ -10,8 +10,9 @@ The P/D protocol routers already speak with vLLM:
    pulls the blocks (through the broker, over NIXL) instead of prefilling, and
    D's answer goes to the client.
 
-Failures: an engine that cannot be reached, times out or answers 5xx is
-marked failed and the next candidate is tried; if no P/D pair works, one engine
+Failures: an engine that cannot be reached, times out, answers 5xx or stays
+silent past the first-byte budget and then fails a liveness check (liveness.py)
+is marked failed and the next candidate is tried; if no P/D pair works, one engine
 serves the whole request without kv_transfer_params (P recomputes nothing it
 already has: its prefix cache still holds the prompt). A 4xx answer is the
 request's fault and goes back to the client unchanged. Once D has started
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,22 +37,34 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from kvbroker.clients.errors import BrokerError
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EnginePool
+from kvbroker.clients.proxy.liveness import EngineHung, FirstByteWatch
+from kvbroker.clients.proxy.pd_bodies import decode_body, prefill_body
 from kvbroker.clients.proxy.routing import Route
 from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
 
 log = logging.getLogger("kvbroker.proxy")
 
-# Request keys that do not make sense for the one-token prefill call.
-_PREFILL_DROP_KEYS = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "n", "best_of")
+
+# EngineFailure kinds, the `kind` label of kvbroker_proxy_engine_failures_total.
+HUNG = "hung"  # no first byte within the budget and the liveness check failed
+UNREACHABLE = "unreachable"  # connection refused/reset, or the read timeout passed
+ERROR = "error"  # HTTP 5xx or an answer that is not what vLLM sends
 
 
 class EngineFailure(Exception):
-    """The engine could not serve (unreachable, timeout, 5xx): try another one."""
+    """The engine could not serve (unreachable, hung, 5xx): try another one."""
 
-    def __init__(self, engine: EngineSpec, reason: str) -> None:
+    def __init__(self, engine: EngineSpec, reason: str, kind: str = ERROR) -> None:
         super().__init__(f"{engine.label}: {reason}")
         self.engine = engine
         self.reason = reason
+        self.kind = kind
+
+
+# (engine, step, kind) after a step failed on an engine; (engine, step) when a step
+# that failed on that engine is tried on another one.
+FailureHook = Callable[[EngineSpec, str, str], None]
+RetryHook = Callable[[EngineSpec, str], None]
 
 
 class RequestRejected(Exception):
@@ -74,6 +87,9 @@ class Outcome:
     decode: EngineSpec | None = None
     fallback_reason: str = ""
     failures: list[str] = field(default_factory=list)
+    failure_kinds: list[str] = field(default_factory=list)
+    # The engine and step of the last failure, until another attempt retries it.
+    unretried: tuple[EngineSpec, str] | None = None
 
     def headers(self) -> dict[str, str]:
         h = {"X-Request-Id": self.request_id, "X-KVBroker-Mode": self.mode}
@@ -86,41 +102,20 @@ class Outcome:
         return h
 
 
-def openai_error(status: int, message: str, err_type: str = "proxy_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": err_type, "code": status}}, status=status)
-
-
-def prefill_body(
-    body: Mapping[str, Any], trace_context: Mapping[str, str], reader_engine_id: str = ""
-) -> dict[str, Any]:
-    out = {k: v for k, v in body.items() if k not in _PREFILL_DROP_KEYS}
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
-    if trace_context:
-        params["trace_context"] = dict(trace_context)
-    if reader_engine_id:
-        # The decoder we plan to use: P's hold names it as the reader, so the
-        # blocks are freed at once if that decoder dies.
-        params["kvbroker"] = {"reader_engine_id": reader_engine_id}
-    out["kv_transfer_params"] = params
-    return out
-
-
-def decode_body(
-    body: Mapping[str, Any], params: Mapping[str, Any] | None, trace_context: Mapping[str, str]
-) -> dict[str, Any]:
-    out = dict(body)
-    if params:
-        merged = dict(params)
-        if trace_context:
-            merged["trace_context"] = dict(trace_context)
-        out["kv_transfer_params"] = merged
-    else:
-        out.pop("kv_transfer_params", None)
-    return out
+def openai_error(
+    status: int,
+    message: str,
+    err_type: str = "proxy_error",
+    *,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    """An error the way OpenAI's API (and vLLM's server) shape it; `code` is the HTTP status, as in vLLM."""
+    return web.json_response(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}},
+        status=status,
+        headers=headers,
+    )
 
 
 class Forwarder:
@@ -135,10 +130,19 @@ class Forwarder:
         read_timeout_s: float = 300.0,
         tracer: Tracer | None = None,
         broker: Any | None = None,
+        first_byte_timeout_s: float = 5.0,
+        probe_timeout_s: float = 2.0,
+        on_failure: FailureHook | None = None,
+        on_retry: RetryHook | None = None,
     ) -> None:
         self.tracer = tracer or get_tracer()
         self.http = http
         self.pool = pool
+        self.watch = FirstByteWatch(
+            http, pool, budget_s=first_byte_timeout_s, probe_timeout_s=probe_timeout_s
+        )
+        self.on_failure = on_failure
+        self.on_retry = on_retry
         # clients.aio.AsyncBrokerClient: to decline P's hold when no D will read it.
         self.broker = broker
         self._declines: set[asyncio.Task[None]] = set()
@@ -168,6 +172,7 @@ class Forwarder:
                 outcome.prefill = p
                 try:
                     for d in d_list[: self.max_attempts]:
+                        self._attempt(outcome)
                         try:
                             return await self._decode(
                                 request, d, endpoint, body, params, headers, outcome, "pd"
@@ -200,13 +205,44 @@ class Forwarder:
             else:
                 outcome.fallback_reason = "no decode engine"
             single = [*d_list, *p_list]
-        for engine in _single_order(single, tried):
+        # An engine that hung on this request will not answer a moment later: not tried again.
+        hung = {f.url for f, kind in zip(tried, outcome.failure_kinds, strict=False) if kind == HUNG}
+        order = [e for e in _single_order(single, tried) if e.url not in hung]
+        return await self._serve_single(request, endpoint, body, order, outcome, tried)
+
+    async def serve_whole(
+        self, request: web.Request, endpoint: str, body: dict[str, Any], outcome: Outcome
+    ) -> web.StreamResponse:
+        """A request that one engine answers whole (/v1/responses, /tokenize, ...): no P/D, no score."""
+        engines = _single_order(self.pool.candidates("decode") + self.pool.candidates("prefill"), [])
+        return await self._serve_single(request, endpoint, body, engines, outcome, [])
+
+    async def _serve_single(
+        self,
+        request: web.Request,
+        endpoint: str,
+        body: dict[str, Any],
+        engines: list[EngineSpec],
+        outcome: Outcome,
+        tried: list[EngineSpec],
+    ) -> web.StreamResponse:
+        headers = self._engine_headers(request, outcome.request_id)
+        for engine in engines:
+            self._attempt(outcome)
             try:
                 return await self._decode(request, engine, endpoint, body, None, headers, outcome, "single")
             except EngineFailure as e:
                 self._failed(e, outcome, tried)
-        detail = "; ".join(outcome.failures) or "no engines known"
         outcome.mode = "none"
+        if not outcome.failures:
+            return openai_error(
+                503, "no engine could serve the request: no engines known", "service_unavailable"
+            )
+        detail = "; ".join(outcome.failures)
+        if all(kind == HUNG for kind in outcome.failure_kinds):
+            return openai_error(
+                504, f"no engine answered in time (every engine tried is hung): {detail}", "timeout"
+            )
         return openai_error(503, f"no engine could serve the request: {detail}", "service_unavailable")
 
     def _decline_hold(self, params: dict[str, Any] | None, reason: str) -> None:
@@ -234,11 +270,22 @@ class Forwarder:
         except BrokerError as e:
             log.warning("could not decline %s's hold of request %s (%s): %s", holder, request_id, reason, e)
 
-    def _failed(self, e: EngineFailure, outcome: Outcome, tried: list[EngineSpec]) -> None:
+    def _failed(self, e: EngineFailure, outcome: Outcome, tried: list[EngineSpec], step: str = "") -> None:
         log.warning("request %s: %s", outcome.request_id, e)
         outcome.failures.append(str(e))
+        outcome.failure_kinds.append(e.kind)
         tried.append(e.engine)
-        self.pool.mark_failed(e.engine)
+        self.pool.mark_failed(e.engine, f"{e.kind}: {e.reason}"[:300])
+        step = step or ("decode" if outcome.prefill is not None else "single")
+        outcome.unretried = (e.engine, step)
+        if self.on_failure is not None:
+            self.on_failure(e.engine, step, e.kind)
+
+    def _attempt(self, outcome: Outcome) -> None:
+        """Another engine is being tried: the last failure, if any, is being retried."""
+        if outcome.unretried is not None and self.on_retry is not None:
+            self.on_retry(*outcome.unretried)
+        outcome.unretried = None
 
     @staticmethod
     def _engine_headers(request: web.Request, request_id: str) -> dict[str, str]:
@@ -259,10 +306,11 @@ class Forwarder:
         reader_engine_id: str,
     ) -> tuple[dict[str, Any] | None, EngineSpec | None]:
         for p in candidates[: self.max_attempts]:
+            self._attempt(outcome)
             try:
                 return await self._prefill(p, endpoint, body, headers, reader_engine_id), p
             except EngineFailure as e:
-                self._failed(e, outcome, tried)
+                self._failed(e, outcome, tried, "prefill")
         return None, None
 
     async def _prefill(
@@ -281,18 +329,24 @@ class Forwarder:
             carrier = current_context_carrier()
             payload = prefill_body(body, carrier, reader_engine_id)
             try:
-                async with self.http.post(
-                    f"{engine.url}{endpoint}",
-                    json=payload,
-                    headers={**headers, **carrier},
-                    timeout=self._prefill_timeout,
-                ) as resp:
+                async with (
+                    self.watch.guard(engine),
+                    self.http.post(
+                        f"{engine.url}{endpoint}",
+                        json=payload,
+                        headers={**headers, **carrier},
+                        timeout=self._prefill_timeout,
+                    ) as resp,
+                ):
                     raw = await resp.read()
-                    span.set_attribute("http.response.status_code", resp.status)
-                    await _raise_for_status(engine, resp, raw)
+                span.set_attribute("http.response.status_code", resp.status)
+                await _raise_for_status(engine, resp, raw)
+            except EngineHung as e:
+                span.set_status(Status(StatusCode.ERROR, str(e)))
+                raise EngineFailure(engine, f"prefill abandoned: {e}", HUNG) from None
             except (aiohttp.ClientError, TimeoutError) as e:
                 span.set_status(Status(StatusCode.ERROR, str(e) or type(e).__name__))
-                raise EngineFailure(engine, f"prefill failed: {type(e).__name__}: {e}") from None
+                raise EngineFailure(engine, f"prefill failed: {type(e).__name__}: {e}", UNREACHABLE) from None
             except EngineFailure as e:
                 span.set_status(Status(StatusCode.ERROR, e.reason))
                 raise
@@ -325,24 +379,33 @@ class Forwarder:
             carrier = current_context_carrier()
             payload = decode_body(body, params, carrier)
             try:
-                resp = await self.http.post(
-                    f"{engine.url}{endpoint}",
-                    json=payload,
-                    headers={**headers, **carrier},
-                    timeout=self._decode_timeout,
-                )
+                async with self.watch.guard(engine):
+                    resp = await self.http.post(
+                        f"{engine.url}{endpoint}",
+                        json=payload,
+                        headers={**headers, **carrier},
+                        timeout=self._decode_timeout,
+                    )
+            except EngineHung as e:
+                span.set_status(Status(StatusCode.ERROR, str(e)))
+                raise EngineFailure(engine, f"{mode} request abandoned: {e}", HUNG) from None
             except (aiohttp.ClientError, TimeoutError) as e:
                 span.set_status(Status(StatusCode.ERROR, str(e) or type(e).__name__))
-                raise EngineFailure(engine, f"{mode} request failed: {type(e).__name__}: {e}") from None
+                raise EngineFailure(
+                    engine, f"{mode} request failed: {type(e).__name__}: {e}", UNREACHABLE
+                ) from None
             try:
                 span.set_attribute("http.response.status_code", resp.status)
                 outcome.mode, outcome.decode = mode, engine
                 if not body.get("stream"):
                     try:
-                        raw = await resp.read()
+                        async with self.watch.guard(engine):
+                            raw = await resp.read()
+                    except EngineHung as e:
+                        raise EngineFailure(engine, f"{mode} answer abandoned: {e}", HUNG) from None
                     except (aiohttp.ClientError, TimeoutError) as e:
                         raise EngineFailure(
-                            engine, f"{mode} answer cut off: {type(e).__name__}: {e}"
+                            engine, f"{mode} answer cut off: {type(e).__name__}: {e}", UNREACHABLE
                         ) from None
                     await _raise_for_status(engine, resp, raw)
                     self.pool.mark_ok(engine)
@@ -374,25 +437,30 @@ class Forwarder:
         out.content_type = resp.content_type or "text/event-stream"
         first = True
         try:
-            async for chunk in resp.content.iter_any():
-                if first:
-                    # Headers go out with the first byte: until then a retry is still invisible.
-                    await out.prepare(request)
-                    first = False
-                await out.write(chunk)
-        except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as e:
+            async with self.watch.guard(engine) as progress:
+                async for chunk in resp.content.iter_any():
+                    progress.tick()
+                    if first:
+                        # Headers go out with the first byte: until then a retry is still invisible.
+                        await out.prepare(request)
+                        first = False
+                    await out.write(chunk)
+        except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError, EngineHung) as e:
+            kind = HUNG if isinstance(e, EngineHung) else UNREACHABLE
+            why = str(e) if isinstance(e, EngineHung) else f"{type(e).__name__}: {e}"
             if first:
-                raise EngineFailure(
-                    engine, f"stream failed before the first byte: {type(e).__name__}: {e}"
-                ) from None
-            log.warning("request %s: %s died mid-stream: %s", outcome.request_id, engine.label, e)
-            self.pool.mark_failed(engine)
-            span.set_status(Status(StatusCode.ERROR, f"engine died mid-stream: {e}"))
+                raise EngineFailure(engine, f"stream failed before the first byte: {why}", kind) from None
+            log.warning("request %s: %s failed mid-stream: %s", outcome.request_id, engine.label, why)
+            self.pool.mark_failed(engine, f"{kind}: failed mid-stream: {why}"[:300])
+            if self.on_failure is not None:
+                self.on_failure(engine, "stream", kind)
+            span.set_status(Status(StatusCode.ERROR, f"engine failed mid-stream: {why}"))
             error = {
                 "error": {
-                    "message": f"engine {engine.label} failed mid-stream: {type(e).__name__}",
+                    "message": f"engine {engine.label} failed mid-stream: {why}",
                     "type": "engine_failure",
-                    "code": 502,
+                    "param": None,
+                    "code": 504 if kind == HUNG else 502,
                 }
             }
             await out.write(f"data: {json.dumps(error)}\n\n".encode())

@@ -8,6 +8,15 @@ answer: once the stream ended):
   ``single`` (one engine, a fallback or ``--no-disaggregate``) or empty for
   requests that reach no engine (/health, /metrics, a refused body);
 - ``kvbroker_proxy_fallbacks_total{reason}``: P/D requests served by one engine;
+- ``kvbroker_proxy_engine_failures_total{engine, step, kind}``: a step (prefill,
+  decode, single, stream) that failed on an engine; ``kind`` is ``hung`` (no first
+  byte within the budget, liveness check failed: a timeout), ``unreachable`` or
+  ``error`` (5xx);
+- ``kvbroker_proxy_engine_retries_total{engine, step}``: steps that failed on
+  that engine and were then tried on another one;
+- ``kvbroker_proxy_engine_healthy{engine, role, url}``: 1 when the engine is
+  routed to normally, 0 while its broker session is gone or it is cooling down
+  after a failure (read at scrape time; /health says why);
 - one access-log line (logger ``kvbroker.proxy.access``, INFO): method, path,
   status, duration, mode, the prefill and decode engines, the request id, and
   why P/D fell back to one engine, if it did.
@@ -36,6 +45,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvbroker.clients.proxy.config import EngineSpec
+from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.forward import Outcome
 
 access_log = logging.getLogger("kvbroker.proxy.access")
@@ -43,7 +54,19 @@ access_log = logging.getLogger("kvbroker.proxy.access")
 OUTCOME_KEY: web.RequestKey[Outcome] = web.RequestKey("kvbroker_outcome", Outcome)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 # Paths outside these are counted under one label, so that scanners cannot grow the series.
-KNOWN_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+KNOWN_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/health",
+        "/metrics",
+    }
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -71,6 +94,27 @@ class ProxyMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.engine_failures = Counter(
+            "kvbroker_proxy_engine_failures",
+            "Steps that failed on an engine, by engine, step (prefill, decode, single, stream) and kind "
+            "(hung: no first byte within the budget and not live; unreachable; error: 5xx)",
+            ["engine", "step", "kind"],
+            registry=self.registry,
+        )
+        self.engine_retries = Counter(
+            "kvbroker_proxy_engine_retries",
+            "Steps that failed on this engine and were tried on another one, by engine and step",
+            ["engine", "step"],
+            registry=self.registry,
+        )
+        self.engine_healthy = Gauge(
+            "kvbroker_proxy_engine_healthy",
+            "1 when the engine is routed to normally; 0 while its broker session is gone or it cools "
+            "down after a failure (see /health for why)",
+            ["engine", "role", "url"],
+            registry=self.registry,
+        )
+        self.pool: EnginePool | None = None
         ProcessCollector(registry=self.registry)
         try:
             version = metadata.version("kvbroker")
@@ -83,6 +127,12 @@ class ProxyMetrics:
             registry=self.registry,
         )
         info.labels(version, platform.python_version()).set(1)
+
+    def engine_failed(self, engine: EngineSpec, step: str, kind: str) -> None:
+        self.engine_failures.labels(engine.label, step, kind).inc()
+
+    def engine_retried(self, engine: EngineSpec, step: str) -> None:
+        self.engine_retries.labels(engine.label, step).inc()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -123,6 +173,11 @@ class ProxyMetrics:
             )
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        if self.pool is not None:
+            self.engine_healthy.clear()
+            for e in self.pool.engines:
+                healthy = not self.pool.unhealthy_reason(e)
+                self.engine_healthy.labels(e.label, e.role, e.url).set(1 if healthy else 0)
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -1,4 +1,10 @@
-"""The proxy's aiohttp application: OpenAI endpoints, /health, /v1/models, /metrics (metrics.py)."""
+"""The proxy's aiohttp application: OpenAI endpoints, /health, /v1/models, /metrics (metrics.py).
+
+/v1/completions and /v1/chat/completions go P then D (forward.py). Requests
+one engine answers whole (/v1/responses, /tokenize, /detokenize) go to the
+first live engine, with the same failover; /v1/models and /version are read
+from one. Every error the proxy itself answers, unknown paths and wrong
+methods included, is OpenAI-shaped JSON (errors.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvbroker.clients.proxy.config import ProxyConfig
 from kvbroker.clients.proxy.engines import EnginePool
+from kvbroker.clients.proxy.errors import json_errors
 from kvbroker.clients.proxy.forward import EngineFailure, Forwarder, Outcome, RequestRejected, openai_error
 from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
 from kvbroker.clients.proxy.routing import Route, Router
@@ -28,6 +35,10 @@ log = logging.getLogger("kvbroker.proxy")
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+# Answered whole by one engine: no P/D split, no prefix score.
+WHOLE = ("/v1/responses", "/tokenize", "/detokenize")
+# Of those, the ones whose prompt is cached under a tenant's cache_salt.
+SALTED = ("/v1/responses",)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
@@ -61,7 +72,8 @@ def _route_attributes(route: Route) -> dict[str, Any]:
     return attrs
 
 
-async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse:
+async def _read_body(request: web.Request, salted: bool) -> dict[str, Any] | web.Response:
+    """The request's JSON object, its tenant applied; or the error to answer."""
     state = request.app[STATE_KEY]
     try:
         body = await request.json()
@@ -71,10 +83,21 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         return openai_error(400, "request body must be a JSON object", "invalid_request_error")
     if state.api_keys is not None:
         try:
-            state.api_keys.apply(request.headers.get("Authorization"), body)
+            if salted:
+                state.api_keys.apply(request.headers.get("Authorization"), body)
+            else:
+                state.api_keys.tenant_of(request.headers.get("Authorization"))
         except TenantRefused as e:
             kind = "authentication_error" if e.status == 401 else "permission_error"
             return openai_error(e.status, e.message, "invalid_request_error" if e.status == 400 else kind)
+    return body
+
+
+async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    body = await _read_body(request, salted=True)
+    if isinstance(body, web.Response):
+        return body
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     outcome = Outcome(request_id)
     request[OUTCOME_KEY] = outcome  # for the metrics and the access log
@@ -113,6 +136,31 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         return response
 
 
+async def whole(request: web.Request) -> web.StreamResponse:
+    """A request one engine answers whole; the first live engine, others on failure."""
+    state = request.app[STATE_KEY]
+    body = await _read_body(request, salted=request.path in SALTED)
+    if isinstance(body, web.Response):
+        return body
+    outcome = Outcome(request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+    request[OUTCOME_KEY] = outcome
+    with state.tracer.start_as_current_span(
+        f"POST {request.path}",
+        context=extract(dict(request.headers)),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": "POST", "url.path": request.path},
+    ) as span:
+        try:
+            response = await state.forwarder.serve_whole(request, request.path, body, outcome)
+        except RequestRejected as e:
+            span.set_attribute("http.response.status_code", e.status)
+            return web.Response(
+                body=e.body, status=e.status, content_type=e.content_type, headers=outcome.headers()
+            )
+        span.set_attribute("http.response.status_code", response.status)
+        return response
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _completion(request, COMPLETIONS)
 
@@ -124,7 +172,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     engines = state.pool.engines
-    usable = [e for e in engines if not state.pool.is_cooling_down(e)]
+    reasons = {e.url: state.pool.unhealthy_reason(e) for e in engines}
+    usable = [e for e in engines if not reasons[e.url]]
     status = 200 if usable else 503
     return web.json_response(
         {
@@ -134,6 +183,11 @@ async def health(request: web.Request) -> web.Response:
                     "url": e.url,
                     "role": e.role,
                     "engine_id": e.engine_id,
+                    "healthy": not reasons[e.url],
+                    "reason": reasons[e.url] or None,
+                    "broker_session": None
+                    if not state.pool.broker_seen or not e.engine_id
+                    else not state.pool.session_gone(e),
                     "cooling_down": state.pool.is_cooling_down(e),
                 }
                 for e in engines
@@ -157,6 +211,34 @@ async def models(request: web.Request) -> web.StreamResponse:
         except (aiohttp.ClientError, TimeoutError) as e:
             log.debug("/v1/models on %s: %s", engine.label, e)
     return openai_error(503, "no engine answered /v1/models", "service_unavailable")
+
+
+async def version(request: web.Request) -> web.Response:
+    """The engines' vLLM version (from the first that answers) and the proxy's own."""
+    state = request.app[STATE_KEY]
+    out: dict[str, Any] = {"version": None, "kvbroker": version_of_kvbroker()}
+    for engine in state.pool.candidates("decode") + state.pool.candidates("prefill"):
+        try:
+            async with state.http.get(
+                f"{engine.url}/version", timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                if resp.status == 200:
+                    data = await resp.json()
+                    if isinstance(data, dict):
+                        out["version"] = data.get("version")
+                        break
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.debug("/version on %s: %s", engine.label, e)
+    return web.json_response(out)
+
+
+def version_of_kvbroker() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvbroker")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 async def _on_startup(app: web.Application) -> None:
@@ -196,7 +278,12 @@ def build_app(
 
         broker = AsyncBrokerClient(config.broker, security=config.security)
     pool = EnginePool(config.engines, cooldown_s=config.cooldown_s)
+    # Missed refreshes make the broker's list too old to vouch for an engine's liveness.
+    pool.stale_after_s = max(3 * config.refresh_interval_s, 5.0)
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), json_serialize=json.dumps)
+    metrics = ProxyMetrics(access_log_on=config.access_log) if (config.metrics or config.access_log) else None
+    if metrics is not None:
+        metrics.pool = pool
     state = ProxyState(
         config=config,
         pool=pool,
@@ -211,15 +298,19 @@ def build_app(
             read_timeout_s=config.read_timeout_s,
             tracer=tracer,
             broker=broker,
+            first_byte_timeout_s=config.first_byte_timeout_s,
+            probe_timeout_s=config.probe_timeout_s,
+            on_failure=metrics.engine_failed if metrics is not None else None,
+            on_retry=metrics.engine_retried if metrics is not None else None,
         ),
         broker=broker,
         tracer=tracer,
         api_keys=ApiKeys(config.api_keys_file) if config.api_keys_file else None,
     )
     middlewares = []
-    metrics = ProxyMetrics(access_log_on=config.access_log) if (config.metrics or config.access_log) else None
     if metrics is not None:
         middlewares.append(metrics.middleware)
+    middlewares.append(json_errors)  # inside the metrics: a 404 is counted and logged as answered
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[STATE_KEY] = state
     if metrics is not None and config.metrics:
@@ -228,6 +319,9 @@ def build_app(
     app.router.add_post(CHAT_COMPLETIONS, chat_completions)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/version", version)
+    for path in WHOLE:
+        app.router.add_post(path, whole)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app

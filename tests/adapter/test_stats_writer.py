@@ -105,3 +105,15 @@ def test_an_unwritable_path_is_logged_and_the_writer_keeps_going(
     writer.submit({"n": 2})
     assert eventually(lambda: read_stats(path) == {"n": 2})
     writer.close()
+
+
+def test_a_restarted_engine_replaces_the_previous_runs_file_at_start(tmp_path: Path) -> None:
+    """The file a dead engine left (its counters) is reset when the connector starts, not at the
+    first request: a reader never takes the old run's counts for the new engine's."""
+    path = tmp_path / "stats.json"
+    path.write_text('{"pulled_blocks": 41, "skips": {"no_hold": 3}, "held_requests": 2}')
+    sched = make(path)  # no request, no scheduler step
+    assert eventually(lambda: "pulled_blocks" not in read_stats(path))
+    snapshot = read_stats(path)
+    assert snapshot["skips"] == {} and snapshot["held_requests"] == 0 and snapshot["held_blocks"] == 0
+    sched.shutdown()

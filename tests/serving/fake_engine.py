@@ -2,7 +2,9 @@
 
 It speaks just enough of vLLM's API: /v1/completions and /v1/chat/completions
 (streaming and not, with kv_transfer_params like our adapter returns), /tokenize,
-/health and /v1/models. It records every request and can be told to fail.
+/detokenize, /v1/responses, /version, /health and /v1/models. It records every
+request and can be told to fail, to be slow but live, or to freeze (as a
+SIGSTOPped engine: nothing answers, /health included).
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ class Seen:
 @dataclass
 class FakeEngine:
     name: str
-    # ok | error500 | reject400 | die_mid_stream | hang
+    # ok | error500 | reject400 | die_mid_stream | hang | slow | frozen | freeze_mid_stream
+    # hang: completions never answer, /health does; slow: completions answer after delay_s;
+    # frozen: nothing answers; freeze_mid_stream: one chunk, then nothing answers.
     mode: str = "ok"
+    delay_s: float = 0.0
     words: int = 4
     # As a prefill engine: the hold its answer names (default: a made-up request id).
     hold_request_id: str = ""
@@ -57,6 +62,9 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_get("/version", self._version)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         return app
@@ -70,8 +78,56 @@ class FakeEngine:
         if self.server is not None:
             await self.server.close()
 
+    @property
+    def frozen(self) -> bool:
+        return self.mode == "frozen" or (self.mode == "freeze_mid_stream" and self._froze)
+
+    _froze: bool = False
+
     async def _health(self, request: web.Request) -> web.Response:
+        if self.frozen:
+            await asyncio.sleep(3600)
         return web.Response(text="")
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.0.fake"})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append(Seen(request.path, body, CIMultiDict(request.headers)))
+        return web.json_response({"prompt": "".join(chr(97 + t % 26) for t in body["tokens"])})
+
+    async def _responses(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.seen.append(Seen(request.path, body, CIMultiDict(request.headers)))
+        if self.frozen:
+            await asyncio.sleep(3600)
+        if not isinstance(body.get("input"), str):
+            return web.json_response(
+                {"error": {"message": "input must be a string", "code": 400}}, status=400
+            )
+        text = f"{self.name} says hi"
+        return web.json_response(
+            {
+                "id": "resp_1",
+                "object": "response",
+                "created_at": 0,
+                "model": body.get("model", "tiny"),
+                "status": "completed",
+                "output": [
+                    {
+                        "type": "message",
+                        "id": "msg_1",
+                        "role": "assistant",
+                        "status": "completed",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}],
+                    }
+                ],
+                "parallel_tool_calls": False,
+                "tool_choice": "auto",
+                "tools": [],
+            }
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
@@ -91,8 +147,10 @@ class FakeEngine:
             return web.json_response({"error": {"message": "engine broke"}}, status=500)
         if self.mode == "reject400":
             return web.json_response({"error": {"message": "max_tokens too large", "code": 400}}, status=400)
-        if self.mode == "hang":
+        if self.mode in ("hang", "frozen"):
             await asyncio.sleep(3600)
+        if self.mode == "slow":
+            await asyncio.sleep(self.delay_s)
         chat = request.path.endswith("chat/completions")
         if params.get("do_remote_decode"):
             return web.json_response(
@@ -128,6 +186,9 @@ class FakeEngine:
             else:
                 delta["text"] = word + " "
             await resp.write(f"data: {json.dumps({'choices': [delta]})}\n\n".encode())
+            if self.mode == "freeze_mid_stream":
+                self._froze = True
+                await asyncio.sleep(3600)
             if self.mode == "die_mid_stream" and i == 1:
                 # Drop the connection without finishing the chunked body.
                 assert request.transport is not None

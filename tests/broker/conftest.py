@@ -1,12 +1,23 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
 
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.broker import RunningServer, running_broker
+from testkit.redis_server import RedisServer, missing_reason, running_redis
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server for the session's tests (each test uses its own key prefix)."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,12 +23,12 @@ from prometheus_client import CollectorRegistry
 
 from kvbroker.broker.auth import AuthInterceptor
 from kvbroker.broker.channels import StreamNotifier
-from kvbroker.broker.clock import Clock, MonotonicClock
+from kvbroker.broker.clock import Clock, MonotonicClock, WallClock
 from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.decode_guard import DecodeGuardInterceptor
-from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.errors import InvalidArgument, Unavailable
 from kvbroker.broker.identity import Authenticator, TokenTable
 from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
 from kvbroker.broker.quotas import Quotas
@@ -41,6 +41,9 @@ from kvbroker.common.causes import Cause
 from kvbroker.common.telemetry import TelemetryError
 from kvbroker.common.version import version
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvbroker.broker.state_redis_conn import RedisState
 
 log = logging.getLogger("kvbroker")
 
@@ -91,6 +94,7 @@ STALL_S = 0.25
 
 async def _expiry_loop(core: BrokerCore) -> None:
     interval = core.config.expiry_interval_ms / 1000
+    warned = float("-inf")
     while True:
         before = core.clock.now()
         await asyncio.sleep(interval)
@@ -101,7 +105,14 @@ async def _expiry_loop(core: BrokerCore) -> None:
                 stalled,
             )
             core.forgive_stall(stalled)
-        core.expire()
+        try:
+            core.expire()
+        except Unavailable as err:
+            # The shared store is away: nothing can expire meanwhile; the pass after it is back does it.
+            now = core.clock.now()
+            if now - warned >= 5.0:
+                log.warning("expiry pass skipped: %s", err.message)
+                warned = now
 
 
 def _public_address(address: str, port: int) -> str:
@@ -146,6 +157,25 @@ def _listen(
     return server.add_secure_port(address, creds), files
 
 
+def _shared_state(config: BrokerConfig) -> RedisState | None:
+    """The Redis/Valkey store of `--state`, checked to answer (None: state in this process)."""
+    if not config.state:
+        return None
+    try:
+        from kvbroker.broker.state_redis_conn import RedisState
+    except ImportError:
+        raise InvalidArgument(
+            "--state needs the redis client library: pip install 'kvbroker[redis]'"
+        ) from None
+    state = RedisState(config.state, config.state_prefix)
+    try:
+        state.ping()
+    except Unavailable as err:
+        raise InvalidArgument(f"--state: {err.message}") from None
+    log.info("state in %s (key prefix %r)", config.state.split("@")[-1], config.state_prefix)
+    return state
+
+
 async def start_server(
     config: BrokerConfig,
     clock: Clock | None = None,
@@ -161,9 +191,19 @@ async def start_server(
     config.validate()
     security = security or SecurityConfig()
     security.validate(config.address)
-    clock = clock or MonotonicClock()
+    shared = _shared_state(config)
+    clock = clock or (WallClock() if shared is not None else MonotonicClock())
     notifier = StreamNotifier(clock)
-    core = BrokerCore(config, clock=clock, notifier=notifier)
+    if shared is None:
+        core = BrokerCore(config, clock=clock, notifier=notifier)
+    else:
+        from kvbroker.broker.state_redis_index import RedisPrefixIndex
+        from kvbroker.broker.state_redis_leases import RedisLeaseTable
+
+        leases = RedisLeaseTable(shared, config.ended_lease_history)
+        core = BrokerCore(
+            config, clock=clock, notifier=notifier, index=RedisPrefixIndex(shared), leases=leases
+        )
     servicer = BrokerServicer(core, notifier)
 
     # Outermost first: metrics and spans see the INVALID_ARGUMENT of a malformed request too.

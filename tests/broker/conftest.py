@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -20,9 +21,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
 
 
-@pytest.fixture
-async def broker() -> AsyncIterator[RunningServer]:
+@pytest.fixture(params=["in-memory", "redis"])
+async def broker(request: pytest.FixtureRequest) -> AsyncIterator[RunningServer]:
+    """A real broker with its state in process, and one with its state in a real redis-server."""
+    state: dict[str, str] = {}
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        state = {"state": server.url, "state_prefix": f"t{secrets.token_hex(4)}"}
     async with running_broker(
+        **state,
         session_ttl_min_ms=100,
         pin_timeout_ms=5000,
         max_hashes=1024,

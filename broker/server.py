@@ -10,8 +10,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import sys
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +67,7 @@ class RunningServer:
     guard: TenantGuard | None = None  # identities' engines and tenants (None: no authentication)
     _expiry_task: asyncio.Task[None] | None = None
     _extras: list[Any] = field(default_factory=list)  # metrics http server, tracer provider
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)  # the fleet channel (shared state)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting, close sessions (engines re-register elsewhere), finish in-flight calls.
@@ -79,10 +82,11 @@ class RunningServer:
             "UNAVAILABLE", "broker is shutting down; reconnect and register again", Cause.SHUTTING_DOWN
         )
         self.core.mirrors.close_all("broker is shutting down; reconnect for a fresh snapshot")
-        if self._expiry_task is not None:
-            self._expiry_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry_task
+        for task in [self._expiry_task, *self._tasks]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.server.stop(grace)
         for extra in self._extras:
             extra.shutdown()
@@ -176,6 +180,27 @@ def _shared_state(config: BrokerConfig) -> RedisState | None:
     return state
 
 
+def _fleet_core(
+    config: BrokerConfig, clock: Clock, shared: RedisState
+) -> tuple[BrokerCore, StreamNotifier, Coroutine[Any, Any, None]]:
+    """A core whose registry, leases and index live in the shared store, as one replica of a fleet."""
+    from kvbroker.broker.state_redis_fleet import FleetRegistry
+    from kvbroker.broker.state_redis_index import RedisPrefixIndex
+    from kvbroker.broker.state_redis_leases import RedisLeaseTable
+    from kvbroker.broker.state_redis_notify import FleetNotifier
+
+    replica = secrets.token_hex(6)
+    registry = FleetRegistry(shared, replica)
+    notifier = FleetNotifier(clock, shared, replica)
+    registry.on_resumed = notifier.session_resumed
+    leases = RedisLeaseTable(shared, config.ended_lease_history)
+    index = RedisPrefixIndex(shared)
+    core = BrokerCore(config, clock=clock, notifier=notifier, index=index, leases=leases, registry=registry)
+    notifier.lease_of = core.leases.get
+    log.info("broker replica %s", replica)
+    return core, notifier, notifier.follow()
+
+
 async def start_server(
     config: BrokerConfig,
     clock: Clock | None = None,
@@ -193,17 +218,13 @@ async def start_server(
     security.validate(config.address)
     shared = _shared_state(config)
     clock = clock or (WallClock() if shared is not None else MonotonicClock())
-    notifier = StreamNotifier(clock)
+    tasks: list[asyncio.Task[None]] = []
     if shared is None:
+        notifier = StreamNotifier(clock)
         core = BrokerCore(config, clock=clock, notifier=notifier)
     else:
-        from kvbroker.broker.state_redis_index import RedisPrefixIndex
-        from kvbroker.broker.state_redis_leases import RedisLeaseTable
-
-        leases = RedisLeaseTable(shared, config.ended_lease_history)
-        core = BrokerCore(
-            config, clock=clock, notifier=notifier, index=RedisPrefixIndex(shared), leases=leases
-        )
+        core, notifier, follow = _fleet_core(config, clock, shared)
+        tasks.append(asyncio.create_task(follow, name="kvbroker-fleet-channel"))
     servicer = BrokerServicer(core, notifier)
 
     # Outermost first: metrics and spans see the INVALID_ARGUMENT of a malformed request too.
@@ -274,6 +295,7 @@ async def start_server(
         _extras=extras,
     )
     running._expiry_task = asyncio.create_task(_expiry_loop(core), name="kvbroker-expiry")
+    running._tasks = tasks
     return running
 
 

@@ -1,0 +1,114 @@
+"""Two `kvbroker serve --state redis://...` replicas over one real redis-server.
+
+Engine sessions (Python clients, each given both replicas' addresses, in
+different orders so that the holder and the reader sit on different replicas):
+resolve names holders on the other replica, a revocation made through one
+replica reaches the engine on the other, and kill -9 of a replica moves its
+sessions to the other within 2 s, resuming them: same session, leases kept, a
+read released after the failover still commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from process_engine_client import engine_info
+from process_harness import child_env
+from test_process_liveness import Timeline
+
+from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import SERVE, BrokerProcess
+from testkit.redis_server import RedisServer, missing_reason, running_redis
+
+pytestmark = pytest.mark.timeout(120)
+
+GPU = pb.TIER_GPU
+BLOCKS = [301, 302, 303, 304, 305]
+FAILOVER_S = 2.0
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RedisServer]:
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with running_redis(tmp_path / "redis") as server:
+        yield server
+
+
+def replica(tmp_path: Path, store: RedisServer, name: str) -> BrokerProcess:
+    args = ["--state", store.url, "--session-ttl-min-ms", "100", "--expiry-interval-ms", "20"]
+    args += ["--metrics-port", "0"]
+    return BrokerProcess(
+        tmp_path, args, command=SERVE, log_name=f"{name}.log", priority=None, env=child_env()
+    )
+
+
+async def test_kill9_replica_moves_sessions_and_keeps_leases(tmp_path: Path, store: RedisServer) -> None:
+    a, b = replica(tmp_path, store, "a").start(), replica(tmp_path, store, "b").start()
+    fast = Backoff(initial_s=0.05, max_s=0.5)
+    p_events, d_events = Timeline(), Timeline()
+    p = EngineSession(
+        f"{a.address},{b.address}", engine_info("P"), ttl_ms=5_000, backoff=fast, **p_events.callbacks()
+    )
+    d = EngineSession(
+        f"{b.address},{a.address}", engine_info("D"), ttl_ms=5_000, backoff=fast, **d_events.callbacks()
+    )
+    try:
+        await p.start(wait_connected_s=10.0)
+        await d.start(wait_connected_s=10.0)
+        p.announce_stored((p.layout_id, ""), GPU, BLOCKS)
+        await p.applied()
+        held = await p.hold(
+            (p.layout_id, ""), GPU, BLOCKS, [1, 2, 3, 4, 5], 60_000, reader_engine_id="D", request_id="r1"
+        )
+        spare = await p.hold((p.layout_id, ""), GPU, BLOCKS[:2], [1, 2], 60_000, request_id="r2")
+
+        # D's replica (b) names P (whose stream is on a) and P's hold.
+        found = await d.resolve((d.layout_id, ""), BLOCKS)
+        assert [(m.engine_id, m.matched_blocks) for m in found.matches] == [("P", 5)]
+        assert found.matches[0].hold_lease_id == held.lease_id
+        acquired = await d.acquire(held.lease_id)
+        assert acquired.lease.state == pb.LEASE_ACTIVE and acquired.holder.engine_id == "P"
+
+        # An operator's revoke through b reaches P on a.
+        async with AsyncBrokerClient(b.address) as operator:
+            await operator.revoke(lease_id=spare.lease_id, reason="test")
+        _, ended = await p_events.wait_for("lease_ended", timeout=5.0)
+        assert ended.lease.lease_id == spare.lease_id
+
+        # kill -9 the holder's replica: P resumes on b within FAILOVER_S, its session kept.
+        session_before = p.registered.session_id
+        killed = time.monotonic()
+        a.kill9()
+        moved_at, registered = await p_events.wait_for("connected", count=2, timeout=10.0)
+        moved_s = moved_at - killed
+        print(f"\nsession moved to the other replica {moved_s * 1000:.0f} ms after kill -9")
+        assert moved_s < FAILOVER_S
+        assert registered.resumed and registered.session_id == session_before
+        assert d.connected  # D was on b all along
+
+        # The lease lived through it: D's release commits the read, and P hears it ended.
+        released = await d.release(held.lease_id, acquired.lease.epoch)
+        assert released.state == pb.LEASE_RELEASED
+        _, ended = await p_events.wait_for("lease_ended", count=2, timeout=5.0)
+        assert ended.lease.lease_id == held.lease_id
+        # P's blocks are still indexed (resumed, not re-registered from scratch), and nothing leaked.
+        found = await d.resolve((d.layout_id, ""), BLOCKS)
+        assert [(m.engine_id, m.matched_blocks) for m in found.matches] == [("P", 5)]
+        async with AsyncBrokerClient(b.address) as operator:
+            live = await operator.list_leases()
+            assert [lease.lease_id for lease in live.leases] == []
+            stats = await operator.stats()
+            assert stats.engines == 2
+        assert not d_events.events or all(kind != "revoked" for kind, _, _ in d_events.events)
+    finally:
+        await asyncio.gather(p.close(), d.close(), return_exceptions=True)
+        a.stop()
+        b.stop()

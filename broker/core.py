@@ -42,12 +42,13 @@ class BrokerCore:
         index: PrefixIndex | None = None,
         leases: LeaseTable | None = None,
         registry: EngineRegistry | None = None,
+        mirrors: MirrorHub | None = None,
     ) -> None:
         self.config = config or BrokerConfig()
         self.check = Checks(self.config)
         self.clock = clock or MonotonicClock()
         self.notifier: Notifier = notifier or NullNotifier()
-        self.mirrors = MirrorHub()
+        self.mirrors = mirrors or MirrorHub()
         # Watch and mirror events come from these wrappers as they change (see observed.py).
         publish = Publisher(self.notifier, self.mirrors)
         self.index = ObservedIndex(index or CompactPrefixIndex(), publish)

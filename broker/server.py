@@ -187,7 +187,7 @@ def _fleet_core(
     from kvbroker.broker.state_redis_fleet import FleetRegistry
     from kvbroker.broker.state_redis_index import RedisPrefixIndex
     from kvbroker.broker.state_redis_leases import RedisLeaseTable
-    from kvbroker.broker.state_redis_notify import FleetNotifier
+    from kvbroker.broker.state_redis_notify import FleetMirrorHub, FleetNotifier
 
     replica = secrets.token_hex(6)
     registry = FleetRegistry(shared, replica)
@@ -195,7 +195,16 @@ def _fleet_core(
     registry.on_resumed = notifier.session_resumed
     leases = RedisLeaseTable(shared, config.ended_lease_history)
     index = RedisPrefixIndex(shared)
-    core = BrokerCore(config, clock=clock, notifier=notifier, index=index, leases=leases, registry=registry)
+    notifier.mirrors = FleetMirrorHub(notifier)
+    core = BrokerCore(
+        config,
+        clock=clock,
+        notifier=notifier,
+        index=index,
+        leases=leases,
+        registry=registry,
+        mirrors=notifier.mirrors,
+    )
     notifier.lease_of = core.leases.get
     log.info("broker replica %s", replica)
     return core, notifier, notifier.follow()

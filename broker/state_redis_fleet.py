@@ -252,7 +252,8 @@ class FleetRegistry(EngineRegistry):
             else:
                 self.forget(rec)
         local = set(self._by_session)
-        for flat in self._state.call(self._claim, args=[self._p, repr(now), limit]):
+        # Another replica's deadlines reach the store up to PUSH_EVERY_S late: wait that out twice.
+        for flat in self._state.call(self._claim, args=[self._p, repr(now - 2 * PUSH_EVERY_S), limit]):
             rec = self._record(self._pairs(flat), now)
             if rec.session_id in local:
                 continue  # ours: our own deadline decides (pushed again next time)

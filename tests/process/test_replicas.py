@@ -5,7 +5,8 @@ different orders so that the holder and the reader sit on different replicas):
 resolve names holders on the other replica, a revocation made through one
 replica reaches the engine on the other, and kill -9 of a replica moves its
 sessions to the other within 2 s, resuming them: same session, leases kept, a
-read released after the failover still commits.
+read released after the failover still commits. A Mirror stream on one
+replica follows index changes made through the other.
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from process_engine_client import engine_info
 from process_harness import child_env
 from test_process_liveness import Timeline
 
 from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.mirror import IndexMirror, follow
 from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.processes import SERVE, BrokerProcess
 from testkit.redis_server import RedisServer, missing_reason, running_redis
+from testkit.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -110,5 +114,39 @@ async def test_kill9_replica_moves_sessions_and_keeps_leases(tmp_path: Path, sto
         assert not d_events.events or all(kind != "revoked" for kind, _, _ in d_events.events)
     finally:
         await asyncio.gather(p.close(), d.close(), return_exceptions=True)
+        a.stop()
+        b.stop()
+
+
+async def test_a_mirror_on_one_replica_follows_engines_on_the_other(
+    tmp_path: Path, store: RedisServer
+) -> None:
+    a, b = replica(tmp_path, store, "a").start(), replica(tmp_path, store, "b").start()
+    p = EngineSession(a.address, engine_info("P"), ttl_ms=5_000)
+    try:
+        await p.start(wait_connected_s=10.0)
+        p.announce_stored((p.layout_id, ""), GPU, BLOCKS[:2])
+        await p.applied()
+        mirror = IndexMirror(p.layout_id)
+        async with grpc.aio.insecure_channel(b.address) as channel:
+            following = asyncio.create_task(follow(mirror, channel))
+            await until(lambda: mirror.synced)
+            snapshot = mirror.resolve("", BLOCKS)
+            assert snapshot is not None and [(m.engine_id, m.matched_blocks) for m in snapshot] == [("P", 2)]
+            # Changes made through a after the snapshot reach b's mirror.
+            p.announce_stored((p.layout_id, ""), GPU, BLOCKS[2:])
+            await p.applied()
+
+            def whole() -> bool:
+                found = mirror.resolve("", BLOCKS)
+                return found is not None and [(m.engine_id, m.matched_blocks) for m in found] == [("P", 5)]
+
+            await until(whole)
+            p.announce_removed((p.layout_id, ""), GPU, BLOCKS[1:2])
+            await p.applied()
+            await until(lambda: [m.matched_blocks for m in mirror.resolve("", BLOCKS) or []] == [1])
+            following.cancel()
+    finally:
+        await p.close()
         a.stop()
         b.stop()

@@ -16,6 +16,12 @@ reader recomputes.
 Deadlines are seconds of the core's clock, which for a shared store must be
 the same on every replica (the broker uses wall-clock time in this mode).
 
+Expiry: `expire_if_due` answers from this replica's copy when that copy is not
+due (no round trip); claim, renew and release check the deadline again inside
+their scripts, so a lease another replica shortened (a claim) and that is now
+due ends there and then, and the next `revoke_expired` reports it so its
+parties are told.
+
 Lease objects are cached per replica (weakly) and refreshed in place from each
 script's answer, so a caller holding a Lease sees its new state, as with the
 in-memory table.
@@ -92,6 +98,10 @@ end
 if f == nil then return {'E', 'unknown'} end
 if f.st > 3 then return {'E', 'ended', unpack(redis.call('HGETALL', key))} end
 local who, now = ARGV[6], tonumber(ARGV[7])
+if op ~= 'activate' and f.dl <= now then
+  expire(p, id, f, history, keep_ms)
+  return {'X', unpack(redis.call('HGETALL', key))}
+end
 if op == 'claim' then
   if f.st ~= 2 then return {'E', 'state', unpack(redis.call('HGETALL', key))} end
   if f.r ~= '' and f.r ~= who then return {'E', 'reader', unpack(redis.call('HGETALL', key))} end
@@ -172,6 +182,7 @@ class RedisLeaseTable:
         self._transition = self._r.register_script(_TRANSITION)
         self._expire_due = self._r.register_script(_EXPIRE_DUE)
         self._cache: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
+        self._expired_here: list[Lease] = []  # expired by a transition's script, reported by revoke_expired
         # Unique across replicas and restarts without a round trip: a random part per process.
         self._prefix = secrets.token_hex(6)
         self._ids = 0
@@ -217,6 +228,10 @@ class RedisLeaseTable:
         answer = self._run(op, lease_id, *args)
         if answer[0] == b"ok":
             return self._lease(answer[1:])
+        if answer[0] == b"X":  # its deadline had passed: the script expired it (told at the next pass)
+            lease = self._lease(answer[1:])
+            self._expired_here.append(lease)
+            raise _refusal(op, "ended", lease, str(args[0]), args)
         code = answer[1].decode()
         if code == "unknown":
             raise _unknown(lease_id)
@@ -294,12 +309,18 @@ class RedisLeaseTable:
         return self._lease(answer[1:]) if answer else None
 
     def expire_if_due(self, lease_id: str, now: float) -> Lease | None:
+        cached = self._cache.get(lease_id)
+        if cached is not None and cached.state.live and cached.deadline > now:
+            # Not due as far as this replica knows; claim, renew and release check the deadline
+            # again in their scripts (another replica's claim may have shortened it).
+            return None
         answer = self._run("expire_if_due", lease_id, repr(now))
         return self._lease(answer[1:]) if answer else None
 
     def revoke_expired(self, now: float, limit: int) -> list[Lease]:
         argv = [self._p, repr(now), limit, self._history, self._keep_ms]
-        return [self._lease(flat) for flat in self._state.call(self._expire_due, args=argv)]
+        ended, self._expired_here = self._expired_here, []
+        return ended + [self._lease(flat) for flat in self._state.call(self._expire_due, args=argv)]
 
     def _many(self, ids: Iterable[bytes | str]) -> list[Lease]:
         pipe = self._r.pipeline(transaction=False)

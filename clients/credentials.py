@@ -184,6 +184,16 @@ def channel_target(address: str) -> str:
     return "ipv4:" + ",".join(resolved)
 
 
+def _authority(address: str, tls: bool = False) -> list[tuple[str, str]]:
+    """Several replicas: every connection names (and with TLS verifies) the first host's name, so
+    one certificate listing the replicas' names serves them all."""
+    if "," not in address:
+        return []
+    host = address.split(",")[0].strip().rpartition(":")[0].strip("[]")
+    options = [("grpc.default_authority", host)]
+    return [*options, ("grpc.ssl_target_name_override", host)] if tls else options
+
+
 def aio_channel(
     address: str, security: ClientSecurity | None, options: Sequence[tuple[str, Any]]
 ) -> grpc.aio.Channel:
@@ -191,9 +201,11 @@ def aio_channel(
     security = security if security is not None else ClientSecurity.from_env()
     if not security.tls:
         security.validate()
-        return grpc.aio.insecure_channel(channel_target(address), options=list(options))
+        return grpc.aio.insecure_channel(channel_target(address), options=[*options, *_authority(address)])
     return grpc.aio.secure_channel(
-        channel_target(address), security.channel_credentials(), options=[*options, *security.options()]
+        channel_target(address),
+        security.channel_credentials(),
+        options=[*options, *_authority(address, tls=True), *security.options()],
     )
 
 
@@ -204,7 +216,9 @@ def sync_channel(
     security = security if security is not None else ClientSecurity.from_env()
     if not security.tls:
         security.validate()
-        return grpc.insecure_channel(channel_target(address), options=list(options))
+        return grpc.insecure_channel(channel_target(address), options=[*options, *_authority(address)])
     return grpc.secure_channel(
-        channel_target(address), security.channel_credentials(), options=[*options, *security.options()]
+        channel_target(address),
+        security.channel_credentials(),
+        options=[*options, *_authority(address, tls=True), *security.options()],
     )

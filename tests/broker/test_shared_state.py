@@ -11,14 +11,17 @@ import grpc
 import pytest
 import redis
 
-from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.errors import FailedPrecondition, InvalidArgument
+from kvbroker.broker.state_redis_leases import RedisLeaseTable
 from kvbroker.common.error_details import STATUS_DETAILS_KEY
+from kvbroker.common.model import LeaseState, Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.broker import running_broker
 from testkit.builders import engine_info
 from testkit.ports import free_port
 from testkit.redis_server import RedisServer
+from tests.broker.helpers import redis_state
 from tests.broker.session_util import RawSession
 
 H = list(range(7000, 7016))
@@ -83,3 +86,29 @@ async def test_store_down_means_unavailable_then_back_to_work(redis_server: Redi
             await p.close()
     finally:
         store.stop()
+
+
+def test_a_deadline_another_replica_shortened_is_enforced_by_the_transition(
+    redis_server: RedisServer,
+) -> None:
+    state = redis_state(redis_server)
+    here, there = RedisLeaseTable(state), RedisLeaseTable(state)
+    ns = Namespace("layout", "")
+    lease = here.create(
+        holder="P",
+        reader="D",
+        namespace=ns,
+        tier=Tier.GPU,
+        block_hashes=[1, 2],
+        block_ids=[3, 4],
+        state=LeaseState.HELD,
+        ttl_s=10.0,
+        deadline=10.0,
+        request_id="",
+    )
+    there.claim(lease.lease_id, "D", 1.0, now=0.0)  # the reader's TTL: due at 1.0
+    assert here.expire_if_due(lease.lease_id, now=2.0) is None  # this replica's copy says 10.0
+    with pytest.raises(FailedPrecondition, match=r"revoked \(ttl_expired\)"):
+        here.release(lease.lease_id, "D", 0, now=2.0)
+    assert here.revoke_expired(now=2.0, limit=10) == [lease]  # reported once, so both sides hear of it
+    assert lease.state is LeaseState.REVOKED and here.revoke_expired(now=3.0, limit=10) == []

@@ -69,6 +69,7 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 		|| echo "redis-server/libibverbs1 not installed: the benchmarks will say which peers they skip"
 	$(BIN)/python -m bench.broker_bench
 	$(BIN)/python -m bench.control_plane
+	$(BIN)/python -m bench.scale
 	$(BIN)/python -m bench.tls
 	$(BIN)/python -m bench.data_path
 	$(BIN)/python -m bench.reclaim

@@ -193,6 +193,12 @@ def _fleet_core(
     registry = FleetRegistry(shared, replica)
     notifier = FleetNotifier(clock, shared, replica)
     registry.on_resumed = notifier.session_resumed
+    registry.on_lost = lambda session_id: notifier.close_session(
+        session_id,
+        "UNAVAILABLE",
+        "the shared state store lost this session; register again",
+        Cause.STATE_UNAVAILABLE,
+    )
     leases = RedisLeaseTable(shared, config.ended_lease_history)
     index = RedisPrefixIndex(shared)
     notifier.mirrors = FleetMirrorHub(notifier)

@@ -69,16 +69,20 @@ return out
 
 # ARGV: prefix, then per session: engine id, session id, deadline, load, draining (0/1).
 # Never revives a session another replica claimed, nor one that moved to another replica.
+# -> the session ids the store no longer has as ours (ended elsewhere, moved, or lost by the store)
 _PUSH = """
 local p = ARGV[1]
+local gone = {}
 for i = 2, #ARGV, 5 do
   local key = p .. 'e:' .. ARGV[i]
   if redis.call('HGET', key, 'sid') == ARGV[i + 1] and redis.call('ZSCORE', p .. 'dl', ARGV[i + 1]) then
     redis.call('ZADD', p .. 'dl', ARGV[i + 2], ARGV[i + 1])
     redis.call('HSET', key, 'load', ARGV[i + 3], 'drain', ARGV[i + 4])
+  else
+    table.insert(gone, ARGV[i + 1])
   end
 end
-return 1
+return gone
 """
 
 PUSH_EVERY_S = 0.25  # how often an owner writes its sessions' deadlines and loads to the store
@@ -98,6 +102,9 @@ class FleetRegistry(EngineRegistry):
         self._claimed: set[str] = set()  # remote sessions this replica claimed to end
         self._pushed = 0.0
         self.on_resumed: Callable[[str], None] = lambda session_id: None
+        # A local session the store does not have (a store restarted empty): end its stream so the
+        # engine registers again and re-announces, rebuilding the shared index.
+        self.on_lost: Callable[[str], None] = lambda session_id: None
 
     # -- the store's records ------------------------------------------------------
 
@@ -274,4 +281,9 @@ class FleetRegistry(EngineRegistry):
         argv: list[Any] = [self._p]
         for rec in self._by_session.values():
             argv += [rec.engine_id, rec.session_id, repr(rec.deadline), repr(rec.load), int(rec.draining)]
-        self._state.call(self._push_script, args=argv)
+        for raw in self._state.call(self._push_script, args=argv):
+            session_id = raw.decode()
+            mine = self._by_session.get(session_id)
+            # A record of another session (moved, superseded): that replica tells us itself.
+            if mine is not None and self._state.call(self._r.exists, self._p + "e:" + mine.engine_id) == 0:
+                self.on_lost(session_id)

@@ -6,12 +6,16 @@ resolve names holders on the other replica, a revocation made through one
 replica reaches the engine on the other, and kill -9 of a replica moves its
 sessions to the other within 2 s, resuming them: same session, leases kept, a
 read released after the failover still commits. A Mirror stream on one
-replica follows index changes made through the other.
+replica follows index changes made through the other. Redis stopped: lease
+calls are UNAVAILABLE (state_unavailable); Redis back empty: the replicas end
+the sessions the store lost, the engines register again and re-announce, and
+the fleet's index is whole again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +26,7 @@ from process_engine_client import engine_info
 from process_harness import child_env
 from test_process_liveness import Timeline
 
+from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.mirror import IndexMirror, follow
 from kvbroker.clients.session import Backoff, EngineSession
@@ -148,5 +153,40 @@ async def test_a_mirror_on_one_replica_follows_engines_on_the_other(
             following.cancel()
     finally:
         await p.close()
+        a.stop()
+        b.stop()
+
+
+async def test_store_restart_refuses_leases_then_the_fleet_rebuilds_its_index(
+    tmp_path: Path, store: RedisServer
+) -> None:
+    a, b = replica(tmp_path, store, "a").start(), replica(tmp_path, store, "b").start()
+    fast = Backoff(initial_s=0.05, max_s=0.5)
+    p = EngineSession(f"{a.address},{b.address}", engine_info("P"), ttl_ms=5_000, backoff=fast)
+    d = EngineSession(f"{b.address},{a.address}", engine_info("D"), ttl_ms=5_000, backoff=fast)
+    try:
+        await p.start(wait_connected_s=10.0)
+        await d.start(wait_connected_s=10.0)
+        p.announce_stored((p.layout_id, ""), GPU, BLOCKS)
+        await p.applied()
+        store.stop()
+        with pytest.raises(errors.Unavailable) as refused:
+            await p.hold((p.layout_id, ""), GPU, BLOCKS, [1, 2, 3, 4, 5], 60_000, reader_engine_id="D")
+        assert refused.value.cause == "state_unavailable"
+        store.start()  # the same port, empty: every session, lease and block is gone from it
+
+        async def rebuilt() -> bool:
+            with contextlib.suppress(errors.BrokerError):
+                found = await d.resolve((d.layout_id, ""), BLOCKS)
+                return [(m.engine_id, m.matched_blocks) for m in found.matches] == [("P", 5)]
+            return False
+
+        await until(rebuilt, timeout=15.0, interval=0.1)
+        assert p.registrations >= 2 and p.registered is not None and not p.registered.resumed
+        held = await p.hold((p.layout_id, ""), GPU, BLOCKS, [1, 2, 3, 4, 5], 60_000, reader_engine_id="D")
+        acquired = await d.acquire(held.lease_id)
+        assert (await d.release(held.lease_id, acquired.lease.epoch)).state == pb.LEASE_RELEASED
+    finally:
+        await asyncio.gather(p.close(), d.close(), return_exceptions=True)
         a.stop()
         b.stop()

@@ -67,17 +67,17 @@ end
 return out
 """
 
-# ARGV: prefix, then per session: engine id, session id, deadline, load, draining (0/1).
+# ARGV: prefix, then per session: engine id, session id, deadline, load, draining (0/1), peer host.
 # Never revives a session another replica claimed, nor one that moved to another replica.
 # -> the session ids the store no longer has as ours (ended elsewhere, moved, or lost by the store)
 _PUSH = """
 local p = ARGV[1]
 local gone = {}
-for i = 2, #ARGV, 5 do
+for i = 2, #ARGV, 6 do
   local key = p .. 'e:' .. ARGV[i]
   if redis.call('HGET', key, 'sid') == ARGV[i + 1] and redis.call('ZSCORE', p .. 'dl', ARGV[i + 1]) then
     redis.call('ZADD', p .. 'dl', ARGV[i + 2], ARGV[i + 1])
-    redis.call('HSET', key, 'load', ARGV[i + 3], 'drain', ARGV[i + 4])
+    redis.call('HSET', key, 'load', ARGV[i + 3], 'drain', ARGV[i + 4], 'host', ARGV[i + 5])
   else
     table.insert(gone, ARGV[i + 1])
   end
@@ -147,6 +147,7 @@ class FleetRegistry(EngineRegistry):
             load=float(fields.get(b"load", info.load)),
             draining=fields.get(b"drain", b"0") == b"1" or info.draining,
             ranks_version=int(fields[b"rv"]),
+            peer_host=fields.get(b"host", b"").decode(),  # a unary call from the engine's host acts as it
         )
 
     def _remote(self, engine_id: str) -> EngineRecord | None:
@@ -281,6 +282,7 @@ class FleetRegistry(EngineRegistry):
         argv: list[Any] = [self._p]
         for rec in self._by_session.values():
             argv += [rec.engine_id, rec.session_id, repr(rec.deadline), repr(rec.load), int(rec.draining)]
+            argv.append(rec.peer_host)
         for raw in self._state.call(self._push_script, args=argv):
             session_id = raw.decode()
             mine = self._by_session.get(session_id)

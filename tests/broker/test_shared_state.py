@@ -1,7 +1,7 @@
 """`--state redis://...`: what the shared store adds beyond the contract suites (which run the
 same API tests on both backends): a bad URL is refused at start, a store that stops answering
-turns lease calls into UNAVAILABLE (state_unavailable) without crashing the broker, and the
-broker works again once the store is back."""
+turns lease calls into UNAVAILABLE (state_unavailable) without crashing the broker, a store
+back empty ends the sessions it lost (engines register again), and the broker works again."""
 
 from __future__ import annotations
 
@@ -80,6 +80,14 @@ async def test_store_down_means_unavailable_then_back_to_work(redis_server: Redi
                 await stub.Release(pb.ReleaseRequest(lease_id=held.lease.lease_id, reader_engine_id="D"))
             assert exc.value.code() == grpc.StatusCode.NOT_FOUND
             assert "recompute" in (exc.value.details() or "")
+            # The store lost P's session too: the broker ends its stream so that P registers
+            # again and re-announces (which rebuilds the index); then P holds again.
+            error = (await p.read_kind("error")).error
+            assert (error.code, error.cause) == ("UNAVAILABLE", "state_unavailable")
+            p = RawSession(stub)
+            await p.register(engine_info("P"), 60_000)
+            await p.announce(ns, pb.TIER_GPU, H)
+            await p.applied()
             again = await stub.Hold(_hold(ns, "after"))
             assert again.lease.state == pb.LEASE_HELD
             assert redis.Redis.from_url(store.url).exists(f"kvb:{{leases}}:l:{again.lease.lease_id}")

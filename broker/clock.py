@@ -20,3 +20,11 @@ class Clock(Protocol):
 class MonotonicClock:
     def now(self) -> float:
         return time.monotonic()
+
+
+class WallClock:
+    """Wall-clock seconds, for state shared through Redis: deadlines written by one broker
+    process are read by others, so they need a scale every host agrees on (NTP-synced)."""
+
+    def now(self) -> float:
+        return time.time()

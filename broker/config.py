@@ -109,6 +109,13 @@ class BrokerConfig:
         "$OTEL_EXPORTER_OTLP_ENDPOINT; empty = no OTLP export); protocol, exporter and service name "
         "follow OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_TRACES_EXPORTER and OTEL_SERVICE_NAME",
     )
+    state: str = setting(
+        "",
+        "where the broker keeps its state: empty = in this process (the default); redis://HOST:PORT[/DB] "
+        "or rediss://HOST:PORT (TLS) = a shared Redis or Valkey: leases and the prefix index live there "
+        "(docs/scale.md)",
+    )
+    state_prefix: str = setting("kvb", "key prefix in the --state store (brokers of one fleet share it)")
     shutdown_grace_s: float = setting(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 

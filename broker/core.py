@@ -41,12 +41,14 @@ class BrokerCore:
         notifier: Notifier | None = None,
         index: PrefixIndex | None = None,
         leases: LeaseTable | None = None,
+        registry: EngineRegistry | None = None,
+        mirrors: MirrorHub | None = None,
     ) -> None:
         self.config = config or BrokerConfig()
         self.check = Checks(self.config)
         self.clock = clock or MonotonicClock()
         self.notifier: Notifier = notifier or NullNotifier()
-        self.mirrors = MirrorHub()
+        self.mirrors = mirrors or MirrorHub()
         # Watch and mirror events come from these wrappers as they change (see observed.py).
         publish = Publisher(self.notifier, self.mirrors)
         self.index = ObservedIndex(index or CompactPrefixIndex(), publish)
@@ -55,7 +57,7 @@ class BrokerCore:
             or InMemoryLeaseTable(self.config.ended_lease_history, self.config.ended_lease_history_blocks),
             publish,
         )
-        self.registry = ObservedRegistry(EngineRegistry(), publish)
+        self.registry = ObservedRegistry(EngineRegistry() if registry is None else registry, publish)
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total = 0
         self.declines = DeclineBook()
@@ -64,10 +66,17 @@ class BrokerCore:
 
     # -- sessions ------------------------------------------------------------------
 
-    def register(self, info: pb.EngineInfo, session_ttl_ms: int, expected_ranks: int = 0) -> EngineRecord:
-        """Open a session. An engine id whose old session is alive ends that session first."""
+    def register(
+        self, info: pb.EngineInfo, session_ttl_ms: int, expected_ranks: int = 0, resume_session_id: str = ""
+    ) -> EngineRecord:
+        """Open a session; an engine id whose old session is alive ends that session first. With
+        shared state, a resume_session_id naming the engine's live session resumes it (leases kept)."""
         ttl_s = self.check.session_ttl_s(session_ttl_ms)
         self.check.engine(info)
+        if resume_session_id:
+            self.check.ident(resume_session_id, "resume_session_id")
+            if rec := self.registry.resume(info, resume_session_id, ttl_s, expected_ranks, self.clock.now()):
+                return rec
         old = self.registry.find(info.engine_id) if info.engine_id else None
         if old is not None:
             EngineRegistry.validate(info)  # a bad registration must not end a good session
@@ -83,6 +92,9 @@ class BrokerCore:
         try:
             rec = self.registry.by_session(session_id)
         except NotFound:
+            return
+        if not code and not self.registry.owns(rec):
+            self.registry.forget(rec)  # shared state: it moved to another replica; only our stream went
             return
         with self.registry.removing(rec, message or "session ended"):
             self.index.drop_holder(rec.engine_id)

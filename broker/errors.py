@@ -102,6 +102,12 @@ class QuotaExceeded(ResourceExhausted):
     default_cause = Cause.QUOTA_EXCEEDED
 
 
+class Unavailable(BrokerError):
+    """The shared state store (Redis/Valkey) did not answer; nothing changed, retrying may work."""
+
+    default_cause = Cause.STATE_UNAVAILABLE
+
+
 class Unauthenticated(BrokerError):
     """The call has no credential the broker accepts."""
 

@@ -26,7 +26,7 @@ from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)  # weakly cached by the Redis table
 class Lease:
     lease_id: str
     holder: str

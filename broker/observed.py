@@ -262,6 +262,20 @@ class ObservedRegistry:
     def expired(self, now: float, limit: int) -> list[EngineRecord]:
         return self._registry.expired(now, limit)
 
+    def resume(
+        self, info: pb.EngineInfo, session_id: str, ttl_s: float, expected_ranks: int, now: float
+    ) -> EngineRecord | None:
+        rec = self._registry.resume(info, session_id, ttl_s, expected_ranks, now)
+        if rec is not None:
+            self._publish.watch(ENGINE, "engine_resumed", engine_id=rec.engine_id, detail=rec.layout_id)
+        return rec
+
+    def owns(self, rec: EngineRecord) -> bool:
+        return self._registry.owns(rec)
+
+    def forget(self, rec: EngineRecord) -> None:
+        self._registry.forget(rec)
+
     def extend_sessions(self, seconds: float) -> None:
         self._registry.extend_sessions(seconds)
 

@@ -179,6 +179,22 @@ class EngineRegistry:
         if not any(e.layout_id == rec.layout_id for e in self._engines.values()):
             self._fingerprints.pop(rec.layout_id, None)
 
+    # -- shared state (the in-memory registry: one broker owns every session) ---------
+
+    def resume(
+        self, info: pb.EngineInfo, session_id: str, ttl_s: float, expected_ranks: int, now: float
+    ) -> EngineRecord | None:
+        """Take over `session_id` of `info.engine_id` from another replica; None: cannot (register anew)."""
+        return None
+
+    def owns(self, rec: EngineRecord) -> bool:
+        """Whether ending this session here is this broker's call (False: it moved away)."""
+        return True
+
+    def forget(self, rec: EngineRecord) -> None:
+        """Drop the local record of a session that moved away, leaving its state alone."""
+        self.remove(rec)
+
     def expired(self, now: float, limit: int) -> list[EngineRecord]:
         """Records whose session deadline passed (they stay registered until the caller removes them)."""
         out: list[EngineRecord] = []

@@ -10,10 +10,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import sys
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,12 +25,12 @@ from prometheus_client import CollectorRegistry
 
 from kvbroker.broker.auth import AuthInterceptor
 from kvbroker.broker.channels import StreamNotifier
-from kvbroker.broker.clock import Clock, MonotonicClock
+from kvbroker.broker.clock import Clock, MonotonicClock, WallClock
 from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.decode_guard import DecodeGuardInterceptor
-from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.errors import InvalidArgument, Unavailable
 from kvbroker.broker.identity import Authenticator, TokenTable
 from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
 from kvbroker.broker.quotas import Quotas
@@ -41,6 +43,9 @@ from kvbroker.common.causes import Cause
 from kvbroker.common.telemetry import TelemetryError
 from kvbroker.common.version import version
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvbroker.broker.state_redis_conn import RedisState
 
 log = logging.getLogger("kvbroker")
 
@@ -62,6 +67,7 @@ class RunningServer:
     guard: TenantGuard | None = None  # identities' engines and tenants (None: no authentication)
     _expiry_task: asyncio.Task[None] | None = None
     _extras: list[Any] = field(default_factory=list)  # metrics http server, tracer provider
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)  # the fleet channel (shared state)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting, close sessions (engines re-register elsewhere), finish in-flight calls.
@@ -76,10 +82,11 @@ class RunningServer:
             "UNAVAILABLE", "broker is shutting down; reconnect and register again", Cause.SHUTTING_DOWN
         )
         self.core.mirrors.close_all("broker is shutting down; reconnect for a fresh snapshot")
-        if self._expiry_task is not None:
-            self._expiry_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry_task
+        for task in [self._expiry_task, *self._tasks]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.server.stop(grace)
         for extra in self._extras:
             extra.shutdown()
@@ -91,6 +98,7 @@ STALL_S = 0.25
 
 async def _expiry_loop(core: BrokerCore) -> None:
     interval = core.config.expiry_interval_ms / 1000
+    warned = float("-inf")
     while True:
         before = core.clock.now()
         await asyncio.sleep(interval)
@@ -101,7 +109,14 @@ async def _expiry_loop(core: BrokerCore) -> None:
                 stalled,
             )
             core.forgive_stall(stalled)
-        core.expire()
+        try:
+            core.expire()
+        except Unavailable as err:
+            # The shared store is away: nothing can expire meanwhile; the pass after it is back does it.
+            now = core.clock.now()
+            if now - warned >= 5.0:
+                log.warning("expiry pass skipped: %s", err.message)
+                warned = now
 
 
 def _public_address(address: str, port: int) -> str:
@@ -146,6 +161,61 @@ def _listen(
     return server.add_secure_port(address, creds), files
 
 
+def _shared_state(config: BrokerConfig) -> RedisState | None:
+    """The Redis/Valkey store of `--state`, checked to answer (None: state in this process)."""
+    if not config.state:
+        return None
+    try:
+        from kvbroker.broker.state_redis_conn import RedisState
+    except ImportError:
+        raise InvalidArgument(
+            "--state needs the redis client library: pip install 'kvbroker[redis]'"
+        ) from None
+    state = RedisState(config.state, config.state_prefix)
+    try:
+        state.ping()
+    except Unavailable as err:
+        raise InvalidArgument(f"--state: {err.message}") from None
+    log.info("state in %s (key prefix %r)", config.state.split("@")[-1], config.state_prefix)
+    return state
+
+
+def _fleet_core(
+    config: BrokerConfig, clock: Clock, shared: RedisState
+) -> tuple[BrokerCore, StreamNotifier, Coroutine[Any, Any, None]]:
+    """A core whose registry, leases and index live in the shared store, as one replica of a fleet."""
+    from kvbroker.broker.state_redis_fleet import FleetRegistry
+    from kvbroker.broker.state_redis_index import RedisPrefixIndex
+    from kvbroker.broker.state_redis_leases import RedisLeaseTable
+    from kvbroker.broker.state_redis_notify import FleetMirrorHub, FleetNotifier
+
+    replica = secrets.token_hex(6)
+    registry = FleetRegistry(shared, replica)
+    notifier = FleetNotifier(clock, shared, replica)
+    registry.on_resumed = notifier.session_resumed
+    registry.on_lost = lambda session_id: notifier.close_session(
+        session_id,
+        "UNAVAILABLE",
+        "the shared state store lost this session; register again",
+        Cause.STATE_UNAVAILABLE,
+    )
+    leases = RedisLeaseTable(shared, config.ended_lease_history)
+    index = RedisPrefixIndex(shared)
+    notifier.mirrors = FleetMirrorHub(notifier)
+    core = BrokerCore(
+        config,
+        clock=clock,
+        notifier=notifier,
+        index=index,
+        leases=leases,
+        registry=registry,
+        mirrors=notifier.mirrors,
+    )
+    notifier.lease_of = core.leases.get
+    log.info("broker replica %s", replica)
+    return core, notifier, notifier.follow()
+
+
 async def start_server(
     config: BrokerConfig,
     clock: Clock | None = None,
@@ -161,9 +231,15 @@ async def start_server(
     config.validate()
     security = security or SecurityConfig()
     security.validate(config.address)
-    clock = clock or MonotonicClock()
-    notifier = StreamNotifier(clock)
-    core = BrokerCore(config, clock=clock, notifier=notifier)
+    shared = _shared_state(config)
+    clock = clock or (WallClock() if shared is not None else MonotonicClock())
+    tasks: list[asyncio.Task[None]] = []
+    if shared is None:
+        notifier = StreamNotifier(clock)
+        core = BrokerCore(config, clock=clock, notifier=notifier)
+    else:
+        core, notifier, follow = _fleet_core(config, clock, shared)
+        tasks.append(asyncio.create_task(follow, name="kvbroker-fleet-channel"))
     servicer = BrokerServicer(core, notifier)
 
     # Outermost first: metrics and spans see the INVALID_ARGUMENT of a malformed request too.
@@ -234,6 +310,7 @@ async def start_server(
         _extras=extras,
     )
     running._expiry_task = asyncio.create_task(_expiry_loop(core), name="kvbroker-expiry")
+    running._tasks = tasks
     return running
 
 

@@ -106,7 +106,9 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             )
         reg = first.register
         try:
-            rec = self.core.register(reg.engine, reg.session_ttl_ms, reg.expected_ranks)
+            rec = self.core.register(
+                reg.engine, reg.session_ttl_ms, reg.expected_ranks, reg.resume_session_id
+            )
         except BrokerError as err:
             await _abort(context, err)
             return
@@ -122,6 +124,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                     layout_id=rec.layout_id,
                     session_ttl_ms=ttl_ms,
                     heartbeat_interval_ms=max(1, ttl_ms // 3),
+                    resumed=bool(reg.resume_session_id) and rec.session_id == reg.resume_session_id,
                 ),
             )
         )

@@ -27,6 +27,7 @@ STATUS_OF_ERROR: dict[type[errors.BrokerError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 

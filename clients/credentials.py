@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -161,6 +162,38 @@ class TokenFile(grpc.AuthMetadataPlugin):
             callback((), err)
 
 
+def channel_target(address: str) -> str:
+    """The gRPC target for `address`: `host:port` as it is; several, comma separated
+    (`host1:port1,host2:port2`: replicas of a broker fleet sharing state), one target over
+    all of them, resolved to IPv4 addresses now. The channel uses the first that answers and
+    moves on when it goes away. (One DNS name with a record per replica works too, as is.)
+    """
+    parts = [part.strip() for part in address.split(",") if part.strip()]
+    if len(parts) < 2:
+        return address
+    resolved: list[str] = []
+    for part in parts:
+        host, sep, port = part.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"broker address {part!r} in {address!r} is not host:port")
+        try:
+            infos = socket.getaddrinfo(host.strip("[]"), int(port), socket.AF_INET, socket.SOCK_STREAM)
+        except OSError as err:
+            raise ValueError(f"cannot resolve broker address {part!r} to an IPv4 address: {err}") from None
+        resolved += [f"{info[4][0]}:{port}" for info in infos[:1]]
+    return "ipv4:" + ",".join(resolved)
+
+
+def _authority(address: str, tls: bool = False) -> list[tuple[str, str]]:
+    """Several replicas: every connection names (and with TLS verifies) the first host's name, so
+    one certificate listing the replicas' names serves them all."""
+    if "," not in address:
+        return []
+    host = address.split(",")[0].strip().rpartition(":")[0].strip("[]")
+    options = [("grpc.default_authority", host)]
+    return [*options, ("grpc.ssl_target_name_override", host)] if tls else options
+
+
 def aio_channel(
     address: str, security: ClientSecurity | None, options: Sequence[tuple[str, Any]]
 ) -> grpc.aio.Channel:
@@ -168,9 +201,11 @@ def aio_channel(
     security = security if security is not None else ClientSecurity.from_env()
     if not security.tls:
         security.validate()
-        return grpc.aio.insecure_channel(address, options=list(options))
+        return grpc.aio.insecure_channel(channel_target(address), options=[*options, *_authority(address)])
     return grpc.aio.secure_channel(
-        address, security.channel_credentials(), options=[*options, *security.options()]
+        channel_target(address),
+        security.channel_credentials(),
+        options=[*options, *_authority(address, tls=True), *security.options()],
     )
 
 
@@ -181,7 +216,9 @@ def sync_channel(
     security = security if security is not None else ClientSecurity.from_env()
     if not security.tls:
         security.validate()
-        return grpc.insecure_channel(address, options=list(options))
+        return grpc.insecure_channel(channel_target(address), options=[*options, *_authority(address)])
     return grpc.secure_channel(
-        address, security.channel_credentials(), options=[*options, *security.options()]
+        channel_target(address),
+        security.channel_credentials(),
+        options=[*options, *_authority(address, tls=True), *security.options()],
     )

@@ -377,7 +377,10 @@ class EngineSession(SessionStream):
         # Changes announced before the first registration named no layout yet.
         self.inventory.adopt_layout(registered.layout_id)
         # The broker's view is rebuilt from the mirror before anything else is sent.
-        for update in self.inventory.full_sync_updates(self.max_hashes_per_update):
+        # A resumed session (another replica of a shared-state fleet) kept its blocks and leases:
+        # re-announce without clearing, as a clear would revoke the leases on our blocks.
+        clear = not registered.resumed
+        for update in self.inventory.full_sync_updates(self.max_hashes_per_update, clear=clear):
             outbox.put_nowait(pb.SessionUp(inventory=update))
 
     def _on_serving(self, registered: pb.Registered) -> None:

@@ -143,19 +143,32 @@ class InventoryMirror:
         self._tier_clears.clear()
         return updates
 
-    def full_sync_updates(self, max_hashes: int = DEFAULT_MAX_HASHES_PER_UPDATE) -> list[pb.InventoryUpdate]:
+    def full_sync_updates(
+        self, max_hashes: int = DEFAULT_MAX_HASHES_PER_UPDATE, clear: bool = True
+    ) -> list[pb.InventoryUpdate]:
         """Messages that replace the broker's view with the whole mirror; clears pending changes.
 
         Each tier starts with a clear_all, so a broker that kept old state for
-        this engine drops it first.
+        this engine drops it first; without `clear` (a resumed session) they only
+        add: a block the broker still names but we dropped is refused at its pin.
         """
         keys = [k for k in self.keys() if self._held.get(k)]
         tiers: dict[int, tuple[str, str]] = {}
         for layout_id, tenant, tier in keys:
             tiers.setdefault(tier, (layout_id, tenant))
+        if not clear:  # only the tier clears the broker has not heard yet
+            tiers = dict(self._tier_clears)
         updates = [_clear_update(ns, tier) for tier, ns in sorted(tiers.items())]
         for key in keys:
-            updates.extend(_chunked_updates(key, _PendingChanges(stored=set(self._held[key])), max_hashes))
+            gone = set() if clear or key not in self._pending else set(self._pending[key].removed)
+            changes = _PendingChanges(stored=set(self._held[key]), removed=gone)
+            updates.extend(_chunked_updates(key, changes, max_hashes))
+        if not clear:  # removals the broker may not have heard, of keys we no longer hold at all
+            for key, pending in self._pending.items():
+                if key not in keys and pending.removed:
+                    updates.extend(
+                        _chunked_updates(key, _PendingChanges(removed=set(pending.removed)), max_hashes)
+                    )
         self._pending.clear()
         self._tier_clears.clear()
         return updates

@@ -10,9 +10,9 @@
   supersedes the old session and ends its leases, so waiting out a broker that
   was only starved is the cheaper mistake. Time this process itself did not
   run (a timer firing late) is not counted as the broker's silence;
-- reconnects with exponential back-off and jitter (``Backoff``), and
-  registers again; heartbeats, silence, stalls and back-off all go by one
-  injected clock (``kvbroker.clients.clock``);
+- reconnects with back-off and jitter (``Backoff``) and registers again, asking
+  to resume the session (replicas of a shared-state broker fleet do); one
+  injected clock (``kvbroker.clients.clock``) times all of it;
 - matches replies to requests by sequence number (``_request``), and offers
   a barrier (``_barrier``): the broker handles one session's stream in order,
   so the acknowledgement of a heartbeat proves every earlier message handled;
@@ -65,9 +65,8 @@ class _GaveUp(Exception):
 class SessionStream:
     """One engine's session stream, kept alive by itself; the transport under ``EngineSession``.
 
-    Callbacks may be plain functions or coroutines; they run on the session's
-    loop and must not block it. An exception in a callback is logged and never
-    ends the session.
+    Callbacks may be plain functions or coroutines, run on the session's loop (never
+    block it); one that raises is logged and never ends the session.
     """
 
     def __init__(
@@ -310,6 +309,7 @@ class SessionStream:
         register = pb.Register(
             engine=self.engine, session_ttl_ms=self.ttl_ms, expected_ranks=self.expected_ranks
         )
+        register.resume_session_id = self.registered.session_id if self.registered else ""  # shared state
         try:
             await call.write(pb.SessionUp(seq=self._seq, register=register))
             reply = await asyncio.wait_for(call.read(), self.register_timeout_s)

@@ -58,6 +58,7 @@ class Cause(StrEnum):
     SESSION_SUPERSEDED = "session_superseded"
     SESSION_EXPIRED = "session_expired"
     SHUTTING_DOWN = "shutting_down"
+    STATE_UNAVAILABLE = "state_unavailable"
     TOO_MANY_WATCHERS = "too_many_watchers"
     WATCHER_BEHIND = "watcher_behind"
     TOO_MANY_MIRRORS = "too_many_mirrors"
@@ -198,6 +199,11 @@ CAUSES: dict[Cause, CauseInfo] = {
         "UNAVAILABLE",
         "the broker is stopping; the stream ends",
         "reconnect (to it when it is back, or to another broker) and register or subscribe again",
+    ),
+    Cause.STATE_UNAVAILABLE: CauseInfo(
+        "UNAVAILABLE",
+        "the broker's shared state store (Redis/Valkey, --state) does not answer; nothing was changed",
+        "retry, on this broker or another replica (clients do); engines recompute meanwhile",
     ),
     Cause.TOO_MANY_WATCHERS: CauseInfo(
         "RESOURCE_EXHAUSTED",

@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--name",
         action="append",
-        help="a name of the broker's certificate (repeatable; default: broker, localhost)",
+        help="a name of the broker's certificate (repeatable; default: broker, broker-a, broker-b, localhost)",
     )
     args = parser.parse_args(argv)
-    names = tuple(args.name or ("broker", *LOCAL_NAMES))
+    names = tuple(args.name or ("broker", "broker-a", "broker-b", *LOCAL_NAMES))
     ca = CertificateAuthority.create(args.folder)
     ca.server("broker", names)
     identities = {

@@ -1,17 +1,35 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
 
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.broker import RunningServer, running_broker
+from testkit.redis_server import RedisServer, missing_reason, running_redis
 
 
-@pytest.fixture
-async def broker() -> AsyncIterator[RunningServer]:
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server for the session's tests (each test uses its own key prefix)."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(params=["in-memory", "redis"])
+async def broker(request: pytest.FixtureRequest) -> AsyncIterator[RunningServer]:
+    """A real broker with its state in process, and one with its state in a real redis-server."""
+    state: dict[str, str] = {}
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        state = {"state": server.url, "state_prefix": f"t{secrets.token_hex(4)}"}
     async with running_broker(
+        **state,
         session_ttl_min_ms=100,
         pin_timeout_ms=5000,
         max_hashes=1024,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.leases import Lease
+from kvbroker.broker.state_redis_conn import RedisState
 from testkit.clock import FakeClock
+from testkit.redis_server import RedisServer
 
 
 @dataclass
@@ -60,3 +63,8 @@ def make_core(**config: object) -> tuple[BrokerCore, FakeClock, RecordingNotifie
     notifier = RecordingNotifier()
     cfg = BrokerConfig(**config)  # type: ignore[arg-type]
     return BrokerCore(cfg, clock=clock, notifier=notifier), clock, notifier
+
+
+def redis_state(server: RedisServer) -> RedisState:
+    """A RedisState on a real redis-server, under a key prefix of its own (tests share the server)."""
+    return RedisState(server.url, prefix=f"t{secrets.token_hex(4)}")

@@ -1,4 +1,4 @@
-"""The PrefixIndex contract: every backend must pass these (today: the in-memory one)."""
+"""The PrefixIndex contract: every backend must pass these (in-memory, and Redis)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,16 @@ from collections.abc import Callable
 
 import pytest
 
+from kvbroker.broker.state_redis_index import RedisPrefixIndex
 from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
 from kvbroker.common.model import Namespace, Tier
+from tests.broker.helpers import redis_state
 
-BACKENDS: dict[str, Callable[[], PrefixIndex]] = {"compact-in-memory": CompactPrefixIndex}
+BACKENDS: dict[str, Callable[[pytest.FixtureRequest], PrefixIndex]] = {
+    "compact-in-memory": lambda _: CompactPrefixIndex(),
+    # A real redis-server started by the tests (skipped, with the reason, where none can run).
+    "redis": lambda request: RedisPrefixIndex(redis_state(request.getfixturevalue("redis_server"))),
+}
 NS = Namespace("layout-a", "")
 OTHER = Namespace("layout-a", "tenant-2")
 _RND = random.Random(1)
@@ -19,7 +25,7 @@ H = [_RND.getrandbits(64) for _ in range(64)]
 
 @pytest.fixture(params=list(BACKENDS))
 def index(request: pytest.FixtureRequest) -> PrefixIndex:
-    return BACKENDS[request.param]()
+    return BACKENDS[request.param](request)
 
 
 def prefixes(index: PrefixIndex, hashes: list[int], ns: Namespace = NS) -> set[tuple[str, Tier, int]]:

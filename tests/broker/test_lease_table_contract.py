@@ -1,4 +1,4 @@
-"""The LeaseTable contract: every backend must pass these (today: the in-memory one)."""
+"""The LeaseTable contract: every backend must pass these (in-memory, and Redis)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,21 @@ import pytest
 
 from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable
+from kvbroker.broker.state_redis_leases import RedisLeaseTable
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
+from tests.broker.helpers import redis_state
 
-BACKENDS: dict[str, Callable[[], LeaseTable]] = {"in-memory": lambda: InMemoryLeaseTable(history=4)}
+BACKENDS: dict[str, Callable[[pytest.FixtureRequest], LeaseTable]] = {
+    "in-memory": lambda _: InMemoryLeaseTable(history=4),
+    # A real redis-server started by the tests (skipped, with the reason, where none can run).
+    "redis": lambda request: RedisLeaseTable(redis_state(request.getfixturevalue("redis_server")), history=4),
+}
 NS = Namespace("layout", "")
 
 
 @pytest.fixture(params=list(BACKENDS))
 def table(request: pytest.FixtureRequest) -> LeaseTable:
-    return BACKENDS[request.param]()
+    return BACKENDS[request.param](request)
 
 
 def hold(table: LeaseTable, reader: str = "", ttl: float = 10.0, now: float = 0.0) -> Lease:

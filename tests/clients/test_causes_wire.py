@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,6 +29,7 @@ from kvbroker.common.causes import CAUSES, Cause
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.broker import RunningServer, running_broker
+from testkit.redis_server import missing_reason, running_redis
 from testkit.waiting import until
 from tests.broker.session_util import RawSession
 from tests.clients.conftest import make_engine_info
@@ -321,6 +324,20 @@ async def _shutting_down(w: World) -> errors.BrokerError:
         watch_err = await refused(waiting)
         assert (type(watch_err), watch_err.cause) == (type(session_err), session_err.cause)
         return session_err
+
+
+@scenario(Cause.STATE_UNAVAILABLE)
+async def _state_unavailable(w: World) -> errors.BrokerError:
+    if missing_reason():
+        pytest.skip(missing_reason())
+    with tempfile.TemporaryDirectory() as workdir, running_redis(Path(workdir)) as store:
+        other = await w.start_broker(state=store.url)
+        async with AsyncBrokerClient(other.address) as client:
+            ns = pb.Namespace(layout_id="L")
+            store.stop()  # the shared store goes away: the broker records nothing, says so
+            return await refused(
+                client.hold(holder_engine_id="E", namespace=ns, tier=GPU, block_hashes=[1], block_ids=[1])
+            )
 
 
 @scenario(Cause.TOO_MANY_WATCHERS)

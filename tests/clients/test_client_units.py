@@ -255,3 +255,17 @@ def test_mirror_keeps_the_broker_equal_to_what_the_engine_holds(ops: list) -> No
     for key in keys:
         assert broker.get(key, set()) == held[key]
         assert mirror.held(key) == held[key]
+
+
+def test_several_broker_addresses_make_one_target_over_all_replicas() -> None:
+    from kvbroker.clients.credentials import _authority, channel_target
+
+    assert channel_target("localhost:50051") == "localhost:50051"  # one address: as given
+    assert channel_target("127.0.0.1:1,localhost:2") == "ipv4:127.0.0.1:1,127.0.0.1:2"
+    assert _authority("localhost:50051") == []
+    assert _authority("broker-a:1,broker-b:1", tls=True) == [
+        ("grpc.default_authority", "broker-a"),
+        ("grpc.ssl_target_name_override", "broker-a"),
+    ]
+    with pytest.raises(ValueError, match="not host:port"):
+        channel_target("127.0.0.1:1,nohost")

@@ -38,9 +38,15 @@ def _load() -> dict:
 
 def test_services_are_wired_with_health_checks() -> None:
     services = _load()["services"]
-    assert set(services) == {"broker", "prefill", "decode", "proxy", "otel-collector", "jaeger"}
-    for name in ("broker", "prefill", "decode", "proxy"):
+    replicas = {"valkey", "broker-a", "broker-b"}  # the `redis` profile
+    assert set(services) == {"broker", "prefill", "decode", "proxy", "otel-collector", "jaeger", *replicas}
+    for name in ("broker", "prefill", "decode", "proxy", *replicas):
         assert "test" in services[name]["healthcheck"], name
+    for name in replicas:
+        assert services[name]["profiles"] == ["redis"], name
+    for name in ("broker-a", "broker-b"):
+        assert services[name]["environment"]["KVBROKER_STATE"] == "redis://valkey:6379/0"
+        assert services[name]["depends_on"]["valkey"]["condition"] == "service_healthy"
     assert services["proxy"]["depends_on"]["decode"]["condition"] == "service_healthy"
     assert services["prefill"]["depends_on"]["broker"]["condition"] == "service_healthy"
     for name in ("broker", "prefill", "decode", "proxy"):

@@ -34,6 +34,7 @@ Causes are stable lowercase words; a new one may be added, none is renamed:
                   layout_mismatch, incompatible, draining
   requests        bad_request, out_of_range
   streams ended   session_superseded, session_expired, shutting_down,
+                  state_unavailable,
                   too_many_watchers, watcher_behind, too_many_mirrors,
                   limit_reached, register_timeout, not_session_owner
   who is calling  unauthenticated, role_denied, other_tenant, not_yours,
@@ -451,10 +452,18 @@ class Register(_message.Message):
     ENGINE_FIELD_NUMBER: _builtins.int
     SESSION_TTL_MS_FIELD_NUMBER: _builtins.int
     EXPECTED_RANKS_FIELD_NUMBER: _builtins.int
+    RESUME_SESSION_ID_FIELD_NUMBER: _builtins.int
     session_ttl_ms: _builtins.int
     """requested; 0 = broker default"""
     expected_ranks: _builtins.int
     """ranks that will call RegisterRank (0 = those in engine.ranks)"""
+    resume_session_id: _builtins.str
+    """The session this engine had before its stream broke (Registered.session_id).
+    A broker with shared state (--state) resumes it when it is still alive in
+    the store: same session id, leases and index entries kept (the engine
+    moved to another replica). Otherwise (and on an in-memory broker) ignored:
+    a new session starts, and an older one of the engine id ends first.
+    """
     @_builtins.property
     def engine(self) -> Global___EngineInfo: ...
     def __init__(
@@ -463,10 +472,11 @@ class Register(_message.Message):
         engine: Global___EngineInfo | None = ...,
         session_ttl_ms: _builtins.int = ...,
         expected_ranks: _builtins.int = ...,
+        resume_session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "expected_ranks", b"expected_ranks", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "expected_ranks", b"expected_ranks", "resume_session_id", b"resume_session_id", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -793,10 +803,13 @@ class Registered(_message.Message):
     LAYOUT_ID_FIELD_NUMBER: _builtins.int
     SESSION_TTL_MS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     layout_id: _builtins.str
     session_ttl_ms: _builtins.int
     heartbeat_interval_ms: _builtins.int
+    resumed: _builtins.bool
+    """Register.resume_session_id was resumed: leases and blocks kept"""
     def __init__(
         self,
         *,
@@ -804,10 +817,11 @@ class Registered(_message.Message):
         layout_id: _builtins.str = ...,
         session_ttl_ms: _builtins.int = ...,
         heartbeat_interval_ms: _builtins.int = ...,
+        resumed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "layout_id", b"layout_id", "session_id", b"session_id", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "layout_id", b"layout_id", "resumed", b"resumed", "session_id", b"session_id", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,6 +34,7 @@ Causes are stable lowercase words; a new one may be added, none is renamed:
                   layout_mismatch, incompatible, draining
   requests        bad_request, out_of_range
   streams ended   session_superseded, session_expired, shutting_down,
+                  state_unavailable,
                   too_many_watchers, watcher_behind, too_many_mirrors,
                   limit_reached, register_timeout, not_session_owner
   who is calling  unauthenticated, role_denied, other_tenant, not_yours,

@@ -1,0 +1,237 @@
+"""Scale-out side by side, in one run: one in-memory broker against 1 and 2 replicas over one Redis.
+
+Starts everything on loopback: a private redis-server (Debian's binary) and
+`kvbroker serve` processes (`--state redis://...` for the replicas). On each
+setup the same workload, through real engine sessions (Python clients):
+
+- inventory: a holder announces BLOCKS blocks (64-block chains); blocks/s, and
+  memory per indexed block (in-memory: the broker's RSS growth; Redis: its
+  used_memory growth);
+- resolve over the session stream (the path without a mirror): a reader asks
+  for a held 64-block chain, one at a time; p50/p99;
+- leases: hold (holder) + acquire + release (reader), one cycle at a time;
+  cycles/s, and CPU seconds per cycle in the broker processes and in Redis
+  (from /proc);
+- failover (2 replicas): kill -9 the holder's replica; time until its session
+  is resumed on the other one.
+
+With 2 replicas the holder and the reader are on different replicas, so every
+lease crosses them. This machine's cores are shared by clients and servers:
+capacity beyond it is projected from CPU per operation (docs/scale.md).
+
+    python -m bench.scale            # BLOCKS=200000
+    python -m bench.scale --quick    # smaller, ~1 minute
+
+Writes bench/results/scale.json (scale-quick.json with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from bench.common import cpu_seconds, format_table, load_note, log, rss_bytes, write_json
+from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.builders import engine_info
+from testkit.processes import SERVE, BrokerProcess
+from testkit.redis_server import RedisServer, missing_reason
+
+GPU = pb.TIER_GPU
+CHAIN = 64
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(cpu_seconds(pid) for pid in pids)
+
+
+async def _measure(
+    name: str,
+    addresses: list[str],
+    brokers: list[BrokerProcess],
+    store: RedisServer | None,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    rng = random.Random(7)
+    chains = [[rng.getrandbits(64) for _ in range(CHAIN)] for _ in range(args.blocks // CHAIN)]
+    fast = Backoff(initial_s=0.05, max_s=0.5)
+    moved: list[float] = []
+    p = EngineSession(",".join(addresses), engine_info("P"), ttl_ms=5_000, backoff=fast)
+    p.on_connected = lambda _r: moved.append(time.monotonic())
+    d = EngineSession(",".join(reversed(addresses)), engine_info("D"), ttl_ms=5_000, backoff=fast)
+    await p.start(wait_connected_s=10.0)
+    await d.start(wait_connected_s=10.0)
+    ns = (p.layout_id, "")
+    pids = [b.pid for b in brokers]
+    store_client = redis.Redis.from_url(store.url) if store is not None else None
+    store_pid = store.proc.pid if store is not None and store.proc is not None else None
+    out: dict[str, Any] = {"setup": name, "replicas": len(brokers), "blocks": len(chains) * CHAIN}
+
+    # -- inventory and memory per block
+    rss0 = sum(rss_bytes(pid) for pid in pids)
+    mem0 = int(store_client.info("memory")["used_memory"]) if store_client is not None else 0
+    started = time.perf_counter()
+    for i in range(0, len(chains), 16):
+        for chain in chains[i : i + 16]:
+            p.announce_stored(ns, GPU, chain)
+        await p.applied(timeout=60.0)
+    elapsed = time.perf_counter() - started
+    out["inventory_blocks_per_s"] = out["blocks"] / elapsed
+    out["broker_rss_bytes_per_block"] = (sum(rss_bytes(pid) for pid in pids) - rss0) / out["blocks"]
+    if store_client is not None:
+        used = int(store_client.info("memory")["used_memory"]) - mem0
+        out["redis_bytes_per_block"] = used / out["blocks"]
+
+    # -- resolve over the session stream
+    cpu0 = _cpu(pids)
+    rcpu0 = cpu_seconds(store_pid) if store_pid else 0.0
+    times: list[float] = []
+    for i in range(args.resolves):
+        chain = chains[i % len(chains)]
+        t0 = time.perf_counter()
+        found = await d.resolve(ns, chain)
+        times.append(time.perf_counter() - t0)
+        assert found.matches and found.matches[0].matched_blocks == CHAIN, found
+    out["resolve_p50_us"] = statistics.median(times) * 1e6
+    out["resolve_p99_us"] = _pct(times, 0.99) * 1e6
+    out["broker_cpu_us_per_resolve"] = (_cpu(pids) - cpu0) / args.resolves * 1e6
+    if store_pid:
+        out["redis_cpu_us_per_resolve"] = (cpu_seconds(store_pid) - rcpu0) / args.resolves * 1e6
+
+    # -- leases: hold + acquire + release
+    cpu0 = _cpu(pids)
+    rcpu0 = cpu_seconds(store_pid) if store_pid else 0.0
+    cycles = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < args.lease_seconds:
+        chain = chains[cycles % len(chains)][:8]
+        held = await p.hold(ns, GPU, chain, list(range(8)), 30_000, reader_engine_id="D")
+        acquired = await d.acquire(held.lease_id)
+        await d.release(held.lease_id, acquired.lease.epoch)
+        cycles += 1
+    elapsed = time.perf_counter() - started
+    out["lease_cycles_per_s"] = cycles / elapsed
+    out["broker_cpu_us_per_lease_cycle"] = (_cpu(pids) - cpu0) / cycles * 1e6
+    if store_pid:
+        out["redis_cpu_us_per_lease_cycle"] = (cpu_seconds(store_pid) - rcpu0) / cycles * 1e6
+
+    # -- failover
+    if len(brokers) > 1:
+        before = len(moved)
+        killed = time.monotonic()
+        brokers[0].kill9()
+        while len(moved) == before and time.monotonic() - killed < 10.0:
+            await asyncio.sleep(0.002)
+        out["failover_s"] = moved[-1] - killed if len(moved) > before else None
+        out["failover_resumed"] = bool(p.registered is not None and p.registered.resumed)
+    await p.close()
+    await d.close()
+    return out
+
+
+def _broker(log_dir: Path, name: str, state: str) -> BrokerProcess:
+    extra = ["--metrics-port", "0", "--log-level", "WARNING"]
+    if state:
+        extra += ["--state", state]
+    return BrokerProcess(log_dir, extra, command=SERVE, log_name=f"{name}.log", log_level=None, priority=None)
+
+
+async def _setup(name: str, log_dir: Path, replicas: int, args: argparse.Namespace) -> dict[str, Any]:
+    store = RedisServer(log_dir / f"redis-{name}") if replicas else None
+    if store is not None:
+        store.start()
+    brokers = [_broker(log_dir, f"{name}-{i}", store.url if store else "") for i in range(max(1, replicas))]
+    try:
+        for b in brokers:
+            b.start()
+        log(f"{name}: measuring")
+        return await _measure(name, [b.address for b in brokers], brokers, store, args)
+    finally:
+        for b in brokers:
+            b.stop()
+        if store is not None:
+            store.stop()
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    reason = missing_reason()
+    setups: list[tuple[str, int]] = [("in-memory", 0)]
+    if reason:
+        log(f"Redis setups skipped: {reason}")
+    else:
+        setups += [("redis, 1 replica", 1), ("redis, 2 replicas", 2)]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, replicas in setups:
+            results.append(await _setup(name, Path(tmp), replicas, args))
+    base = results[0]
+    rows = []
+    for r in results:
+        rows.append(
+            [
+                r["setup"],
+                f"{r['inventory_blocks_per_s']:,.0f}",
+                f"{r['resolve_p50_us']:,.0f} / {r['resolve_p99_us']:,.0f}",
+                f"{r['broker_cpu_us_per_resolve']:,.0f} ({r['broker_cpu_us_per_resolve'] / base['broker_cpu_us_per_resolve']:.2f}x)",
+                f"{r.get('redis_cpu_us_per_resolve', 0):,.0f}",
+                f"{r['lease_cycles_per_s']:,.0f}",
+                f"{r['broker_cpu_us_per_lease_cycle']:,.0f} ({r['broker_cpu_us_per_lease_cycle'] / base['broker_cpu_us_per_lease_cycle']:.2f}x)",
+                f"{r.get('redis_cpu_us_per_lease_cycle', 0):,.0f}",
+                f"{r.get('redis_bytes_per_block', r['broker_rss_bytes_per_block']):,.0f}",
+                "-" if r.get("failover_s") is None else f"{r['failover_s'] * 1000:,.0f} ms",
+            ]
+        )
+    headers = [
+        "setup",
+        "inventory blocks/s",
+        "resolve p50/p99 us",
+        "broker CPU us/resolve",
+        "Redis CPU us/resolve",
+        "lease cycles/s",
+        "broker CPU us/cycle",
+        "Redis CPU us/cycle",
+        "bytes/block",
+        "failover",
+    ]
+    print(format_table(headers, rows))
+    print(
+        f"load average: {load_note()}; bytes/block: broker RSS growth in memory, Redis used_memory growth else"
+    )
+    name = "scale-quick" if args.quick else "scale"
+    path = write_json(
+        name, {"load": load_note(), "settings": vars(args), "setups": results, "skipped": reason}
+    )
+    log(f"wrote {path}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (about a minute)")
+    ap.add_argument("--blocks", type=int, default=None, help="blocks announced (default 200000; quick 50000)")
+    ap.add_argument("--resolves", type=int, default=None, help="resolves timed (default 3000; quick 500)")
+    ap.add_argument(
+        "--lease-seconds", type=float, default=None, help="seconds of lease cycles (default 10; quick 3)"
+    )
+    args = ap.parse_args()
+    args.blocks = args.blocks or (50_000 if args.quick else 200_000)
+    args.resolves = args.resolves or (500 if args.quick else 3_000)
+    args.lease_seconds = args.lease_seconds or (3.0 if args.quick else 10.0)
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,291 @@
+"""Broker replicas sharing one Redis/Valkey: the fleet's engine registry.
+
+Each engine's session stream is served by one replica, its *owner*, which
+keeps the local record (heartbeats move its deadline in memory, as in the
+in-memory broker) and pushes the deadline and load to the store a few times
+a second. Every replica sees every engine (`find`, `all`) through the store,
+so resolve names holders on any replica.
+
+Every replica also sweeps the store's session deadlines: a session whose
+owner stopped pushing (the replica died) is claimed by exactly one sweeper (a
+script removes it from the deadline set) and ended there, leases and blocks
+with it. Before that happens, the engine's client reconnects to another
+replica and *resumes* the session (Register.resume_session_id): the new
+replica takes ownership in one script, and the session id, leases and index
+entries stay as they are.
+
+A replica that finds its local record no longer owned (the engine resumed
+elsewhere) forgets it without touching the shared state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvbroker.broker.errors import NotFound, shown
+from kvbroker.broker.registry import EngineRecord, EngineRegistry
+from kvbroker.broker.state_redis_conn import RedisState
+from kvbroker.common.causes import Cause
+from kvbroker.v1 import broker_pb2 as pb
+
+# ARGV: prefix, engine id, session id, replica, deadline.  -> the record, or {} if it is not that session
+_RESUME = """
+local p = ARGV[1]
+local key = p .. 'e:' .. ARGV[2]
+if redis.call('HGET', key, 'sid') ~= ARGV[3] then return {} end
+if not redis.call('ZSCORE', p .. 'dl', ARGV[3]) then return {} end
+redis.call('HSET', key, 'rep', ARGV[4])
+redis.call('ZADD', p .. 'dl', ARGV[5], ARGV[3])
+return redis.call('HGETALL', key)
+"""
+
+# ARGV: prefix, engine id, session id.  Deletes the record only if it is still that session's.
+_REMOVE = """
+local p = ARGV[1]
+redis.call('ZREM', p .. 'dl', ARGV[3])
+if redis.call('GET', p .. 's:' .. ARGV[3]) == ARGV[2] then redis.call('DEL', p .. 's:' .. ARGV[3]) end
+if redis.call('HGET', p .. 'e:' .. ARGV[2], 'sid') == ARGV[3] then
+  redis.call('DEL', p .. 'e:' .. ARGV[2])
+  redis.call('SREM', p .. 'engines', ARGV[2])
+end
+return 1
+"""
+
+# ARGV: prefix, now, limit.  Each expired session is claimed by exactly one caller.  -> {record...}
+_CLAIM_EXPIRED = """
+local p = ARGV[1]
+local out = {}
+for _, sid in ipairs(redis.call('ZRANGEBYSCORE', p .. 'dl', '-inf', ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))) do
+  redis.call('ZREM', p .. 'dl', sid)
+  local eid = redis.call('GET', p .. 's:' .. sid)
+  if eid and redis.call('HGET', p .. 'e:' .. eid, 'sid') == sid then
+    table.insert(out, redis.call('HGETALL', p .. 'e:' .. eid))
+  end
+end
+return out
+"""
+
+# ARGV: prefix, then per session: engine id, session id, deadline, load, draining (0/1), peer host.
+# Never revives a session another replica claimed, nor one that moved to another replica.
+# -> the session ids the store no longer has as ours (ended elsewhere, moved, or lost by the store)
+_PUSH = """
+local p = ARGV[1]
+local gone = {}
+for i = 2, #ARGV, 6 do
+  local key = p .. 'e:' .. ARGV[i]
+  if redis.call('HGET', key, 'sid') == ARGV[i + 1] and redis.call('ZSCORE', p .. 'dl', ARGV[i + 1]) then
+    redis.call('ZADD', p .. 'dl', ARGV[i + 2], ARGV[i + 1])
+    redis.call('HSET', key, 'load', ARGV[i + 3], 'drain', ARGV[i + 4], 'host', ARGV[i + 5])
+  else
+    table.insert(gone, ARGV[i + 1])
+  end
+end
+return gone
+"""
+
+PUSH_EVERY_S = 0.25  # how often an owner writes its sessions' deadlines and loads to the store
+
+
+class FleetRegistry(EngineRegistry):
+    def __init__(self, state: RedisState, replica: str) -> None:
+        super().__init__()
+        self._state = state
+        self._r: Any = state.client
+        self._p = f"{state.prefix}:{{fleet}}:"
+        self.replica = replica
+        self._resume = self._r.register_script(_RESUME)
+        self._remove = self._r.register_script(_REMOVE)
+        self._claim = self._r.register_script(_CLAIM_EXPIRED)
+        self._push_script = self._r.register_script(_PUSH)
+        self._claimed: set[str] = set()  # remote sessions this replica claimed to end
+        self._pushed = 0.0
+        self.on_resumed: Callable[[str], None] = lambda session_id: None
+        # A local session the store does not have (a store restarted empty): end its stream so the
+        # engine registers again and re-announces, rebuilding the shared index.
+        self.on_lost: Callable[[str], None] = lambda session_id: None
+
+    # -- the store's records ------------------------------------------------------
+
+    def _write(self, rec: EngineRecord, pipe: Any) -> None:
+        pipe.hset(
+            self._p + "e:" + rec.engine_id,
+            mapping={
+                "sid": rec.session_id,
+                "rep": self.replica,
+                "info": rec.snapshot().SerializeToString(),
+                "exp": rec.expected_ranks,
+                "rv": rec.ranks_version,
+            },
+        )
+
+    def _publish(self, rec: EngineRecord, new: bool) -> None:
+        pipe = self._r.pipeline(transaction=True)
+        self._write(rec, pipe)
+        if new:
+            pipe.set(self._p + "s:" + rec.session_id, rec.engine_id)
+            pipe.sadd(self._p + "engines", rec.engine_id)
+            pipe.zadd(self._p + "dl", {rec.session_id: rec.deadline})
+        self._state.call(pipe.execute)
+
+    def _record(self, fields: dict[bytes, bytes], deadline: float = 0.0) -> EngineRecord:
+        info = pb.EngineInfo.FromString(fields[b"info"])
+        ranks = {(r.pp_rank, r.tp_rank): r for r in info.ranks}
+        stored = pb.EngineInfo()
+        stored.CopyFrom(info)
+        del stored.ranks[:]
+        return EngineRecord(
+            engine_id=info.engine_id,
+            session_id=fields[b"sid"].decode(),
+            info=stored,
+            layout_id=info.layout_id,
+            ttl_s=info.session_ttl_ms / 1000,
+            deadline=deadline,
+            expected_ranks=int(fields[b"exp"]),
+            ranks=ranks,
+            load=float(fields.get(b"load", info.load)),
+            draining=fields.get(b"drain", b"0") == b"1" or info.draining,
+            ranks_version=int(fields[b"rv"]),
+            peer_host=fields.get(b"host", b"").decode(),  # a unary call from the engine's host acts as it
+        )
+
+    def _remote(self, engine_id: str) -> EngineRecord | None:
+        fields = self._state.call(self._r.hgetall, self._p + "e:" + engine_id)
+        return self._record(fields) if fields else None
+
+    @staticmethod
+    def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+        return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+    # -- EngineRegistry -------------------------------------------------------------
+
+    def __len__(self) -> int:
+        n: int = self._state.call(self._r.scard, self._p + "engines")
+        return n
+
+    def find(self, engine_id: str) -> EngineRecord | None:
+        return super().find(engine_id) or self._remote(engine_id)
+
+    def get(self, engine_id: str) -> EngineRecord:
+        rec = self.find(engine_id)
+        if rec is None:
+            return super().get(engine_id)  # raises NotFound with the usual words
+        return rec
+
+    def by_session(self, session_id: str) -> EngineRecord:
+        try:
+            return super().by_session(session_id)
+        except NotFound:
+            engine_id = self._state.call(self._r.get, self._p + "s:" + session_id)
+            rec = self._remote(engine_id.decode()) if engine_id else None
+            if rec is None or rec.session_id != session_id:
+                raise NotFound(
+                    f"unknown session {shown(session_id)}", Cause.UNKNOWN_ENGINE, {"session_id": session_id}
+                ) from None
+            return rec
+
+    def all(self) -> list[EngineRecord]:
+        local = {rec.engine_id: rec for rec in super().all()}
+        ids = [i.decode() for i in self._state.call(self._r.smembers, self._p + "engines")]
+        pipe = self._r.pipeline(transaction=False)
+        others = [i for i in ids if i not in local]
+        for engine_id in others:
+            pipe.hgetall(self._p + "e:" + engine_id)
+        remote = [self._record(f) for f in self._state.call(pipe.execute) if f]
+        return [*local.values(), *remote]
+
+    def find_fingerprint(self, lid: str) -> pb.LayoutFingerprint | None:
+        fp = super().find_fingerprint(lid)
+        if fp is None:
+            fp = next((rec.info.layout for rec in self.all() if rec.layout_id == lid), None)
+        return fp
+
+    def add(self, info: pb.EngineInfo, ttl_s: float, expected_ranks: int, now: float) -> EngineRecord:
+        rec = super().add(info, ttl_s, expected_ranks, now)
+        self._publish(rec, new=True)
+        return rec
+
+    def add_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
+        if super().find(engine_id) is None:
+            raise NotFound(
+                f"engine {shown(engine_id)} has its session on another broker replica; register its "
+                "ranks through that replica (the one its Session stream is connected to)",
+                Cause.UNKNOWN_ENGINE,
+                {"engine_id": engine_id},
+            )
+        rec = super().add_rank(engine_id, rank)
+        self._publish(rec, new=False)
+        return rec
+
+    def remove(self, rec: EngineRecord) -> None:
+        super().remove(rec)
+        self._claimed.discard(rec.session_id)
+        self._state.call(self._remove, args=[self._p, rec.engine_id, rec.session_id])
+
+    # -- shared state --------------------------------------------------------------------
+
+    def resume(
+        self, info: pb.EngineInfo, session_id: str, ttl_s: float, expected_ranks: int, now: float
+    ) -> EngineRecord | None:
+        argv = [self._p, info.engine_id, session_id, self.replica, repr(now + ttl_s)]
+        flat = self._state.call(self._resume, args=argv)
+        if not flat:
+            return None
+        rec = self._record(self._pairs(flat), now + ttl_s)
+        rec.ttl_s = ttl_s
+        self._engines[rec.engine_id] = rec
+        self._by_session[rec.session_id] = rec
+        self._fingerprints.setdefault(rec.layout_id, rec.info.layout)
+        self._expiry.schedule(rec.session_id, rec.deadline)
+        self._compat.clear()
+        self.on_resumed(rec.session_id)
+        return rec
+
+    def owns(self, rec: EngineRecord) -> bool:
+        if rec.session_id in self._claimed:
+            return True
+        fields = self._state.call(self._r.hmget, self._p + "e:" + rec.engine_id, "sid", "rep")
+        return fields[0] == rec.session_id.encode() and fields[1] == self.replica.encode()
+
+    def forget(self, rec: EngineRecord) -> None:
+        super().remove(rec)
+
+    def expired(self, now: float, limit: int) -> list[EngineRecord]:
+        self._push(now)
+        out: list[EngineRecord] = []
+        for rec in super().expired(now, limit):
+            if self.owns(rec):
+                out.append(rec)
+            else:
+                self.forget(rec)
+        local = set(self._by_session)
+        # Another replica's deadlines reach the store up to PUSH_EVERY_S late: wait that out twice.
+        for flat in self._state.call(self._claim, args=[self._p, repr(now - 2 * PUSH_EVERY_S), limit]):
+            rec = self._record(self._pairs(flat), now)
+            if rec.session_id in local:
+                continue  # ours: our own deadline decides (pushed again next time)
+            self._claimed.add(rec.session_id)
+            out.append(rec)
+        return out
+
+    def extend_sessions(self, seconds: float) -> None:
+        super().extend_sessions(seconds)
+        self._pushed = 0.0
+
+    def _push(self, now: float) -> None:
+        """Write our sessions' deadlines and loads to the store (XX: never revive a claimed one)."""
+        wall = time.monotonic()
+        if wall - self._pushed < PUSH_EVERY_S or not self._by_session:
+            return
+        self._pushed = wall
+        argv: list[Any] = [self._p]
+        for rec in self._by_session.values():
+            argv += [rec.engine_id, rec.session_id, repr(rec.deadline), repr(rec.load), int(rec.draining)]
+            argv.append(rec.peer_host)
+        for raw in self._state.call(self._push_script, args=argv):
+            session_id = raw.decode()
+            mine = self._by_session.get(session_id)
+            # A record of another session (moved, superseded): that replica tells us itself.
+            if mine is not None and self._state.call(self._r.exists, self._p + "e:" + mine.engine_id) == 0:
+                self.on_lost(session_id)

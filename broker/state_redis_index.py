@@ -1,0 +1,307 @@
+"""The PrefixIndex on Redis/Valkey, shared by every broker replica of a fleet.
+
+Keys are sharded by namespace: all keys of one namespace carry the same hash
+tag (`{<namespace id>}`), so on a Redis Cluster a namespace lives on one slot
+and a whole chain resolves in one round trip: a Lua script walks the chain on
+the server and answers only (holder, matched) pairs.
+
+Per namespace:
+- `ix`: a hash, field = the block hash (8 bytes), value = the holder slots
+  that hold it, comma separated ("3" or "3,7"). One field per block: the
+  per-block cost is one small hash entry.
+- `slot` / `slotof`: holder slot id <-> "engine<TAB>tier"; `cnt`: blocks per
+  slot; `seq`: slot ids (never reused, so a stale id never names a new holder).
+
+Dropping an engine removes its slots from `slot` at once (O(slots)); values
+still naming a dead slot are filtered by every lookup and rewritten later by
+an incremental sweep (`maintain`), as the in-memory index does.
+Namespaces are separate keys, so no prefix matches across namespaces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from kvbroker.broker.state_redis_conn import RedisState
+from kvbroker.common.model import Namespace, Tier
+
+_HAS = "local function has(v, s) return string.find(',' .. v .. ',', ',' .. s .. ',', 1, true) ~= nil end\n"
+
+# KEYS: ix, slot, slotof, cnt, seq.  ARGV: "engine\ttier", packed hashes.  -> added
+_ADD = (
+    _HAS
+    + """
+local slot = redis.call('HGET', KEYS[3], ARGV[1])
+if not slot then
+  slot = tostring(redis.call('INCR', KEYS[5]))
+  redis.call('HSET', KEYS[3], ARGV[1], slot)
+  redis.call('HSET', KEYS[2], slot, ARGV[1])
+end
+local data, added = ARGV[2], 0
+for i = 1, #data, 8 do
+  local h = string.sub(data, i, i + 7)
+  local v = redis.call('HGET', KEYS[1], h)
+  if not v then
+    redis.call('HSET', KEYS[1], h, slot); added = added + 1
+  elseif not has(v, slot) then
+    redis.call('HSET', KEYS[1], h, v .. ',' .. slot); added = added + 1
+  end
+end
+if added > 0 then redis.call('HINCRBY', KEYS[4], slot, added) end
+return added
+"""
+)
+
+_WITHOUT = """
+local function without(v, s)
+  local out = {}
+  for tok in string.gmatch(v, '[^,]+') do if tok ~= s then table.insert(out, tok) end end
+  return table.concat(out, ',')
+end
+"""
+
+# KEYS: ix, slotof, cnt.  ARGV: "engine\ttier", packed hashes.  -> removed
+_REMOVE = (
+    _HAS
+    + _WITHOUT
+    + """
+local slot = redis.call('HGET', KEYS[2], ARGV[1])
+if not slot then return 0 end
+local data, removed = ARGV[2], 0
+for i = 1, #data, 8 do
+  local h = string.sub(data, i, i + 7)
+  local v = redis.call('HGET', KEYS[1], h)
+  if v and has(v, slot) then
+    local rest = without(v, slot)
+    if rest == '' then redis.call('HDEL', KEYS[1], h) else redis.call('HSET', KEYS[1], h, rest) end
+    removed = removed + 1
+  end
+end
+if removed > 0 then redis.call('HINCRBY', KEYS[3], slot, -removed) end
+return removed
+"""
+)
+
+# KEYS: slot, slotof, cnt.  ARGV: "engine\ttier"...  -> {dropped blocks, slots left for the engine}
+_DROP = """
+local dropped = 0
+for i = 1, #ARGV do
+  local slot = redis.call('HGET', KEYS[2], ARGV[i])
+  if slot then
+    dropped = dropped + tonumber(redis.call('HGET', KEYS[3], slot) or '0')
+    redis.call('HDEL', KEYS[2], ARGV[i]); redis.call('HDEL', KEYS[1], slot); redis.call('HDEL', KEYS[3], slot)
+  end
+end
+return dropped
+"""
+
+# KEYS: ix, slot.  ARGV: packed hashes.  -> {"engine\ttier", matched, ...}
+_LONGEST = (
+    _HAS
+    + """
+local data = ARGV[1]
+local n = #data / 8
+if n == 0 then return {} end
+local first = redis.call('HGET', KEYS[1], string.sub(data, 1, 8))
+if not first then return {} end
+local live = {}
+local raw = redis.call('HGETALL', KEYS[2])
+for i = 1, #raw, 2 do live[raw[i]] = raw[i + 1] end
+local active, count = {}, 0
+for tok in string.gmatch(first, '[^,]+') do
+  if live[tok] then active[tok] = true; count = count + 1 end
+end
+local out = {}
+local i = 2
+while count > 0 and i <= n do
+  local v = redis.call('HGET', KEYS[1], string.sub(data, (i - 1) * 8 + 1, i * 8))
+  for s in pairs(active) do
+    if not v or not has(v, s) then
+      table.insert(out, live[s]); table.insert(out, i - 1); active[s] = nil; count = count - 1
+    end
+  end
+  i = i + 1
+end
+for s in pairs(active) do table.insert(out, live[s]); table.insert(out, n) end
+return out
+"""
+)
+
+# KEYS: ix, slot.  ARGV: cursor, count.  Rewrites values naming dead slots.  -> next cursor
+_SWEEP = """
+local live = {}
+local raw = redis.call('HGETALL', KEYS[2])
+for i = 1, #raw, 2 do live[raw[i]] = true end
+local page = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', tonumber(ARGV[2]))
+local items = page[2]
+for i = 1, #items, 2 do
+  local keep = {}
+  local v = redis.call('HGET', KEYS[1], items[i])
+  if v then
+    for tok in string.gmatch(v, '[^,]+') do if live[tok] then table.insert(keep, tok) end end
+    local rest = table.concat(keep, ',')
+    if rest == '' then redis.call('HDEL', KEYS[1], items[i])
+    elseif rest ~= v then redis.call('HSET', KEYS[1], items[i], rest) end
+  end
+end
+return page[1]
+"""
+
+_Q = struct.Struct(">Q")
+TIERS = (Tier.GPU, Tier.CPU)
+
+
+def namespace_id(namespace: Namespace) -> str:
+    """A namespace's key tag: a digest, so tenant and layout strings never shape key names."""
+    text = f"{namespace.layout_id}\x00{namespace.tenant}".encode()
+    return hashlib.blake2b(text, digest_size=10, person=b"kvbroker-ns").hexdigest()
+
+
+def _holder(engine_id: str, tier: Tier) -> str:
+    return f"{engine_id}\t{int(tier)}"
+
+
+def _pack(hashes: Iterable[int]) -> bytes:
+    return b"".join(_Q.pack(h) for h in hashes)
+
+
+class RedisPrefixIndex:
+    def __init__(self, state: RedisState) -> None:
+        self._state = state
+        self._r: Any = state.client  # redis-py's return types are unions of every reply shape
+        self._p = state.prefix
+        self._add = self._r.register_script(_ADD)
+        self._remove = self._r.register_script(_REMOVE)
+        self._drop = self._r.register_script(_DROP)
+        self._longest = self._r.register_script(_LONGEST)
+        self._sweep = self._r.register_script(_SWEEP)
+        self._known: set[str] = set()  # namespaces this replica has recorded in the namespace map
+        self._sweep_cursor: dict[str, bytes] = {}
+
+    def _keys(self, nsid: str, *names: str) -> list[str]:
+        return [f"{self._p}:{{{nsid}}}:{name}" for name in names]
+
+    def _engine_key(self, engine_id: str) -> str:
+        return f"{self._p}:eng:{engine_id}"
+
+    def _namespaces(self) -> dict[str, Namespace]:
+        raw = self._state.call(self._r.hgetall, f"{self._p}:namespaces")
+        out: dict[str, Namespace] = {}
+        for nsid, text in raw.items():
+            layout, _, tenant = text.decode().partition("\x00")
+            out[nsid.decode()] = Namespace(layout, tenant)
+        return out
+
+    # -- updates -------------------------------------------------------------------
+
+    def add(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
+        nsid = namespace_id(namespace)
+        packed = _pack(hashes)
+        if not packed:
+            return 0
+        if nsid not in self._known:
+            text = f"{namespace.layout_id}\x00{namespace.tenant}"
+            self._state.call(self._r.hset, f"{self._p}:namespaces", nsid, text)
+            self._known.add(nsid)
+        self._state.call(self._r.sadd, self._engine_key(engine_id), nsid)
+        keys = self._keys(nsid, "ix", "slot", "slotof", "cnt", "seq")
+        added: int = self._state.call(self._add, keys=keys, args=[_holder(engine_id, tier), packed])
+        return added
+
+    def remove(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
+        packed = _pack(hashes)
+        if not packed:
+            return 0
+        keys = self._keys(namespace_id(namespace), "ix", "slotof", "cnt")
+        removed: int = self._state.call(self._remove, keys=keys, args=[_holder(engine_id, tier), packed])
+        return removed
+
+    def drop_holder(self, engine_id: str, tier: Tier | None = None) -> int:
+        tiers = TIERS if tier is None else (tier,)
+        holders = [_holder(engine_id, t) for t in tiers]
+        dropped = 0
+        for raw in self._state.call(self._r.smembers, self._engine_key(engine_id)):
+            nsid = raw.decode()
+            keys = self._keys(nsid, "slot", "slotof", "cnt")
+            dropped += self._state.call(self._drop, keys=keys, args=holders)
+            self._state.call(self._r.sadd, f"{self._p}:dirty", nsid)
+        if tier is None:
+            self._state.call(self._r.delete, self._engine_key(engine_id))
+        return dropped
+
+    # -- lookups -------------------------------------------------------------------
+
+    def longest_prefixes(self, namespace: Namespace, hashes: Iterable[int]) -> list[tuple[str, Tier, int]]:
+        packed = _pack(hashes)
+        if not packed:
+            return []
+        keys = self._keys(namespace_id(namespace), "ix", "slot")
+        flat = self._state.call(self._longest, keys=keys, args=[packed])
+        out: list[tuple[str, Tier, int]] = []
+        for i in range(0, len(flat), 2):
+            engine_id, _, tier = flat[i].decode().rpartition("\t")
+            out.append((engine_id, Tier(int(tier)), int(flat[i + 1])))
+        return out
+
+    def export(self, layout_id: str, chunk: int) -> Iterator[list[tuple[str, Tier, Namespace, list[int]]]]:
+        for nsid, ns in self._namespaces().items():
+            if ns.layout_id != layout_id:
+                continue
+            ix, slot = self._keys(nsid, "ix", "slot")
+            cursor: int | bytes = 0
+            while True:
+                cursor, items = self._state.call(self._r.hscan, ix, cursor, count=chunk)
+                live = {k: v.decode() for k, v in self._state.call(self._r.hgetall, slot).items()}
+                groups: dict[bytes, list[int]] = {}
+                for field, value in items.items():
+                    for tok in value.split(b","):
+                        if tok in live:
+                            groups.setdefault(tok, []).append(_Q.unpack(field)[0])
+                step: list[tuple[str, Tier, Namespace, list[int]]] = []
+                for tok, hs in groups.items():
+                    engine_id, _, tier = live[tok].rpartition("\t")
+                    step.append((engine_id, Tier(int(tier)), ns, hs))
+                yield step
+                if not cursor or cursor == b"0":
+                    break
+
+    def blocks_of(self, engine_id: str) -> dict[Tier, int]:
+        counts = {Tier.GPU: 0, Tier.CPU: 0}
+        for raw in self._state.call(self._r.smembers, self._engine_key(engine_id)):
+            slotof, cnt = self._keys(raw.decode(), "slotof", "cnt")
+            for t in TIERS:
+                slot = self._state.call(self._r.hget, slotof, _holder(engine_id, t))
+                if slot is not None:
+                    counts[t] += int(self._state.call(self._r.hget, cnt, slot) or 0)
+        return counts
+
+    def _per_namespace(self) -> list[int]:
+        totals = []
+        for nsid in self._namespaces():
+            (cnt,) = self._keys(nsid, "cnt")
+            totals.append(sum(int(v) for v in self._state.call(self._r.hvals, cnt)))
+        return totals
+
+    def total_blocks(self) -> int:
+        return sum(self._per_namespace())
+
+    def namespace_count(self) -> int:
+        return sum(1 for n in self._per_namespace() if n > 0)
+
+    def maintain(self, budget: int) -> None:
+        """Rewrite up to about `budget` entries of one namespace that names dropped holders."""
+        nsid_raw = self._state.call(self._r.srandmember, f"{self._p}:dirty")
+        if nsid_raw is None:
+            return
+        nsid = nsid_raw.decode()
+        cursor = self._sweep_cursor.get(nsid, b"0")
+        keys = self._keys(nsid, "ix", "slot")
+        cursor = self._state.call(self._sweep, keys=keys, args=[cursor, max(budget, 10)])
+        if cursor in (b"0", 0, "0"):
+            self._sweep_cursor.pop(nsid, None)
+            self._state.call(self._r.srem, f"{self._p}:dirty", nsid)
+        else:
+            self._sweep_cursor[nsid] = cursor

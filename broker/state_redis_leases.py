@@ -1,0 +1,423 @@
+"""The LeaseTable on Redis/Valkey: every transition is one atomic Lua script.
+
+Shared by every broker replica of a fleet. Each lease is a hash; the live
+leases sit in a sorted set by deadline (the fleet's expiry queue) and in a set
+per holder and per reader. All keys share one hash tag, so the scripts run on
+one Redis Cluster slot.
+
+The epoch is the fencing token: every transition bumps it inside the script,
+and a release that names an epoch commits only at that epoch, so a reader that
+lost a race with a revoke (on any replica) cannot commit a stale read.
+
+A lease that Redis no longer has (it was lost with an unreplicated write, or
+ended long ago) reads as unknown, never as live: its release fails and the
+reader recomputes.
+
+Deadlines are seconds of the core's clock, which for a shared store must be
+the same on every replica (the broker uses wall-clock time in this mode).
+
+Expiry: `expire_if_due` answers from this replica's copy when that copy is not
+due (no round trip); claim, renew and release check the deadline again inside
+their scripts, so a lease another replica shortened (a claim) and that is now
+due ends there and then, and the next `revoke_expired` reports it so its
+parties are told.
+
+Lease objects are cached per replica (weakly) and refreshed in place from each
+script's answer, so a caller holding a Lease sees its new state, as with the
+in-memory table.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied, shown
+from kvbroker.broker.leases import Lease, about, ended_cause
+from kvbroker.broker.state_redis_conn import RedisState
+from kvbroker.common.causes import Cause
+from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
+
+# Shared by the scripts: end a live lease (drop it from the live sets, keep it as history).
+_END = """
+local function finish(p, id, f, history, keep_ms)
+  redis.call('ZREM', p .. 'exp', id)
+  redis.call('SREM', p .. 'h:' .. f.h, id)
+  if f.r ~= '' then redis.call('SREM', p .. 'r:' .. f.r, id) end
+  redis.call('PEXPIRE', p .. 'l:' .. id, keep_ms)
+  redis.call('ZADD', p .. 'ended', redis.call('INCR', p .. 'endseq'), id)
+  local over = redis.call('ZCARD', p .. 'ended') - history
+  if over > 0 then
+    local popped = redis.call('ZPOPMIN', p .. 'ended', over)
+    for i = 1, #popped, 2 do redis.call('DEL', p .. 'l:' .. popped[i]) end
+  end
+end
+local function load(p, id)
+  local raw = redis.call('HGETALL', p .. 'l:' .. id)
+  if #raw == 0 then return nil end
+  local f = {}
+  for i = 1, #raw, 2 do f[raw[i]] = raw[i + 1] end
+  f.st = tonumber(f.st); f.ep = tonumber(f.ep); f.dl = tonumber(f.dl); f.ttl = tonumber(f.ttl)
+  return f
+end
+local function revoke(p, id, f, cause, detail, history, keep_ms)
+  local key = p .. 'l:' .. id
+  redis.call('HSET', key, 'st', 5, 'c', cause, 'd', detail, 'ep', f.ep + 1)
+  finish(p, id, f, history, keep_ms)
+end
+local function expire(p, id, f, history, keep_ms)
+  if f.st == 1 then
+    revoke(p, id, f, 5, 'holder did not answer the pin in time', history, keep_ms)
+  else
+    revoke(p, id, f, 1, 'not renewed within ' .. f.ttlshown .. ' s', history, keep_ms)
+  end
+end
+"""
+
+# KEYS: none (all keys share the prefix's hash tag).  ARGV: prefix, op, id, history, keep_ms, args...
+# Answers {'ok', HGETALL...}, {'E', code}, or {} (nothing to do).
+_TRANSITION = (
+    _END
+    + """
+local p, op, id, history, keep_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local key = p .. 'l:' .. id
+local f = load(p, id)
+if op == 'revoke' or op == 'expire_if_due' then
+  if f == nil or f.st > 3 then return {} end
+  if op == 'revoke' then
+    revoke(p, id, f, tonumber(ARGV[6]), ARGV[7], history, keep_ms)
+  else
+    if f.dl > tonumber(ARGV[6]) then return {} end
+    expire(p, id, f, history, keep_ms)
+  end
+  return {'ok', unpack(redis.call('HGETALL', key))}
+end
+if f == nil then return {'E', 'unknown'} end
+if f.st > 3 then return {'E', 'ended', unpack(redis.call('HGETALL', key))} end
+local who, now = ARGV[6], tonumber(ARGV[7])
+if op ~= 'activate' and f.dl <= now then
+  expire(p, id, f, history, keep_ms)
+  return {'X', unpack(redis.call('HGETALL', key))}
+end
+if op == 'claim' then
+  if f.st ~= 2 then return {'E', 'state', unpack(redis.call('HGETALL', key))} end
+  if f.r ~= '' and f.r ~= who then return {'E', 'reader', unpack(redis.call('HGETALL', key))} end
+  if f.r == '' then redis.call('SADD', p .. 'r:' .. who, id) end
+  local ttl = tonumber(ARGV[8])
+  redis.call('HSET', key, 'r', who, 'st', 3, 'ep', f.ep + 1, 'ttl', ARGV[8], 'ttlshown', ARGV[9],
+    'dl', now + ttl)
+  redis.call('ZADD', p .. 'exp', now + ttl, id)
+elseif op == 'activate' then
+  if f.h ~= who then return {'E', 'holder', unpack(redis.call('HGETALL', key))} end
+  if f.st ~= 1 then return {'E', 'state', unpack(redis.call('HGETALL', key))} end
+  redis.call('HSET', key, 'bi', ARGV[8], 'st', 3, 'ep', f.ep + 1, 'dl', now + f.ttl)
+  redis.call('ZADD', p .. 'exp', now + f.ttl, id)
+elseif op == 'renew' then
+  if who ~= f.h and who ~= f.r then return {'E', 'party', unpack(redis.call('HGETALL', key))} end
+  if f.st == 1 then return {'E', 'pending', unpack(redis.call('HGETALL', key))} end
+  local dl = now + tonumber(ARGV[8])
+  if dl > f.dl then
+    redis.call('HSET', key, 'dl', dl)
+    redis.call('ZADD', p .. 'exp', dl, id)
+  end
+  redis.call('HSET', key, 'ep', f.ep + 1)
+elseif op == 'release' then
+  if f.st ~= 3 then return {'E', 'state', unpack(redis.call('HGETALL', key))} end
+  if who ~= f.r then return {'E', 'reader', unpack(redis.call('HGETALL', key))} end
+  local epoch = tonumber(ARGV[8])
+  if epoch ~= 0 and epoch ~= f.ep then return {'E', 'epoch', unpack(redis.call('HGETALL', key))} end
+  redis.call('HSET', key, 'st', 4, 'ep', f.ep + 1)
+  finish(p, id, f, history, keep_ms)
+end
+return {'ok', unpack(redis.call('HGETALL', key))}
+"""
+)
+
+# ARGV: prefix, now, limit, history, keep_ms. Each due lease is expired by exactly one caller.
+_EXPIRE_DUE = (
+    _END
+    + """
+local p, now, limit, history, keep_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
+  tonumber(ARGV[4]), tonumber(ARGV[5])
+local out = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. 'exp', '-inf', now, 'LIMIT', 0, limit)) do
+  local f = load(p, id)
+  if f == nil or f.st > 3 then
+    redis.call('ZREM', p .. 'exp', id)
+  elseif f.dl > now then
+    redis.call('ZADD', p .. 'exp', f.dl, id)
+  else
+    expire(p, id, f, history, keep_ms)
+    table.insert(out, redis.call('HGETALL', p .. 'l:' .. id))
+  end
+end
+return out
+"""
+)
+
+_Q = struct.Struct(">Q")
+_I = struct.Struct(">I")
+
+
+def _pack(values: Iterable[int], fmt: struct.Struct) -> bytes:
+    return b"".join(fmt.pack(v) for v in values)
+
+
+def _unpack(raw: bytes, fmt: struct.Struct) -> tuple[int, ...]:
+    return tuple(v for (v,) in fmt.iter_unpack(raw))
+
+
+class RedisLeaseTable:
+    """LeaseTable over a shared Redis; `history` ended leases stay answerable for `history_s`."""
+
+    def __init__(self, state: RedisState, history: int = 10_000, history_s: float = 600.0) -> None:
+        self._state = state
+        self._r: Any = state.client  # redis-py's return types are unions of every reply shape
+        self._p = f"{state.prefix}:{{leases}}:"
+        self._history = history
+        self._keep_ms = int(history_s * 1000)
+        self._transition = self._r.register_script(_TRANSITION)
+        self._expire_due = self._r.register_script(_EXPIRE_DUE)
+        self._cache: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
+        self._expired_here: list[Lease] = []  # expired by a transition's script, reported by revoke_expired
+        # Unique across replicas and restarts without a round trip: a random part per process.
+        self._prefix = secrets.token_hex(6)
+        self._ids = 0
+
+    # -- from Redis to Lease objects -------------------------------------------
+
+    def _lease(self, flat: Sequence[bytes]) -> Lease:
+        f = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+        lid = f["id"].decode()
+        state = LeaseState(int(f["st"]))
+        lease = self._cache.get(lid)
+        if lease is None:
+            lease = Lease(
+                lease_id=lid,
+                holder=f["h"].decode(),
+                reader="",
+                namespace=Namespace(f["lay"].decode(), f["ten"].decode()),
+                tier=Tier(int(f["tier"])),
+                block_hashes=_unpack(f["bh"], _Q),
+                block_ids=(),
+                state=state,
+                ttl_s=0.0,
+                deadline=0.0,
+                request_id=f["q"].decode(),
+            )
+            self._cache[lid] = lease
+        lease.reader = f["r"].decode()
+        lease.block_ids = _unpack(f["bi"], _I)
+        lease.state = state
+        lease.ttl_s = float(f["ttl"])
+        lease.deadline = float(f["dl"])
+        lease.epoch = int(f["ep"])
+        lease.cause = RevokeCause(int(f.get("c", b"0")))
+        lease.detail = f.get("d", b"").decode()
+        return lease
+
+    def _run(self, op: str, lease_id: str, *args: Any) -> list[Any]:
+        argv = [self._p, op, lease_id, self._history, self._keep_ms, *args]
+        answer: list[Any] = self._state.call(self._transition, args=argv)
+        return answer
+
+    def _done(self, op: str, lease_id: str, *args: Any) -> Lease:
+        answer = self._run(op, lease_id, *args)
+        if answer[0] == b"ok":
+            return self._lease(answer[1:])
+        if answer[0] == b"X":  # its deadline had passed: the script expired it (told at the next pass)
+            lease = self._lease(answer[1:])
+            self._expired_here.append(lease)
+            raise _refusal(op, "ended", lease, str(args[0]), args)
+        code = answer[1].decode()
+        if code == "unknown":
+            raise _unknown(lease_id)
+        lease = self._lease(answer[2:])
+        raise _refusal(op, code, lease, str(args[0]) if args else "", args)
+
+    # -- LeaseTable --------------------------------------------------------------
+
+    def create(
+        self,
+        *,
+        holder: str,
+        reader: str,
+        namespace: Namespace,
+        tier: Tier,
+        block_hashes: Sequence[int],
+        block_ids: Sequence[int],
+        state: LeaseState,
+        ttl_s: float,
+        deadline: float,
+        request_id: str,
+    ) -> Lease:
+        self._ids += 1
+        lid = f"{self._prefix}-{self._ids:x}"
+        fields = {
+            "id": lid,
+            "h": holder,
+            "r": reader,
+            "lay": namespace.layout_id,
+            "ten": namespace.tenant,
+            "tier": int(tier),
+            "bh": _pack(block_hashes, _Q),
+            "bi": _pack(block_ids, _I),
+            "st": int(state),
+            "ttl": repr(ttl_s),
+            "ttlshown": f"{ttl_s:g}",
+            "dl": repr(deadline),
+            "ep": 1,
+            "c": 0,
+            "d": "",
+            "q": request_id,
+        }
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hset(self._p + "l:" + lid, mapping=fields)
+        pipe.zadd(self._p + "exp", {lid: deadline})
+        pipe.sadd(self._p + "h:" + holder, lid)
+        if reader:
+            pipe.sadd(self._p + "r:" + reader, lid)
+        self._state.call(pipe.execute)
+        flat: list[bytes] = []
+        for k, v in fields.items():
+            flat += [k.encode(), v if isinstance(v, bytes) else str(v).encode()]
+        return self._lease(flat)
+
+    def get(self, lease_id: str) -> Lease:
+        flat = self._state.call(self._r.hgetall, self._p + "l:" + lease_id)
+        if not flat:
+            raise _unknown(lease_id)
+        return self._lease([x for kv in flat.items() for x in kv])
+
+    def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease:
+        return self._done("claim", lease_id, reader, repr(now), repr(ttl_s), f"{ttl_s:g}")
+
+    def activate(self, lease_id: str, holder: str, block_ids: Sequence[int], now: float) -> Lease:
+        return self._done("activate", lease_id, holder, repr(now), _pack(block_ids, _I))
+
+    def renew(self, lease_id: str, engine_id: str, ttl_s: float, now: float) -> Lease:
+        return self._done("renew", lease_id, engine_id, repr(now), repr(ttl_s))
+
+    def release(self, lease_id: str, reader: str, epoch: int, now: float) -> Lease:
+        return self._done("release", lease_id, reader, repr(now), int(epoch))
+
+    def revoke(self, lease_id: str, cause: RevokeCause, detail: str) -> Lease | None:
+        answer = self._run("revoke", lease_id, int(cause), detail)
+        return self._lease(answer[1:]) if answer else None
+
+    def expire_if_due(self, lease_id: str, now: float) -> Lease | None:
+        cached = self._cache.get(lease_id)
+        if cached is not None and cached.state.live and cached.deadline > now:
+            # Not due as far as this replica knows; claim, renew and release check the deadline
+            # again in their scripts (another replica's claim may have shortened it).
+            return None
+        answer = self._run("expire_if_due", lease_id, repr(now))
+        return self._lease(answer[1:]) if answer else None
+
+    def revoke_expired(self, now: float, limit: int) -> list[Lease]:
+        argv = [self._p, repr(now), limit, self._history, self._keep_ms]
+        ended, self._expired_here = self._expired_here, []
+        return ended + [self._lease(flat) for flat in self._state.call(self._expire_due, args=argv)]
+
+    def _many(self, ids: Iterable[bytes | str]) -> list[Lease]:
+        pipe = self._r.pipeline(transaction=False)
+        for lid in ids:
+            pipe.hgetall(self._p + "l:" + (lid.decode() if isinstance(lid, bytes) else lid))
+        found = self._state.call(pipe.execute)
+        return [self._lease([x for kv in h.items() for x in kv]) for h in found if h]
+
+    def by_holder(self, engine_id: str) -> list[Lease]:
+        ids = self._state.call(self._r.smembers, self._p + "h:" + engine_id)
+        return [lease for lease in self._many(ids) if lease.state.live]
+
+    def by_reader(self, engine_id: str) -> list[Lease]:
+        ids = self._state.call(self._r.smembers, self._p + "r:" + engine_id)
+        return [lease for lease in self._many(ids) if lease.state.live]
+
+    def count_by_holder(self, engine_id: str) -> int:
+        n: int = self._state.call(self._r.scard, self._p + "h:" + engine_id)
+        return n
+
+    def count_by_reader(self, engine_id: str) -> int:
+        n: int = self._state.call(self._r.scard, self._p + "r:" + engine_id)
+        return n
+
+    def live(self) -> Iterable[Lease]:
+        ids = self._state.call(self._r.zrange, self._p + "exp", 0, -1)
+        return [lease for lease in self._many(ids) if lease.state.live]
+
+    def recently_ended(self) -> Iterable[Lease]:
+        return self._many(self._state.call(self._r.zrange, self._p + "ended", 0, -1))
+
+    def live_counts(self) -> dict[LeaseState, int]:
+        counts = {LeaseState.PENDING: 0, LeaseState.HELD: 0, LeaseState.ACTIVE: 0}
+        for lease in self.live():
+            counts[lease.state] += 1
+        return counts
+
+
+def _unknown(lease_id: str) -> NotFound:
+    return NotFound(
+        f"unknown lease {shown(lease_id)} (never existed, ended long ago, or lost by the shared "
+        "state store): discard anything read under it and recompute",
+        Cause.UNKNOWN_LEASE,
+        {"lease_id": lease_id},
+    )
+
+
+def _refusal(op: str, code: str, lease: Lease, who: str, args: tuple[Any, ...]) -> Exception:
+    """The same errors, word for word, as the in-memory table's."""
+    lid = lease.lease_id
+    if code == "ended":
+        if lease.state is LeaseState.RELEASED:
+            return FailedPrecondition(f"lease {lid} was already released", Cause.RELEASED, about(lease))
+        detail = f": {lease.detail}" if lease.detail else ""
+        return FailedPrecondition(
+            f"lease {lid} was revoked ({lease.cause.label}){detail}; discard anything read under it "
+            "and recompute",
+            ended_cause(lease),
+            about(lease),
+        )
+    if code == "reader" and op == "claim":
+        return PermissionDenied(
+            f"lease {lid} is held for reader {shown(lease.reader)}, not {shown(who)}",
+            metadata=about(lease, engine_id=who),
+        )
+    if code == "reader":
+        return PermissionDenied(
+            f"lease {lid} is read by {shown(lease.reader)}, not {shown(who)}",
+            metadata=about(lease, engine_id=who),
+        )
+    if code == "holder":
+        return PermissionDenied(
+            f"lease {lid} belongs to holder {shown(lease.holder)}, not {shown(who)}",
+            metadata=about(lease, engine_id=who),
+        )
+    if code == "party":
+        return PermissionDenied(
+            f"engine {shown(who)} is neither holder nor reader of lease {lid}",
+            metadata=about(lease, engine_id=who),
+        )
+    if code == "pending":
+        return FailedPrecondition(
+            f"lease {lid} is pending a pin; renew it once it is active", Cause.WRONG_LEASE_STATE, about(lease)
+        )
+    if code == "epoch":
+        return FailedPrecondition(
+            f"lease {lid} is at epoch {lease.epoch}, release named epoch {args[2]}",
+            Cause.STALE_EPOCH,
+            about(lease, epoch=str(lease.epoch)),
+        )
+    wanted = {"claim": "only a held lease can be acquired", "release": "only an active lease can be released"}
+    if op == "activate":
+        return FailedPrecondition(
+            f"lease {lid} is {lease.state.label}, not pending a pin", Cause.WRONG_LEASE_STATE, about(lease)
+        )
+    return FailedPrecondition(
+        f"lease {lid} is {lease.state.label}; {wanted.get(op, 'wrong state')}",
+        Cause.WRONG_LEASE_STATE,
+        about(lease),
+    )

@@ -1,0 +1,235 @@
+"""Telling engines across broker replicas: Redis pub/sub carries what the local streams cannot.
+
+A revocation, a lease end, a pin command, a drain or a session close for a
+session whose stream is on another replica is published on the fleet's
+channel; the replica that holds that stream delivers it (reading the lease
+from the shared table, so it sends the lease as it is now). Pin results are
+published to all, so a resolve waiting for a pin on any replica answers.
+
+Index changes for Mirror streams go the same way (FleetMirrorHub): each
+replica applies its own changes to its local mirrors and publishes them; the
+others apply them to theirs, so a Mirror stream on any replica follows the
+whole fleet (its snapshot comes from the shared index).
+
+Pub/sub delivers at most once: a message published while a replica is
+reconnecting to Redis is lost to it. What depends on it is bounded anyway:
+a lost revocation is caught by the reader's failing release (it recomputes),
+a lost pin command by the pin timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.asyncio
+
+from kvbroker.broker.channels import StreamNotifier
+from kvbroker.broker.clock import Clock
+from kvbroker.broker.errors import BrokerError
+from kvbroker.broker.leases import Lease
+from kvbroker.broker.mirror import MirrorHub, mirror_engine_info
+from kvbroker.broker.state_redis_conn import RedisState
+from kvbroker.common.causes import Cause
+from kvbroker.common.model import Namespace, Tier
+from kvbroker.v1 import broker_pb2 as pb
+
+log = logging.getLogger("kvbroker")
+
+
+class FleetNotifier(StreamNotifier):
+    def __init__(self, clock: Clock, state: RedisState, replica: str) -> None:
+        super().__init__(clock)
+        self._state = state
+        self._channel = f"{state.prefix}:{{fleet}}:notify"
+        self.replica = replica
+        self.lease_of: Callable[[str], Lease] | None = None  # the shared lease table's get
+        self.mirrors: FleetMirrorHub | None = None
+        self.mirror_channel = f"{state.prefix}:{{fleet}}:mirror"
+        self.delivered = 0
+
+    def _publish(self, kind: str, session_id: str, **more: str) -> None:
+        body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
+        try:
+            self._state.call(self._state.client.publish, self._channel, body)
+        except BrokerError as err:
+            log.warning("cannot tell another replica (%s to session %s...): %s", kind, session_id[:8], err)
+
+    def publish_mirror(self, layout_id: str, change: pb.MirrorBlocks | pb.MirrorEngine) -> None:
+        kind = "blocks" if isinstance(change, pb.MirrorBlocks) else "engine"
+        head = json.dumps({"rep": self.replica, "lay": layout_id, "t": kind}).encode()
+        try:
+            self._state.call(
+                self._state.client.publish, self.mirror_channel, head + b"\n" + change.SerializeToString()
+            )
+        except BrokerError as err:
+            log.warning("cannot send an index change to the other replicas' mirrors: %s", err)
+
+    def _deliver_mirror(self, data: bytes) -> None:
+        head_raw, _, body = data.partition(b"\n")
+        head = json.loads(head_raw)
+        if head.get("rep") == self.replica or self.mirrors is None:
+            return
+        layout_id = str(head.get("lay", ""))
+        if head.get("t") == "blocks":
+            self.mirrors.apply_blocks(layout_id, pb.MirrorBlocks.FromString(body))
+        else:
+            self.mirrors.apply_engine(layout_id, pb.MirrorEngine.FromString(body))
+
+    def _local(self, session_id: str) -> bool:
+        return session_id in self._channels
+
+    def lease_revoked(self, session_id: str, lease: Lease) -> None:
+        if self._local(session_id):
+            super().lease_revoked(session_id, lease)
+        else:
+            self._publish("revoked", session_id, lease=lease.lease_id)
+
+    def lease_ended(self, session_id: str, lease: Lease) -> None:
+        if self._local(session_id):
+            super().lease_ended(session_id, lease)
+        else:
+            self._publish("ended", session_id, lease=lease.lease_id)
+
+    def pin(self, session_id: str, lease: Lease) -> None:
+        if self._local(session_id):
+            super().pin(session_id, lease)
+        else:
+            self._publish("pin", session_id, lease=lease.lease_id)
+
+    def drain(self, session_id: str, reason: str) -> None:
+        if self._local(session_id):
+            super().drain(session_id, reason)
+        else:
+            self._publish("drain", session_id, reason=reason)
+
+    def close_session(self, session_id: str, code: str, message: str, cause: Cause | None = None) -> None:
+        if self._local(session_id):
+            super().close_session(session_id, code, message, cause)
+        else:
+            self._publish("close", session_id, code=code, message=message, cause=cause or "")
+
+    def pin_settled(self, lease: Lease) -> None:
+        super().pin_settled(lease)
+        self._publish("settled", "", lease=lease.lease_id)
+
+    def session_resumed(self, session_id: str) -> None:
+        """This replica took the session over: the one that had its stream lets it go."""
+        self._publish("moved", session_id)
+
+    # -- receiving -------------------------------------------------------------------
+
+    def deliver(self, msg: dict[str, Any]) -> None:
+        kind, sid = msg.get("k"), msg.get("s", "")
+        if kind == "moved":
+            if msg.get("rep") != self.replica and self._local(sid):
+                super().close_session(
+                    sid, "ABORTED", "the session resumed on another broker replica", Cause.SESSION_SUPERSEDED
+                )
+            return
+        if kind == "settled" and msg.get("rep") == self.replica:
+            return
+        if kind != "settled" and not self._local(sid):
+            return
+        if kind == "drain":
+            super().drain(sid, str(msg.get("reason", "")))
+            return
+        if kind == "close":
+            cause = Cause(msg["cause"]) if msg.get("cause") else None
+            super().close_session(sid, str(msg.get("code", "")), str(msg.get("message", "")), cause)
+            return
+        if self.lease_of is None:
+            return
+        try:
+            lease = self.lease_of(str(msg.get("lease", "")))
+        except BrokerError:
+            return  # gone from the shared table: nothing left to tell
+        self.delivered += 1
+        if kind == "revoked":
+            super().lease_revoked(sid, lease)
+        elif kind == "ended":
+            super().lease_ended(sid, lease)
+        elif kind == "pin":
+            super().pin(sid, lease)
+        elif kind == "settled":
+            super().pin_settled(lease)
+
+    async def follow(self) -> None:
+        """Receive the fleet's messages until cancelled, reconnecting to Redis as needed."""
+        while True:
+            client = redis.asyncio.Redis.from_url(self._state.url)
+            try:
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(self._channel, self.mirror_channel)
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    if message["channel"] == self.mirror_channel.encode():
+                        self._deliver_mirror(message["data"])
+                    else:
+                        self.deliver(json.loads(message["data"]))
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
+                log.warning("fleet channel lost (%s); resubscribing", err)
+                await asyncio.sleep(0.5)
+            finally:
+                await client.aclose()
+
+
+class FleetMirrorHub(MirrorHub):
+    """Mirrors that follow every replica's index changes, not only this one's."""
+
+    def __init__(self, notifier: FleetNotifier) -> None:
+        super().__init__()
+        self._notifier = notifier
+
+    def watching(self, layout_id: str) -> bool:
+        return True  # a mirror on another replica may be watching
+
+    def blocks(
+        self,
+        engine_id: str,
+        namespace: Namespace,
+        tier: Tier,
+        stored: Sequence[int] = (),
+        removed: Sequence[int] = (),
+    ) -> None:
+        super().blocks(engine_id, namespace, tier, stored, removed)
+        change = pb.MirrorBlocks(
+            engine_id=engine_id,
+            tenant=namespace.tenant,
+            tier=pb.Tier.ValueType(tier),
+            stored=stored,
+            removed=removed,
+        )
+        self._notifier.publish_mirror(namespace.layout_id, change)
+
+    def clear_tier(self, engine_id: str, layout_id: str, tier: Tier) -> None:
+        super().clear_tier(engine_id, layout_id, tier)
+        change = pb.MirrorBlocks(engine_id=engine_id, tier=pb.Tier.ValueType(tier), clear_tier=True)
+        self._notifier.publish_mirror(layout_id, change)
+
+    def engine(self, layout_id: str, info: pb.EngineInfo | None, engine_id: str = "") -> None:
+        super().engine(layout_id, info, engine_id)
+        if info is None:
+            change = pb.MirrorEngine(engine=pb.EngineInfo(engine_id=engine_id), gone=True)
+        else:
+            change = pb.MirrorEngine(engine=mirror_engine_info(info))
+        self._notifier.publish_mirror(layout_id, change)
+
+    # -- another replica's changes: to the local mirrors only -----------------------
+
+    def apply_blocks(self, layout_id: str, change: pb.MirrorBlocks) -> None:
+        if change.clear_tier:
+            super().clear_tier(change.engine_id, layout_id, Tier(change.tier))
+        else:
+            ns = Namespace(layout_id, change.tenant)
+            super().blocks(change.engine_id, ns, Tier(change.tier), list(change.stored), list(change.removed))
+
+    def apply_engine(self, layout_id: str, change: pb.MirrorEngine) -> None:
+        if change.gone:
+            super().engine(layout_id, None, change.engine.engine_id)
+        else:
+            super().engine(layout_id, change.engine)

@@ -1,0 +1,90 @@
+"""A real redis-server (Debian's binary) on a free loopback port, for tests and benchmarks.
+
+Nothing is persisted (no RDB, no AOF). `REDIS_SERVER` names another binary
+(valkey-server works the same). `missing_reason()` says why none can run, so
+a test can skip with that reason instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from testkit.ports import free_port
+
+
+def server_binary() -> str | None:
+    return os.environ.get("REDIS_SERVER") or shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def missing_reason() -> str:
+    """Empty when a server can run, else why not (for pytest.skip)."""
+    if server_binary() is None:
+        return "no redis-server or valkey-server on PATH (make test installs Debian's redis-server)"
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return "the redis client library is missing: pip install '.[redis]'"
+    return ""
+
+
+class RedisServer:
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        binary = server_binary()
+        if binary is None:
+            raise RuntimeError(missing_reason())
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = open(self.workdir / f"redis-{self.port}.log", "ab")  # noqa: SIM115 (the child owns it)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.workdir),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        log.close()
+        import redis
+
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start; see {self.workdir}") from None
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+
+@contextmanager
+def running_redis(workdir: Path) -> Iterator[RedisServer]:
+    server = RedisServer(workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

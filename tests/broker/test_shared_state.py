@@ -1,0 +1,122 @@
+"""`--state redis://...`: what the shared store adds beyond the contract suites (which run the
+same API tests on both backends): a bad URL is refused at start, a store that stops answering
+turns lease calls into UNAVAILABLE (state_unavailable) without crashing the broker, a store
+back empty ends the sessions it lost (engines register again), and the broker works again."""
+
+from __future__ import annotations
+
+import secrets
+
+import grpc
+import pytest
+import redis
+
+from kvbroker.broker.errors import FailedPrecondition, InvalidArgument
+from kvbroker.broker.state_redis_leases import RedisLeaseTable
+from kvbroker.common.error_details import STATUS_DETAILS_KEY
+from kvbroker.common.model import LeaseState, Namespace, Tier
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import running_broker
+from testkit.builders import engine_info
+from testkit.ports import free_port
+from testkit.redis_server import RedisServer
+from tests.broker.helpers import redis_state
+from tests.broker.session_util import RawSession
+
+H = list(range(7000, 7016))
+
+
+async def test_a_state_url_that_is_not_redis_or_does_not_answer_is_refused_at_start() -> None:
+    with pytest.raises(InvalidArgument, match="not a Redis URL"):
+        async with running_broker(state="memcached://127.0.0.1:1"):
+            pass
+    with pytest.raises(InvalidArgument, match="does not answer"):
+        async with running_broker(state=f"redis://127.0.0.1:{free_port()}"):
+            pass
+
+
+def _hold(ns: pb.Namespace, request_id: str) -> pb.HoldRequest:
+    return pb.HoldRequest(
+        holder_engine_id="P",
+        namespace=ns,
+        tier=pb.TIER_GPU,
+        block_hashes=H[:4],
+        block_ids=[1, 2, 3, 4],
+        request_id=request_id,
+    )
+
+
+async def test_store_down_means_unavailable_then_back_to_work(redis_server: RedisServer) -> None:
+    # A store of its own: this test stops it.
+    store = RedisServer(redis_server.workdir / f"own-{secrets.token_hex(3)}")
+    store.start()
+    try:
+        async with (
+            running_broker(state=store.url, session_ttl_min_ms=100, expiry_interval_ms=20) as broker,
+            grpc.aio.insecure_channel(broker.address) as channel,
+        ):
+            stub = broker_pb2_grpc.KVBrokerStub(channel)
+            p = RawSession(stub)
+            reg = await p.register(engine_info("P"), 60_000)
+            ns = pb.Namespace(layout_id=reg.layout_id)
+            await p.announce(ns, pb.TIER_GPU, H)
+            await p.applied()
+            held = await stub.Hold(_hold(ns, "before"))
+            assert held.lease.state == pb.LEASE_HELD
+
+            store.stop()
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Hold(_hold(ns, "during"))
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "does not answer" in (exc.value.details() or "")
+            details = dict(exc.value.trailing_metadata() or ()).get(STATUS_DETAILS_KEY)
+            assert details is not None and b"state_unavailable" in details
+
+            # Same port, empty store (as after a failover that lost writes): the lease
+            # Redis lost reads as unknown, never as live; new work goes through.
+            store.start()
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Release(pb.ReleaseRequest(lease_id=held.lease.lease_id, reader_engine_id="D"))
+            assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "recompute" in (exc.value.details() or "")
+            # The store lost P's session too: the broker ends its stream so that P registers
+            # again and re-announces (which rebuilds the index); then P holds again.
+            error = (await p.read_kind("error")).error
+            assert (error.code, error.cause) == ("UNAVAILABLE", "state_unavailable")
+            p = RawSession(stub)
+            await p.register(engine_info("P"), 60_000)
+            await p.announce(ns, pb.TIER_GPU, H)
+            await p.applied()
+            again = await stub.Hold(_hold(ns, "after"))
+            assert again.lease.state == pb.LEASE_HELD
+            assert redis.Redis.from_url(store.url).exists(f"kvb:{{leases}}:l:{again.lease.lease_id}")
+            await p.close()
+    finally:
+        store.stop()
+
+
+def test_a_deadline_another_replica_shortened_is_enforced_by_the_transition(
+    redis_server: RedisServer,
+) -> None:
+    state = redis_state(redis_server)
+    here, there = RedisLeaseTable(state), RedisLeaseTable(state)
+    ns = Namespace("layout", "")
+    lease = here.create(
+        holder="P",
+        reader="D",
+        namespace=ns,
+        tier=Tier.GPU,
+        block_hashes=[1, 2],
+        block_ids=[3, 4],
+        state=LeaseState.HELD,
+        ttl_s=10.0,
+        deadline=10.0,
+        request_id="",
+    )
+    there.claim(lease.lease_id, "D", 1.0, now=0.0)  # the reader's TTL: due at 1.0
+    assert here.expire_if_due(lease.lease_id, now=2.0) is None  # this replica's copy says 10.0
+    with pytest.raises(FailedPrecondition, match=r"revoked \(ttl_expired\)"):
+        here.release(lease.lease_id, "D", 0, now=2.0)
+    assert here.revoke_expired(now=2.0, limit=10) == [lease]  # reported once, so both sides hear of it
+    assert lease.state is LeaseState.REVOKED and here.revoke_expired(now=3.0, limit=10) == []

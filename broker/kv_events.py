@@ -3,7 +3,10 @@
 ``kvbroker serve --kv-events 'ENGINE_ID=tcp://HOST:PORT?model=NAME&block_size=N'``
 subscribes (ZMQ SUB) to the publisher of a vLLM engine started with
 ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
-"endpoint": "tcp://*:PORT"}'``. While the broker is connected to that
+"endpoint": "tcp://*:PORT"}'`` (vLLM binds a wildcard endpoint). The other way
+round, ``ENGINE_ID=tcp://*:PORT?...`` makes the broker bind and the engine
+connect to it (``"endpoint": "tcp://BROKER_HOST:PORT"``): vLLM connects to any
+endpoint that is not a wildcard. While the broker is connected to that
 publisher the engine is registered, labelled ``kvbroker.source=kv-events``,
 and the blocks its events store are indexed (kv_chain.py maps vLLM's hashes to
 our keys), so Score, Watch, the CLI and the indexer API see it and routers send
@@ -66,6 +69,11 @@ class KvEventsSource:
     num_kv_heads: int = 1
     head_size: int = 1
     kv_layout: str = EVENT_FED
+
+    @property
+    def binds(self) -> bool:
+        """``tcp://*:PORT``: the broker binds and the engine connects (its endpoint names the broker)."""
+        return "*" in self.endpoint
 
     def engine_info(self) -> pb.EngineInfo:
         labels = {SOURCE_LABEL: EVENT_FED, "kv_events": self.endpoint}
@@ -228,8 +236,12 @@ class KvEventsFeed:
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         sub.setsockopt(zmq.RECONNECT_IVL, 200)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.source.endpoint)
+        up = zmq.EVENT_ACCEPTED if self.source.binds else zmq.EVENT_CONNECTED
+        monitor = sub.get_monitor_socket(up | zmq.EVENT_DISCONNECTED)
+        if self.source.binds:
+            sub.bind(self.source.endpoint)
+        else:
+            sub.connect(self.source.endpoint)
         decoder = msgspec.msgpack.Decoder()
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -239,7 +251,7 @@ class KvEventsFeed:
                 ready = dict(await poller.poll())
                 if monitor in ready:
                     note = parse_monitor_message(await monitor.recv_multipart())
-                    if note["event"] == zmq.EVENT_CONNECTED:
+                    if note["event"] == up:
                         self.connected()
                     elif note["event"] == zmq.EVENT_DISCONNECTED:
                         self.disconnected("the connection to its KV event publisher dropped")

@@ -19,7 +19,7 @@ import errno
 import logging
 import platform
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.kv_events import KvEventsFeed
 
 log = logging.getLogger("kvbroker.metrics")
 
@@ -71,6 +72,41 @@ class BrokerCollector(Collector):
         for cause, n in stats.revocations_by_cause.items():
             revoked.add_metric([cause], n)
         yield revoked
+
+
+class KvEventsCollector(Collector):
+    """Engines followed by their vLLM KV events (kv_events.py): connection, batches, blocks by outcome."""
+
+    def __init__(self, feeds: Mapping[str, KvEventsFeed]) -> None:
+        self._feeds = feeds
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "kvbroker_kv_events_connected",
+            "1 while the broker is connected to the engine's publisher",
+            labels=["engine"],
+        )
+        batches = CounterMetricFamily(
+            "kvbroker_kv_events_batches", "KV event batches received", labels=["engine"]
+        )
+        gaps = CounterMetricFamily(
+            "kvbroker_kv_events_seq_gaps",
+            "Gaps in the publisher's sequence numbers (missed batches)",
+            labels=["engine"],
+        )
+        blocks = CounterMetricFamily(
+            "kvbroker_kv_events_blocks",
+            "Blocks in KV events by outcome (stored, removed, unknown_parent, mismatched, unsupported)",
+            labels=["engine", "outcome"],
+        )
+        for engine_id, feed in list(self._feeds.items()):
+            up.add_metric([engine_id], 1 if feed.record is not None else 0)
+            batches.add_metric([engine_id], feed.batches)
+            gaps.add_metric([engine_id], feed.seq_gaps)
+            for outcome, n in feed.stats.as_dict().items():
+                if outcome != "cleared":
+                    blocks.add_metric([engine_id, outcome], n)
+        yield from (up, batches, gaps, blocks)
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
@@ -167,10 +203,18 @@ def build_info(registry: CollectorRegistry) -> None:
     info.labels(version, platform.python_version(), grpc.__version__).set(1)
 
 
-def start_metrics_http(core: BrokerCore, registry: CollectorRegistry, host: str, port: int) -> Any:
+def start_metrics_http(
+    core: BrokerCore,
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    feeds: Mapping[str, KvEventsFeed] | None = None,
+) -> Any:
     """Serve /metrics on a background thread; returns the server (call .shutdown() to stop),
     or None when the port is taken: the broker then runs without metrics, and says so."""
     registry.register(BrokerCollector(core))
+    if feeds is not None:
+        registry.register(KvEventsCollector(feeds))
     ProcessCollector(registry=registry)
     build_info(registry)
     try:

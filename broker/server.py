@@ -221,8 +221,9 @@ async def start_server(
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     metrics_port = 0
+    feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
     if metrics_registry is not None:
-        http = start_metrics_http(core, metrics_registry, config.metrics_host, config.metrics_port)
+        http = start_metrics_http(core, metrics_registry, config.metrics_host, config.metrics_port, feeds)
         if http is not None:
             extras.append(http)
             metrics_port = http.server_port
@@ -240,6 +241,7 @@ async def start_server(
         security=security,
         certificates=certificates,
         guard=auth.guard if auth is not None else None,
+        feeds=feeds,
         _extras=extras,
     )
     running._expiry_task = asyncio.create_task(_expiry_loop(core), name="kvbroker-expiry")

@@ -1,0 +1,142 @@
+"""--kv-events against a real broker process: a ZMQ publisher speaking vLLM's wire format.
+
+The publisher here sends what vLLM's ZmqEventPublisher sends (three frames:
+topic, 8-byte big-endian sequence number, a msgpack batch ``[ts, [events], dp_rank]``
+with events as tagged maps, hashes as vLLM's int form). The real vLLM engine:
+test_kv_events_vllm.py. Here: the CLI marks the engine, /metrics counts its
+events, the connector's engine id wins, and a publisher that goes away is forgotten.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.common.hashing import hash_block, none_hash, wire_chain
+from kvbroker.tools import cli
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.ports import free_port
+from testkit.processes import SERVE, BrokerProcess
+from testkit.waiting import wait_for
+
+zmq = pytest.importorskip("zmq")
+msgspec = pytest.importorskip("msgspec")
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK = 32
+PROMPT = [(i * 31) % 500 + 1 for i in range(4 * BLOCK)]
+
+
+def vllm_int_hashes(tokens: list[int]) -> list[int]:
+    parent = none_hash()
+    out = []
+    for i in range(0, len(tokens), BLOCK):
+        parent = hash_block("sha256", parent, tokens[i : i + BLOCK])
+        out.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
+    return out
+
+
+class Publisher:
+    """vLLM's side: a bound PUB socket, a sequence number, msgpack batches."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.seq = 0
+
+    def send(self, *events: dict[str, Any]) -> None:
+        payload = msgspec.msgpack.encode([time.time(), list(events), None])
+        self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[BrokerProcess, Publisher, int]]:
+    events, metrics = free_port(), free_port()
+    spec = f"ev=tcp://127.0.0.1:{events}?model=tiny-llama&block_size={BLOCK}"
+    broker = BrokerProcess(tmp_path, ["--kv-events", spec, "--metrics-port", str(metrics)], command=SERVE)
+    broker.start()
+    publisher = Publisher(events)
+    try:
+        yield broker, publisher, metrics
+    finally:
+        publisher.close()
+        broker.stop()
+
+
+def _cli(address: str, *argv: str) -> str:
+    out = io.StringIO()
+    assert cli.main(["--broker", address, *argv], out=out) == 0
+    return out.getvalue()
+
+
+def test_event_fed_engine_is_scored_marked_and_counted(stack: tuple[BrokerProcess, Publisher, int]) -> None:
+    broker, publisher, metrics_port = stack
+    hashes = vllm_int_hashes(PROMPT)
+    with BrokerClient(broker.address) as client:
+        assert wait_for(lambda: any(e.engine_id == "ev" for e in client.list_engines().engines), 10)
+        layout = next(e.layout_id for e in client.list_engines().engines)
+        ns = pb.Namespace(layout_id=layout, tenant="")
+        stored = {
+            "type": "BlockStored",
+            "block_hashes": hashes[:3],
+            "parent_block_hash": None,
+            "token_ids": PROMPT[: 3 * BLOCK],
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        orphan = {**stored, "block_hashes": [12345], "parent_block_hash": 999, "token_ids": PROMPT[:BLOCK]}
+        publisher.send(stored, orphan)
+
+        def gpu_blocks() -> int:
+            scores = client.score(namespace=ns, token_ids=PROMPT).scores
+            return scores[0].gpu_blocks if scores else -1
+
+        assert wait_for(lambda: gpu_blocks() == 3, 10), gpu_blocks()
+        assert client.score(namespace=ns, block_hashes=wire_chain(PROMPT, BLOCK)).scores[0].engine_id == "ev"
+        assert not client.resolve(namespace=ns, block_hashes=wire_chain(PROMPT, BLOCK)).matches
+        engines = _cli(broker.address, "engines")
+        assert "kv-events" in engines.splitlines()[1], engines
+        score = _cli(broker.address, "score", "--layout-id", layout, "--tokens", ",".join(map(str, PROMPT)))
+        assert "kv-events" in score.splitlines()[1], score
+        # Evicted: gone from the index.
+        publisher.send({"type": "BlockRemoved", "block_hashes": hashes[1:3], "medium": "GPU"})
+        assert wait_for(lambda: gpu_blocks() == 1, 10), gpu_blocks()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        assert 'kvbroker_kv_events_connected{engine="ev"} 1.0' in text
+        assert 'kvbroker_kv_events_blocks_total{engine="ev",outcome="stored"} 3.0' in text
+        assert 'kvbroker_kv_events_blocks_total{engine="ev",outcome="unknown_parent"} 1.0' in text
+        assert 'kvbroker_kv_events_blocks_total{engine="ev",outcome="removed"} 2.0' in text
+        # Everything cleared.
+        publisher.send({"type": "AllBlocksCleared"})
+        assert wait_for(lambda: gpu_blocks() == 0, 10), gpu_blocks()
+        # The publisher goes away: the engine is forgotten.
+        publisher.close()
+        assert wait_for(lambda: not client.list_engines().engines, 10)
+
+
+def test_malformed_frames_do_not_hurt_the_broker(stack: tuple[BrokerProcess, Publisher, int]) -> None:
+    broker, publisher, _ = stack
+    with BrokerClient(broker.address) as client:
+        assert wait_for(lambda: bool(client.list_engines().engines), 10)
+        publisher.sock.send_multipart([b"", b"short", b"x"])
+        publisher.sock.send_multipart([b"", (5).to_bytes(8, "big"), b"\xc1not msgpack"])
+        publisher.send({"type": "BlockStored", "block_hashes": "nope"}, ["Mystery", 1], 42)
+        publisher.send(
+            {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * BLOCK, "block_size": BLOCK}
+        )
+        time.sleep(0.5)
+        assert broker.alive() and [e.engine_id for e in client.list_engines().engines] == ["ev"]

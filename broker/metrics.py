@@ -32,7 +32,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvbroker.broker.core import BrokerCore
@@ -72,6 +72,49 @@ class BrokerCollector(Collector):
         for cause, n in stats.revocations_by_cause.items():
             revoked.add_metric([cause], n)
         yield revoked
+        yield from self._lease_stats()
+        lag, pending = self._core.mirrors.lag()
+        yield GaugeMetricFamily(
+            "kvbroker_mirror_lag_seconds",
+            "Age of the oldest index change a Mirror stream has not been sent yet (0: all caught up)",
+            value=lag,
+        )
+        yield GaugeMetricFamily(
+            "kvbroker_mirror_pending_bytes",
+            "Bytes of index changes waiting for Mirror streams",
+            value=pending,
+        )
+
+    def _lease_stats(self) -> Iterator[Metric]:
+        stats = self._core.leases.stats
+        if stats is None:
+            return
+        held = HistogramMetricFamily(
+            "kvbroker_lease_duration_seconds",
+            "How long leases lived, from hold or pin to their end, by outcome (released or the revoke cause)",
+            labels=["outcome"],
+        )
+        for outcome, hist in stats.durations.items():
+            held.add_metric([outcome], hist.cumulative(), hist.total)
+        yield held
+        labels = ["holder", "reader", "tier"]
+        reads = CounterMetricFamily(
+            "kvbroker_pair_reads", "Committed reads (released leases) per engine pair", labels=labels
+        )
+        blocks = CounterMetricFamily(
+            "kvbroker_pair_blocks", "Blocks of committed reads per engine pair", labels=labels
+        )
+        moved = CounterMetricFamily(
+            "kvbroker_pair_bytes",
+            "Bytes of committed reads per engine pair (the layout's block size)",
+            labels=labels,
+        )
+        for (holder, reader, tier), totals in list(stats.pairs.items()):
+            values = [holder, reader, tier.name.lower()]
+            reads.add_metric(values, totals.reads)
+            blocks.add_metric(values, totals.blocks)
+            moved.add_metric(values, totals.bytes)
+        yield from (reads, blocks, moved)
 
 
 class KvEventsCollector(Collector):

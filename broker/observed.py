@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvbroker.broker.events import ENGINE, INDEX, LEASE, Notifier, WatchEvent
+from kvbroker.broker.lease_stats import LeaseStats
 from kvbroker.broker.leases import Lease, LeaseTable
 from kvbroker.broker.mirror import MirrorHub
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
@@ -117,6 +118,7 @@ class ObservedLeaseTable:
     def __init__(self, table: LeaseTable, publish: Publisher) -> None:
         self._table = table
         self._publish = publish
+        self.stats: LeaseStats | None = None  # durations and pair totals, for /metrics
 
     def create(
         self,
@@ -145,6 +147,8 @@ class ObservedLeaseTable:
             request_id=request_id,
         )
         self._publish.lease("lease_pending" if state is LeaseState.PENDING else "lease_held", lease)
+        if self.stats is not None:
+            self.stats.started(lease)
         return lease
 
     def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease:
@@ -160,6 +164,8 @@ class ObservedLeaseTable:
     def release(self, lease_id: str, reader: str, epoch: int, now: float) -> Lease:
         lease = self._table.release(lease_id, reader, epoch, now)
         self._publish.lease("lease_released", lease)
+        if self.stats is not None:
+            self.stats.ended(lease, "released")
         return lease
 
     def revoke(self, lease_id: str, cause: RevokeCause, detail: str) -> Lease | None:
@@ -177,6 +183,8 @@ class ObservedLeaseTable:
     def _revoked(self, lease: Lease | None) -> Lease | None:
         if lease is not None:
             self._publish.lease("lease_revoked", lease, detail=lease.cause.label)
+            if self.stats is not None:
+                self.stats.ended(lease, lease.cause.label)
         return lease
 
     def renew(self, lease_id: str, engine_id: str, ttl_s: float, now: float) -> Lease:

@@ -38,7 +38,16 @@ def _load() -> dict:
 
 def test_services_are_wired_with_health_checks() -> None:
     services = _load()["services"]
-    assert set(services) == {"broker", "prefill", "decode", "proxy", "otel-collector", "jaeger"}
+    assert {
+        "broker",
+        "prefill",
+        "decode",
+        "proxy",
+        "otel-collector",
+        "jaeger",
+        "prometheus",
+        "grafana",
+    } <= set(services)
     for name in ("broker", "prefill", "decode", "proxy"):
         assert "test" in services[name]["healthcheck"], name
     assert services["proxy"]["depends_on"]["decode"]["condition"] == "service_healthy"

@@ -24,7 +24,7 @@ from kvbroker.broker.leases import Lease, LeaseTable
 from kvbroker.broker.mirror import MirrorHub
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
 from kvbroker.common.index import PrefixIndex
-from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.common.model import EVENT_FED, LeaseState, Namespace, RevokeCause, Tier, is_event_fed
 from kvbroker.v1 import broker_pb2 as pb
 
 
@@ -224,7 +224,9 @@ class ObservedRegistry:
 
     def add(self, info: pb.EngineInfo, ttl_s: float, expected_ranks: int, now: float) -> EngineRecord:
         rec = self._registry.add(info, ttl_s, expected_ranks, now)
-        self._publish.watch(ENGINE, "engine_registered", engine_id=rec.engine_id, detail=rec.layout_id)
+        # An engine known from its KV events only says so: routers may send it requests, not pull from it.
+        detail = f"{rec.layout_id} ({EVENT_FED})" if is_event_fed(rec.info.labels) else rec.layout_id
+        self._publish.watch(ENGINE, "engine_registered", engine_id=rec.engine_id, detail=detail)
         self._publish.mirror_engine(rec)
         return rec
 

@@ -140,3 +140,35 @@ def test_malformed_frames_do_not_hurt_the_broker(stack: tuple[BrokerProcess, Pub
         )
         time.sleep(0.5)
         assert broker.alive() and [e.engine_id for e in client.list_engines().engines] == ["ev"]
+
+
+def test_watch_marks_the_engine_and_operators_can_drain_it(tmp_path: Path) -> None:
+    import threading
+
+    events_port = free_port()
+    spec = f"ev=tcp://127.0.0.1:{events_port}?model=tiny-llama&block_size={BLOCK}"
+    with BrokerProcess(tmp_path, ["--kv-events", spec, "--metrics-port", "0"], command=SERVE) as broker:
+        seen: list[Any] = []
+
+        def follow() -> None:
+            with BrokerClient(broker.address) as watcher:
+                for event in watcher.watch():
+                    seen.append(event)
+                    if event.kind == "engine_gone":
+                        return
+
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        time.sleep(0.5)  # the watch is open before the publisher comes
+        publisher = Publisher(events_port)
+        try:
+            assert wait_for(lambda: any(e.kind == "engine_registered" for e in seen), 10), seen
+            registered = next(e for e in seen if e.kind == "engine_registered")
+            assert registered.engine_id == "ev" and registered.detail.endswith("(kv-events)")
+            # Draining an engine that has no session is harmless: it stops being named.
+            assert "draining" in _cli(broker.address, "drain", "ev")
+            assert "draining" in _cli(broker.address, "engines").splitlines()[1]
+        finally:
+            publisher.close()
+        thread.join(10)
+        assert seen[-1].kind == "engine_gone" and broker.alive()

@@ -276,6 +276,7 @@ class IndexerHttp:
             model=str(body["modelname"]),
             block_size=size,
             tenant="" if tenant == "default" else tenant,
+            replay=str(body.get("replay_endpoint") or ""),
         )
         feed = KvEventsFeed(self.core, source)
         self.feeds[instance] = feed

@@ -16,7 +16,9 @@ it cannot take leases, and Resolve and index mirrors leave it out.
 When the TCP connection to the publisher drops (the engine died or
 restarted), the broker forgets the engine and its blocks at once; when it
 comes back the engine is registered again and its blocks return with its
-next events (vLLM's publisher keeps no state for new subscribers).
+next events. With ``replay=tcp://HOST:PORT`` (vLLM's ``replay_endpoint``), a
+gap in the sequence numbers (batches published before the broker connected,
+or lost) is filled from the publisher's replay buffer first.
 
 pyzmq and msgspec (both installed with vLLM; the ``kv-events`` extra
 otherwise) are imported here only, when a feed starts.
@@ -43,7 +45,8 @@ log = logging.getLogger("kvbroker.kv_events")
 # They hold no session: the record lives as long as the connection to the publisher (10 years otherwise).
 NO_SESSION_TTL_S = 10 * 365 * 86_400.0
 _INT_OPTIONS = ("block_size", "num_layers", "num_kv_heads", "head_size")
-_STR_OPTIONS = ("model", "hash_algo", "dtype", "kv_layout", "tenant", "topic", "url")
+_STR_OPTIONS = ("model", "hash_algo", "dtype", "kv_layout", "tenant", "topic", "url", "replay")
+REPLAY_TIMEOUT_MS = 2_000  # a replay that sends nothing for this long is given up (the gap stays a gap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,7 @@ class KvEventsSource:
     tenant: str = ""
     topic: str = ""
     url: str = ""  # the engine's HTTP address, shown as its `url` label (routers send requests there)
+    replay: str = ""  # the publisher's replay endpoint (vLLM's replay_endpoint): missed batches are asked for
     dtype: str = ""
     num_layers: int = 1
     num_kv_heads: int = 1
@@ -147,6 +151,7 @@ class KvEventsFeed:
     chain: BlockChain = field(init=False)
     batches: int = 0
     seq_gaps: int = 0
+    replayed: int = 0  # batches applied from the publisher's replay socket
     _last_seq: int = -1
     _task: asyncio.Task[None] | None = None
 
@@ -225,6 +230,33 @@ class KvEventsFeed:
                 self.chain.clear()
                 self.core.index.drop_holder(rec.engine_id)
 
+    def _needs_replay(self, seq: int) -> bool:
+        return bool(self.source.replay) and self.record is not None and seq > self._last_seq + 1
+
+    async def _replay(self, ctx: Any, start: int, stop: int, decode: Any) -> None:
+        """Ask the publisher's replay socket for batches [start, stop) and apply them in order.
+
+        vLLM keeps its last ``buffer_steps`` batches for this; what it no longer has stays
+        a gap (counted), and children of what is missing are skipped, not misfiled."""
+        import zmq
+
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(self.source.replay)
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while await dealer.poll(REPLAY_TIMEOUT_MS):
+                frames = await dealer.recv_multipart()
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    break
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq < 0:
+                    break  # the end-of-replay marker
+                if self._last_seq < seq < stop:
+                    self.replayed += 1
+                    self.apply_batch(seq, decode(frames[3]))
+        finally:
+            dealer.close(linger=0)
+
     async def _run(self) -> None:
         import msgspec
         import zmq
@@ -265,7 +297,13 @@ class KvEventsFeed:
                     except msgspec.DecodeError:
                         self.chain.stats.unsupported += 1
                         continue
-                    self.apply_batch(int.from_bytes(frames[1], "big", signed=True), batch)
+                    seq = int.from_bytes(frames[1], "big", signed=True)
+                    if self._needs_replay(seq):
+                        try:
+                            await self._replay(ctx, self._last_seq + 1, seq, decoder.decode)
+                        except (zmq.ZMQError, msgspec.DecodeError) as err:
+                            log.warning("kv-events %s: replay failed: %s", self.source.engine_id, err)
+                    self.apply_batch(seq, batch)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)

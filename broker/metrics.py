@@ -137,6 +137,11 @@ class KvEventsCollector(Collector):
             "Gaps in the publisher's sequence numbers (missed batches)",
             labels=["engine"],
         )
+        replayed = CounterMetricFamily(
+            "kvbroker_kv_events_replayed",
+            "Batches filled in from the publisher's replay socket",
+            labels=["engine"],
+        )
         blocks = CounterMetricFamily(
             "kvbroker_kv_events_blocks",
             "Blocks in KV events by outcome (stored, removed, unknown_parent, mismatched, unsupported)",
@@ -146,10 +151,11 @@ class KvEventsCollector(Collector):
             up.add_metric([engine_id], 1 if feed.record is not None else 0)
             batches.add_metric([engine_id], feed.batches)
             gaps.add_metric([engine_id], feed.seq_gaps)
+            replayed.add_metric([engine_id], feed.replayed)
             for outcome, n in feed.stats.as_dict().items():
                 if outcome != "cleared":
                     blocks.add_metric([engine_id, outcome], n)
-        yield from (up, batches, gaps, blocks)
+        yield from (up, batches, gaps, replayed, blocks)
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):

@@ -10,6 +10,7 @@ events, the connector's engine id wins, and a publisher that goes away is forgot
 from __future__ import annotations
 
 import io
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -45,19 +46,46 @@ def vllm_int_hashes(tokens: list[int]) -> list[int]:
 
 
 class Publisher:
-    """vLLM's side: a bound PUB socket, a sequence number, msgpack batches."""
+    """vLLM's side: a bound PUB socket, a sequence number, msgpack batches, and (with
+    `replay_port`) a ROUTER socket answering replay requests from its buffer, as vLLM's does."""
 
-    def __init__(self, port: int) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.PUB)
+    def __init__(self, port: int, replay_port: int = 0) -> None:
+        ctx = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.PUB)
         self.sock.bind(f"tcp://127.0.0.1:{port}")
         self.seq = 0
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replays: list[int] = []
+        self._done = threading.Event()
+        self._replay_thread: threading.Thread | None = None
+        if replay_port:
+            router = ctx.socket(zmq.ROUTER)
+            router.bind(f"tcp://127.0.0.1:{replay_port}")
+            self._replay_thread = threading.Thread(target=self._serve_replay, args=(router,), daemon=True)
+            self._replay_thread.start()
+
+    def _serve_replay(self, router: Any) -> None:
+        while not self._done.is_set():
+            if not router.poll(50):
+                continue
+            client, _, start = router.recv_multipart()
+            self.replays.append(int.from_bytes(start, "big"))
+            for seq, payload in list(self.buffer):
+                if seq >= self.replays[-1]:
+                    router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
+            router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        router.close(linger=0)
 
     def send(self, *events: dict[str, Any]) -> None:
         payload = msgspec.msgpack.encode([time.time(), list(events), None])
+        self.buffer.append((self.seq, payload))
         self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
         self.seq += 1
 
     def close(self) -> None:
+        self._done.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join(5)
         self.sock.close(linger=0)
 
 
@@ -143,8 +171,6 @@ def test_malformed_frames_do_not_hurt_the_broker(stack: tuple[BrokerProcess, Pub
 
 
 def test_watch_marks_the_engine_and_operators_can_drain_it(tmp_path: Path) -> None:
-    import threading
-
     events_port = free_port()
     spec = f"ev=tcp://127.0.0.1:{events_port}?model=tiny-llama&block_size={BLOCK}"
     with BrokerProcess(tmp_path, ["--kv-events", spec, "--metrics-port", "0"], command=SERVE) as broker:
@@ -172,3 +198,51 @@ def test_watch_marks_the_engine_and_operators_can_drain_it(tmp_path: Path) -> No
             publisher.close()
         thread.join(10)
         assert seen[-1].kind == "engine_gone" and broker.alive()
+
+
+def _stored(tokens: list[int], hashes: list[int], first: int, count: int) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes[first : first + count],
+        "parent_block_hash": hashes[first - 1] if first else None,
+        "token_ids": tokens[first * BLOCK : (first + count) * BLOCK],
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+
+
+def test_batches_published_before_the_broker_came_are_replayed(tmp_path: Path) -> None:
+    events_port, replay_port, metrics_port = free_port(), free_port(), free_port()
+    publisher = Publisher(events_port, replay_port)
+    hashes = vllm_int_hashes(PROMPT)
+    try:
+        # Published while nobody listens: lost on the PUB socket, kept in the replay buffer.
+        publisher.send(_stored(PROMPT, hashes, 0, 2))
+        publisher.send(_stored(PROMPT, hashes, 2, 1))
+        spec = f"ev=tcp://127.0.0.1:{events_port}?model=tiny-llama&block_size={BLOCK}&replay=tcp://127.0.0.1:{replay_port}"
+        args = ["--kv-events", spec, "--metrics-port", str(metrics_port)]
+        with BrokerProcess(tmp_path, args, command=SERVE) as broker, BrokerClient(broker.address) as client:
+            assert wait_for(lambda: bool(client.list_engines().engines), 10)
+            time.sleep(0.3)  # the subscription is live
+            publisher.send(_stored(PROMPT, hashes, 3, 1))  # seq 2: the broker sees 0 and 1 are missing
+            ns = pb.Namespace(layout_id=client.list_engines().engines[0].layout_id, tenant="")
+
+            def gpu_blocks() -> int:
+                scores = client.score(namespace=ns, token_ids=PROMPT).scores
+                return scores[0].gpu_blocks if scores else -1
+
+            assert wait_for(lambda: gpu_blocks() == 4, 10), (
+                gpu_blocks(),
+                publisher.replays,
+                broker.log_tail(),
+            )
+            assert publisher.replays == [0]
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            )
+            assert 'kvbroker_kv_events_replayed_total{engine="ev"} 2.0' in text
+            assert 'kvbroker_kv_events_seq_gaps_total{engine="ev"} 0.0' in text
+    finally:
+        publisher.close()

@@ -41,6 +41,7 @@ from kvbroker.common.model import EVENT_FED, SOURCE_LABEL
 log = logging.getLogger("kvbroker.indexer")
 
 MAX_HEAD_BYTES = 16 * 1024
+MAX_CONNECTIONS = 256  # beyond: 503 and close, so that idle clients cannot pile up
 READ_TIMEOUT_S = 30.0
 REASONS = {
     200: "OK",
@@ -52,6 +53,7 @@ REASONS = {
     409: "Conflict",
     411: "Length Required",
     413: "Payload Too Large",
+    503: "Service Unavailable",
 }
 
 
@@ -71,6 +73,7 @@ class IndexerHttp:
         self.max_body = core.config.max_message_bytes
         self.server: asyncio.Server | None = None
         self.port = 0
+        self.connections = 0
 
     async def start(self, address: str) -> int:
         host, _, port = address.rpartition(":")
@@ -98,13 +101,17 @@ class IndexerHttp:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(OSError, TimeoutError):
                 await asyncio.wait_for(self.server.wait_closed(), 2.0)
 
     # -- transport ---------------------------------------------------------------------
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
+            if self.connections > MAX_CONNECTIONS:
+                await self._send(writer, 503, _error(503, "too many connections; retry later"), False)
+                return
             while True:
                 try:
                     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
@@ -149,8 +156,9 @@ class IndexerHttp:
                 if not keep:
                     return
         finally:
+            self.connections -= 1
             writer.close()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(OSError, TimeoutError):
                 await writer.wait_closed()
 
     @staticmethod
@@ -263,6 +271,9 @@ class IndexerHttp:
         if body.get("lora_name"):
             raise IndexerError(400, "LoRA adapters are not indexed by this broker")
         instance = str(body["instance_id"])
+        for name, value in (("instance_id", instance), ("modelname", str(body["modelname"]))):
+            if len(value.encode()) > self.core.config.max_id_bytes:
+                raise IndexerError(400, f"'{name}' is longer than {self.core.config.max_id_bytes} bytes")
         if instance in self.feeds or self.core.registry.find(instance) is not None:
             raise IndexerError(409, f"instance_id {instance[:80]!r} is already known; unregister it first")
         tenant = str(body.get("tenant_id") or "")

@@ -29,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from kvbroker.broker.core import BrokerCore
-from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.kv_chain import BlockChain, ChainStats, event_fields
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL, Namespace
@@ -214,21 +215,29 @@ class KvEventsFeed:
             self.chain.stats.unsupported += 1
             return
         self.batches += 1
-        layout = rec.layout_id
         for raw in batch[1]:
             event = event_fields(raw)
-            kind = event.get("type") if event is not None else None
-            if event is None:
+            try:
+                self._apply(rec, event)
+            except (BrokerError, TypeError, ValueError, AttributeError) as err:
+                # Whatever a publisher sends, the broker and the other engines carry on.
                 self.chain.stats.unsupported += 1
-            elif kind == "BlockStored":
-                for tier, tenant, wire in self.chain.stored(event):
-                    self.core.update_inventory(rec, Namespace(layout, tenant), tier, wire, ())
-            elif kind == "BlockRemoved":
-                for tier, tenant, wire in self.chain.removed(event):
-                    self.core.update_inventory(rec, Namespace(layout, tenant), tier, (), wire)
-            elif kind == "AllBlocksCleared":
-                self.chain.clear()
-                self.core.index.drop_holder(rec.engine_id)
+                log.warning("kv-events %s: event not applied: %s", self.source.engine_id, str(err)[:200])
+
+    def _apply(self, rec: EngineRecord, event: Mapping[str, Any] | None) -> None:
+        kind = event.get("type") if event is not None else None
+        layout = rec.layout_id
+        if event is None:
+            self.chain.stats.unsupported += 1
+        elif kind == "BlockStored":
+            for tier, tenant, wire in self.chain.stored(event):
+                self.core.update_inventory(rec, Namespace(layout, tenant), tier, wire, ())
+        elif kind == "BlockRemoved":
+            for tier, tenant, wire in self.chain.removed(event):
+                self.core.update_inventory(rec, Namespace(layout, tenant), tier, (), wire)
+        elif kind == "AllBlocksCleared":
+            self.chain.clear()
+            self.core.index.drop_holder(rec.engine_id)
 
     def _needs_replay(self, seq: int) -> bool:
         return bool(self.source.replay) and self.record is not None and seq > self._last_seq + 1

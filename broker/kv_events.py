@@ -165,6 +165,17 @@ class KvEventsFeed:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.source.engine_id}")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error(
+                "kv-events %s: stopped following %s: %s",
+                self.source.engine_id,
+                self.source.endpoint,
+                task.exception(),
+            )
+            self.disconnected("the broker stopped following its KV events after an error")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -277,12 +288,21 @@ class KvEventsFeed:
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         sub.setsockopt(zmq.RECONNECT_IVL, 200)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        up = zmq.EVENT_ACCEPTED if self.source.binds else zmq.EVENT_CONNECTED
+        # Up once the ZMTP handshake succeeded (a port that merely accepts TCP is no publisher).
+        up = zmq.EVENT_HANDSHAKE_SUCCEEDED
         monitor = sub.get_monitor_socket(up | zmq.EVENT_DISCONNECTED)
-        if self.source.binds:
-            sub.bind(self.source.endpoint)
-        else:
-            sub.connect(self.source.endpoint)
+        try:
+            if self.source.binds:
+                sub.bind(self.source.endpoint)
+            else:
+                sub.connect(self.source.endpoint)
+        except zmq.ZMQError as err:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+            raise InvalidArgument(
+                f"cannot {'bind' if self.source.binds else 'connect'} {self.source.endpoint}: {err}"
+            ) from None
         decoder = msgspec.msgpack.Decoder()
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)

@@ -114,6 +114,9 @@ def test_event_fed_engine_is_scored_marked_and_counted(stack: tuple[BrokerProces
     hashes = vllm_int_hashes(PROMPT)
     with BrokerClient(broker.address) as client:
         assert wait_for(lambda: any(e.engine_id == "ev" for e in client.list_engines().engines), 10)
+        # ZMQ's slow joiner: the subscription reaches the publisher a moment after the connection,
+        # and a PUB socket drops what it sends before (the broker's `replay=` covers that case).
+        time.sleep(0.3)
         layout = next(e.layout_id for e in client.list_engines().engines)
         ns = pb.Namespace(layout_id=layout, tenant="")
         stored = {
@@ -225,7 +228,7 @@ def test_batches_published_before_the_broker_came_are_replayed(tmp_path: Path) -
         args = ["--kv-events", spec, "--metrics-port", str(metrics_port)]
         with BrokerProcess(tmp_path, args, command=SERVE) as broker, BrokerClient(broker.address) as client:
             assert wait_for(lambda: bool(client.list_engines().engines), 10)
-            time.sleep(0.3)  # the subscription is live
+            time.sleep(0.3)  # the subscription is live (ZMQ's slow joiner)
             publisher.send(_stored(PROMPT, hashes, 3, 1))  # seq 2: the broker sees 0 and 1 are missing
             ns = pb.Namespace(layout_id=client.list_engines().engines[0].layout_id, tenant="")
 

@@ -249,3 +249,49 @@ def test_batches_published_before_the_broker_came_are_replayed(tmp_path: Path) -
             assert 'kvbroker_kv_events_seq_gaps_total{engine="ev"} 0.0' in text
     finally:
         publisher.close()
+
+
+async def test_an_index_mirror_scores_the_engine_but_never_resolves_it(tmp_path: Path) -> None:
+    """In the layout of connector engines (the spec gives the full fingerprint), a router's or an
+    engine's in-process index mirror ranks the event-fed engine in score, never in resolve."""
+    import asyncio
+
+    import grpc
+
+    from kvbroker.clients.mirror import IndexMirror, follow
+    from kvbroker.clients.session import EngineSession
+    from testkit import builders
+
+    events_port = free_port()
+    layout = "dtype=float32&num_layers=2&num_kv_heads=2&head_size=16&kv_layout="  # as builders registers
+    spec = f"ev=tcp://127.0.0.1:{events_port}?model=tiny-llama&block_size={BLOCK}&{layout}"
+    publisher = Publisher(events_port)
+    hashes = vllm_int_hashes(PROMPT)
+    with BrokerProcess(tmp_path, ["--kv-events", spec, "--metrics-port", "0"], command=SERVE) as broker:
+        conn = EngineSession(broker.address, builders.engine_info("conn", ranks=1))
+        await conn.start(wait_connected_s=10.0)
+        channel = grpc.aio.insecure_channel(broker.address)
+        mirror = IndexMirror(conn.layout_id)
+        task = asyncio.create_task(follow(mirror, channel))
+        try:
+            conn.announce_stored((conn.layout_id, ""), pb.TIER_GPU, wire_chain(PROMPT, BLOCK)[:1])
+            conn.flush()
+            await asyncio.sleep(0.5)  # the publisher's subscription is live (ZMQ's slow joiner)
+            publisher.send(_stored(PROMPT, hashes, 0, 3))
+            chain = wire_chain(PROMPT, BLOCK)
+
+            def scored() -> list[tuple[str, int]]:
+                return [(s.engine_id, s.gpu_blocks) for s in mirror.score("", chain) or []]
+
+            for _ in range(200):
+                if scored()[:1] == [("ev", 3)]:
+                    break
+                await asyncio.sleep(0.05)
+            assert scored() == [("ev", 3), ("conn", 1)], scored()
+            resolved = mirror.resolve("", chain)
+            assert resolved is not None and [m.engine_id for m in resolved] == ["conn"]
+        finally:
+            task.cancel()
+            await channel.close()
+            await conn.close()
+            publisher.close()

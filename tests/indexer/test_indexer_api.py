@@ -157,3 +157,30 @@ async def test_workers_and_bad_requests(broker: tuple[BrokerProcess, int], engin
     assert status == 400 and "not JSON" in answer["error"]["message"]
     # The broker is unharmed: a good query still answers on the same connection.
     assert "a" in client.query(token_ids=PROMPT)["default"]
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)  # then the server sees the end of what we send
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_hostile_http_is_refused_and_the_api_keeps_serving(broker: tuple[BrokerProcess, int]) -> None:
+    port = broker[1]
+    huge_head = b"POST /query HTTP/1.1\r\nX-Pad: " + b"a" * 20_000 + b"\r\n\r\n"
+    assert _raw(port, huge_head).startswith(b"HTTP/1.1 413")
+    assert _raw(port, b"POST /query HTTP/1.1\r\nContent-Length: lots\r\n\r\n").startswith(b"HTTP/1.1 411")
+    too_big = b"POST /query HTTP/1.1\r\nContent-Length: 999999999999\r\n\r\n"
+    assert _raw(port, too_big).startswith(b"HTTP/1.1 413")
+    assert _raw(port, b"NONSENSE\r\n\r\n").startswith(b"HTTP/1.1 400")
+    assert _raw(port, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n").startswith(b"HTTP/1.1 200")
+    # A client that sends half a body and goes away costs nothing.
+    assert _raw(port, b"POST /query HTTP/1.1\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{") == b""
+    status, _ = IndexerClient(port).call("POST", "/query", {"model": "m", "token_ids": [1]})
+    assert status == 200

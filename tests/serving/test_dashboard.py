@@ -129,3 +129,20 @@ def test_compose_provisions_prometheus_and_grafana_with_the_dashboard() -> None:
     }
     assert services["broker"]["environment"]["KVBROKER_METRICS_PORT"] == "9400"
     assert BrokerConfig().metrics_port == 9400
+
+
+def test_the_readme_picture_redraws_from_its_run_samples(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from bench.dashboard import main
+
+    samples = ROOT / "bench" / "results" / "dashboard_samples.json"
+    saved = json.loads(samples.read_text())
+    # The run's samples hold every series the panels read, from each scraped job.
+    assert {name for name, _, _ in saved["series"]} <= dashboard_metrics()
+    # (The event-fed engine runs with vLLM's stats off: the broker counts its events.)
+    jobs = {labels["job"] for _, labels, _ in saved["series"]}
+    assert jobs == {"broker", "prefill", "decode", "proxy"}
+    out = tmp_path / "dashboard.png"
+    assert main(["--from-samples", str(samples), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (ROOT / "docs" / "dashboard.png").is_file()

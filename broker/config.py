@@ -103,6 +103,17 @@ class BrokerConfig:
         9400, "Prometheus /metrics port (0 = off; a port already taken turns metrics off with a warning)"
     )
     metrics_host: str = setting("0.0.0.0", "Prometheus listen host")
+    indexer_http: str = setting(
+        "",
+        "HOST:PORT to serve the KV-indexer HTTP API on (Mooncake Conductor's /query, /query_by_hash, "
+        "/register as Dynamo speaks it; docs/indexer.md); empty = off; a non-loopback host needs TLS or "
+        "--insecure",
+    )
+    kv_events: str = setting(
+        "",
+        "vLLM engines without our connector to follow by their KV cache events, comma-separated "
+        "ENGINE_ID=tcp://HOST:PORT?model=NAME&block_size=N (docs/indexer.md); needs pyzmq and msgspec",
+    )
     otlp_endpoint: str = setting(
         "",
         "OTLP endpoint for traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, then "

@@ -18,6 +18,7 @@ from kvbroker.broker.declines import DeclineBook
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, shown
 from kvbroker.broker.events import Notifier, NullNotifier
 from kvbroker.broker.holders import find_holders
+from kvbroker.broker.lease_stats import LeaseStats
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
 from kvbroker.broker.mirror import MirrorHub
 from kvbroker.broker.observed import ObservedIndex, ObservedLeaseTable, ObservedRegistry, Publisher
@@ -58,11 +59,10 @@ class BrokerCore:
             publish,
         )
         self.registry = ObservedRegistry(EngineRegistry() if registry is None else registry, publish)
+        self.leases.stats = LeaseStats(self.clock.now, self.registry.find_fingerprint)  # for /metrics
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
-        self.released_total = 0
+        self.released_total, self.stalls_forgiven, self.stalled_s_forgiven = 0, 0, 0.0
         self.declines = DeclineBook()
-        self.stalls_forgiven = 0
-        self.stalled_s_forgiven = 0.0
 
     # -- sessions ------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from kvbroker.broker.leases import Lease, LeaseTable
 from kvbroker.broker.observed import ObservedIndex, ObservedRegistry
 from kvbroker.broker.registry import EngineRecord
-from kvbroker.common.model import LeaseState, Namespace
+from kvbroker.common.model import LeaseState, Namespace, is_event_fed
 from kvbroker.common.scoring import HolderMatch, rank_holders
 
 
@@ -32,12 +32,15 @@ def find_holders(
     ns: Namespace,
     hashes: Sequence[int],
 ) -> list[HolderMatch]:
-    """Ready, serving engines whose blocks `asker` can read, ranked; never `asker` itself."""
+    """Ready, serving engines whose blocks `asker` can read, ranked; never `asker` itself, never an
+    event-fed engine (broker/kv_events.py)."""
     matches: list[HolderMatch] = []
     for engine_id, tier, n in index.longest_prefixes(ns, hashes):
         rec = registry.find(engine_id)
         if rec is None or rec is asker or rec.draining or not rec.ready:
             continue
+        if is_event_fed(rec.info.labels):
+            continue  # known from its KV events only: it holds no leases, nobody pulls from it
         if asker is not None and registry.incompatibility(asker, rec) is not None:
             continue
         matches.append(HolderMatch(engine_id, tier, n, rec.load))

@@ -19,7 +19,7 @@ import errno
 import logging
 import platform
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -32,10 +32,11 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.kv_events import KvEventsFeed
 
 log = logging.getLogger("kvbroker.metrics")
 
@@ -71,6 +72,90 @@ class BrokerCollector(Collector):
         for cause, n in stats.revocations_by_cause.items():
             revoked.add_metric([cause], n)
         yield revoked
+        yield from self._lease_stats()
+        lag, pending = self._core.mirrors.lag()
+        yield GaugeMetricFamily(
+            "kvbroker_mirror_lag_seconds",
+            "Age of the oldest index change a Mirror stream has not been sent yet (0: all caught up)",
+            value=lag,
+        )
+        yield GaugeMetricFamily(
+            "kvbroker_mirror_pending_bytes",
+            "Bytes of index changes waiting for Mirror streams",
+            value=pending,
+        )
+
+    def _lease_stats(self) -> Iterator[Metric]:
+        stats = self._core.leases.stats
+        if stats is None:
+            return
+        held = HistogramMetricFamily(
+            "kvbroker_lease_duration_seconds",
+            "How long leases lived, from hold or pin to their end, by outcome (released or the revoke cause)",
+            labels=["outcome"],
+        )
+        for outcome, hist in stats.durations.items():
+            held.add_metric([outcome], hist.cumulative(), hist.total)
+        yield held
+        labels = ["holder", "reader", "tier"]
+        reads = CounterMetricFamily(
+            "kvbroker_pair_reads", "Committed reads (released leases) per engine pair", labels=labels
+        )
+        blocks = CounterMetricFamily(
+            "kvbroker_pair_blocks", "Blocks of committed reads per engine pair", labels=labels
+        )
+        moved = CounterMetricFamily(
+            "kvbroker_pair_bytes",
+            "Bytes of committed reads per engine pair (the layout's block size)",
+            labels=labels,
+        )
+        for (holder, reader, tier), totals in list(stats.pairs.items()):
+            values = [holder, reader, tier.name.lower()]
+            reads.add_metric(values, totals.reads)
+            blocks.add_metric(values, totals.blocks)
+            moved.add_metric(values, totals.bytes)
+        yield from (reads, blocks, moved)
+
+
+class KvEventsCollector(Collector):
+    """Engines followed by their vLLM KV events (kv_events.py): connection, batches, blocks by outcome."""
+
+    def __init__(self, feeds: Mapping[str, KvEventsFeed]) -> None:
+        self._feeds = feeds
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "kvbroker_kv_events_connected",
+            "1 while the broker is connected to the engine's publisher",
+            labels=["engine"],
+        )
+        batches = CounterMetricFamily(
+            "kvbroker_kv_events_batches", "KV event batches received", labels=["engine"]
+        )
+        gaps = CounterMetricFamily(
+            "kvbroker_kv_events_seq_gaps",
+            "Gaps in the publisher's sequence numbers (missed batches)",
+            labels=["engine"],
+        )
+        replayed = CounterMetricFamily(
+            "kvbroker_kv_events_replayed",
+            "Batches filled in from the publisher's replay socket",
+            labels=["engine"],
+        )
+        blocks = CounterMetricFamily(
+            "kvbroker_kv_events_blocks",
+            "Blocks in KV events by outcome (stored, removed, unknown_parent, mismatched, unsupported)",
+            labels=["engine", "outcome"],
+        )
+        for engine_id, feed in list(self._feeds.items()):
+            up.add_metric([engine_id], 1 if feed.record is not None else 0)
+            batches.add_metric([engine_id], feed.batches)
+            gaps.add_metric([engine_id], feed.seq_gaps)
+            replayed.add_metric([engine_id], feed.replayed)
+            for outcome, n in feed.stats.as_dict().items():
+                if outcome != "cleared":
+                    blocks.add_metric([engine_id, outcome], n)
+        yield from (up, batches, gaps, replayed, blocks)
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
@@ -167,10 +252,18 @@ def build_info(registry: CollectorRegistry) -> None:
     info.labels(version, platform.python_version(), grpc.__version__).set(1)
 
 
-def start_metrics_http(core: BrokerCore, registry: CollectorRegistry, host: str, port: int) -> Any:
+def start_metrics_http(
+    core: BrokerCore,
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    feeds: Mapping[str, KvEventsFeed] | None = None,
+) -> Any:
     """Serve /metrics on a background thread; returns the server (call .shutdown() to stop),
     or None when the port is taken: the broker then runs without metrics, and says so."""
     registry.register(BrokerCollector(core))
+    if feeds is not None:
+        registry.register(KvEventsCollector(feeds))
     ProcessCollector(registry=registry)
     build_info(registry)
     try:

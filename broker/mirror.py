@@ -20,6 +20,7 @@ subscriber that never reads costs at most its byte limit, whatever changes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -55,21 +56,24 @@ class MirrorSubscriber:
     pending: int = 0
     overflowed: bool = False
     closed: str = ""  # why the broker ends this stream (shutdown)
+    since: float = 0.0  # monotonic time of the oldest change not yet taken (0: none); for /metrics
 
     def take(self) -> list[pb.MirrorUpdate]:
         """Everything buffered, in order, in as few messages as order allows."""
         out = [pb.MirrorUpdate(engines=e, blocks=b) for e, b in self.segments]
-        self.segments, self.pending = [], 0
+        self.segments, self.pending, self.since = [], 0, 0.0
         return out
 
     def restart(self) -> None:
         """Drop the buffer: a new snapshot is about to be taken."""
-        self.segments, self.pending = [], 0
+        self.segments, self.pending, self.since = [], 0, 0.0
         self.overflowed = False
 
     def _add_blocks(self, change: pb.MirrorBlocks, size: int) -> None:
         if self.overflowed:
             return
+        if not self.since:
+            self.since = time.monotonic()
         self.pending += size
         if self.pending > self.max_pending:
             self.overflowed = True  # the writer resyncs with a fresh snapshot
@@ -83,6 +87,8 @@ class MirrorSubscriber:
     def _add_engine(self, change: pb.MirrorEngine, size: int) -> None:
         if self.overflowed:
             return
+        if not self.since:
+            self.since = time.monotonic()
         self.pending += size
         if self.pending > self.max_pending:
             self.overflowed = True
@@ -119,6 +125,13 @@ class MirrorHub:
             for sub in subs:
                 sub.closed = why
                 sub.wake()
+
+    def lag(self) -> tuple[float, int]:
+        """The age in seconds of the oldest change no stream has sent yet, and the bytes waiting."""
+        now = time.monotonic()
+        subs = [sub for subs in self._by_layout.values() for sub in subs]
+        oldest = max((now - sub.since for sub in subs if sub.since), default=0.0)
+        return oldest, sum(sub.pending for sub in subs)
 
     def subscriber_count(self) -> int:
         return sum(len(s) for s in self._by_layout.values())

@@ -19,11 +19,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvbroker.broker.events import ENGINE, INDEX, LEASE, Notifier, WatchEvent
+from kvbroker.broker.lease_stats import LeaseStats
 from kvbroker.broker.leases import Lease, LeaseTable
 from kvbroker.broker.mirror import MirrorHub
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
 from kvbroker.common.index import PrefixIndex
-from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.common.model import EVENT_FED, LeaseState, Namespace, RevokeCause, Tier, is_event_fed
 from kvbroker.v1 import broker_pb2 as pb
 
 
@@ -117,6 +118,7 @@ class ObservedLeaseTable:
     def __init__(self, table: LeaseTable, publish: Publisher) -> None:
         self._table = table
         self._publish = publish
+        self.stats: LeaseStats | None = None  # durations and pair totals, for /metrics
 
     def create(
         self,
@@ -145,6 +147,8 @@ class ObservedLeaseTable:
             request_id=request_id,
         )
         self._publish.lease("lease_pending" if state is LeaseState.PENDING else "lease_held", lease)
+        if self.stats is not None:
+            self.stats.started(lease)
         return lease
 
     def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease:
@@ -160,6 +164,8 @@ class ObservedLeaseTable:
     def release(self, lease_id: str, reader: str, epoch: int, now: float) -> Lease:
         lease = self._table.release(lease_id, reader, epoch, now)
         self._publish.lease("lease_released", lease)
+        if self.stats is not None:
+            self.stats.ended(lease, "released")
         return lease
 
     def revoke(self, lease_id: str, cause: RevokeCause, detail: str) -> Lease | None:
@@ -177,6 +183,8 @@ class ObservedLeaseTable:
     def _revoked(self, lease: Lease | None) -> Lease | None:
         if lease is not None:
             self._publish.lease("lease_revoked", lease, detail=lease.cause.label)
+            if self.stats is not None:
+                self.stats.ended(lease, lease.cause.label)
         return lease
 
     def renew(self, lease_id: str, engine_id: str, ttl_s: float, now: float) -> Lease:
@@ -216,7 +224,9 @@ class ObservedRegistry:
 
     def add(self, info: pb.EngineInfo, ttl_s: float, expected_ranks: int, now: float) -> EngineRecord:
         rec = self._registry.add(info, ttl_s, expected_ranks, now)
-        self._publish.watch(ENGINE, "engine_registered", engine_id=rec.engine_id, detail=rec.layout_id)
+        # An engine known from its KV events only says so: routers may send it requests, not pull from it.
+        detail = f"{rec.layout_id} ({EVENT_FED})" if is_event_fed(rec.info.labels) else rec.layout_id
+        self._publish.watch(ENGINE, "engine_registered", engine_id=rec.engine_id, detail=detail)
         self._publish.mirror_engine(rec)
         return rec
 

@@ -32,6 +32,8 @@ from kvbroker.broker.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.decode_guard import DecodeGuardInterceptor
 from kvbroker.broker.errors import InvalidArgument, Unavailable
 from kvbroker.broker.identity import Authenticator, TokenTable
+from kvbroker.broker.indexer_http import IndexerHttp
+from kvbroker.broker.kv_events import KvEventsFeed, parse_sources
 from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
 from kvbroker.broker.quotas import Quotas
 from kvbroker.broker.security_config import SecurityConfig, is_loopback
@@ -62,12 +64,15 @@ class RunningServer:
     port: int
     address: str
     metrics_port: int = 0
+    indexer_port: int = 0  # the KV-indexer HTTP API's port (0: off)
+    feeds: dict[str, KvEventsFeed] = field(default_factory=dict)  # engines followed by KV events
     security: SecurityConfig = field(default_factory=SecurityConfig)
     certificates: CertificateFiles | None = None  # the TLS files it follows (None: plaintext)
     guard: TenantGuard | None = None  # identities' engines and tenants (None: no authentication)
     _expiry_task: asyncio.Task[None] | None = None
     _extras: list[Any] = field(default_factory=list)  # metrics http server, tracer provider
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)  # the fleet channel (shared state)
+    _indexer: IndexerHttp | None = None
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting, close sessions (engines re-register elsewhere), finish in-flight calls.
@@ -82,6 +87,10 @@ class RunningServer:
             "UNAVAILABLE", "broker is shutting down; reconnect and register again", Cause.SHUTTING_DOWN
         )
         self.core.mirrors.close_all("broker is shutting down; reconnect for a fresh snapshot")
+        if self._indexer is not None:
+            await self._indexer.stop()
+        for feed in list(self.feeds.values()):
+            await feed.stop()
         for task in [self._expiry_task, *self._tasks]:
             if task is not None:
                 task.cancel()
@@ -288,8 +297,9 @@ async def start_server(
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     metrics_port = 0
+    feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
     if metrics_registry is not None:
-        http = start_metrics_http(core, metrics_registry, config.metrics_host, config.metrics_port)
+        http = start_metrics_http(core, metrics_registry, config.metrics_host, config.metrics_port, feeds)
         if http is not None:
             extras.append(http)
             metrics_port = http.server_port
@@ -307,11 +317,34 @@ async def start_server(
         security=security,
         certificates=certificates,
         guard=auth.guard if auth is not None else None,
+        feeds=feeds,
         _extras=extras,
     )
     running._expiry_task = asyncio.create_task(_expiry_loop(core), name="kvbroker-expiry")
     running._tasks = tasks
+    try:
+        await _start_indexer(running, config, security, auth.guard if auth is not None else None)
+    except BaseException:
+        await running.stop(0)
+        raise
     return running
+
+
+async def _start_indexer(
+    running: RunningServer, config: BrokerConfig, security: SecurityConfig, guard: TenantGuard | None
+) -> None:
+    """The engines followed by KV events (--kv-events) and the indexer HTTP API (--indexer-http)."""
+    for source in parse_sources(config.kv_events):
+        feed = running.feeds[source.engine_id] = KvEventsFeed(running.core, source)
+        feed.start()
+    if config.indexer_http:
+        tenant_of = guard.tenant_of_engine if guard is not None else None
+        indexer = IndexerHttp(running.core, security, running.feeds, tenant_of)
+        try:
+            running.indexer_port = await indexer.start(config.indexer_http)
+        except OSError as err:
+            raise InvalidArgument(f"cannot serve --indexer-http {config.indexer_http!r}: {err}") from None
+        running._indexer = indexer
 
 
 # -- command line ---------------------------------------------------------------------
@@ -355,6 +388,10 @@ async def _serve(config: BrokerConfig, security: SecurityConfig) -> None:
         _describe(security),
         f", metrics on :{running.metrics_port}" if running.metrics_port else "",
     )
+    if running.indexer_port:
+        scheme = "https" if security.tls else "http"
+        host = config.indexer_http.rsplit(":", 1)[0]
+        print(f"kvbroker indexer API on {scheme}://{host}:{running.indexer_port}", flush=True)
     print(f"kvbroker listening on {running.address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

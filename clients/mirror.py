@@ -31,7 +31,7 @@ import grpc
 
 from kvbroker.common.index import CompactPrefixIndex
 from kvbroker.common.layout import check_topology
-from kvbroker.common.model import Namespace, Tier
+from kvbroker.common.model import Namespace, Tier, is_event_fed
 from kvbroker.common.scoring import EngineScore, HolderMatch, rank_holders, score_engines
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
@@ -133,8 +133,8 @@ class IndexMirror:
             matches: list[HolderMatch] = []
             for engine_id, tier, n in found:
                 info = self._engines.get(engine_id)
-                if info is None or info.draining:
-                    continue
+                if info is None or info.draining or is_event_fed(info.labels):
+                    continue  # an event-fed engine is scored, never pulled from
                 if asker is not None and (engine_id == asker.engine_id or not self._readable(asker, info)):
                     continue
                 matches.append(HolderMatch(engine_id, tier, n, info.load))

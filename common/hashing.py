@@ -112,6 +112,20 @@ def chain_hashes(
     return hashes
 
 
+def hash_block(
+    hash_algo: str, parent: bytes | None, tokens: Sequence[int], extra_keys: tuple[Any, ...] | None = None
+) -> bytes:
+    """One block's digest from its parent's (None: block 0) as vLLM chains them.
+
+    ``extra_keys`` are the tagged keys (e.g. ``(("cache_salt", "s"),)``), None when there are none.
+    For a consumer that sees blocks one event at a time (vLLM's KV events) rather than whole prompts.
+    """
+    digest = hash_function(hash_algo)
+    if parent is None:
+        parent = digest(default_none_hash_seed())
+    return digest((parent, tuple(int(t) for t in tokens), extra_keys))
+
+
 def to_wire(h: bytes) -> int:
     """The wire form of a digest: its first 8 bytes as a big-endian unsigned int."""
     if len(h) < 8:

@@ -49,3 +49,15 @@ class RevokeCause(enum.IntEnum):
 class Namespace(NamedTuple):
     layout_id: str
     tenant: str
+
+
+# An engine the broker learns of from vLLM's KV cache events instead of our connector: its
+# EngineInfo carries this label. Routers may score it; nobody may pull from it (no leases).
+SOURCE_LABEL = "kvbroker.source"
+EVENT_FED = "kv-events"
+
+
+def is_event_fed(labels: object) -> bool:
+    """Whether an engine's labels (a mapping) mark it as fed by KV events."""
+    get = getattr(labels, "get", None)
+    return get is not None and get(SOURCE_LABEL) == EVENT_FED

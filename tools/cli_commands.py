@@ -9,6 +9,7 @@ from typing import TextIO
 
 from kvbroker.clients import errors
 from kvbroker.clients.sync import BrokerClient
+from kvbroker.common.model import EVENT_FED, is_event_fed
 from kvbroker.tools.cli_render import (
     cause_name,
     event_line,
@@ -43,12 +44,13 @@ def cmd_engines(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> 
                 e.active_leases_held,
                 e.active_leases_read,
                 f"{e.load:g}",
-                seconds(e.session_ttl_ms),
+                "-" if is_event_fed(e.labels) else seconds(e.session_ttl_ms),
+                EVENT_FED if is_event_fed(e.labels) else "connector",
                 labels,
             ]
         )
     headers = ["ENGINE", "STATE", "LAYOUT", "MODEL", "RANKS", "GPU_BLOCKS", "CPU_BLOCKS"]
-    headers += ["HOLDS", "READS", "LOAD", "TTL", "LABELS"]
+    headers += ["HOLDS", "READS", "LOAD", "TTL", "SOURCE", "LABELS"]
     print(format_table(headers, rows), file=out)
     print(f"{len(rows)} engine(s)", file=out)
     return 0
@@ -189,6 +191,8 @@ def cmd_score(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> in
         print_json(to_json(response), out)
         return 0
     total = response.total_blocks
+    # Event-fed engines (known from vLLM's KV events) are routed to, never pulled from: say which.
+    event_fed = {e.engine_id for e in client.list_engines().engines if is_event_fed(e.labels)}
     rows = [
         [
             s.engine_id,
@@ -197,10 +201,12 @@ def cmd_score(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> in
             f"{max(s.gpu_blocks, s.cpu_blocks) / total:.0%}" if total else "-",
             f"{s.load:g}",
             "yes" if s.draining else "no",
+            EVENT_FED if s.engine_id in event_fed else "connector",
         ]
         for s in response.scores
     ]
-    print(format_table(["ENGINE", "GPU_BLOCKS", "CPU_BLOCKS", "PREFIX", "LOAD", "DRAINING"], rows), file=out)
+    headers = ["ENGINE", "GPU_BLOCKS", "CPU_BLOCKS", "PREFIX", "LOAD", "DRAINING", "SOURCE"]
+    print(format_table(headers, rows), file=out)
     print(f"{total} full block(s) of {response.block_size} tokens in the prompt", file=out)
     return 0
 

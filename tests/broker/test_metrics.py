@@ -62,6 +62,11 @@ async def test_session_stream_resolves_inventory_and_pins_are_counted_and_timed(
         while (down := await reader.read()).seq != seq:
             pass
         assert down.resolve.lease.lease_id == pin.lease.lease_id
+        # The reader commits its read: the pair's totals and the lease's lifetime are counted.
+        seq = await reader.send(release=pb.ReleaseRequest(lease_id=pin.lease.lease_id, reader_engine_id="R"))
+        while (down := await reader.read()).seq != seq:
+            pass
+        assert down.lease.lease.state == pb.LEASE_RELEASED, down
         body = await _scrape(running.metrics_port)
         await holder.close()
         await reader.close()
@@ -71,6 +76,14 @@ async def test_session_stream_resolves_inventory_and_pins_are_counted_and_timed(
     assert _value(body, 'kvbroker_session_messages_total{code="OK",kind="pin_result"}') == 1
     assert _value(body, 'kvbroker_session_message_seconds_count{kind="resolve"}') == 3
     assert _value(body, 'kvbroker_pin_wait_seconds_count{outcome="pinned"}') == 1
+    pair = 'holder="H",reader="R",tier="gpu"'
+    assert _value(body, f"kvbroker_pair_reads_total{{{pair}}}") == 1
+    assert _value(body, f"kvbroker_pair_blocks_total{{{pair}}}") == 8
+    # The tests' layout: K and V x 2 layers x 2 KV heads x 16 x 32 tokens x 4 bytes (float32), 8 blocks.
+    assert _value(body, f"kvbroker_pair_bytes_total{{{pair}}}") == 8 * 2 * 2 * 2 * 16 * 32 * 4
+    assert _value(body, 'kvbroker_lease_duration_seconds_count{outcome="released"}') == 1
+    assert _value(body, 'kvbroker_lease_duration_seconds_bucket{le="+Inf",outcome="released"}') == 1
+    assert _value(body, "kvbroker_mirror_lag_seconds") == 0
     assert _value(body, "process_cpu_seconds_total") > 0
     assert re.search(r'^kvbroker_build_info\{grpc="[^"]+",python="[^"]+",version="[^"]+"\} 1\.0$', body, re.M)
 

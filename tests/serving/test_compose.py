@@ -39,7 +39,17 @@ def _load() -> dict:
 def test_services_are_wired_with_health_checks() -> None:
     services = _load()["services"]
     replicas = {"valkey", "broker-a", "broker-b"}  # the `redis` profile
-    assert set(services) == {"broker", "prefill", "decode", "proxy", "otel-collector", "jaeger", *replicas}
+    assert set(services) == {
+        "broker",
+        "prefill",
+        "decode",
+        "proxy",
+        "otel-collector",
+        "jaeger",
+        "prometheus",
+        "grafana",
+        *replicas,
+    }
     for name in ("broker", "prefill", "decode", "proxy", *replicas):
         assert "test" in services[name]["healthcheck"], name
     for name in replicas:

@@ -1,0 +1,308 @@
+"""The KV-indexer HTTP API (Mooncake Conductor's, as Dynamo adopted it), served by the broker.
+
+``kvbroker serve --indexer-http 127.0.0.1:8090`` (off by default) serves, on
+the broker's event loop next to gRPC:
+
+- ``POST /query``, ``POST /query_by_hash``: prefix hits per tenant, engine,
+  tier and rank (indexer_query.py);
+- ``POST /register``, ``POST /unregister``: follow (or stop following) a vLLM
+  engine's KV event publisher (kv_events.py); ``GET /workers`` lists the
+  engines the API knows, with where each one's blocks come from;
+- ``GET /health``.
+
+A small HTTP/1.1 server on asyncio streams (keep-alive, bounded heads and
+bodies, a read timeout), so the broker needs no web framework. Security
+follows the broker's (docs/security.md): with ``--tls-cert`` it serves HTTPS
+with the same certificate; with identities on (``--tls-ca``, ``--tokens-file``)
+every call needs a client certificate or ``Authorization: Bearer TOKEN``:
+queries and ``/workers`` are for routers and operators of the tenant asked,
+``/register`` and ``/unregister`` (which make the broker connect out) for
+operators. Plaintext on a non-loopback address needs ``--insecure``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.identity import SCHEME, Identity, Role, TokenTable, parse_identity
+from kvbroker.broker.indexer_query import IndexerError, query
+from kvbroker.broker.kv_events import KvEventsFeed, KvEventsSource, parse_source
+from kvbroker.broker.security_config import SecurityConfig, is_loopback
+from kvbroker.common.model import EVENT_FED, SOURCE_LABEL
+
+log = logging.getLogger("kvbroker.indexer")
+
+MAX_HEAD_BYTES = 16 * 1024
+MAX_CONNECTIONS = 256  # beyond: 503 and close, so that idle clients cannot pile up
+READ_TIMEOUT_S = 30.0
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    411: "Length Required",
+    413: "Payload Too Large",
+    503: "Service Unavailable",
+}
+
+
+class IndexerHttp:
+    def __init__(
+        self,
+        core: BrokerCore,
+        security: SecurityConfig,
+        feeds: dict[str, KvEventsFeed],
+        engine_tenant: Callable[[str], str | None] | None = None,
+    ) -> None:
+        self.core = core
+        self.security = security
+        self.feeds = feeds  # engine id -> feed; shared with --kv-events
+        self.engine_tenant = engine_tenant
+        self.tokens = TokenTable(security.tokens_file) if security.tokens_file else None
+        self.max_body = core.config.max_message_bytes
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.connections = 0
+
+    async def start(self, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        if not port.isdigit() or not host:
+            raise InvalidArgument(f"--indexer-http {address!r}: need HOST:PORT")
+        if not self.security.tls and not self.security.insecure and not is_loopback(address):
+            raise InvalidArgument(
+                f"--indexer-http {address!r} is not a loopback address: serve it with TLS (--tls-cert) "
+                "or pass --insecure"
+            )
+        context = self._ssl_context() if self.security.tls else None
+        self.server = await asyncio.start_server(self._connection, host, int(port), ssl=context)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+        return self.port
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.security.tls_cert, self.security.tls_key)
+        if self.security.tls_ca:
+            context.load_verify_locations(self.security.tls_ca)
+            context.verify_mode = ssl.CERT_OPTIONAL if self.tokens is not None else ssl.CERT_REQUIRED
+        return context
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(self.server.wait_closed(), 2.0)
+
+    # -- transport ---------------------------------------------------------------------
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            if self.connections > MAX_CONNECTIONS:
+                await self._send(writer, 503, _error(503, "too many connections; retry later"), False)
+                return
+            while True:
+                try:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+                except (
+                    asyncio.IncompleteReadError,
+                    asyncio.LimitOverrunError,
+                    TimeoutError,
+                    ConnectionError,
+                ):
+                    return
+                if len(head) > MAX_HEAD_BYTES:
+                    await self._send(writer, 413, {"error": {"message": "request head too large"}}, False)
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                parts = lines[0].split()
+                headers = {}
+                for line in lines[1:]:
+                    key, sep, value = line.partition(":")
+                    if sep:
+                        headers[key.strip().lower()] = value.strip()
+                keep = headers.get("connection", "").lower() != "close"
+                if len(parts) != 3:
+                    await self._send(writer, 400, _error(400, "malformed request line"), False)
+                    return
+                method, target = parts[0], parts[1].split("?", 1)[0]
+                length_text = headers.get("content-length", "0")
+                if not length_text.isdigit():
+                    await self._send(writer, 411, _error(411, "need a Content-Length"), False)
+                    return
+                length = int(length_text)
+                if length > self.max_body:
+                    await self._send(writer, 413, _error(413, f"body over {self.max_body} bytes"), False)
+                    return
+                try:
+                    raw = (
+                        await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT_S) if length else b""
+                    )
+                except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+                    return
+                status, answer = self._handle(method, target, headers, raw, writer)
+                await self._send(writer, status, answer, keep)
+                if not keep:
+                    return
+        finally:
+            self.connections -= 1
+            writer.close()
+            with contextlib.suppress(OSError, TimeoutError):
+                await writer.wait_closed()
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, status: int, answer: Any, keep: bool) -> None:
+        body = json.dumps(answer, separators=(",", ":")).encode()
+        head = (
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: {'keep-alive' if keep else 'close'}\r\n\r\n"
+        )
+        writer.write(head.encode() + body)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _handle(
+        self, method: str, target: str, headers: dict[str, str], raw: bytes, writer: asyncio.StreamWriter
+    ) -> tuple[int, Any]:
+        routes = {
+            "/query": "POST",
+            "/query_by_hash": "POST",
+            "/register": "POST",
+            "/unregister": "POST",
+            "/workers": "GET",
+            "/health": "GET",
+        }
+        if target not in routes:
+            return 404, _error(404, f"no such endpoint {target[:80]!r}; see docs/indexer.md")
+        if method != routes[target]:
+            return 405, _error(405, f"{target} takes {routes[target]}")
+        if target == "/health":
+            return 200, {"status": "ok"}
+        try:
+            who = self._identify(headers, writer)
+            body: Any = {}
+            if method == "POST":
+                try:
+                    body = json.loads(raw or b"{}")
+                except (ValueError, UnicodeDecodeError) as err:
+                    raise IndexerError(400, f"the body is not JSON: {err}") from None
+                if not isinstance(body, dict):
+                    raise IndexerError(400, "the body must be a JSON object")
+            if target in ("/register", "/unregister"):
+                self._allow(who, (Role.OPERATOR,), target)
+                return 200, self._register(body) if target == "/register" else self._unregister(body)
+            self._allow(who, (Role.ROUTER, Role.OPERATOR), target)
+            if target == "/workers":
+                return 200, self._workers(who)
+            tenant = who.tenant if who is not None else None
+            return 200, query(self.core, body, by_hash=target == "/query_by_hash", caller_tenant=tenant)
+        except IndexerError as err:
+            return err.status, _error(err.status, err.message)
+        except InvalidArgument as err:
+            return 400, _error(400, err.message)
+
+    def _identify(self, headers: dict[str, str], writer: asyncio.StreamWriter) -> Identity | None:
+        if not self.security.authenticates:
+            return None
+        ssl_object = writer.get_extra_info("ssl_object")
+        cert = ssl_object.getpeercert() if ssl_object is not None else None
+        for kind, value in (cert or {}).get("subjectAltName", ()):
+            if kind == "URI" and value.startswith(SCHEME):
+                try:
+                    return parse_identity(value)
+                except ValueError as err:
+                    raise IndexerError(
+                        401, f"the client certificate's identity is not valid: {err}"
+                    ) from None
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if self.tokens is not None and scheme.lower() == "bearer" and token.strip():
+            found = self.tokens.lookup(token.strip())
+            if found is None:
+                raise IndexerError(401, "the bearer token is not in the broker's tokens file")
+            return found
+        raise IndexerError(401, "identify yourself: a client certificate or 'Authorization: Bearer TOKEN'")
+
+    @staticmethod
+    def _allow(who: Identity | None, roles: tuple[Role, ...], target: str) -> None:
+        if who is not None and who.role not in roles:
+            allowed = " or ".join(r.value for r in roles)
+            raise IndexerError(403, f"{who} may not call {target}: rule '{target} is for {allowed}'")
+
+    def _workers(self, who: Identity | None) -> list[dict[str, Any]]:
+        out = []
+        for rec in self.core.registry.all():
+            hidden = who is not None and who.tenant != "*" and self.engine_tenant is not None
+            if hidden and self.engine_tenant(rec.engine_id) != who.tenant:  # type: ignore[misc, union-attr]
+                continue
+            labels = rec.info.labels
+            event_fed = labels.get(SOURCE_LABEL) == EVENT_FED
+            endpoints = {"0": labels.get("kv_events", "")} if event_fed else {}
+            out.append(
+                {
+                    "instance_id": rec.engine_id,
+                    "model": rec.info.layout.model,
+                    "block_size": rec.info.layout.block_size,
+                    "source": EVENT_FED if event_fed else "connector",
+                    "endpoints": endpoints,
+                }
+            )
+        return out
+
+    def _register(self, body: dict[str, Any]) -> dict[str, Any]:
+        kind = str(body.get("type", "vLLM"))
+        if kind.lower() != "vllm":
+            raise IndexerError(400, f"type {kind[:40]!r}: only vLLM publishers are supported")
+        for needed in ("endpoint", "instance_id", "modelname", "block_size"):
+            if not body.get(needed):
+                raise IndexerError(400, f"'{needed}' is required")
+        if body.get("lora_name"):
+            raise IndexerError(400, "LoRA adapters are not indexed by this broker")
+        instance = str(body["instance_id"])
+        for name, value in (("instance_id", instance), ("modelname", str(body["modelname"]))):
+            if len(value.encode()) > self.core.config.max_id_bytes:
+                raise IndexerError(400, f"'{name}' is longer than {self.core.config.max_id_bytes} bytes")
+        if instance in self.feeds or self.core.registry.find(instance) is not None:
+            raise IndexerError(409, f"instance_id {instance[:80]!r} is already known; unregister it first")
+        tenant = str(body.get("tenant_id") or "")
+        source = parse_source(f"{instance}={body['endpoint']}")
+        size = body["block_size"]
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise IndexerError(400, "'block_size' must be a positive integer")
+        source = KvEventsSource(
+            engine_id=instance,
+            endpoint=source.endpoint,
+            model=str(body["modelname"]),
+            block_size=size,
+            tenant="" if tenant == "default" else tenant,
+            replay=str(body.get("replay_endpoint") or ""),
+        )
+        feed = KvEventsFeed(self.core, source)
+        self.feeds[instance] = feed
+        feed.start()
+        return {"status": "registered successfully", "instance_id": instance}
+
+    def _unregister(self, body: dict[str, Any]) -> dict[str, Any]:
+        instance = str(body.get("instance_id") or "")
+        feed = self.feeds.pop(instance, None)
+        if feed is None:
+            raise IndexerError(404, f"instance_id {instance[:80]!r} is not a registered KV event publisher")
+        asyncio.get_running_loop().create_task(feed.stop())
+        tenant = str(body.get("tenant_id") or "default")
+        return {"status": "unregistered successfully", "removed_instances": [f"{instance}|{tenant}|0"]}
+
+
+def _error(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"code": status, "message": message}}

@@ -91,7 +91,9 @@ def run_chat(setup: Setup, conv: Conversation, turns: int, answer_tokens: int) -
             "headers": t.headers,
         }
         mode = t.headers.get("X-KVBroker-Mode")
-        if mode and mode != "pd":
+        if mode:
+            row["mode"] = mode  # pd, or local: D held all but a few tokens and served alone
+        if mode and mode not in ("pd", "local"):
             # Our proxy fell back to one engine (e.g. P was unreachable): not a P/D turn.
             row["fallback"] = f"{mode}: {t.headers.get('X-KVBroker-Fallback', '')}"
         if setup.stats_paths:

@@ -90,6 +90,11 @@ class ProxyConfig:
         True,
         "prefill on P, decode on D; off: every request goes whole to one engine (still picked by prefix score)",
     )
+    local_prefill_tokens: int = setting(
+        256,
+        "a request whose first-choice decode engine already holds its prompt but for at most this many "
+        "tokens goes to that engine alone (it computes them; no prefill hop); 0 = always prefill on P",
+    )
     otlp_endpoint: str = setting(
         "",
         "OTLP endpoint for traces, e.g. http://collector:4317; empty = no OTLP export; protocol, "
@@ -174,6 +179,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raise SystemExit("error: give engines (--prefill/--decode/--engine) or --broker to discover them")
     if args.max_attempts < 1:
         raise SystemExit("error: --max-attempts must be at least 1")
+    if args.local_prefill_tokens < 0:
+        raise SystemExit("error: --local-prefill-tokens must be >= 0")
     if args.first_byte_timeout_s < 0 or args.probe_timeout_s <= 0:
         raise SystemExit("error: --first-byte-timeout-s must be >= 0 and --probe-timeout-s > 0")
     security = settings.from_args(ClientSecurity, args)

@@ -82,7 +82,7 @@ class Outcome:
     """What happened to a request, for response headers, spans and logs."""
 
     request_id: str
-    mode: str = ""  # "pd" or "single"
+    mode: str = ""  # "pd", "local" (D alone: it held all but a few tokens) or "single"
     prefill: EngineSpec | None = None
     decode: EngineSpec | None = None
     fallback_reason: str = ""
@@ -160,10 +160,20 @@ class Forwarder:
         route: Route,
         outcome: Outcome,
         disaggregate: bool,
+        local_prefill_tokens: int = 0,
     ) -> web.StreamResponse:
         headers = self._engine_headers(request, outcome.request_id)
         p_list, d_list = route.prefill, route.decode
         tried: list[EngineSpec] = []
+        local = route.local_prefill(d_list[0], local_prefill_tokens) if disaggregate and d_list else None
+        if local is not None:
+            # D holds the conversation but for a few tokens: it computes them itself, no P hop.
+            self._attempt(outcome)
+            try:
+                return await self._decode(request, d_list[0], endpoint, body, None, headers, outcome, "local")
+            except EngineFailure as e:
+                self._failed(e, outcome, tried)
+                d_list = d_list[1:]
         if disaggregate and p_list and d_list:
             params, p = await self._prefill_any(
                 endpoint, body, headers, p_list, outcome, tried, d_list[0].engine_id

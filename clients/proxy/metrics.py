@@ -5,6 +5,7 @@ answer: once the stream ended):
 
 - ``kvbroker_proxy_requests_total{path, status, mode}`` and
   ``kvbroker_proxy_request_seconds{path}``; ``mode`` is ``pd`` (P then D),
+  ``local`` (D alone: it held all but ``--local-prefill-tokens`` of the prompt),
   ``single`` (one engine, a fallback or ``--no-disaggregate``) or empty for
   requests that reach no engine (/health, /metrics, a refused body);
 - ``kvbroker_proxy_fallbacks_total{reason}``: P/D requests served by one engine;
@@ -77,7 +78,7 @@ class ProxyMetrics:
         self.access_log_on = access_log_on
         self.requests = Counter(
             "kvbroker_proxy_requests",
-            "Requests answered, by path, HTTP status and mode (pd, single, or empty)",
+            "Requests answered, by path, HTTP status and mode (pd, local, single, or empty)",
             ["path", "status", "mode"],
             registry=self.registry,
         )

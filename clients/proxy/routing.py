@@ -53,6 +53,17 @@ class Route:
     matches: dict[str, PrefixMatch] = field(default_factory=dict)  # engine_id -> match
     scored: bool = False
     note: str = ""  # why there are no scores, when there are none
+    block_size: int = 0  # of the layout the prompt was hashed for
+
+    def local_prefill(self, engine: EngineSpec, limit: int) -> int | None:
+        """Tokens `engine` would compute itself if it served the request alone, when it holds a
+        prefix of the prompt (GPU or its CPU tier) and at most `limit` tokens are left; else None."""
+        match = self.matches.get(engine.engine_id)
+        if limit <= 0 or match is None or self.num_tokens is None or not self.block_size:
+            return None
+        held = max(match.gpu_blocks, match.cpu_blocks) * self.block_size
+        left = self.num_tokens - min(held, self.num_tokens)
+        return left if held > 0 and left <= limit else None
 
 
 def order_engines(
@@ -229,6 +240,7 @@ class Router:
             route.note = "prompt not tokenizable (batch prompt or tokenize failed)"
             return None
         route.num_tokens = len(tokens)
+        route.block_size = layout.block_size
         hashes = hashes_for(tokens, layout, body.get("cache_salt"))
         route.num_blocks = len(hashes)
         if not hashes:

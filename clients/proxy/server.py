@@ -113,7 +113,13 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
             route_span.set_attributes(_route_attributes(route))
         try:
             response = await state.forwarder.serve(
-                request, endpoint, body, route, outcome, state.config.disaggregate
+                request,
+                endpoint,
+                body,
+                route,
+                outcome,
+                state.config.disaggregate,
+                state.config.local_prefill_tokens,
             )
         except RequestRejected as e:
             span.set_attribute("http.response.status_code", e.status)

@@ -111,6 +111,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             [
                 *(sys.executable, "-m", "kvbroker.clients.proxy", "--host", "127.0.0.1", "--port", str(port)),
                 *("--prefill", f"P={p.url}", "--decode", f"D={d.url}", "--broker", broker.address),
+                # Every turn prefills on P, so turn 2 pulls the history D holds (the default
+                # would let D, holding all but the new message, serve the turn alone).
+                *("--local-prefill-tokens", "0"),
             ],
             log_dir / "proxy.log",
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,7 +13,13 @@ from aiohttp.test_utils import TestServer
 
 from kvbroker.clients.proxy import EngineSpec, ProxyConfig, build_app
 from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
-from kvbroker.clients.proxy.routing import namespace_tenant, order_engines, tokenize_body
+from kvbroker.clients.proxy.routing import (
+    PrefixMatch,
+    Route,
+    namespace_tenant,
+    order_engines,
+    tokenize_body,
+)
 from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
 from testkit import builders
@@ -44,7 +51,21 @@ async def broker() -> AsyncIterator[RunningServer]:
 
 @pytest.fixture
 async def stack(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
-    """Fake engines P, D1, D2 registered with the real broker (labels role, url); a proxy that discovers them."""
+    """Fake engines P, D1, D2 registered with the real broker (labels role, url); a proxy that discovers
+    them and always prefills on P (see `local_stack` for the default, which may skip P)."""
+    async with _stack(broker, local_prefill_tokens=0) as s:
+        yield s
+
+
+@pytest.fixture
+async def local_stack(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
+    """The same with the proxy's default --local-prefill-tokens."""
+    async with _stack(broker) as s:
+        yield s
+
+
+@contextlib.asynccontextmanager
+async def _stack(broker: RunningServer, **config: Any) -> AsyncIterator[dict[str, Any]]:
     from kvbroker.clients.aio import AsyncBrokerClient
     from kvbroker.clients.session import EngineSession
 
@@ -56,8 +77,8 @@ async def stack(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
         await session.start(wait_connected_s=5)
         sessions[name] = session
     client = AsyncBrokerClient(broker.address)
-    config = ProxyConfig(broker=broker.address, refresh_interval_s=0.2, connect_timeout_s=1.0)
-    server = TestServer(build_app(config, broker=client))
+    proxy_config = ProxyConfig(broker=broker.address, refresh_interval_s=0.2, connect_timeout_s=1.0, **config)
+    server = TestServer(build_app(proxy_config, broker=client))
     await server.start_server()
     http = aiohttp.ClientSession()
     yield {"fakes": fakes, "sessions": sessions, "url": str(server.make_url("")).rstrip("/"), "http": http}
@@ -70,11 +91,18 @@ async def stack(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
 
 
 async def chat(stack: dict[str, Any], messages: list[dict[str, str]]) -> tuple[str, str, str]:
+    prefill, decode, answer, _ = await chat_mode(stack, messages)
+    return prefill, decode, answer
+
+
+async def chat_mode(stack: dict[str, Any], messages: list[dict[str, str]]) -> tuple[str, str, str, str]:
+    """(prefill engine, decode engine, answer, X-KVBroker-Mode) of one chat request through the proxy."""
     body = {"model": "tiny", "messages": messages, "max_tokens": 4}
     async with stack["http"].post(stack["url"] + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         answer = json.loads(await resp.read())["choices"][0]["message"]["content"]
-        return resp.headers["X-KVBroker-Prefill"], resp.headers["X-KVBroker-Decode"], answer
+        h = resp.headers
+        return h.get("X-KVBroker-Prefill", ""), h["X-KVBroker-Decode"], answer, h["X-KVBroker-Mode"]
 
 
 async def announce(stack: dict[str, Any], holder: str, messages: list[dict[str, str]], tier: int) -> None:
@@ -114,6 +142,41 @@ async def test_next_turn_goes_to_the_engine_holding_the_history(stack: dict[str,
     await announce(stack, "D1", other, pb.TIER_CPU)
     _, decode, _ = await chat(stack, [*other, {"role": "assistant", "content": "ok"}])
     assert decode == "D1"
+
+
+async def test_a_decode_engine_holding_all_but_a_few_tokens_serves_the_turn_alone(
+    local_stack: dict[str, Any],
+) -> None:
+    stack = local_stack
+    turn1 = [{"role": "user", "content": "what is a kv cache broker? " * 3}]
+    history = [*turn1, {"role": "assistant", "content": "an index of blocks " * 3}]
+    await announce(stack, "D2", history, pb.TIER_GPU)
+    p_calls = len(stack["fakes"]["P"].completions())
+    prefill, decode, _, mode = await chat_mode(stack, [*history, {"role": "user", "content": "more"}])
+    assert (prefill, decode, mode) == ("", "D2", "local")
+    assert len(stack["fakes"]["P"].completions()) == p_calls  # no prefill hop
+    assert "kv_transfer_params" not in stack["fakes"]["D2"].completions()[-1].body
+    # A long new message is more than D2 should compute while it decodes: P prefills it.
+    long_turn = [*history, {"role": "user", "content": "a much longer follow-up question " * 60}]
+    prefill, decode, _, mode = await chat_mode(stack, long_turn)
+    assert (prefill, decode, mode) == ("P", "D2", "pd")
+    # A fresh conversation nobody holds goes P then D however short it is.
+    prefill, _, _, mode = await chat_mode(stack, [{"role": "user", "content": "a fresh one " * 3}])
+    assert (prefill, mode) == ("P", "pd")
+
+
+def test_local_prefill_counts_the_tokens_the_decode_engine_lacks() -> None:
+    d = EngineSpec("http://d", "decode", "D")
+    route = Route(
+        [], [d], num_tokens=200, matches={"D": PrefixMatch(gpu_blocks=5)}, scored=True, block_size=32
+    )
+    assert route.local_prefill(d, 40) == 40 and route.local_prefill(d, 39) is None
+    assert route.local_prefill(d, 0) is None  # off
+    route.matches["D"] = PrefixMatch(cpu_blocks=6)
+    assert route.local_prefill(d, 8) == 8  # its CPU tier counts: it restores from it locally
+    route.matches["D"] = PrefixMatch()
+    assert route.local_prefill(d, 1000) is None  # holds nothing: not its conversation
+    assert route.local_prefill(EngineSpec("http://x", "decode", "X"), 1000) is None
 
 
 async def test_requests_spread_when_nobody_holds_the_prompt(stack: dict[str, Any]) -> None:

@@ -139,8 +139,9 @@ def test_streamed_multi_turn_chat(stack: Any) -> None:
     messages += [{"role": "assistant", "content": first["answer"]}, {"role": "user", "content": "second one"}]
     second = chat_turn(stack.proxy_url, messages, "e2e-chat-2", max_tokens=12)
     assert second["usage"]["completion_tokens"] == 12
-    assert second["headers"]["X-KVBroker-Mode"] == "pd"
-    # D keeps turn 1 in its prefix cache: turn 2 reuses it instead of recomputing.
+    # D holds turn 1 but for the new message (under --local-prefill-tokens): it serves turn 2
+    # alone, no prefill hop, and reuses turn 1 from its prefix cache instead of recomputing.
+    assert second["headers"]["X-KVBroker-Mode"] == "local"
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
 
 

@@ -57,6 +57,8 @@ def test_services_are_wired_with_health_checks() -> None:
     for name in ("broker-a", "broker-b"):
         assert services[name]["environment"]["KVBROKER_STATE"] == "redis://valkey:6379/0"
         assert services[name]["depends_on"]["valkey"]["condition"] == "service_healthy"
+    for name in ("broker", "prefill", "decode", "proxy", "broker-a", "broker-b"):
+        assert services[name]["restart"] == "unless-stopped", name  # a dead broker comes back
     assert services["proxy"]["depends_on"]["decode"]["condition"] == "service_healthy"
     assert services["prefill"]["depends_on"]["broker"]["condition"] == "service_healthy"
     for name in ("broker", "prefill", "decode", "proxy"):

@@ -1,14 +1,16 @@
-"""Multi-turn chats on a real model, four ways in one run: TTFT per turn at the client.
+"""Multi-turn chats on a real model, five ways in one run: TTFT per turn at the client.
 
     .venv/bin/python -m bench.chat_compare            # 4 chats x 3 turns, 2,048-token first prompt
     .venv/bin/python -m bench.chat_compare --quick    # smoke run: 1 chat x 2 turns, 512 tokens
 
 The same conversations (SmolLM2-135M-Instruct, chat template, greedy, streamed
-`/v1/chat/completions`) go through four setups, one setup after the other
+`/v1/chat/completions`) go through five setups, one setup after the other
 (bench.chat_setups): one engine with prefix caching (`single`), one engine
 without (`nocache`), vLLM's NixlConnector P/D with bidirectional transfer
-behind a multi-turn proxy (`nixl`), and our P/D with the broker behind our
-proxy (`broker`). Turn 1's user message is a document of this repository cut
+behind a multi-turn proxy (`nixl`), our P/D with the broker behind our
+proxy prefilling every turn on P (`broker`: turn 2+ pulls the history D
+holds), and the same with the proxy's default (`broker-local`: D serves a
+turn it holds but for a few tokens alone, no pull). Turn 1's user message is a document of this repository cut
 so that the prompt is `--first-tokens` long; each answer is `--answer-tokens`
 long (min_tokens = max_tokens); later turns ask short follow-ups. So turn 2's
 history is first-tokens + answer-tokens.
@@ -192,7 +194,7 @@ def run_setup(
                 log(f"profile chat failed: {type(e).__name__}: {e}")
                 result["profile_error"] = f"{type(e).__name__}: {e}"
         logs = setup.logs()
-        if name == "broker":
+        if name in ("broker", "broker-local"):
             result["transfers"] = {n: our_reads(logs[n]) for n in ("P", "D")}
         if name == "nixl":
             result["transfers"] = {n: nixl_transfers(logs[n]) for n in ("P-nixl", "D-nixl")}
@@ -259,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         "ttft": "client-side, streamed /v1/chat/completions over loopback, first chunk with answer text",
         "nixl": "NixlConnector, kv_buffer_device cpu, bidirectional_kv_xfer true, NIXL progress thread off "
         "(bench.nixl_quiet), proxy bench.nixl_proxy: P non-streamed, D non-streamed relayed as one SSE chunk",
-        "broker": "BrokerConnector (D multi_turn), kvbroker.clients.proxy with --broker",
+        "broker": "BrokerConnector (D multi_turn), kvbroker.clients.proxy with --broker "
+        "--local-prefill-tokens 0 (every turn prefills on P and pulls)",
+        "broker-local": "the same with the proxy's default --local-prefill-tokens 256: D serves a turn it "
+        "holds but for a few tokens alone (not a pull; reported, not judged by the pull targets)",
         "kv_cache_mib_per_engine": args.kv_cache_mib,
     }
     # In the order given (the machine's load drifts; a run can put the setup it cares about first).

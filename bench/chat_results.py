@@ -15,6 +15,7 @@ LABELS = {
     "nocache": "one engine, no prefix cache",
     "nixl": "vLLM NixlConnector P/D",
     "broker": "kvbroker P/D",
+    "broker-local": "kvbroker P/D, D serves held turns alone",
 }
 HISTORY_TARGET = 2048
 
@@ -262,7 +263,13 @@ def plot_ttft(doc: dict[str, Any], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    colors = {"single": "#2ca02c", "nocache": "#7f7f7f", "nixl": "#1f77b4", "broker": "#d62728"}
+    colors = {
+        "single": "#2ca02c",
+        "nocache": "#7f7f7f",
+        "nixl": "#1f77b4",
+        "broker": "#d62728",
+        "broker-local": "#ff7f0e",
+    }
     for name, label in LABELS.items():
         res = doc["results"].get(name)
         if not res:

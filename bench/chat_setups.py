@@ -31,7 +31,7 @@ from kvbroker.tools.launch import EngineProcess, connector_config, engine_enviro
 from testkit.engines import ACQUIRE_WAIT_MS, BLOCK_SIZE, RESOLVE_WAIT_MS, read_stats
 from testkit.processes import BrokerProcess
 
-SETUPS = ("single", "nocache", "nixl", "broker")
+SETUPS = ("single", "nocache", "nixl", "broker", "broker-local")
 KV_CACHE_BYTES = 1 << 30
 MAX_MODEL_LEN = 4096
 ENGINE_ARGS = ("--enable-prompt-tokens-details",)
@@ -212,7 +212,7 @@ def start_setup(
             setup.url = f"http://127.0.0.1:{port}"
             proxy.wait_http(setup.url + "/health")
             setup.direct = {"prefill": p.url, "decode": d.url}
-        elif name == "broker":
+        elif name in ("broker", "broker-local"):
             setup.broker = BrokerProcess(work).start()
             roles: tuple[tuple[str, str, dict[str, Any]], ...] = (
                 ("P", "prefill", {}),
@@ -257,6 +257,9 @@ def start_setup(
                     f"D={d.url}",
                     "--broker",
                     setup.broker.address,
+                    # broker: every turn prefills on P (the pull path the targets judge);
+                    # broker-local: the proxy's default, D serves a turn it holds but for a few tokens.
+                    *(("--local-prefill-tokens", "0") if name == "broker" else ()),
                 ],
                 work / "proxy.log",
             ).start()

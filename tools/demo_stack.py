@@ -206,9 +206,12 @@ def start_stack(
     model: str = "tiny",
     connector_extra: dict[str, Any] | None = None,
     broker_metrics_port: int = 0,
+    local_prefill_tokens: int = 0,
 ) -> Stack:
     """Build or find the model, start broker, P, D and proxy; `connector_extra` adds
-    kv_connector_extra_config keys to both engines (e.g. hold_ttl_ms)."""
+    kv_connector_extra_config keys to both engines (e.g. hold_ttl_ms). The proxy prefills
+    every turn on P (`local_prefill_tokens` 0), so the demo shows turn 2 pulling the history
+    D holds; the proxy's own default (256) lets D serve such a turn alone."""
     stack = Stack(workdir, model=model, served_name=SERVED_NAMES.get(model, model))
     atexit.register(stack.stop)
     model_dir = model_folder(model, workdir)
@@ -304,6 +307,8 @@ def start_stack(
             f"decode-0={stack.decode.url}",
             "--broker",
             stack.broker_address,
+            "--local-prefill-tokens",
+            str(local_prefill_tokens),
         ],
         workdir / "proxy.log",
     ).start()

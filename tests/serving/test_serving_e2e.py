@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -139,10 +140,41 @@ def test_streamed_multi_turn_chat(stack: Any) -> None:
     messages += [{"role": "assistant", "content": first["answer"]}, {"role": "user", "content": "second one"}]
     second = chat_turn(stack.proxy_url, messages, "e2e-chat-2", max_tokens=12)
     assert second["usage"]["completion_tokens"] == 12
-    # D holds turn 1 but for the new message (under --local-prefill-tokens): it serves turn 2
-    # alone, no prefill hop, and reuses turn 1 from its prefix cache instead of recomputing.
-    assert second["headers"]["X-KVBroker-Mode"] == "local"
+    assert second["headers"]["X-KVBroker-Mode"] == "pd"
+    # D keeps turn 1 in its prefix cache: turn 2 reuses it instead of recomputing.
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+
+
+def test_a_proxy_with_its_default_lets_d_serve_a_turn_it_holds_alone(stack: Any, tmp_path: Path) -> None:
+    """The demo's proxy prefills every turn on P; a proxy with the default --local-prefill-tokens
+    sends turn 2 to D alone when D holds all of it but the new message."""
+    from kvbroker.tools.demo import SYSTEM_PROMPT, chat_turn
+    from kvbroker.tools.demo_stack import ChildProcess, wait_http
+    from kvbroker.tools.launch import free_port
+
+    port = free_port()
+    proxy = ChildProcess(
+        "proxy-default",
+        [
+            *(sys.executable, "-m", "kvbroker.clients.proxy", "--host", "127.0.0.1", "--port", str(port)),
+            *("--prefill", f"prefill-0={stack.prefill.url}", "--decode", f"decode-0={stack.decode.url}"),
+            *("--broker", stack.broker_address),
+        ],
+        tmp_path / "proxy.log",
+    ).start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", "proxy", 30, proxy.alive)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "local one"}]
+        first = chat_turn(url, messages, "e2e-local-1", max_tokens=12)
+        messages += [{"role": "assistant", "content": first["answer"]}, {"role": "user", "content": "and?"}]
+        before = stats(stack.stats["decode-0"]).get("pulled_blocks", 0)
+        second = chat_turn(url, messages, "e2e-local-2", max_tokens=12)
+        assert second["headers"]["X-KVBroker-Mode"] == "local"
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # D's own cache
+        assert stats(stack.stats["decode-0"]).get("pulled_blocks", 0) == before  # nothing to pull
+    finally:
+        proxy.stop()
 
 
 def test_one_trace_spans_proxy_broker_and_the_transfer(stack: Any, receiver: OtlpReceiver) -> None:

@@ -381,13 +381,20 @@ class EngineProcess:
         message. On a small shared machine (several multi-rank engines on two
         cores) that starves everything else: the engine's own scheduler, its
         broker session's heartbeats, the broker. Nice workers spin only on what
-        is left over. Linux only; elsewhere it does nothing."""
+        is left over. Every thread is reniced: on Linux a niceness belongs to a
+        thread, and a worker's OpenMP threads (which spin after each parallel
+        region) would keep the old one. Linux only; elsewhere it does nothing."""
         changed = 0
         for pid, name, state in self._group_processes():
             if name.startswith("VLLM::Worker") and state != "Z":
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, pid, niceness)
-                    changed += 1
+                try:
+                    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+                except OSError:
+                    tids = [pid]
+                for tid in tids:
+                    with contextlib.suppress(OSError):
+                        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+                changed += 1
         return changed
 
     def _wait_group_gone(self, timeout_s: float) -> None:

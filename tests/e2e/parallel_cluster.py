@@ -1,32 +1,24 @@
-"""Tensor- and pipeline-parallel pulls end to end: one real broker process and
-five real multi-rank vLLM engines (CPU build, tiny random model, float32) with
-BrokerConnector, real NIXL over UCX moving each rank's share of every block.
+"""The multi-rank cluster the tensor- and pipeline-parallel e2e modules share: one real
+broker process and real multi-rank vLLM engines (CPU build, tiny random model, float32)
+with BrokerConnector, real NIXL over UCX moving each rank's share of every block.
 
     S        TP=1 PP=1   the single-engine reference, and the odd-sized reader
     T1, T2   TP=2        KV heads split across two ranks
     Q1, Q2   PP=2        layers [0, 1) on stage 0, [1, 2) on stage 1
 
-A holder prefills with ``do_remote_decode``; the reader gets the returned
-kv_transfer_params, pulls the full blocks rank by rank (each reader rank reads
-its layers from the holder rank that owns them, same tp_rank) and decodes. Its
-greedy output must equal S computing the prompt itself under a fresh
-cache_salt (a namespace nobody holds). Equal TP with any PP sizes works; TP
-sizes that differ are refused (the heads are split differently) and the
-request is recomputed.
+Each module starts S and one pair (T or Q), never all five: five multi-rank engines
+(nine workers) on two cores and 24 GB starved the broker for 14 s once.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
-pytest.importorskip("nixl")
 
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.tools.launch import PIPELINE_PARALLEL_CPU_ARGS, EngineProcess, connector_config
@@ -42,10 +34,8 @@ from testkit.engines import (
 from testkit.processes import BrokerProcess
 from testkit.waiting import wait_for
 
-pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
-
 MAX_TOKENS = 6
-# Small per rank: nine worker processes share the machine.
+# Small per rank: the engines' worker processes share the machine.
 KV_CACHE_BYTES = 32 * 1024 * 1024
 MAX_MODEL_LEN = 1024
 # Six times the other e2e modules' TTL: five engines (nine workers) share two
@@ -59,10 +49,11 @@ SESSION_TTL_MS = 30000
 LEASE_TTL_MS = 150000
 READ_TIMEOUT_MS = 150000
 # The broker's answers can be seconds late for the same reason (a 2 s resolve timed
-# out once, and a holder's announcement took more than 3 s to be indexed): the
-# reader's engine core steps without pause while its pull is in flight, and its
-# gRPC thread competes with that loop for the GIL.
-RESOLVE_WAIT_MS = 15000
+# out once, a holder's announcement took more than 3 s to be indexed, and with all
+# five engines up at once the broker once did not run for 14 s): the reader's
+# engine core steps without pause while its pull is in flight, and its gRPC thread
+# competes with that loop for the GIL.
+RESOLVE_WAIT_MS = 60000
 ACQUIRE_WAIT_MS = 60000
 
 # name -> (tensor-parallel size, pipeline-parallel size)
@@ -156,8 +147,8 @@ def _fully_ranked(client: BrokerClient) -> set[str]:
     return ready
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def start_cluster(tmp_path_factory: pytest.TempPathFactory, names: Sequence[str]) -> Iterator[Cluster]:
+    """A module's cluster: the broker and the engines `names`, until the module ends."""
     from kvbroker.tools.tiny_model import build_tiny_model
 
     reason = _multi_rank_unsupported()
@@ -169,23 +160,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     broker = BrokerProcess(log_dir).start()
     engines: dict[str, EngineProcess] = {}
     try:
-        for name in ENGINES:
+        for name in names:
             engines[name] = _start(model, log_dir, name, broker.address)
         for engine in engines.values():
             engine.wait_ready(timeout=420, progress=print)
         for engine in engines.values():
-            # Nine workers that busy-poll vLLM's queues after every message would starve
-            # the engines' broker sessions on two cores (a 30 s session once lapsed).
+            # Workers that busy-poll vLLM's queues after every message would starve the
+            # engines' broker sessions on two cores (a 30 s session once lapsed).
             engine.deprioritize_workers()
         with BrokerClient(broker.address) as client:
-            assert wait_for(lambda: _fully_ranked(client) == set(ENGINES), 30, 0.2), (
+            assert wait_for(lambda: _fully_ranked(client) == set(names), 30, 0.2), (
                 f"not every rank registered with the broker: {sorted(_fully_ranked(client))}"
             )
         print(f"parallel e2e logs in {log_dir}")
         yield Cluster(
             broker,
             engines,
-            {name: log_dir / f"{name}-stats.json" for name in ENGINES},
+            {name: log_dir / f"{name}-stats.json" for name in names},
             log_dir,
             _block_bytes(model),
         )
@@ -195,7 +186,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         broker.stop()
 
 
-def _prefill_for_remote_decode(cluster: Cluster, holder: str, prompt: list[int]) -> dict[str, Any]:
+def registered_ranges(cluster: Cluster) -> dict[str, list[tuple[int, int, int, int]]]:
+    """engine -> sorted (pp_rank, tp_rank, start_layer, end_layer) of its ranks, as the broker has them."""
+    with BrokerClient(cluster.broker.address) as client:
+        engines = {e.engine_id: e for e in client.list_engines().engines}
+    return {
+        name: sorted((r.pp_rank, r.tp_rank, r.start_layer, r.end_layer) for r in engines[name].ranks)
+        for name in cluster.engines
+    }
+
+
+def prefill_for_remote_decode(cluster: Cluster, holder: str, prompt: list[int]) -> dict[str, Any]:
     first = complete(
         cluster.engines[holder], prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
@@ -204,28 +205,11 @@ def _prefill_for_remote_decode(cluster: Cluster, holder: str, prompt: list[int])
     return dict(params)
 
 
-def test_ranks_registered_with_layer_ranges(cluster: Cluster) -> None:
-    """Each rank is keyed by (pp_rank, tp_rank) and owns its stage's layers."""
-    with BrokerClient(cluster.broker.address) as client:
-        engines = {e.engine_id: e for e in client.list_engines().engines}
-    ranges = {
-        name: sorted((r.pp_rank, r.tp_rank, r.start_layer, r.end_layer) for r in engines[name].ranks)
-        for name in ENGINES
-    }
-    assert ranges["S"] == [(0, 0, 0, 2)]
-    assert ranges["T1"] == [(0, 0, 0, 2), (0, 1, 0, 2)]
-    assert ranges["Q1"] == [(0, 0, 0, 1), (1, 0, 1, 2)]
-    assert (engines["T1"].layout.tp_size, engines["Q1"].layout.pp_size) == (2, 2)
-
-
-@pytest.mark.parametrize(
-    ("holder", "reader", "length"),
-    [("T1", "T2", 150), ("Q1", "Q2", 160), ("Q1", "S", 170), ("S", "Q2", 140)],
-    ids=["tp2-to-tp2", "pp2-to-pp2", "pp2-to-pp1", "pp1-to-pp2"],
-)
-def test_pull_across_ranks_matches_single_engine(
-    cluster: Cluster, holder: str, reader: str, length: int
-) -> None:
+def check_pull_across_ranks(cluster: Cluster, holder: str, reader: str, length: int) -> None:
+    """The holder prefills with do_remote_decode; the reader pulls the full blocks rank by
+    rank (each reader rank reads its layers from the holder rank that owns them, same
+    tp_rank) and decodes. Its greedy output equals S computing the prompt under a fresh
+    cache_salt, every layer and head of every block arrived, and the lease was released."""
     prompt = prompt_of(length, seed=length)
     reference = recompute_reference(cluster.engines["S"], prompt, MAX_TOKENS)
     full_blocks = length // BLOCK_SIZE
@@ -234,7 +218,7 @@ def test_pull_across_ranks_matches_single_engine(
     failed_before = cluster.stat(reader, "pulls_failed")
     returned_before = cluster.stat(holder, "holds_returned")
 
-    params = _prefill_for_remote_decode(cluster, holder, prompt)
+    params = prefill_for_remote_decode(cluster, holder, prompt)
     answer = complete(
         cluster.engines[reader], prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params, timeout=300
     )
@@ -249,32 +233,3 @@ def test_pull_across_ranks_matches_single_engine(
     with BrokerClient(cluster.broker.address) as client:
         leases = client.list_leases(engine_id=reader, include_ended=True).leases
     assert any(le.holder_engine_id == holder and le.state == pb.LEASE_RELEASED for le in leases)
-
-
-@pytest.mark.parametrize(
-    ("holder", "reader", "length"), [("T1", "S", 200), ("S", "T2", 210)], ids=["tp2-to-tp1", "tp1-to-tp2"]
-)
-def test_tensor_parallel_mismatch_refused_and_recomputed(
-    cluster: Cluster, holder: str, reader: str, length: int
-) -> None:
-    """KV heads are split per TP rank: a reader with another TP size refuses the
-    holder named in the params (it says its sizes) and computes the prompt itself."""
-    prompt = prompt_of(length, seed=length)
-    reference = recompute_reference(cluster.engines["S"], prompt, MAX_TOKENS)
-    pulls_before = cluster.stat(reader, "pulls")
-    refused_before = cluster.skips(reader, "incompatible_holder")
-    holder_tp, reader_tp = ENGINES[holder][0], ENGINES[reader][0]
-
-    params = _prefill_for_remote_decode(cluster, holder, prompt)
-    assert params["kvbroker"]["tp_size"] == holder_tp
-    answer = complete(cluster.engines[reader], prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
-
-    assert output_ids(answer) == reference
-    assert cluster.stat(reader, "pulls") == pulls_before, f"{reader} read blocks split for another TP size"
-    assert cluster.skips(reader, "incompatible_holder") == refused_before + 1
-    refusal = (
-        f"not pulling (incompatible_holder): holder {holder}: tensor-parallel sizes differ "
-        f"(reader tp={reader_tp}, holder tp={holder_tp})"
-    )
-    assert refusal in cluster.log(reader)
-    assert cluster.engines[reader].is_healthy()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,8 @@ class Outcome:
     failure_kinds: list[str] = field(default_factory=list)
     # The engine and step of the last failure, until another attempt retries it.
     unretried: tuple[EngineSpec, str] | None = None
+    turn: str = ""  # a chat's turn (its user messages: 1, 2, ... 5+); "" for other requests
+    first_byte_at: float | None = None  # perf_counter() when the answer's first byte went out
 
     def headers(self) -> dict[str, str]:
         h = {"X-Request-Id": self.request_id, "X-KVBroker-Mode": self.mode}
@@ -419,6 +422,7 @@ class Forwarder:
                         ) from None
                     await _raise_for_status(engine, resp, raw)
                     self.pool.mark_ok(engine)
+                    outcome.first_byte_at = time.perf_counter()  # the whole answer is its first byte
                     return web.Response(
                         body=raw,
                         status=resp.status,
@@ -454,6 +458,7 @@ class Forwarder:
                         # Headers go out with the first byte: until then a retry is still invisible.
                         await out.prepare(request)
                         first = False
+                        outcome.first_byte_at = time.perf_counter()
                     await out.write(chunk)
         except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError, EngineHung) as e:
             kind = HUNG if isinstance(e, EngineHung) else UNREACHABLE

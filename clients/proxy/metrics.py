@@ -8,6 +8,8 @@ answer: once the stream ended):
   ``local`` (D alone: it held all but ``--local-prefill-tokens`` of the prompt),
   ``single`` (one engine, a fallback or ``--no-disaggregate``) or empty for
   requests that reach no engine (/health, /metrics, a refused body);
+- ``kvbroker_proxy_ttft_seconds{turn}``: a chat answer's time to its first byte at the
+  proxy, by turn (the request's user messages, 1 to 4, then ``5+``);
 - ``kvbroker_proxy_fallbacks_total{reason}``: P/D requests served by one engine;
 - ``kvbroker_proxy_engine_failures_total{engine, step, kind}``: a step (prefill,
   decode, single, stream) that failed on an engine; ``kind`` is ``hung`` (no first
@@ -89,6 +91,14 @@ class ProxyMetrics:
             buckets=REQUEST_BUCKETS,
             registry=self.registry,
         )
+        self.ttft = Histogram(
+            "kvbroker_proxy_ttft_seconds",
+            "Chat completions answered 200: from arrival to the answer's first byte (a stream's first "
+            "chunk), by turn (the request's user messages: 1, 2, 3, 4, 5+)",
+            ["turn"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
         self.fallbacks = Counter(
             "kvbroker_proxy_fallbacks",
             "Requests that P/D could not serve and one engine served whole, by reason",
@@ -147,14 +157,17 @@ class ProxyMetrics:
             status = e.status
             raise
         finally:
-            self._record(request, status, time.perf_counter() - started)
+            self._record(request, status, started)
 
-    def _record(self, request: web.Request, status: int, seconds: float) -> None:
+    def _record(self, request: web.Request, status: int, started: float) -> None:
+        seconds = time.perf_counter() - started
         path = request.path if request.path in KNOWN_PATHS else "other"
         outcome = request.get(OUTCOME_KEY)
         mode = outcome.mode if outcome is not None else ""
         self.requests.labels(path, str(status), mode).inc()
         self.seconds.labels(path).observe(seconds)
+        if outcome is not None and outcome.turn and outcome.first_byte_at is not None and status == 200:
+            self.ttft.labels(outcome.turn).observe(max(0.0, outcome.first_byte_at - started))
         if outcome is not None and outcome.fallback_reason:
             self.fallbacks.labels(_reason_label(outcome.fallback_reason)).inc()
         if self.access_log_on:

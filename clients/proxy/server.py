@@ -58,6 +58,15 @@ class ProxyState:
 STATE_KEY: web.AppKey[ProxyState] = web.AppKey("proxy_state", ProxyState)
 
 
+def chat_turn(body: dict[str, Any]) -> str:
+    """A chat request's turn, for metrics: how many user messages it carries (1-4, then 5+)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return ""
+    users = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "user")
+    return "" if users == 0 else str(users) if users < 5 else "5+"
+
+
 def _route_attributes(route: Route) -> dict[str, Any]:
     attrs: dict[str, Any] = {
         "kvbroker.scored": route.scored,
@@ -99,7 +108,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
     if isinstance(body, web.Response):
         return body
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    outcome = Outcome(request_id)
+    outcome = Outcome(request_id, turn=chat_turn(body) if endpoint == "/v1/chat/completions" else "")
     request[OUTCOME_KEY] = outcome  # for the metrics and the access log
     tracer = state.tracer
     with tracer.start_as_current_span(

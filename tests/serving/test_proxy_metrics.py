@@ -74,3 +74,25 @@ async def test_unknown_paths_share_one_label_and_metrics_can_be_turned_off(engin
     quiet = await proxy([], [d.url], metrics=False, access_log=False)
     async with quiet.http.get(quiet.url + "/metrics") as resp:
         assert resp.status == 404
+
+
+async def test_chat_time_to_first_byte_is_observed_per_turn(engines: Any, proxy: Any) -> None:
+    import json
+
+    p, d = await engines("P"), await engines("D")
+    px = await proxy([p.url], [d.url])
+    history: list[dict[str, str]] = []
+    for turn in range(1, 7):
+        history.append({"role": "user", "content": f"question {turn}"})
+        for stream in (False, True):
+            body = {"model": "m", "messages": history, "max_tokens": 2, "stream": stream}
+            status, _, _ = await px.post("/v1/chat/completions", json.dumps(body).encode())
+            assert status == 200
+        history.append({"role": "assistant", "content": "answer"})
+    status, _, _ = await px.post("/v1/completions", COMPLETION)  # not a chat: no turn
+    assert status == 200
+    metrics = await _metrics(px)
+    for turn in ("1", "2", "3", "4"):
+        assert _value(metrics, f'kvbroker_proxy_ttft_seconds_count{{turn="{turn}"}}') == 2
+    assert _value(metrics, 'kvbroker_proxy_ttft_seconds_count{turn="5+"}') == 4  # turns 5 and 6
+    assert 0 < _value(metrics, 'kvbroker_proxy_ttft_seconds_sum{turn="1"}') < 30

@@ -81,6 +81,9 @@ class DashboardStack:
                 f"decode={self.d.url}",
                 "--broker",
                 self.broker.address,
+                # Every turn prefills on P, as in the demo, so the panels show KV moving both ways.
+                "--local-prefill-tokens",
+                "0",
             ],
             self.workdir / "proxy.log",
         ).start()

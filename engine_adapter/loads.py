@@ -214,6 +214,10 @@ class Loads:
         load.aborted = True
         return True
 
+    def pending_futures(self) -> list[Future[Any]]:
+        """Broker answers (a lease, a release) that loads wait for."""
+        return [ld.future for ld in self.active.values() if ld.future is not None and not ld.future.done()]
+
     def take_specs(self) -> list[LoadSpec]:
         specs, self._pending_specs = self._pending_specs, []
         return specs

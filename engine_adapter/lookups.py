@@ -149,6 +149,10 @@ class Lookups:
             return 0, False
         return decision.plan.num_tokens, True
 
+    def pending_futures(self) -> list[Future[Any]]:
+        """Broker answers that undecided lookups wait for."""
+        return [lk.future for lk in self._lookups.values() if lk.future is not None and not lk.future.done()]
+
     def pop(self, req_id: str) -> tuple[Lookup | None, NamedHold | None]:
         """vLLM has allocated for the request: its lookup and named hold are settled now."""
         return self._lookups.pop(req_id, None), self._named_holds.pop(req_id, None)

@@ -418,3 +418,43 @@ def test_a_stalled_process_does_not_use_up_the_broker_budgets() -> None:
         clock.advance(0.1)
         decision = sched.get_num_new_matched_tokens(req2, 0)
     assert decision == (0, False)
+
+
+def test_an_empty_step_waits_for_the_broker_answer_its_requests_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM steps without pause while a request waits on us; such a step yields (GIL released) to
+    the session thread for up to IDLE_WAIT_S, on the answers awaited, and only then."""
+    from kvbroker.engine_adapter import scheduler as scheduler_module
+
+    waits: list[tuple[set[object], float]] = []
+    monkeypatch.setattr(
+        scheduler_module, "futures_wait", lambda fs, timeout, return_when: waits.append((set(fs), timeout))
+    )
+    sched, link, _ = make()
+    sched.build_connector_meta([])
+    assert waits == [], "nothing awaited: an idle step does not wait"
+    req = FakeRequest("r1", num_tokens=140)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    sched.build_connector_meta([("other", 16, 0)])
+    assert waits == [], "a step that computed something does not wait"
+    sched.build_connector_meta([])
+    assert waits == [({link.named("resolve")[0].future}, scheduler_module.IDLE_WAIT_S)]
+    resolved(link, match(4))
+    sched.build_connector_meta([])
+    assert len(waits) == 1, "the answer came: nothing left to wait for"
+
+
+def test_an_empty_step_waits_at_most_its_bound_and_takes_an_answer_from_another_thread() -> None:
+    import threading
+    import time
+
+    from kvbroker.engine_adapter import scheduler as scheduler_module
+
+    sched, link, _ = make()
+    req = FakeRequest("r1", num_tokens=140)
+    sched.get_num_new_matched_tokens(req, 0)
+    started = time.monotonic()
+    sched.build_connector_meta([])
+    assert time.monotonic() - started >= scheduler_module.IDLE_WAIT_S * 0.9  # waited its bound
+    threading.Timer(0.0005, lambda: resolved(link, match(4))).start()
+    sched.build_connector_meta([])  # returns when the answer is set (or at the bound)
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)

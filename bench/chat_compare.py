@@ -59,7 +59,7 @@ def run_chat(setup: Setup, conv: Conversation, turns: int, answer_tokens: int) -
     rows = []
     for turn in range(1, turns + 1):
         messages.append({"role": "user", "content": conv.user_message(turn)})
-        before = setup.pulled_blocks()
+        before = setup.pulled_tokens()
         started = time.perf_counter()
         try:
             t = stream_chat(
@@ -100,8 +100,8 @@ def run_chat(setup: Setup, conv: Conversation, turns: int, answer_tokens: int) -
             row["fallback"] = f"{mode}: {t.headers.get('X-KVBroker-Fallback', '')}"
         if setup.stats_paths:
             time.sleep(STATS_SETTLE_S)
-            after = setup.pulled_blocks()
-            row["pulled_tokens"] = {n: (after[n] - before.get(n, 0)) * 32 for n in after}
+            after = setup.pulled_tokens()
+            row["pulled_tokens"] = {n: after[n] - before.get(n, 0) for n in after}
         rows.append(row)
         log(
             f"{setup.name} {conv.name} t{turn}: prompt {t.prompt_tokens}, TTFT {t.ttft_s * 1000:.0f} ms, "
@@ -120,7 +120,7 @@ def profile_chat(setup: Setup, conv: Conversation, turns: int, answer_tokens: in
     for turn in range(1, turns + 1):
         messages.append({"role": "user", "content": conv.user_message(turn)})
         body = chat_body(messages, answer_tokens)
-        before = setup.pulled_blocks()
+        before = setup.pulled_tokens()
         marks = {n: p.stat().st_size for n, p in setup.logs().items() if p.exists()}
         started = time.perf_counter()
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
@@ -131,7 +131,7 @@ def profile_chat(setup: Setup, conv: Conversation, turns: int, answer_tokens: in
         d_sent = time.perf_counter()
         t = stream_chat(d_url, d_body)
         time.sleep(STATS_SETTLE_S)
-        after = setup.pulled_blocks()
+        after = setup.pulled_tokens()
         logs = setup.logs()
         lines = {}
         for n, mark in marks.items():
@@ -150,7 +150,7 @@ def profile_chat(setup: Setup, conv: Conversation, turns: int, answer_tokens: in
                 "d_ttft_ms": round(t.ttft_s * 1000, 1),
                 "p_plus_d_ttft_ms": round((d_sent - started + t.ttft_s) * 1000, 1),
                 "d_cached_tokens": t.cached_tokens,
-                "pulled_tokens": {n: (after[n] - before.get(n, 0)) * 32 for n in after},
+                "pulled_tokens": {n: after[n] - before.get(n, 0) for n in after},
                 "adapter_lines": lines,
             }
         )

@@ -135,9 +135,10 @@ class Setup:
         out.update({c.name: c.log_path for c in self.children})
         return out
 
-    def pulled_blocks(self) -> dict[str, int]:
+    def pulled_tokens(self) -> dict[str, int]:
+        """Our connector's pulled-token counter per engine (what vLLM took as computed)."""
         return {
-            n: int(read_stats(p, settle=False).get("pulled_blocks", 0)) for n, p in self.stats_paths.items()
+            n: int(read_stats(p, settle=False).get("pulled_tokens", 0)) for n, p in self.stats_paths.items()
         }
 
     def stop(self) -> None:

@@ -51,6 +51,10 @@ def find_holders(
         hold = covering_hold(leases, m, ns, hashes, reader)
         if hold is not None:
             m.hold_lease_id = hold.lease_id
+            # A hold pins its blocks, so all it covers is held, announced yet or not:
+            # its holder announces them once granted, and a prompt's partial last block
+            # (held for a P -> D handover) is announced by no cache event at all.
+            m.matched = max(m.matched, common_prefix(hold.block_hashes, hashes))
     return matches
 
 

@@ -6,6 +6,7 @@ unit-tested with plain values.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,3 +212,41 @@ def holdable_blocks(num_computed_tokens: int, num_hashes: int, num_block_ids: in
     only when every one of its tokens was computed.
     """
     return max(0, min(num_computed_tokens // block_size, num_hashes, num_block_ids))
+
+
+# Domain of the partial-block hash: no vLLM block hash (a digest of a pickled or
+# CBOR-encoded tuple) starts its input with these bytes, so a tail's wire hash
+# cannot name a full block, whatever the tokens.
+_TAIL_DOMAIN = b"kvbroker/partial-block/v1\x00"
+
+
+def tail_hash(parent: bytes, tokens: Sequence[int]) -> int:
+    """Wire hash of a prompt's last, partial block: its parent's digest and its tokens.
+
+    vLLM hashes only full blocks, so the tokens that end a prompt inside a block
+    have no name in its prefix cache. P (which computed them) and D (which is
+    given the same prompt) compute this same value, so D can read that block
+    too and compute only the prompt's last token instead of up to a block.
+    The parent's digest carries everything vLLM keys a block on (salt, LoRA).
+    """
+    body = b"".join(int(t).to_bytes(4, "big") for t in tokens)
+    digest = hashlib.sha256(_TAIL_DOMAIN + bytes(parent) + len(tokens).to_bytes(2, "big") + body).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def prompt_tail(request: Any, num_tokens: int, block_size: int) -> tuple[int, int] | None:
+    """(full blocks, tail's wire hash) when a request's first ``num_tokens`` end inside a block.
+
+    None when they end on a block boundary, when there is no full block to
+    chain from (a shorter prompt is not worth a lease), when the request's
+    tokens are not readable, or when it has multi-modal inputs (their keys may
+    fall in the tail, which the parent's digest does not cover).
+    """
+    full, rest = divmod(num_tokens, block_size)
+    if full == 0 or rest == 0 or getattr(request, "mm_features", None):
+        return None
+    token_ids = getattr(request, "all_token_ids", None)
+    hashes = request.block_hashes
+    if token_ids is None or len(token_ids) < num_tokens or len(hashes) < full:
+        return None
+    return full, tail_hash(hashes[full - 1], token_ids[full * block_size : num_tokens])

@@ -25,6 +25,7 @@ from kvbroker.engine_adapter.decisions import (
     BadTransferParams,
     holdable_blocks,
     parse_transfer_params,
+    prompt_tail,
     wire_hashes,
 )
 from kvbroker.engine_adapter.gpu_inventory import GpuInventory
@@ -129,6 +130,13 @@ class Holds:
         namespace = ctx.namespace(request)
         hashes = wire_hashes(request.block_hashes[:n])
         held_ids = list(block_ids[:n])
+        if params.do_remote_decode:
+            # The prompt's last, partial block too, under its own hash: D reads it
+            # and computes only the prompt's last token (decisions.prompt_tail).
+            tail = prompt_tail(request, request.num_computed_tokens, ctx.block_size)
+            if tail is not None and tail[0] == n and len(block_ids) > n:
+                hashes.append(tail[1])
+                held_ids.append(block_ids[n])
         future = link.hold(
             namespace,
             hashes,
@@ -147,7 +155,9 @@ class Holds:
         ctx.stats.count("holds_requested")
         # The reply may come while vLLM is idle: settle it on the session thread then.
         future.add_done_callback(lambda _: self._on_reply())
-        return pin, self._decode_params(n, hold_request_id=req_id) if params.do_remote_decode else None
+        return pin, self._decode_params(
+            len(held_ids), hold_request_id=req_id
+        ) if params.do_remote_decode else None
 
     def advance(self, now: float) -> None:
         """Settle answered Holds; free holds whose lease-end notice never came."""

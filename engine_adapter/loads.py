@@ -405,6 +405,8 @@ class Loads:
                 stats.count(f"pulled_blocks_{tier_name(load.lease.tier).lower()}", load.plan.num_blocks)
             stats.count("pulls")
             stats.count("pulled_blocks", load.plan.num_blocks)
+            # The tokens vLLM took as computed: a partial last block counts its own.
+            stats.count("pulled_tokens", load.plan.num_tokens)
             stats.count("pulled_bytes", load.bytes_read)
             logger.info(
                 "kvbroker: request %s: pulled %d blocks (%d bytes) from %s in %.1f ms, lease %s released",

@@ -29,6 +29,7 @@ from kvbroker.engine_adapter.decisions import (
     PullPlan,
     TransferParams,
     parse_transfer_params,
+    prompt_tail,
     wire_hashes,
 )
 from kvbroker.engine_adapter.pull_policy import Costs, choose
@@ -231,6 +232,11 @@ class Lookups:
         hashes = wire_hashes(request.block_hashes)
         if not hashes:
             return None  # shorter than one block: nothing anyone could hold
+        if params.do_remote_prefill and params.holder_engine_id:
+            # P holds the prompt's last, partial block too (holds.py): ask for it.
+            tail = prompt_tail(request, request.num_tokens, ctx.block_size)
+            if tail is not None and tail[0] == len(hashes):
+                hashes.append(tail[1])
         lookup = Lookup(
             request_id=req_id,
             params=params,
@@ -301,8 +307,7 @@ class Lookups:
                 return Decision(None, SKIP_ERROR, f"resolve failed: {error}; recomputing")
             response = future.result()
             lookup.last_response = response
-            named = {m.engine_id for m in response.matches}
-            if not hint or hint in named:
+            if not hint or _hold_named(response, hint, bool(lookup.params.hold_request_id)):
                 lookup.response = response
                 return Decision(None, "resolved")
             if budget_left > 0:
@@ -383,3 +388,16 @@ class Lookups:
             logging.WARNING if reason in (SKIP_BAD_PARAMS, SKIP_ERROR, SKIP_INCOMPATIBLE) else logging.INFO
         )
         logger.log(level, "kvbroker: request %s: not pulling (%s): %s", req_id, reason, detail)
+
+
+def _hold_named(response: pb.ResolveResponse, hint: str, hold_named: bool) -> bool:
+    """The broker names the hinted holder, and its hold when the router named one.
+
+    P's hold reaches the broker a moment after P's answer reached the router;
+    until then the broker may name P for its cached full blocks only, without
+    the hold that also covers the prompt's partial last block.
+    """
+    for m in response.matches:
+        if m.engine_id == hint:
+            return bool(m.hold_lease_id) or not hold_named
+    return False

@@ -175,6 +175,13 @@ def read_stats(path: Path, *, settle: bool = True) -> dict[str, Any]:
         return {}
 
 
+def handover_blocks(length: int) -> int:
+    """Blocks a decoder reads when P hands it a ``length``-token prompt: every block
+    holding one of the first ``length - 1`` tokens (P holds the last, partial block
+    too), so the decoder computes only the prompt's last token."""
+    return -(-(length - 1) // BLOCK_SIZE)
+
+
 def prompt_of(length: int, seed: int) -> list[int]:
     """Deterministic token ids inside the tiny model's vocabulary (avoids special ids)."""
     return [10 + (seed * 7919 + i * 104729) % 400 for i in range(length)]

@@ -118,6 +118,8 @@ class FakeRequest:
     num_computed_tokens: int = 0
     status: Status = field(default_factory=lambda: Status("FINISHED_LENGTH_CAPPED"))
     block_hashes: list[bytes] = field(default_factory=list)
+    # The request's tokens, as vLLM's Request.all_token_ids (None: a request without them).
+    all_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.block_hashes:

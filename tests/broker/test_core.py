@@ -140,6 +140,25 @@ def test_resolve_acquire_claims_covering_hold():
     assert notes.to(p.session_id, "pin") == []
 
 
+def test_a_hold_covers_what_its_holder_has_not_announced_yet():
+    # P's cache events announced 3 blocks; its hold also pins a 4th (the prompt's partial last
+    # block, which no cache event announces): a reader is told the hold's whole prefix.
+    core, _clock, _notes, p, d, ns = setup_pair()
+    tail = 987654321
+    core.update_inventory(p, ns, Tier.GPU, H[:3], [])
+    hold = core.hold("P", ns, Tier.GPU, [*H[:3], tail], [1, 2, 3, 4], reader_id="D", request_id="p1")
+    (match,) = core.resolve(d, ns, [*H[:3], tail]).matches
+    assert (match.engine_id, match.matched, match.hold_lease_id) == ("P", 4, hold.lease_id)
+    # Another prompt that shares only the full blocks is told those.
+    (other,) = core.resolve(d, ns, [*H[:3], tail + 1]).matches
+    assert other.matched == 3
+    # Once the hold ends, the index alone answers.
+    core.decline("P", "p1", "not needed")
+    assert hold.state is LeaseState.REVOKED
+    (after,) = core.resolve(d, ns, [*H[:3], tail]).matches
+    assert (after.matched, after.hold_lease_id) == (3, "")
+
+
 def test_resolve_acquire_pin_flow_ok_refused_and_timeout():
     core, clock, notes, p, d, ns = setup_pair(pin_timeout_ms=500)
     core.update_inventory(p, ns, Tier.GPU, H[:8], [])

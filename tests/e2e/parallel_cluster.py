@@ -26,6 +26,7 @@ from kvbroker.v1 import broker_pb2 as pb
 from testkit.engines import (
     BLOCK_SIZE,
     complete,
+    handover_blocks,
     output_ids,
     prompt_of,
     read_stats,
@@ -206,13 +207,13 @@ def prefill_for_remote_decode(cluster: Cluster, holder: str, prompt: list[int]) 
 
 
 def check_pull_across_ranks(cluster: Cluster, holder: str, reader: str, length: int) -> None:
-    """The holder prefills with do_remote_decode; the reader pulls the full blocks rank by
+    """The holder prefills with do_remote_decode; the reader pulls the prompt's blocks rank by
     rank (each reader rank reads its layers from the holder rank that owns them, same
     tp_rank) and decodes. Its greedy output equals S computing the prompt under a fresh
     cache_salt, every layer and head of every block arrived, and the lease was released."""
     prompt = prompt_of(length, seed=length)
     reference = recompute_reference(cluster.engines["S"], prompt, MAX_TOKENS)
-    full_blocks = length // BLOCK_SIZE
+    blocks = handover_blocks(length)
     pulled_before = cluster.stat(reader, "pulled_blocks")
     bytes_before = cluster.stat(reader, "pulled_bytes")
     failed_before = cluster.stat(reader, "pulls_failed")
@@ -225,10 +226,10 @@ def check_pull_across_ranks(cluster: Cluster, holder: str, reader: str, length: 
 
     assert output_ids(answer) == reference
     assert cluster.stat(reader, "pulls_failed") == failed_before, cluster.failed_pulls(reader)
-    assert cluster.stat(reader, "pulled_blocks") - pulled_before == full_blocks
+    assert cluster.stat(reader, "pulled_blocks") - pulled_before == blocks
     # Every layer and head of every block arrived: the reader's ranks together
     # read exactly what one engine holds, whatever way both sides split it.
-    assert cluster.stat(reader, "pulled_bytes") - bytes_before == full_blocks * cluster.block_bytes
+    assert cluster.stat(reader, "pulled_bytes") - bytes_before == blocks * cluster.block_bytes
     assert wait_for(lambda: cluster.stat(holder, "holds_returned") > returned_before, 5)
     with BrokerClient(cluster.broker.address) as client:
         leases = client.list_leases(engine_id=reader, include_ended=True).leases

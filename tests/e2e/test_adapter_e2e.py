@@ -34,6 +34,7 @@ from testkit.engines import (
     BLOCK_SIZE,
     SESSION_TTL_MS,
     complete,
+    handover_blocks,
     output_ids,
     prompt_of,
     read_stats,
@@ -120,10 +121,13 @@ def _p_to_d(
 
 
 @pytest.mark.parametrize("length", [100, 128, 150, 257])
-def test_p_to_d_pulls_full_blocks_and_matches_recompute(cluster: Cluster, length: int) -> None:
+def test_p_to_d_pulls_the_prompt_and_matches_recompute(cluster: Cluster, length: int) -> None:
+    """D reads every block P computed, its partial last block included, and computes only
+    the prompt's last token; its output equals a recompute token for token."""
     prompt = prompt_of(length, seed=length)
     reference = recompute_reference(cluster.d, prompt, MAX_TOKENS)
     pulled_before = cluster.stat("D", "pulled_blocks")
+    tokens_before = cluster.stat("D", "pulled_tokens")
     failed_before = cluster.stat("D", "pulls_failed")
     returned_before = cluster.stat("P", "holds_returned")
 
@@ -132,7 +136,8 @@ def test_p_to_d_pulls_full_blocks_and_matches_recompute(cluster: Cluster, length
     answer = complete(cluster.d, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
 
     assert output_ids(answer) == reference
-    assert cluster.stat("D", "pulled_blocks") - pulled_before == length // BLOCK_SIZE
+    assert cluster.stat("D", "pulled_blocks") - pulled_before == handover_blocks(length)
+    assert cluster.stat("D", "pulled_tokens") - tokens_before == length - 1
     assert cluster.stat("D", "pulls_failed") == failed_before
     # D's release ended P's hold; P gave the blocks back to vLLM.
     assert wait_for(lambda: cluster.stat("P", "holds_returned") > returned_before, 5)
@@ -365,7 +370,7 @@ def test_broker_outage_recompute_then_rejoin(cluster: Cluster) -> None:
         output_ids(complete(cluster.d, prompt2, max_tokens=MAX_TOKENS, kv_transfer_params=params))
         == reference2
     )
-    assert cluster.stat("D", "pulled_blocks") - pulled_before == len(prompt2) // BLOCK_SIZE
+    assert cluster.stat("D", "pulled_blocks") - pulled_before == handover_blocks(len(prompt2))
 
 
 # --------------------------------------------------------------------------- 6. death (kills engines: last)

@@ -25,6 +25,7 @@ from testkit.certs import CertificateAuthority
 from testkit.engines import (
     BLOCK_SIZE,
     complete,
+    handover_blocks,
     output_ids,
     prompt_of,
     read_stats,
@@ -107,7 +108,7 @@ def test_p_to_d_and_the_next_turn_over_mutual_tls(secure_cluster: SecureCluster)
     assert params and params["remote_engine_id"] == "P"
     answer = complete(c.d, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
     assert output_ids(answer) == reference
-    assert c.stat("D", "pulled_blocks") - pulled_before == len(prompt) // BLOCK_SIZE
+    assert c.stat("D", "pulled_blocks") - pulled_before == handover_blocks(len(prompt))
 
     # The next turn on P: D holds turn 1 (prompt + answer); P pulls the answer's blocks from D.
     turn1 = prompt_of(200, seed=7)

@@ -24,6 +24,7 @@ client left), the proxy declines the hold, so P frees its blocks at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -454,12 +455,20 @@ class Forwarder:
             async with self.watch.guard(engine) as progress:
                 async for chunk in resp.content.iter_any():
                     progress.tick()
-                    if first:
-                        # Headers go out with the first byte: until then a retry is still invisible.
-                        await out.prepare(request)
-                        first = False
-                        outcome.first_byte_at = time.perf_counter()
-                    await out.write(chunk)
+                    try:
+                        if first:
+                            # Headers go out with the first byte: until then a retry is still invisible.
+                            await out.prepare(request)
+                            first = False
+                            outcome.first_byte_at = time.perf_counter()
+                        await out.write(chunk)
+                    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+                        # The client left: not the engine's fault. Closing our side aborts its request.
+                        log.info(
+                            "request %s: the client left during %s's stream", outcome.request_id, engine.label
+                        )
+                        resp.close()
+                        return out
         except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError, EngineHung) as e:
             kind = HUNG if isinstance(e, EngineHung) else UNREACHABLE
             why = str(e) if isinstance(e, EngineHung) else f"{type(e).__name__}: {e}"
@@ -484,7 +493,8 @@ class Forwarder:
         if first:
             raise EngineFailure(engine, "stream ended without a byte")
         self.pool.mark_ok(engine)
-        await out.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # the client left after the last byte
+            await out.write_eof()
         return out
 
 

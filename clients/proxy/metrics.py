@@ -31,6 +31,7 @@ proxies in one process (tests) do not collide.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import platform
 import time
@@ -155,6 +156,9 @@ class ProxyMetrics:
             return response
         except web.HTTPException as e:
             status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client left and the server cancelled the handler (nginx's code)
             raise
         finally:
             self._record(request, status, started)

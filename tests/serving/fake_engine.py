@@ -38,7 +38,8 @@ class Seen:
 @dataclass
 class FakeEngine:
     name: str
-    # ok | error500 | reject400 | die_mid_stream | hang | slow | frozen | freeze_mid_stream
+    # ok | error500 | reject400 | die_mid_stream | hang | slow | frozen | freeze_mid_stream | trickle
+    # trickle: streams one word per delay_s, and ends delay_s after [DONE].
     # hang: completions never answer, /health does; slow: completions answer after delay_s;
     # frozen: nothing answers; freeze_mid_stream: one chunk, then nothing answers.
     mode: str = "ok"
@@ -186,6 +187,8 @@ class FakeEngine:
             else:
                 delta["text"] = word + " "
             await resp.write(f"data: {json.dumps({'choices': [delta]})}\n\n".encode())
+            if self.mode == "trickle":
+                await asyncio.sleep(self.delay_s)
             if self.mode == "freeze_mid_stream":
                 self._froze = True
                 await asyncio.sleep(3600)
@@ -195,5 +198,7 @@ class FakeEngine:
                 request.transport.close()
                 return resp
         await resp.write(b"data: [DONE]\n\n")
+        if self.mode == "trickle":
+            await asyncio.sleep(self.delay_s)
         await resp.write_eof()
         return resp

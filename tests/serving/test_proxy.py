@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 from opentelemetry.sdk.trace import TracerProvider
@@ -178,6 +180,35 @@ async def test_decode_dying_mid_stream_ends_with_an_error_event(engines: Any, pr
     events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
     assert json.loads(events[0])["choices"][0]["text"] == "D "
     assert "failed mid-stream" in json.loads(events[-1])["error"]["message"]
+
+
+@pytest.mark.parametrize("leaves", ["mid-stream", "after [DONE]"])
+async def test_a_client_that_leaves_does_not_fail_the_engine(engines: Any, leaves: str) -> None:
+    # Served as `python -m kvbroker.clients.proxy` serves it (aiohttp does not cancel the
+    # handler when its client leaves; its next write fails instead).
+    p, d = await engines("P"), await engines("D", mode="trickle", delay_s=0.2, words=3)
+    specs = (EngineSpec(p.url, "prefill"), EngineSpec(d.url, "decode"))
+    runner = web.AppRunner(build_app(ProxyConfig(engines=specs, connect_timeout_s=1.0, cooldown_s=60.0)))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+                assert resp.status == 200
+                line = await resp.content.readline()
+                while leaves == "after [DONE]" and not line.startswith(b"data: [DONE]"):
+                    line = await resp.content.readline()
+            await asyncio.sleep(1.0)  # D's next bytes (or its end) meet the closed connection
+            async with http.get(url + "/health") as resp:
+                (decode,) = [e for e in (await resp.json())["engines"] if e["role"] == "decode"]
+            async with http.get(url + "/metrics") as resp:
+                metrics = await resp.text()
+        assert decode["healthy"] is True, decode
+        assert 'status="500"' not in metrics
+    finally:
+        await runner.cleanup()
 
 
 async def test_client_error_is_passed_through_without_retry(engines: Any, proxy: Any) -> None:

@@ -30,7 +30,7 @@ from kvbroker.v1 import broker_pb2 as pb
 
 # An engine's load reaches its layout's mirrors at most this often (broker clock): heartbeats
 # of many engines, or a client that heartbeats in a loop, must not flood every mirror.
-LOAD_REPUBLISH_S = 0.25
+LOAD_REPUBLISH_S = 0.15
 
 
 class Publisher:

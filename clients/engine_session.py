@@ -47,9 +47,11 @@ from kvbroker.common.scoring import load_changed
 from kvbroker.v1 import broker_pb2 as pb
 
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0
-# Least time between two load reports of set_load (early heartbeats). The broker
-# republishes a load to mirrors at most every 0.25 s, so none of these is held back.
-LOAD_REPORT_S = 0.5
+# Least time between two load reports of set_load (early heartbeats): a request that
+# comes and goes within it leaves readers seeing this engine busy for up to this long.
+# The broker republishes a load to mirrors at most every 0.15 s (half of this, for
+# jitter), so none of these reports is held back there.
+LOAD_REPORT_S = 0.3
 
 
 @dataclass(frozen=True, slots=True)

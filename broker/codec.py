@@ -47,6 +47,7 @@ def match_pb(m: HolderMatch) -> pb.HolderMatch:
         tier=int(m.tier),  # type: ignore[arg-type]
         matched_blocks=m.matched,
         hold_lease_id=m.hold_lease_id,
+        load=m.load,
     )
 
 

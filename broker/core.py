@@ -115,7 +115,7 @@ class BrokerCore:
     def heartbeat(self, rec: EngineRecord, load: float) -> None:
         rec.deadline = self.clock.now() + rec.ttl_s
         self.check.load(load, "heartbeat.load")
-        rec.load = load
+        self.registry.set_load(rec, load, self.clock.now())
 
     def register_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
         self.check.ident(engine_id, "engine_id")

@@ -25,7 +25,12 @@ from kvbroker.broker.mirror import MirrorHub
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
 from kvbroker.common.index import PrefixIndex
 from kvbroker.common.model import EVENT_FED, LeaseState, Namespace, RevokeCause, Tier, is_event_fed
+from kvbroker.common.scoring import load_changed
 from kvbroker.v1 import broker_pb2 as pb
+
+# An engine's load reaches its layout's mirrors at most this often (broker clock): heartbeats
+# of many engines, or a client that heartbeats in a loop, must not flood every mirror.
+LOAD_REPUBLISH_S = 0.15
 
 
 class Publisher:
@@ -58,6 +63,7 @@ class Publisher:
 
     def mirror_engine(self, rec: EngineRecord) -> None:
         """Tell the layout's mirrors about a ready engine (built only when one listens)."""
+        rec.mirrored_load = rec.load  # whatever the cause, the snapshot carries the load
         if rec.ready and self.mirrors.watching(rec.layout_id):
             self.mirrors.engine(rec.layout_id, rec.snapshot())
 
@@ -234,6 +240,15 @@ class ObservedRegistry:
         rec = self._registry.add_rank(engine_id, rank)
         self._publish.mirror_engine(rec)
         return rec
+
+    def set_load(self, rec: EngineRecord, load: float, now: float) -> None:
+        """A heartbeat's load. Resolve answers read it at once; mirrors hear of it when it
+        moved materially (common.scoring.load_changed) since they last did, at most every
+        LOAD_REPUBLISH_S. A change held back goes out with a later heartbeat."""
+        rec.load = load
+        if load_changed(rec.mirrored_load, load) and now - rec.mirrored_at >= LOAD_REPUBLISH_S:
+            rec.mirrored_at = now
+            self._publish.mirror_engine(rec)
 
     @contextmanager
     def removing(self, rec: EngineRecord, why: str) -> Iterator[None]:

@@ -32,6 +32,10 @@ class EngineRecord:
     expected_ranks: int
     ranks: dict[tuple[int, int], pb.RankInfo] = field(default_factory=dict)
     load: float = 0.0
+    # The load mirrors last heard of, and when (broker clock): a heartbeat's load is
+    # republished only when it changed materially, at most every LOAD_REPUBLISH_S.
+    mirrored_load: float = 0.0
+    mirrored_at: float = float("-inf")
     draining: bool = False
     ranks_version: int = 0
     peer_host: str = ""  # host of the Session stream's connection (see broker/callers.py)

@@ -14,7 +14,10 @@ heartbeats, reconnects, the broker's commands) it
   renew, release, decline) on it too, answered in stream order: a holder
   hears its Hold's answer before the end of that lease;
 - with ``mirror_index``, keeps a live copy of the layout's index
-  (``kvbroker.clients.mirror``).
+  (``kvbroker.clients.mirror``);
+- sends a ``set_load`` figure early, in a heartbeat of its own, when it moved
+  materially since the last one reported (at most every ``LOAD_REPORT_S``),
+  so readers weigh a holder's current load, not one a heartbeat interval old.
 """
 
 from __future__ import annotations
@@ -40,9 +43,15 @@ from kvbroker.clients.inventory import (
 )
 from kvbroker.clients.mirror import IndexMirror, follow
 from kvbroker.clients.session_stream import DEFAULT_SESSION_TTL_MS, SessionStream
+from kvbroker.common.scoring import load_changed
 from kvbroker.v1 import broker_pb2 as pb
 
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0
+# Least time between two load reports of set_load (early heartbeats): a request that
+# comes and goes within it leaves readers seeing this engine busy for up to this long.
+# The broker republishes a load to mirrors at most every 0.15 s (half of this, for
+# jitter), so none of these reports is held back there.
+LOAD_REPORT_S = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +161,38 @@ class EngineSession(SessionStream):
 
         self.inventory = InventoryMirror()
         self._flush_handle: asyncio.TimerHandle | None = None
+        # The load last sent by _report_load (or registered), when, and whether a later send waits.
+        self._reported_load = engine.load
+        self._load_reported_at = float("-inf")
+        self._load_report_waits = False
+
+    # -- load ------------------------------------------------------------------
+
+    def set_load(self, load: float) -> None:
+        """This engine's load (>= 0): sent now when it changed materially, else with the next
+        heartbeat; a (re)registration carries it too. Call it on the session's loop."""
+        super().set_load(load)
+        self.engine.load = self._load_value
+        if not self._load_report_waits:
+            self._report_load()
+
+    def _report_load(self) -> None:
+        if not self.connected or not load_changed(self._reported_load, self._load_value):
+            return
+        wait_s = self._load_reported_at + LOAD_REPORT_S - self.clock.now()
+        if wait_s > 0:
+            self._load_report_waits = True
+            self._spawn(self._report_load_after(wait_s))
+            return
+        self._reported_load, self._load_reported_at = self._load_value, self.clock.now()
+        self._send(pb.SessionUp(heartbeat=pb.Heartbeat(load=self._load_value)))
+
+    async def _report_load_after(self, wait_s: float) -> None:
+        try:
+            await self.clock.sleep(wait_s)
+        finally:
+            self._load_report_waits = False
+        self._report_load()
 
     # -- inventory -----------------------------------------------------------
 
@@ -384,6 +425,7 @@ class EngineSession(SessionStream):
             outbox.put_nowait(pb.SessionUp(inventory=update))
 
     def _on_serving(self, registered: pb.Registered) -> None:
+        self._reported_load = self.engine.load  # the registration carried it
         if self.mirror_index and self.mirror is None:
             self.mirror = IndexMirror(registered.layout_id)
             self._spawn(follow(self.mirror, self.client.channel))

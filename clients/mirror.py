@@ -120,7 +120,8 @@ class IndexMirror:
         self, tenant: str, hashes: Sequence[int], asker: pb.EngineInfo | None = None
     ) -> list[pb.HolderMatch] | None:
         """Holders of the longest prefix per (engine, tier), best first, as the broker's
-        Resolve ranks them (its `matches`, without hold lease ids). None: not synced.
+        Resolve ranks them (its `matches`, without hold lease ids; each holder's load as
+        the broker last republished it, see docs/broker.md). None: not synced.
 
         With `asker`, the asker itself and holders whose topology it cannot read
         are left out, as the broker does for a session resolve."""
@@ -139,7 +140,9 @@ class IndexMirror:
                     continue
                 matches.append(HolderMatch(engine_id, tier, n, info.load))
         return [
-            pb.HolderMatch(engine_id=m.engine_id, tier=pb.Tier.ValueType(m.tier), matched_blocks=m.matched)
+            pb.HolderMatch(
+                engine_id=m.engine_id, tier=pb.Tier.ValueType(m.tier), matched_blocks=m.matched, load=m.load
+            )
             for m in rank_holders(matches)
         ]
 

@@ -6,6 +6,17 @@ from dataclasses import dataclass
 
 from kvbroker.common.model import Tier
 
+# A load change is material when it moves by at least this fraction of the larger
+# figure, and by at least this fraction of 1 (so 0 -> 1 request, 3 -> 4 and 10 -> 12
+# are material, 10 -> 11 is not): the threshold for republishing an engine to mirrors
+# and for an engine's early heartbeat.
+LOAD_STEP = 0.1
+
+
+def load_changed(old: float, new: float) -> bool:
+    """Whether a holder's load moved enough for readers to hear of it before the next heartbeat."""
+    return abs(new - old) >= LOAD_STEP * max(1.0, old, new)
+
 
 @dataclass(slots=True)
 class HolderMatch:

@@ -85,6 +85,10 @@ class BrokerLink(Protocol):
 
     def take_lease_ends(self) -> list[LeaseEndNotice]: ...
 
+    def set_load(self, load: float) -> None:
+        """This engine's load figure (engine_adapter/own_load.py), for the broker's readers."""
+        ...
+
     def set_event_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` (on the session thread) after a lease-end notice is queued
         or the connection changes, so holds settle while vLLM's scheduler is idle."""
@@ -226,6 +230,9 @@ class SessionBrokerLink:
 
     def take_lease_ends(self) -> list[LeaseEndNotice]:
         return self._ends.take_all()
+
+    def set_load(self, load: float) -> None:
+        self._session.set_load(load)  # sent early when it changed materially (EngineSession)
 
     def set_event_listener(self, listener: Callable[[], None]) -> None:
         self._listener = listener

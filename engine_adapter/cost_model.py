@@ -18,6 +18,16 @@ update and prediction is O(1); nothing blocks, nothing does I/O):
   observations, and observations fade (half-life ``PULL_HALF_LIFE_S``), so a
   holder that turned slow is tried again once its slow spell is old: the
   estimate drifts back to the tier's and a pull measures it afresh.
+- A holder's load (``HolderMatch.load``: the requests its scheduler works on,
+  engine_adapter/own_load.py) stretches a pull from it:
+  ``seconds = idle estimate * (1 + slope * load)``. The slope is learned per
+  holder and tier from pulls made at a load above 0 (each gives the ratio of
+  its time to the idle estimate), pulled towards the tier's slope and that
+  towards ``PRIOR_LOAD_SLOPE``, and fades like the pull fits; a pull's time
+  divided by its factor is what the idle fit learns. The load of a pull is
+  the one its decision weighed (``CostModel.pull_started``). Unlike a slow
+  spell, a busy spell needs no fading to end: when the holder reports itself
+  idle again, its estimate is the idle one at once.
 
 ``ready`` says whether the prefill model has seen enough to be trusted; until
 then the policy (pull_policy.py) uses the fixed ``kv_recompute_threshold``.
@@ -41,6 +51,11 @@ PRIOR_WEIGHT = 1.0
 # one of this size, so that it holds the slope as firmly as real pulls do.
 PRIOR_REF_MB = 16.0
 PULL_HALF_LIFE_S = 60.0
+# Until pulls from a busy holder are observed, each request it works on adds this
+# fraction to a pull's time (a holder running 10 requests: twice the idle time).
+PRIOR_LOAD_SLOPE = 0.1
+# The prior enters the slope fit as a pseudo-observation at this load, of weight PRIOR_WEIGHT.
+PRIOR_LOAD_REF = 4.0
 STEP_HALF_LIFE_S = 300.0
 # The prefill model is trusted after this many steps, one of them a prefill of
 # at least PREFILL_MIN_TOKENS tokens (decode steps alone say nothing of b and c).
@@ -204,40 +219,87 @@ class _PullFit:
         return max(0.0, sol[0]), max(_MIN_S_PER_MB, sol[1])
 
 
+@dataclass
+class _LoadFit:
+    """How load stretches pulls: ratio - 1 ~ slope * load (least squares through 0, faded)."""
+
+    sll: float = 0.0  # sum of load^2
+    slr: float = 0.0  # sum of load * (ratio - 1)
+    last: float | None = None
+    observations: int = 0
+
+    def add(self, now: float, load: float, ratio: float) -> None:
+        if self.last is not None:
+            f = _decay(PULL_HALF_LIFE_S, now - self.last)
+            self.sll, self.slr = self.sll * f, self.slr * f
+        self.last = now
+        self.sll += load * load
+        self.slr += load * (ratio - 1.0)
+        self.observations += 1
+
+    def slope(self, now: float, prior: float) -> float:
+        f = _decay(PULL_HALF_LIFE_S, now - self.last) if self.last is not None else 1.0
+        h = PRIOR_WEIGHT * PRIOR_LOAD_REF * PRIOR_LOAD_REF
+        return max(0.0, (self.slr * f + h * prior) / (self.sll * f + h))
+
+
 @dataclass(frozen=True)
 class PullEstimate:
-    seconds: float
+    seconds: float  # at the holder's load (fixed_s and the bytes' part, both times load_factor)
     fixed_s: float
-    bandwidth_bps: float
+    bandwidth_bps: float  # the idle fit's; at the holder's load a pull moves bytes load_factor times slower
     observations: int  # of this holder and tier (0: the tier's or the prior's figures)
+    load_factor: float = 1.0  # 1 + slope * the holder's load
 
 
 class PullModel:
-    """Per (holder, tier) fits, each pulled towards its tier's fit, that towards the constants."""
+    """Per (holder, tier) fits, each pulled towards its tier's fit, that towards the constants;
+    the same for the load slope."""
 
     def __init__(self) -> None:
         self._tiers: dict[int, _PullFit] = {}
         self._holders: dict[tuple[str, int], _PullFit] = {}
+        self._tier_loads: dict[int, _LoadFit] = {}
+        self._holder_loads: dict[tuple[str, int], _LoadFit] = {}
 
-    def observe(self, now: float, holder: str, tier: int, nbytes: int, seconds: float) -> None:
+    def observe(
+        self, now: float, holder: str, tier: int, nbytes: int, seconds: float, load: float = 0.0
+    ) -> None:
+        """A pull of ``nbytes`` that took ``seconds`` from a holder at ``load``."""
         if seconds <= 0 or nbytes < 0:
             return
         mb = nbytes / _MB
+        idle = self.estimate(now, holder, tier, nbytes).seconds if load > 0 else 0.0
+        if idle > 0:
+            ratio = seconds / idle
+            self._tier_loads.setdefault(tier, _LoadFit()).add(now, load, ratio)
+            self._holder_loads.setdefault((holder, tier), _LoadFit()).add(now, load, ratio)
+            seconds /= 1.0 + self.load_slope(now, holder, tier) * load  # what it would take idle
         self._tiers.setdefault(tier, _PullFit()).add(now, mb, seconds)
         self._holders.setdefault((holder, tier), _PullFit()).add(now, mb, seconds)
 
-    def estimate(self, now: float, holder: str, tier: int, nbytes: int) -> PullEstimate:
+    def load_slope(self, now: float, holder: str, tier: int) -> float:
+        prior = PRIOR_LOAD_SLOPE
+        tier_fit = self._tier_loads.get(tier)
+        if tier_fit is not None:
+            prior = tier_fit.slope(now, prior)
+        fit = self._holder_loads.get((holder, tier))
+        return fit.slope(now, prior) if fit is not None else prior
+
+    def estimate(self, now: float, holder: str, tier: int, nbytes: int, load: float = 0.0) -> PullEstimate:
         prior = (PRIOR_PULL_FIXED_S, _MB / PRIOR_BANDWIDTH_BPS)
         tier_fit = self._tiers.get(tier)
         if tier_fit is not None:
             prior = tier_fit.fit(now, prior)
         fit = self._holders.get((holder, tier))
         fixed, per_mb = fit.fit(now, prior) if fit is not None else prior
+        factor = 1.0 + self.load_slope(now, holder, tier) * load if load > 0 else 1.0
         return PullEstimate(
-            seconds=fixed + per_mb * nbytes / _MB,
-            fixed_s=fixed,
+            seconds=(fixed + per_mb * nbytes / _MB) * factor,
+            fixed_s=fixed * factor,
             bandwidth_bps=_MB / per_mb,
             observations=fit.observations if fit is not None else 0,
+            load_factor=factor,
         )
 
     def holders(self, now: float) -> dict[str, dict[str, float]]:
@@ -250,6 +312,7 @@ class PullModel:
                 "bandwidth_gbps": round(est.bandwidth_bps / 1e9, 3),
                 "weight": round(fit.weight(now), 3),
                 "observations": fit.observations,
+                "load_slope": round(self.load_slope(now, holder, tier), 4),
             }
         return out
 
@@ -292,23 +355,30 @@ class CostModel:
         # Bytes one block moves on a pull (all layers, all ranks): from the layout, then from pulls.
         self.block_bytes = block_bytes
         self.chunk_tokens = chunk_tokens  # vLLM's max_num_batched_tokens (0: one chunk)
+        # Per holder, the load the last pull decided from it weighed (pull_started).
+        self._pull_loads: dict[str, float] = {}
 
     @property
     def ready(self) -> bool:
         return self.prefill.ready
+
+    def pull_started(self, holder: str, load: float) -> None:
+        """A pull from ``holder`` starts, decided at this holder load: its observation is made at it.
+        (Pulls from one holder that overlap take the latest one's load.)"""
+        self._pull_loads[holder] = load
 
     def observe_pull(
         self, now: float, holder: str, tier: int, blocks: int, nbytes: int, seconds: float
     ) -> None:
         if blocks > 0 and nbytes > 0:
             self.block_bytes = math.ceil(nbytes / blocks)  # what a pull really moves wins
-        self.pulls.observe(now, holder, tier, nbytes, seconds)
+        self.pulls.observe(now, holder, tier, nbytes, seconds, self._pull_loads.get(holder, 0.0))
 
     def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
         return self.prefill.predict(new_tokens, context_tokens, self.chunk_tokens)
 
-    def pull(self, now: float, holder: str, tier: int, blocks: int) -> PullEstimate:
-        return self.pulls.estimate(now, holder, tier, blocks * self.block_bytes)
+    def pull(self, now: float, holder: str, tier: int, blocks: int, load: float = 0.0) -> PullEstimate:
+        return self.pulls.estimate(now, holder, tier, blocks * self.block_bytes, load)
 
     def snapshot(self, now: float) -> dict[str, object]:
         a, b, c = self.prefill.coefficients()

@@ -150,6 +150,10 @@ class Lookups:
             return 0, False
         return decision.plan.num_tokens, True
 
+    def asked(self) -> int:
+        """Requests vLLM asked about and has neither allocated nor finished (own_load.py)."""
+        return len(self._lookups)
+
     def pending_futures(self) -> list[Future[Any]]:
         """Broker answers that undecided lookups wait for."""
         return [lk.future for lk in self._lookups.values() if lk.future is not None and not lk.future.done()]

@@ -16,7 +16,10 @@ way of serving the prompt and takes the quickest:
   part, is taken for that part (partial coverage).
 
 A pull's bandwidth part is scaled by (1 + pulls already in flight from that
-holder): they share it. Pure: the cost model is read, never updated, so
+holder): they share it. The whole pull is scaled by the holder's load factor
+(1 + slope * the load the broker or the mirror names for it, cost_model.py),
+so a busy holder is pulled from less, and again as soon as it reports itself
+idle. Pure: the cost model is read, never updated, so
 ``get_num_new_matched_tokens`` stays free of side effects.
 """
 
@@ -26,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from kvbroker.engine_adapter.cost_model import CostModel
+from kvbroker.engine_adapter.cost_model import CostModel, PullEstimate
 from kvbroker.engine_adapter.decisions import SKIP_NO_HOLDER, Decision, PullPlan, decide_pull
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -47,6 +50,8 @@ class Costs:
     predicted_recompute_ms: float = 0.0  # recomputing everything beyond the local hit
     pull_bandwidth_gbps: float = 0.0  # of the chosen (or best) holder and tier
     pull_observations: int = 0  # that holder's and tier's observed pulls (0: prior)
+    holder_load: float = 0.0  # the load named for the chosen (or best) holder
+    pull_load_factor: float = 1.0  # what that load multiplied its predicted pull by
 
     def attributes(self) -> dict[str, float | str | int]:
         return {
@@ -55,6 +60,8 @@ class Costs:
             "kvbroker.predicted_recompute_ms": round(self.predicted_recompute_ms, 3),
             "kvbroker.pull_bandwidth_gbps": round(self.pull_bandwidth_gbps, 3),
             "kvbroker.pull_observations": self.pull_observations,
+            "kvbroker.holder_load": round(self.holder_load, 3),
+            "kvbroker.pull_load_factor": round(self.pull_load_factor, 3),
         }
 
 
@@ -90,10 +97,9 @@ def choose(
         local_cpu_blocks=local_cpu_blocks,
     )
     fixed = rule(threshold_tokens=threshold_tokens)
-    if policy != POLICY_ADAPTIVE:
-        return Choice(fixed, Costs(POLICY_THRESHOLD))
-    if not model.ready:
-        return Choice(fixed, Costs("threshold_until_observed"))
+    if policy != POLICY_ADAPTIVE or not model.ready:
+        name = POLICY_THRESHOLD if policy != POLICY_ADAPTIVE else "threshold_until_observed"
+        return Choice(fixed, Costs(name, holder_load=_load_of(matches, fixed.plan)))
     # The threshold rule has already settled the cases with nothing to weigh.
     plain = rule(threshold_tokens=0)
     recompute_s = model.prefill_s(num_prompt_tokens - num_local_tokens, num_local_tokens)
@@ -111,6 +117,15 @@ def choose(
     )
 
 
+def _load_of(matches: Sequence[pb.HolderMatch], plan: PullPlan | None) -> float:
+    """The load named for the plan's holder (0 for none, or this engine's own CPU tier)."""
+    if plan is not None:
+        for m in matches:
+            if m.engine_id == plan.holder_engine_id and m.tier == plan.tier:
+                return m.load
+    return 0.0
+
+
 def _candidates(
     matches: Sequence[pb.HolderMatch], self_engine_id: str, local_cpu_blocks: int, preferred: PullPlan
 ) -> list[pb.HolderMatch]:
@@ -126,7 +141,7 @@ def _candidates(
         if m.engine_id == self_engine_id or m.matched_blocks <= 0:
             continue
         if m.engine_id == first.engine_id and m.tier == first.tier and m.hold_lease_id == first.hold_lease_id:
-            first.matched_blocks = m.matched_blocks
+            first.matched_blocks, first.load = m.matched_blocks, m.load
             continue
         out.append(m)
     if preferred.holder_engine_id == self_engine_id:
@@ -148,7 +163,7 @@ def _cheapest(
     in_flight: Mapping[str, int],
 ) -> Choice:
     local_blocks = num_local_tokens // block_size
-    best: tuple[float, pb.HolderMatch, int, float, int] | None = None  # (total s, holder, end block, bw, obs)
+    best: tuple[float, pb.HolderMatch, int, PullEstimate] | None = None  # (total s, holder, end block, est)
     for m in candidates:
         end_max = min(int(m.matched_blocks), -(-(num_prompt_tokens - 1) // block_size))
         share = 1 + in_flight.get(m.engine_id, 0)
@@ -156,27 +171,30 @@ def _cheapest(
             covered = min(end * block_size, num_prompt_tokens - 1)
             if covered <= num_local_tokens:
                 continue
-            est = model.pull(now, m.engine_id, int(m.tier), end - local_blocks)
+            est = model.pull(now, m.engine_id, int(m.tier), end - local_blocks, m.load)
             pull_s = est.fixed_s + (est.seconds - est.fixed_s) * share
             total = pull_s + model.prefill_s(num_prompt_tokens - covered, covered)
             if best is None or total < best[0]:
-                best = (total, m, end, est.bandwidth_bps, est.observations)
+                best = (total, m, end, est)
     if best is None:
         return Choice(
             Decision(None, SKIP_NO_HOLDER, "no holder covers a block beyond the local hit"),
             Costs(POLICY_ADAPTIVE, predicted_recompute_ms=recompute_s * 1000.0),
         )
-    total, holder, end, bandwidth, observations = best
+    total, holder, end, est = best
     costs = Costs(
         POLICY_ADAPTIVE,
         predicted_pull_ms=total * 1000.0,
         predicted_recompute_ms=recompute_s * 1000.0,
-        pull_bandwidth_gbps=bandwidth / 1e9,
-        pull_observations=observations,
+        pull_bandwidth_gbps=est.bandwidth_bps / 1e9,
+        pull_observations=est.observations,
+        holder_load=holder.load,
+        pull_load_factor=est.load_factor,
     )
+    busy = f" at load {holder.load:g} (x{est.load_factor:.2f})" if holder.load > 0 else ""
     if recompute_s <= total:
         detail = (
-            f"recompute {recompute_s * 1000.0:.1f} ms <= pull from {holder.engine_id} "
+            f"recompute {recompute_s * 1000.0:.1f} ms <= pull from {holder.engine_id}{busy} "
             f"{total * 1000.0:.1f} ms (to the first token, predicted)"
         )
         return Choice(Decision(None, SKIP_COST, detail), costs)
@@ -190,7 +208,7 @@ def _cheapest(
         num_tokens=remote_tokens,
     )
     detail = (
-        f"{remote_tokens} tokens from {holder.engine_id}: pull {total * 1000.0:.1f} ms < "
+        f"{remote_tokens} tokens from {holder.engine_id}{busy}: pull {total * 1000.0:.1f} ms < "
         f"recompute {recompute_s * 1000.0:.1f} ms (to the first token, predicted)"
     )
     return Choice(Decision(plan, "pull", detail), costs)

@@ -21,7 +21,8 @@ the lock) and composes the parts:
   of cached blocks no hold covers;
 - stats.py: the counters, and the thread that writes ``stats_path``;
 - cost_model.py: what a prefill and a pull cost here, from this engine's own
-  steps (``build_connector_meta``) and loads; pull_policy.py decides from it.
+  steps (``build_connector_meta``) and loads; pull_policy.py decides from it;
+- own_load.py: this engine's load, reported to the broker for its readers.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from kvbroker.engine_adapter.holds import HoldPin, Holds
 from kvbroker.engine_adapter.loads import LOCAL_PIN_PREFIX, Loads
 from kvbroker.engine_adapter.lookups import Lookups
 from kvbroker.engine_adapter.metadata import AdapterMetadata, ReadOutcomes
+from kvbroker.engine_adapter.own_load import OwnLoad
 from kvbroker.engine_adapter.scheduler_context import SchedulerContext
 from kvbroker.engine_adapter.stats import SchedulerStats, StatsWriter
 from kvbroker.v1 import broker_pb2 as pb
@@ -107,6 +109,7 @@ class AdapterScheduler:
         self.gpu = GpuInventory(self._ctx)
         self.holds = Holds(self._ctx, self.gpu, on_reply=self.on_link_event)
         self.stores = CpuStores(self._ctx)
+        self.own_load = OwnLoad()
         self._was_connected = False
         # Writes stats_path on its own thread, from snapshots taken here.
         self._stats_writer = StatsWriter(config.stats_path) if config.stats_path else None
@@ -169,11 +172,15 @@ class AdapterScheduler:
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        self.own_load.allocated(req_id)
         lookup, named = self.lookups.pop(req_id)
         if req_id in self.loads.active:
             return
         plan = self.lookups.plan_after_alloc(req_id, lookup, named, num_external_tokens)
         if lookup is not None and plan is not None:
+            # The holder's load the decision weighed: the pull's observation is made at it.
+            holder_load = lookup.costs.holder_load if lookup.costs is not None else 0.0
+            self.costs.pull_started(plan.holder_engine_id, holder_load)
             self.loads.start(lookup, plan, block_ids, num_external_tokens)
 
     @_locked
@@ -206,6 +213,7 @@ class AdapterScheduler:
             frees=self._ctx.take_frees(),
             stores=self.stores.take_specs(),
         )
+        self._report_load()
         self._publish_stats()
         return meta
 
@@ -240,9 +248,11 @@ class AdapterScheduler:
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self.costs.steps.on_finished(req_id)
+        self.own_load.finished(req_id)
         self.loads.failed.discard(req_id)
         self.lookups.request_finished(req_id)
         self.loads.request_finished(req_id)
+        self._report_load()
         if self.loads.abort(req_id):
             # Aborted while loading: vLLM keeps its blocks until we report the
             # load finished; the protocol completes normally.
@@ -294,6 +304,14 @@ class AdapterScheduler:
                 self._ctx.namespace(request), request.block_hashes[:n], block_ids[:n]
             )
 
+    def _report_load(self) -> None:
+        """Hand this engine's load to the broker link when it changed (own_load.py)."""
+        load = self.own_load.changed(self.lookups.asked())
+        if load is not None:
+            self.stats.dirty = True
+            if self.link is not None:
+                self.link.set_load(load)
+
     def _check_connection(self) -> None:
         link = self.link
         connected = link is not None and link.connected
@@ -319,6 +337,7 @@ class AdapterScheduler:
     @_locked
     def stats_snapshot(self) -> dict[str, Any]:
         snapshot = self.stats.as_dict(*self.holds.live())
+        snapshot["load"] = self.own_load.value(self.lookups.asked())
         snapshot["cost_model"] = self.costs.snapshot(self._clock())
         if self.cpu is not None:
             snapshot["cpu_tier_used_slots"] = self.cpu.used_slots()

@@ -37,6 +37,7 @@ class FakeLink:
         # What the index mirror answers (None: not synced, ask the broker).
         self.mirror_matches: list[pb.HolderMatch] | None = None
         self.listener: Any = None
+        self.loads: list[float] = []  # every set_load figure, in order
 
     def _call(self, name: str, **args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -90,6 +91,9 @@ class FakeLink:
     def take_lease_ends(self) -> list[LeaseEndNotice]:
         ends, self.ends = self.ends, []
         return ends
+
+    def set_load(self, load: float) -> None:
+        self.loads.append(load)
 
     def set_event_listener(self, listener):  # type: ignore[no-untyped-def]
         self.listener = listener

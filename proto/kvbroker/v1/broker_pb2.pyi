@@ -407,7 +407,7 @@ class EngineInfo(_message.Message):
     active_leases_read: _builtins.int
     session_ttl_ms: _builtins.int
     load: _builtins.float
-    """last load figure from heartbeat"""
+    """last load figure from heartbeat (see Heartbeat.load)"""
     @_builtins.property
     def layout(self) -> Global___LayoutFingerprint: ...
     @_builtins.property
@@ -488,7 +488,11 @@ class Heartbeat(_message.Message):
 
     LOAD_FIELD_NUMBER: _builtins.int
     load: _builtins.float
-    """e.g. running + waiting requests"""
+    """How busy the engine is, >= 0. The vLLM adapter sends the requests its
+    scheduler has taken up and not finished (running, preempted, or waiting
+    on a lookup or a pull). Readers weigh a holder's pull cost by it; mirrors
+    hear of a material change (see docs/broker.md).
+    """
     def __init__(
         self,
         *,
@@ -588,12 +592,15 @@ class HolderMatch(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
     HOLD_LEASE_ID_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     tier: Global___Tier.ValueType
     matched_blocks: _builtins.int
     """longest prefix held, from block 0"""
     hold_lease_id: _builtins.str
     """non-empty if the prefix is under a hold lease"""
+    load: _builtins.float
+    """the holder's last reported load (EngineInfo.load)"""
     def __init__(
         self,
         *,
@@ -601,10 +608,11 @@ class HolderMatch(_message.Message):
         tier: Global___Tier.ValueType = ...,
         matched_blocks: _builtins.int = ...,
         hold_lease_id: _builtins.str = ...,
+        load: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "hold_lease_id", b"hold_lease_id", "matched_blocks", b"matched_blocks", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "hold_lease_id", b"hold_lease_id", "load", b"load", "matched_blocks", b"matched_blocks", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

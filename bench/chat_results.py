@@ -169,7 +169,7 @@ def _transfer_lines(setups: dict[str, Any]) -> list[str]:
         if reads:
             ms = [r["ms"] for r in reads]
             lines.append(
-                f"kvbroker {eng} NIXL reads: {len(reads)}, {sum(r['blocks'] for r in reads) * 32} tokens, "
+                f"kvbroker {eng} NIXL reads: {len(reads)}, {sum(r['blocks'] for r in reads)} blocks, "
                 f"{sum(r['bytes'] for r in reads) / 2**20:.1f} MiB, p50 {pct(ms, 50):.1f} ms, p90 {pct(ms, 90):.1f} ms"
             )
         else:

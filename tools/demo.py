@@ -169,18 +169,21 @@ def _print_pulls(
     for name, engine in engines.items():
         pulled_blocks = _diff(after.get(name, {}), before.get(name, {}), "pulled_blocks")
         pulled_bytes = _diff(after.get(name, {}), before.get(name, {}), "pulled_bytes")
+        # What vLLM took as computed: a prompt's partial last block counts its own tokens.
+        pulled_tokens = _diff(after.get(name, {}), before.get(name, {}), "pulled_tokens")
         if name.startswith("prefill"):
             pulled_by_p = pulled_blocks
         reads = _reads_in_log(engine, rid)
         if pulled_blocks or reads:
             for r in reads:
                 say(
-                    f"   {name}: pulled {r['blocks']} blocks ({int(r['blocks']) * engine.block_size} tokens, "
-                    f"{int(r['bytes']) / 1e6:.2f} MB) from {r['src']} in {float(r['ms']):.1f} ms "
-                    f"= {float(r['gbps']):.3f} GB/s"
+                    f"   {name}: pulled {r['blocks']} blocks ({int(r['bytes']) / 1e6:.2f} MB) from {r['src']} "
+                    f"in {float(r['ms']):.1f} ms = {float(r['gbps']):.3f} GB/s"
                 )
             if not reads:
                 say(f"   {name}: pulled {pulled_blocks} blocks ({pulled_bytes / 1e6:.2f} MB)")
+            if pulled_tokens:
+                say(f"   {name}: {pulled_tokens} prompt tokens loaded instead of computed")
         else:
             skips = {
                 k: v - before.get(name, {}).get("skips", {}).get(k, 0)

@@ -180,8 +180,8 @@ def _shared_state(config: BrokerConfig) -> RedisState | None:
         raise InvalidArgument(
             "--state needs the redis client library: pip install 'kvbroker[redis]'"
         ) from None
-    state = RedisState(config.state, config.state_prefix)
     try:
+        state = RedisState(config.state, config.state_prefix)
         state.ping()
     except Unavailable as err:
         raise InvalidArgument(f"--state: {err.message}") from None

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import redis.asyncio
+import redis
 
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.clock import Clock
@@ -160,7 +160,12 @@ class FleetNotifier(StreamNotifier):
     async def follow(self) -> None:
         """Receive the fleet's messages until cancelled, reconnecting to Redis as needed."""
         while True:
-            client = redis.asyncio.Redis.from_url(self._state.url)
+            try:
+                client = await self._state.subscriber()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
+                log.warning("fleet channel: %s; trying again", err)
+                await asyncio.sleep(0.5)
+                continue
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self._channel, self.mirror_channel)

@@ -46,8 +46,11 @@ _USAGE = (
     "redis+cluster://HOST:PORT[,HOST:PORT...] (a Redis Cluster's seed nodes; rediss+cluster:// for TLS), "
     "or leave it empty for the in-memory broker"
 )
-# Cluster-side answers that mean "not now" rather than "never".
+# Answers that mean "not now" rather than "never": a replica or a loading store, and a Cluster
+# failing over or resharding (a script whose slot is half moved meets a key on another node; with
+# `#!lua` a key of another slot is refused earlier, as "do not hash to the same slot").
 _TRANSIENT = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+_TRANSIENT_IN_SCRIPT = ("access a non local key", "while the cluster is down")
 
 
 def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
@@ -137,6 +140,8 @@ class RedisState:
                 raise Unavailable(
                     f"the shared state store {self.shown} cannot take writes now: {err}"
                 ) from None
+            if self.cluster and any(words in str(err) for words in _TRANSIENT_IN_SCRIPT):
+                raise Unavailable(f"the Redis Cluster {self.shown} is moving this slot: {err}") from None
             raise
         except RedisClusterException as err:
             if "connect" in str(err).lower():  # every known node is down

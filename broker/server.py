@@ -222,7 +222,12 @@ def _fleet_core(
     )
     notifier.lease_of = core.leases.get
     log.info("broker replica %s", replica)
-    return core, notifier, notifier.follow()
+    return core, notifier, _follow_fleet(notifier)
+
+
+async def _follow_fleet(notifier: Any) -> None:
+    """The fleet's notices (pub/sub) and index changes (a Redis Stream), until cancelled."""
+    await asyncio.gather(notifier.follow(), notifier.follow_mirror())
 
 
 async def start_server(

@@ -186,5 +186,25 @@ class RedisState:
             return client
         raise redis.ConnectionError(f"no node of the Redis Cluster {self.shown} answers")
 
+    def stream_reader(
+        self, key: str, block_ms: int, node: tuple[str, int] | None = None
+    ) -> redis.asyncio.Redis:
+        """An asyncio client for XREAD BLOCK on `key` (its reads wait up to block_ms longer than
+        others). On a Cluster: a connection to `node` (where a MOVED pointed), else to the primary
+        that serves the key's slot in the current slot map."""
+        timeout = self._timeout_s + block_ms / 1000
+        if not self.cluster:
+            return redis.asyncio.Redis.from_url(self.url, socket_timeout=timeout)
+        if node is None:
+            owner = self.client.get_node_from_key(key)
+            node = (owner.host, owner.port)
+        return redis.asyncio.Redis(
+            host=node[0],
+            port=node[1],
+            socket_timeout=timeout,
+            socket_connect_timeout=self._timeout_s,
+            **self._options,
+        )
+
     def close(self) -> None:
         self.client.close()

@@ -6,10 +6,18 @@ channel; the replica that holds that stream delivers it (reading the lease
 from the shared table, so it sends the lease as it is now). Pin results are
 published to all, so a resolve waiting for a pin on any replica answers.
 
-Index changes for Mirror streams go the same way (FleetMirrorHub): each
-replica applies its own changes to its local mirrors and publishes them; the
-others apply them to theirs, so a Mirror stream on any replica follows the
-whole fleet (its snapshot comes from the shared index).
+Index changes for Mirror streams (FleetMirrorHub) go through a Redis Stream
+instead, because a mirror must not miss one: each replica applies its own
+changes to its local mirrors and appends them to the fleet's stream (XADD,
+capped by MAXLEN, each entry numbered by a counter in the same script); every
+replica reads the stream (XREAD BLOCK, which is also its wake-up) from the
+last entry it read, applying the other replicas' changes to its own mirrors,
+so a Mirror stream on any replica follows the whole fleet (its snapshot comes
+from the shared index). A replica that lost its connection to Redis reads on
+from its last entry when it is back, so what was appended meanwhile still
+reaches its mirrors; if the entries it missed were trimmed away (or the store
+restarted empty), the numbers jump and its mirrors are resynced with a fresh
+snapshot instead.
 
 Pub/sub delivers at most once: a message published while a replica is
 reconnecting to Redis is lost to it. What depends on it is bounded anyway:
@@ -26,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
+from redis.exceptions import MovedError
 
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.clock import Clock
@@ -39,6 +48,17 @@ from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
 
+MIRROR_STREAM_MAXLEN = 100_000  # entries kept (approximately): how far behind a replica may resume
+
+# KEYS: the stream, its counter.  ARGV: maxlen, replica, layout id, kind, body, step (2 after a
+# change this replica could not append: the readers see the jump and resync).
+_APPEND = """
+local n = redis.call('INCRBY', KEYS[2], ARGV[6])
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 'rep', ARGV[2], 'lay', ARGV[3],
+  't', ARGV[4], 'b', ARGV[5])
+return n
+"""
+
 
 class FleetNotifier(StreamNotifier):
     def __init__(self, clock: Clock, state: RedisState, replica: str) -> None:
@@ -48,8 +68,21 @@ class FleetNotifier(StreamNotifier):
         self.replica = replica
         self.lease_of: Callable[[str], Lease] | None = None  # the shared lease table's get
         self.mirrors: FleetMirrorHub | None = None
-        self.mirror_channel = f"{state.prefix}:{{fleet}}:mirror"
+        self.mirror_stream = f"{state.prefix}:{{fleet}}:mirror"
+        self._mirror_keys = [self.mirror_stream, f"{state.prefix}:{{fleet}}:mirror-n"]
+        self._append = state.script(_APPEND)
+        self._append_failed = False
         self.delivered = 0
+        # Where this replica starts reading: the stream's end now, before it serves any mirror.
+        self.mirror_from, self.mirror_n = self._stream_end()
+
+    def _stream_end(self) -> tuple[bytes, int]:
+        r = self._state.client
+        last = self._state.call(r.xrevrange, self.mirror_stream, "+", "-", count=1)
+        if not last:
+            return b"0-0", int(self._state.call(r.get, self._mirror_keys[1]) or 0)
+        entry_id, fields = last[0]
+        return entry_id, int(fields[b"n"])
 
     def _publish(self, kind: str, session_id: str, **more: str) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
@@ -60,24 +93,60 @@ class FleetNotifier(StreamNotifier):
 
     def publish_mirror(self, layout_id: str, change: pb.MirrorBlocks | pb.MirrorEngine) -> None:
         kind = "blocks" if isinstance(change, pb.MirrorBlocks) else "engine"
-        head = json.dumps({"rep": self.replica, "lay": layout_id, "t": kind}).encode()
+        step = 2 if self._append_failed else 1
+        argv = [MIRROR_STREAM_MAXLEN, self.replica, layout_id, kind, change.SerializeToString(), step]
         try:
-            self._state.call(
-                self._state.client.publish, self.mirror_channel, head + b"\n" + change.SerializeToString()
-            )
+            self._state.call(self._append, keys=self._mirror_keys, args=argv)
+            self._append_failed = False
         except BrokerError as err:
+            # The other replicas' mirrors miss this change: the next append skips a number, so
+            # that they see the gap and resync from the shared index.
+            self._append_failed = True
             log.warning("cannot send an index change to the other replicas' mirrors: %s", err)
 
-    def _deliver_mirror(self, data: bytes) -> None:
-        head_raw, _, body = data.partition(b"\n")
-        head = json.loads(head_raw)
-        if head.get("rep") == self.replica or self.mirrors is None:
+    def _deliver_mirror(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        n = int(fields[b"n"])
+        gap = n != self.mirror_n + 1
+        self.mirror_from, self.mirror_n = entry_id, n
+        if self.mirrors is None:
             return
-        layout_id = str(head.get("lay", ""))
-        if head.get("t") == "blocks":
-            self.mirrors.apply_blocks(layout_id, pb.MirrorBlocks.FromString(body))
+        if gap:
+            log.warning(
+                "index changes for the mirrors were missed (stream trimmed or store restarted): resyncing"
+            )
+            self.mirrors.resync()
+            return  # the fresh snapshot comes from the shared index, which has this change too
+        if fields[b"rep"].decode() == self.replica:
+            return
+        layout_id = fields[b"lay"].decode()
+        if fields[b"t"] == b"blocks":
+            self.mirrors.apply_blocks(layout_id, pb.MirrorBlocks.FromString(fields[b"b"]))
         else:
-            self.mirrors.apply_engine(layout_id, pb.MirrorEngine.FromString(body))
+            self.mirrors.apply_engine(layout_id, pb.MirrorEngine.FromString(fields[b"b"]))
+
+    async def follow_mirror(self, block_ms: int = 1000) -> None:
+        """Read the fleet's index changes from where this replica left off, until cancelled."""
+        node: tuple[str, int] | None = None
+        while True:
+            client = self._state.stream_reader(self.mirror_stream, block_ms, node)
+            try:
+                while True:
+                    answer: Any = await client.xread(
+                        {self.mirror_stream: self.mirror_from}, count=512, block=block_ms
+                    )
+                    for _, entries in answer or ():
+                        for entry_id, fields in entries:
+                            self._deliver_mirror(entry_id, fields)
+            except MovedError as err:  # the stream's slot moved to another Cluster primary
+                node = (err.host, err.port)
+            except (redis.RedisError, OSError) as err:
+                node = None
+                log.warning(
+                    "fleet index stream lost (%s); reading on from %s", err, self.mirror_from.decode()
+                )
+                await asyncio.sleep(0.5)
+            finally:
+                await client.aclose()
 
     def _local(self, session_id: str) -> bool:
         return session_id in self._channels
@@ -168,13 +237,9 @@ class FleetNotifier(StreamNotifier):
                 continue
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self._channel, self.mirror_channel)
+                await pubsub.subscribe(self._channel)
                 async for message in pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    if message["channel"] == self.mirror_channel.encode():
-                        self._deliver_mirror(message["data"])
-                    else:
+                    if message.get("type") == "message":
                         self.deliver(json.loads(message["data"]))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
                 log.warning("fleet channel lost (%s); resubscribing", err)
@@ -225,6 +290,13 @@ class FleetMirrorHub(MirrorHub):
         self._notifier.publish_mirror(layout_id, change)
 
     # -- another replica's changes: to the local mirrors only -----------------------
+
+    def resync(self) -> None:
+        """Changes were missed: every local mirror starts over from a fresh snapshot."""
+        for subs in self._by_layout.values():
+            for sub in subs:
+                sub.overflowed, sub.segments, sub.pending = True, [], 0
+                sub.wake()
 
     def apply_blocks(self, layout_id: str, change: pb.MirrorBlocks) -> None:
         if change.clear_tier:

@@ -251,6 +251,7 @@ async def test_kill9_during_load_from_several_sessions(
     outcome = {"committed": 0, "refused_hold": 0, "retried_release": 0}
     lost: list[str] = []
     unsure_holds: list[tuple[EngineSession, str, str]] = []
+    unsure_acquires: list[tuple[EngineSession, str]] = []
     stop = asyncio.Event()
 
     async def cycles(holder: EngineSession, reader: EngineSession) -> None:
@@ -277,6 +278,9 @@ async def test_kill9_during_load_from_several_sessions(
             try:
                 acquired = await reader.acquire(held.lease_id)
             except errors.Unavailable:
+                # The acquire may have taken effect before its answer was lost: the reader gives
+                # the lease back (release with no epoch), or declines the hold if it never did.
+                unsure_acquires.append((reader, held.lease_id))
                 unsure_holds.append((reader, holder.engine_id, request_id))
                 await asyncio.sleep(0.02)
                 continue
@@ -312,11 +316,16 @@ async def test_kill9_during_load_from_several_sessions(
         stop.set()
         await asyncio.gather(*load)
         worst = max(moved) - killed
-        print(f"\n{outcome}; holders moved within {worst * 1000:.0f} ms of kill -9")
+        print(
+            f"\n{outcome}; {len(unsure_acquires)} acquires unsure; holders moved within {worst * 1000:.0f} ms"
+        )
         assert worst < FAILOVER_S
         assert all(s.registered is not None and s.registered.resumed for s in sessions)
         assert before > 0 and outcome["committed"] > before  # load went on after the failover
         assert lost == []  # no acquired lease ended under its reader
+        for reader, lease_id in unsure_acquires:
+            with contextlib.suppress(errors.BrokerError):
+                await reader.release(lease_id, 0)
         for reader, holder_id, request_id in unsure_holds:
             with contextlib.suppress(errors.BrokerError):
                 await reader.decline(holder_id, request_id, "the hold's answer was lost in a failover")

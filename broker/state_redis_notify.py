@@ -9,7 +9,8 @@ published to all, so a resolve waiting for a pin on any replica answers.
 Index changes for Mirror streams (FleetMirrorHub) go through a Redis Stream
 instead, because a mirror must not miss one: each replica applies its own
 changes to its local mirrors and appends them to the fleet's stream (XADD,
-capped by MAXLEN, each entry numbered by a counter in the same script); every
+trimmed to the last minute of changes with MINID, each entry numbered by a
+counter in the same script); every
 replica reads the stream (XREAD BLOCK, which is also its wake-up) from the
 last entry it read, applying the other replicas' changes to its own mirrors,
 so a Mirror stream on any replica follows the whole fleet (its snapshot comes
@@ -48,13 +49,17 @@ from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
 
-MIRROR_STREAM_MAXLEN = 100_000  # entries kept (approximately): how far behind a replica may resume
+# How long the stream keeps a change: a replica away from Redis for longer resyncs its mirrors.
+# Kept by age rather than count, so its memory is bounded by the fleet's inventory rate.
+MIRROR_STREAM_KEEP_MS = 60_000
 
-# KEYS: the stream, its counter.  ARGV: maxlen, replica, layout id, kind, body, step (2 after a
+# KEYS: the stream, its counter.  ARGV: keep_ms, replica, layout id, kind, body, step (2 after a
 # change this replica could not append: the readers see the jump and resync).
 _APPEND = """
 local n = redis.call('INCRBY', KEYS[2], ARGV[6])
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 'rep', ARGV[2], 'lay', ARGV[3],
+local t = redis.call('TIME')
+local oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[1])
+redis.call('XADD', KEYS[1], 'MINID', '~', oldest, '*', 'n', n, 'rep', ARGV[2], 'lay', ARGV[3],
   't', ARGV[4], 'b', ARGV[5])
 return n
 """
@@ -94,7 +99,7 @@ class FleetNotifier(StreamNotifier):
     def publish_mirror(self, layout_id: str, change: pb.MirrorBlocks | pb.MirrorEngine) -> None:
         kind = "blocks" if isinstance(change, pb.MirrorBlocks) else "engine"
         step = 2 if self._append_failed else 1
-        argv = [MIRROR_STREAM_MAXLEN, self.replica, layout_id, kind, change.SerializeToString(), step]
+        argv = [MIRROR_STREAM_KEEP_MS, self.replica, layout_id, kind, change.SerializeToString(), step]
         try:
             self._state.call(self._append, keys=self._mirror_keys, args=argv)
             self._append_failed = False

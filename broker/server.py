@@ -226,8 +226,11 @@ def _fleet_core(
 
 
 async def _follow_fleet(notifier: Any) -> None:
-    """The fleet's notices (pub/sub) and index changes (a Redis Stream), until cancelled."""
-    await asyncio.gather(notifier.follow(), notifier.follow_mirror())
+    """The fleet's notices (pub/sub) until cancelled; then the mirror streams' readers stop too."""
+    try:
+        await notifier.follow()
+    finally:
+        await notifier.streams.stop()
 
 
 async def start_server(

@@ -24,7 +24,8 @@ from urllib.parse import unquote
 
 import redis
 import redis.asyncio
-from redis.backoff import ConstantBackoff
+import redis.asyncio.retry
+from redis.backoff import ConstantBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
     AskError,
@@ -38,6 +39,7 @@ from redis.retry import Retry
 from kvbroker.broker.errors import InvalidArgument, Unavailable
 
 T = TypeVar("T")
+_NO_RETRY = redis.asyncio.retry.Retry(NoBackoff(), retries=0)
 
 SCHEMES = ("redis://", "rediss://", "unix://")
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
@@ -187,14 +189,16 @@ class RedisState:
         raise redis.ConnectionError(f"no node of the Redis Cluster {self.shown} answers")
 
     def stream_reader(
-        self, key: str, block_ms: int, node: tuple[str, int] | None = None
+        self, key: str, block_ms: int, node: tuple[str, int] | None = None, name: str | None = None
     ) -> redis.asyncio.Redis:
         """An asyncio client for XREAD BLOCK on `key` (its reads wait up to block_ms longer than
-        others). On a Cluster: a connection to `node` (where a MOVED pointed), else to the primary
+        others; a lost connection is the caller's to handle: it reads on from its last entry). On a Cluster: a connection to `node` (where a MOVED pointed), else to the primary
         that serves the key's slot in the current slot map."""
         timeout = self._timeout_s + block_ms / 1000
         if not self.cluster:
-            return redis.asyncio.Redis.from_url(self.url, socket_timeout=timeout)
+            return redis.asyncio.Redis.from_url(
+                self.url, socket_timeout=timeout, client_name=name, retry=_NO_RETRY
+            )
         if node is None:
             owner = self.client.get_node_from_key(key)
             node = (owner.host, owner.port)
@@ -203,6 +207,8 @@ class RedisState:
             port=node[1],
             socket_timeout=timeout,
             socket_connect_timeout=self._timeout_s,
+            client_name=name,
+            retry=_NO_RETRY,
             **self._options,
         )
 

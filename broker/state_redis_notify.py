@@ -7,18 +7,7 @@ from the shared table, so it sends the lease as it is now). Pin results are
 published to all, so a resolve waiting for a pin on any replica answers.
 
 Index changes for Mirror streams (FleetMirrorHub) go through a Redis Stream
-instead, because a mirror must not miss one: each replica applies its own
-changes to its local mirrors and appends them to the fleet's stream (XADD,
-trimmed to the last minute of changes with MINID, each entry numbered by a
-counter in the same script); every
-replica reads the stream (XREAD BLOCK, which is also its wake-up) from the
-last entry it read, applying the other replicas' changes to its own mirrors,
-so a Mirror stream on any replica follows the whole fleet (its snapshot comes
-from the shared index). A replica that lost its connection to Redis reads on
-from its last entry when it is back, so what was appended meanwhile still
-reaches its mirrors; if the entries it missed were trimmed away (or the store
-restarted empty), the numbers jump and its mirrors are resynced with a fresh
-snapshot instead.
+per layout instead (state_redis_mirror), because a mirror must not miss one.
 
 Pub/sub delivers at most once: a message published while a replica is
 reconnecting to Redis is lost to it. What depends on it is bounded anyway:
@@ -35,34 +24,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis.exceptions import MovedError
 
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.clock import Clock
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.leases import Lease
-from kvbroker.broker.mirror import MirrorHub, mirror_engine_info
+from kvbroker.broker.mirror import DEFAULT_MAX_PENDING_BYTES, MirrorHub, MirrorSubscriber, mirror_engine_info
 from kvbroker.broker.state_redis_conn import RedisState
+from kvbroker.broker.state_redis_mirror import MirrorStreams
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
-
-# How long the stream keeps a change: a replica away from Redis for longer resyncs its mirrors.
-# Kept by age rather than count, so its memory is bounded by the fleet's inventory rate.
-MIRROR_STREAM_KEEP_MS = 60_000
-
-# KEYS: the stream, its counter.  ARGV: keep_ms, replica, layout id, kind, body, step (2 after a
-# change this replica could not append: the readers see the jump and resync).
-_APPEND = """
-local n = redis.call('INCRBY', KEYS[2], ARGV[6])
-local t = redis.call('TIME')
-local oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[1])
-redis.call('XADD', KEYS[1], 'MINID', '~', oldest, '*', 'n', n, 'rep', ARGV[2], 'lay', ARGV[3],
-  't', ARGV[4], 'b', ARGV[5])
-return n
-"""
 
 
 class FleetNotifier(StreamNotifier):
@@ -73,21 +47,8 @@ class FleetNotifier(StreamNotifier):
         self.replica = replica
         self.lease_of: Callable[[str], Lease] | None = None  # the shared lease table's get
         self.mirrors: FleetMirrorHub | None = None
-        self.mirror_stream = f"{state.prefix}:{{fleet}}:mirror"
-        self._mirror_keys = [self.mirror_stream, f"{state.prefix}:{{fleet}}:mirror-n"]
-        self._append = state.script(_APPEND)
-        self._append_failed = False
+        self.streams = MirrorStreams(state, replica, self._apply_mirror, self._resync_mirrors)
         self.delivered = 0
-        # Where this replica starts reading: the stream's end now, before it serves any mirror.
-        self.mirror_from, self.mirror_n = self._stream_end()
-
-    def _stream_end(self) -> tuple[bytes, int]:
-        r = self._state.client
-        last = self._state.call(r.xrevrange, self.mirror_stream, "+", "-", count=1)
-        if not last:
-            return b"0-0", int(self._state.call(r.get, self._mirror_keys[1]) or 0)
-        entry_id, fields = last[0]
-        return entry_id, int(fields[b"n"])
 
     def _publish(self, kind: str, session_id: str, **more: str) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
@@ -98,60 +59,19 @@ class FleetNotifier(StreamNotifier):
 
     def publish_mirror(self, layout_id: str, change: pb.MirrorBlocks | pb.MirrorEngine) -> None:
         kind = "blocks" if isinstance(change, pb.MirrorBlocks) else "engine"
-        step = 2 if self._append_failed else 1
-        argv = [MIRROR_STREAM_KEEP_MS, self.replica, layout_id, kind, change.SerializeToString(), step]
-        try:
-            self._state.call(self._append, keys=self._mirror_keys, args=argv)
-            self._append_failed = False
-        except BrokerError as err:
-            # The other replicas' mirrors miss this change: the next append skips a number, so
-            # that they see the gap and resync from the shared index.
-            self._append_failed = True
-            log.warning("cannot send an index change to the other replicas' mirrors: %s", err)
+        self.streams.append(layout_id, kind, change.SerializeToString())
 
-    def _deliver_mirror(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        n = int(fields[b"n"])
-        gap = n != self.mirror_n + 1
-        self.mirror_from, self.mirror_n = entry_id, n
+    def _apply_mirror(self, layout_id: str, kind: str, body: bytes) -> None:
         if self.mirrors is None:
             return
-        if gap:
-            log.warning(
-                "index changes for the mirrors were missed (stream trimmed or store restarted): resyncing"
-            )
-            self.mirrors.resync()
-            return  # the fresh snapshot comes from the shared index, which has this change too
-        if fields[b"rep"].decode() == self.replica:
-            return
-        layout_id = fields[b"lay"].decode()
-        if fields[b"t"] == b"blocks":
-            self.mirrors.apply_blocks(layout_id, pb.MirrorBlocks.FromString(fields[b"b"]))
+        if kind == "blocks":
+            self.mirrors.apply_blocks(layout_id, pb.MirrorBlocks.FromString(body))
         else:
-            self.mirrors.apply_engine(layout_id, pb.MirrorEngine.FromString(fields[b"b"]))
+            self.mirrors.apply_engine(layout_id, pb.MirrorEngine.FromString(body))
 
-    async def follow_mirror(self, block_ms: int = 1000) -> None:
-        """Read the fleet's index changes from where this replica left off, until cancelled."""
-        node: tuple[str, int] | None = None
-        while True:
-            client = self._state.stream_reader(self.mirror_stream, block_ms, node)
-            try:
-                while True:
-                    answer: Any = await client.xread(
-                        {self.mirror_stream: self.mirror_from}, count=512, block=block_ms
-                    )
-                    for _, entries in answer or ():
-                        for entry_id, fields in entries:
-                            self._deliver_mirror(entry_id, fields)
-            except MovedError as err:  # the stream's slot moved to another Cluster primary
-                node = (err.host, err.port)
-            except (redis.RedisError, OSError) as err:
-                node = None
-                log.warning(
-                    "fleet index stream lost (%s); reading on from %s", err, self.mirror_from.decode()
-                )
-                await asyncio.sleep(0.5)
-            finally:
-                await client.aclose()
+    def _resync_mirrors(self, layout_id: str) -> None:
+        if self.mirrors is not None:
+            self.mirrors.resync(layout_id)
 
     def _local(self, session_id: str) -> bool:
         return session_id in self._channels
@@ -263,6 +183,18 @@ class FleetMirrorHub(MirrorHub):
     def watching(self, layout_id: str) -> bool:
         return True  # a mirror on another replica may be watching
 
+    def subscribe(
+        self, layout_id: str, wake: Callable[[], None], max_pending: int = DEFAULT_MAX_PENDING_BYTES
+    ) -> MirrorSubscriber:
+        sub = super().subscribe(layout_id, wake, max_pending)
+        self._notifier.streams.follow(layout_id)  # from the stream's end now, before the snapshot
+        return sub
+
+    def unsubscribe(self, sub: MirrorSubscriber) -> None:
+        super().unsubscribe(sub)
+        if sub.layout_id not in self._by_layout:  # its last mirror here: stop reading the layout
+            asyncio.get_running_loop().create_task(self._notifier.streams.unfollow(sub.layout_id))
+
     def blocks(
         self,
         engine_id: str,
@@ -296,12 +228,11 @@ class FleetMirrorHub(MirrorHub):
 
     # -- another replica's changes: to the local mirrors only -----------------------
 
-    def resync(self) -> None:
-        """Changes were missed: every local mirror starts over from a fresh snapshot."""
-        for subs in self._by_layout.values():
-            for sub in subs:
-                sub.overflowed, sub.segments, sub.pending = True, [], 0
-                sub.wake()
+    def resync(self, layout_id: str) -> None:
+        """Changes were missed: the layout's local mirrors start over from a fresh snapshot."""
+        for sub in self._by_layout.get(layout_id, ()):
+            sub.overflowed, sub.segments, sub.pending = True, [], 0
+            sub.wake()
 
     def apply_blocks(self, layout_id: str, change: pb.MirrorBlocks) -> None:
         if change.clear_tier:

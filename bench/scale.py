@@ -162,7 +162,7 @@ async def _measure(
     if len(brokers) > 1:
         before = len(moved)
         killed = time.monotonic()
-        brokers[0].kill9()
+        await asyncio.to_thread(brokers[0].kill9)  # reaping it must not stall this loop
         while len(moved) == before and time.monotonic() - killed < 10.0:
             await asyncio.sleep(0.002)
         out["failover_s"] = moved[-1] - killed if len(moved) > before else None

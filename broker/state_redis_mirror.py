@@ -22,7 +22,6 @@ layouts' streams spread over the primaries.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 from collections.abc import Callable
@@ -81,6 +80,7 @@ class MirrorStreams:
         self._append = state.script(_APPEND)
         self._failed: set[str] = set()  # layouts whose last append failed
         self.readers: dict[str, LayoutReader] = {}
+        self._ending: set[asyncio.Task[None]] = set()  # cancelled readers closing their connection
 
     def keys(self, layout_id: str) -> list[str]:
         tag = hashlib.blake2b(layout_id.encode(), digest_size=8, person=b"kvbroker-mir").hexdigest()
@@ -122,16 +122,18 @@ class MirrorStreams:
         )
         self.readers[layout_id] = reader
 
-    async def unfollow(self, layout_id: str) -> None:
+    def unfollow(self, layout_id: str) -> None:
+        """Stop reading the layout (at once, so that a mirror subscribing next starts a new reader)."""
         reader = self.readers.pop(layout_id, None)
         if reader is not None and reader.task is not None:
             reader.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader.task
+            self._ending.add(reader.task)
+            reader.task.add_done_callback(self._ending.discard)
 
     async def stop(self) -> None:
         for layout_id in list(self.readers):
-            await self.unfollow(layout_id)
+            self.unfollow(layout_id)
+        await asyncio.gather(*self._ending, return_exceptions=True)
 
     def _deliver(self, reader: LayoutReader, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         n = int(fields[b"n"])

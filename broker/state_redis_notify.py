@@ -193,7 +193,7 @@ class FleetMirrorHub(MirrorHub):
     def unsubscribe(self, sub: MirrorSubscriber) -> None:
         super().unsubscribe(sub)
         if sub.layout_id not in self._by_layout:  # its last mirror here: stop reading the layout
-            asyncio.get_running_loop().create_task(self._notifier.streams.unfollow(sub.layout_id))
+            self._notifier.streams.unfollow(sub.layout_id)
 
     def blocks(
         self,

@@ -101,8 +101,9 @@ async def test_a_change_made_while_a_replica_was_cut_off_reaches_its_mirror(
 async def test_a_replica_reads_only_its_mirrors_layouts_and_skips_its_own_changes(
     store: RedisServer | RedisCluster,
 ) -> None:
-    a = replica(redis_state(store), "a")
-    assert a.mirrors is not None
+    state = redis_state(store)
+    a, b = replica(state, "a"), replica(state, "b")
+    assert a.mirrors is not None and b.mirrors is not None
     sub = a.mirrors.subscribe(NS.layout_id, lambda: None)
     try:
         a.mirrors.blocks("P", NS, Tier.GPU, stored=[7])
@@ -114,7 +115,15 @@ async def test_a_replica_reads_only_its_mirrors_layouts_and_skips_its_own_change
         assert sub.segments == []  # ... and not applied twice
         assert list(a.streams.readers) == [NS.layout_id]
         a.mirrors.unsubscribe(sub)
-        await until(lambda: reader.task is not None and reader.task.done())
         assert a.streams.readers == {}
+        await until(lambda: reader.task is not None and reader.task.done())
+
+        # A mirror that leaves and one that comes right after: the new one has a reader of its own.
+        again = a.mirrors.subscribe(NS.layout_id, lambda: None)
+        a.mirrors.unsubscribe(again)
+        again = a.mirrors.subscribe(NS.layout_id, lambda: None)
+        b.mirrors.blocks("P", NS, Tier.GPU, stored=[9])
+        await until(lambda: again.segments, message="the new mirror missed another replica's change")
+        assert blocks_of(again.take()) == [([9], [])]
     finally:
         await a.streams.stop()

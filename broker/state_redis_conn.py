@@ -161,13 +161,6 @@ class RedisState:
     def ping(self) -> None:
         self.call(self.client.ping)
 
-    def memory_used(self) -> int:
-        """Bytes the store uses (summed over a Cluster's primaries)."""
-        if not self.cluster:
-            return int(self.call(self.client.info, "memory")["used_memory"])
-        per_node = self.call(self.client.info, "memory", target_nodes=RedisCluster.PRIMARIES)
-        return sum(int(info["used_memory"]) for info in per_node.values())
-
     async def subscriber(self) -> redis.asyncio.Redis:
         """An asyncio connection for pub/sub. On a Cluster a classic PUBLISH reaches every node, so
         any live primary will do: the first that answers a ping, from the current slot map, then the

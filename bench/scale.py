@@ -1,8 +1,10 @@
-"""Scale-out side by side, in one run: one in-memory broker against 1 and 2 replicas over one Redis.
+"""Scale-out side by side, in one run: one in-memory broker against 1, 2 and 4 replicas over one
+Redis, and 2 replicas over a 3-primary Redis Cluster.
 
-Starts everything on loopback: a private redis-server (Debian's binary) and
-`kvbroker serve` processes (`--state redis://...` for the replicas). On each
-setup the same workload, through real engine sessions (Python clients):
+Starts everything on loopback: a private redis-server (Debian's binary), or three
+of them as a Cluster, and `kvbroker serve` processes (`--state redis://...` or
+`--state redis+cluster://...` for the replicas). On each setup the same
+workload, through real engine sessions (Python clients):
 
 - inventory: a holder announces BLOCKS blocks (64-block chains); blocks/s, and
   memory per indexed block (in-memory: the broker's RSS growth; Redis: its
@@ -11,13 +13,14 @@ setup the same workload, through real engine sessions (Python clients):
   for a held 64-block chain, one at a time; p50/p99;
 - leases: hold (holder) + acquire + release (reader), one cycle at a time;
   cycles/s, and CPU seconds per cycle in the broker processes and in Redis
-  (from /proc);
-- failover (2 replicas): kill -9 the holder's replica; time until its session
-  is resumed on the other one.
+  (from /proc; on a Cluster summed over its primaries, and per primary);
+- failover (2 or more replicas): kill -9 the holder's replica; time until its
+  session is resumed on the next one.
 
-With 2 replicas the holder and the reader are on different replicas, so every
-lease crosses them. This machine's cores are shared by clients and servers:
-capacity beyond it is projected from CPU per operation (docs/scale.md).
+With several replicas the holder and the reader are on different replicas, so
+every lease crosses them. This machine's cores are shared by clients and
+servers: capacity beyond it is projected from CPU per operation, and the JSON's
+`projections` say so (docs/scale.md).
 
     python -m bench.scale            # BLOCKS=200000
     python -m bench.scale --quick    # smaller, ~1 minute
@@ -43,7 +46,10 @@ from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
 from testkit.processes import SERVE, BrokerProcess
+from testkit.redis_cluster import RedisCluster
 from testkit.redis_server import RedisServer, missing_reason
+
+Store = RedisServer | RedisCluster
 
 GPU = pb.TIER_GPU
 CHAIN = 64
@@ -58,11 +64,29 @@ def _cpu(pids: list[int]) -> float:
     return sum(cpu_seconds(pid) for pid in pids)
 
 
+def _store_pids(store: Store | None) -> list[int]:
+    if isinstance(store, RedisCluster):
+        return [n.proc.pid for n in store.nodes if n.proc is not None]
+    return [store.proc.pid] if store is not None and store.proc is not None else []
+
+
+def _store_memory(store: Store) -> int:
+    """used_memory, summed over a Cluster's primaries."""
+    if isinstance(store, RedisCluster):
+        clients = [n.client() for n in store.nodes]
+    else:
+        clients = [redis.Redis.from_url(store.url)]
+    used = sum(int(c.info("memory")["used_memory"]) for c in clients)
+    for c in clients:
+        c.close()
+    return used
+
+
 async def _measure(
     name: str,
     addresses: list[str],
     brokers: list[BrokerProcess],
-    store: RedisServer | None,
+    store: Store | None,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     rng = random.Random(7)
@@ -76,13 +100,14 @@ async def _measure(
     await d.start(wait_connected_s=10.0)
     ns = (p.layout_id, "")
     pids = [b.pid for b in brokers]
-    store_client = redis.Redis.from_url(store.url) if store is not None else None
-    store_pid = store.proc.pid if store is not None and store.proc is not None else None
+    store_pids = _store_pids(store)
     out: dict[str, Any] = {"setup": name, "replicas": len(brokers), "blocks": len(chains) * CHAIN}
+    if isinstance(store, RedisCluster):
+        out["redis_primaries"] = len(store.nodes)
 
     # -- inventory and memory per block
     rss0 = sum(rss_bytes(pid) for pid in pids)
-    mem0 = int(store_client.info("memory")["used_memory"]) if store_client is not None else 0
+    mem0 = _store_memory(store) if store is not None else 0
     started = time.perf_counter()
     for i in range(0, len(chains), 16):
         for chain in chains[i : i + 16]:
@@ -91,13 +116,12 @@ async def _measure(
     elapsed = time.perf_counter() - started
     out["inventory_blocks_per_s"] = out["blocks"] / elapsed
     out["broker_rss_bytes_per_block"] = (sum(rss_bytes(pid) for pid in pids) - rss0) / out["blocks"]
-    if store_client is not None:
-        used = int(store_client.info("memory")["used_memory"]) - mem0
-        out["redis_bytes_per_block"] = used / out["blocks"]
+    if store is not None:
+        out["redis_bytes_per_block"] = (_store_memory(store) - mem0) / out["blocks"]
 
     # -- resolve over the session stream
     cpu0 = _cpu(pids)
-    rcpu0 = cpu_seconds(store_pid) if store_pid else 0.0
+    rcpu0 = [cpu_seconds(pid) for pid in store_pids]
     times: list[float] = []
     for i in range(args.resolves):
         chain = chains[i % len(chains)]
@@ -108,12 +132,16 @@ async def _measure(
     out["resolve_p50_us"] = statistics.median(times) * 1e6
     out["resolve_p99_us"] = _pct(times, 0.99) * 1e6
     out["broker_cpu_us_per_resolve"] = (_cpu(pids) - cpu0) / args.resolves * 1e6
-    if store_pid:
-        out["redis_cpu_us_per_resolve"] = (cpu_seconds(store_pid) - rcpu0) / args.resolves * 1e6
+    if store_pids:
+        per_node = [
+            (cpu_seconds(pid) - c0) / args.resolves * 1e6 for pid, c0 in zip(store_pids, rcpu0, strict=True)
+        ]
+        out["redis_cpu_us_per_resolve"] = sum(per_node)
+        out["redis_cpu_us_per_resolve_per_node"] = per_node
 
     # -- leases: hold + acquire + release
     cpu0 = _cpu(pids)
-    rcpu0 = cpu_seconds(store_pid) if store_pid else 0.0
+    rcpu0 = [cpu_seconds(pid) for pid in store_pids]
     cycles = 0
     started = time.perf_counter()
     while time.perf_counter() - started < args.lease_seconds:
@@ -125,14 +153,16 @@ async def _measure(
     elapsed = time.perf_counter() - started
     out["lease_cycles_per_s"] = cycles / elapsed
     out["broker_cpu_us_per_lease_cycle"] = (_cpu(pids) - cpu0) / cycles * 1e6
-    if store_pid:
-        out["redis_cpu_us_per_lease_cycle"] = (cpu_seconds(store_pid) - rcpu0) / cycles * 1e6
+    if store_pids:
+        per_node = [(cpu_seconds(pid) - c0) / cycles * 1e6 for pid, c0 in zip(store_pids, rcpu0, strict=True)]
+        out["redis_cpu_us_per_lease_cycle"] = sum(per_node)
+        out["redis_cpu_us_per_lease_cycle_per_node"] = per_node
 
     # -- failover
     if len(brokers) > 1:
         before = len(moved)
         killed = time.monotonic()
-        brokers[0].kill9()
+        await asyncio.to_thread(brokers[0].kill9)  # reaping it must not stall this loop
         while len(moved) == before and time.monotonic() - killed < 10.0:
             await asyncio.sleep(0.002)
         out["failover_s"] = moved[-1] - killed if len(moved) > before else None
@@ -149,8 +179,13 @@ def _broker(log_dir: Path, name: str, state: str) -> BrokerProcess:
     return BrokerProcess(log_dir, extra, command=SERVE, log_name=f"{name}.log", log_level=None, priority=None)
 
 
-async def _setup(name: str, log_dir: Path, replicas: int, args: argparse.Namespace) -> dict[str, Any]:
-    store = RedisServer(log_dir / f"redis-{name}") if replicas else None
+async def _setup(
+    name: str, log_dir: Path, replicas: int, cluster: bool, args: argparse.Namespace
+) -> dict[str, Any]:
+    folder = log_dir / f"redis-{name.replace(' ', '').replace(',', '-')}"
+    store: Store | None = None
+    if replicas:
+        store = RedisCluster(folder) if cluster else RedisServer(folder)
     if store is not None:
         store.start()
     brokers = [_broker(log_dir, f"{name}-{i}", store.url if store else "") for i in range(max(1, replicas))]
@@ -168,15 +203,20 @@ async def _setup(name: str, log_dir: Path, replicas: int, args: argparse.Namespa
 
 async def main_async(args: argparse.Namespace) -> int:
     reason = missing_reason()
-    setups: list[tuple[str, int]] = [("in-memory", 0)]
+    setups: list[tuple[str, int, bool]] = [("in-memory", 0, False)]
     if reason:
         log(f"Redis setups skipped: {reason}")
     else:
-        setups += [("redis, 1 replica", 1), ("redis, 2 replicas", 2)]
+        setups += [
+            ("redis, 1 replica", 1, False),
+            ("redis, 2 replicas", 2, False),
+            ("redis, 4 replicas", 4, False),
+            ("cluster (3 primaries), 2 replicas", 2, True),
+        ]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, replicas in setups:
-            results.append(await _setup(name, Path(tmp), replicas, args))
+        for name, replicas, cluster in setups:
+            results.append(await _setup(name, Path(tmp), replicas, cluster, args))
     base = results[0]
     rows = []
     for r in results:
@@ -210,12 +250,55 @@ async def main_async(args: argparse.Namespace) -> int:
     print(
         f"load average: {load_note()}; bytes/block: broker RSS growth in memory, Redis used_memory growth else"
     )
+    projections = _projections(results)
+    for line in projections["lines"]:
+        print(line)
     name = "scale-quick" if args.quick else "scale"
     path = write_json(
-        name, {"load": load_note(), "settings": vars(args), "setups": results, "skipped": reason}
+        name,
+        {
+            "load": load_note(),
+            "settings": vars(args),
+            "setups": results,
+            "projections": projections,
+            "skipped": reason,
+        },
     )
     log(f"wrote {path}")
     return 0
+
+
+def _projections(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Operations per second per core at the measured CPU per operation: a PROJECTION (no larger
+    fleet was run). A replica's core adds 1 / (broker CPU per operation, summed over the replicas
+    it crossed) to the fleet's rate, if engines spread evenly; a Redis primary runs commands on one
+    core, so the busiest primary bounds the rate (on a Cluster all lease keys share one primary).
+    """
+    per_setup = []
+    lines = ["projections from CPU per operation (not measured at that scale):"]
+    for r in results:
+        row: dict[str, Any] = {
+            "setup": r["setup"],
+            "resolves_per_s_per_replica_core": 1e6 / r["broker_cpu_us_per_resolve"],
+            "lease_cycles_per_s_per_replica_core": 1e6 / r["broker_cpu_us_per_lease_cycle"],
+        }
+        if r.get("redis_cpu_us_per_resolve"):
+            busiest_resolve = max(r["redis_cpu_us_per_resolve_per_node"])
+            busiest_lease = max(r["redis_cpu_us_per_lease_cycle_per_node"])
+            row["resolves_per_s_per_redis_primary"] = 1e6 / max(busiest_resolve, 1e-9)
+            row["lease_cycles_per_s_per_redis_primary"] = 1e6 / max(busiest_lease, 1e-9)
+        per_setup.append(row)
+        text = f"  {r['setup']}: a replica core ~{row['resolves_per_s_per_replica_core']:,.0f} resolves/s or "
+        text += f"~{row['lease_cycles_per_s_per_replica_core']:,.0f} lease cycles/s"
+        if "resolves_per_s_per_redis_primary" in row:
+            text += f"; the busiest Redis primary ~{row['resolves_per_s_per_redis_primary']:,.0f} resolves/s "
+            text += f"or ~{row['lease_cycles_per_s_per_redis_primary']:,.0f} lease cycles/s"
+        lines.append(text)
+    return {
+        "kind": "projection from measured CPU per operation, not a measurement",
+        "setups": per_setup,
+        "lines": lines,
+    }
 
 
 def main() -> int:

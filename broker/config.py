@@ -123,8 +123,9 @@ class BrokerConfig:
     state: str = setting(
         "",
         "where the broker keeps its state: empty = in this process (the default); redis://HOST:PORT[/DB] "
-        "or rediss://HOST:PORT (TLS) = a shared Redis or Valkey: leases and the prefix index live there "
-        "(docs/scale.md)",
+        "or rediss://HOST:PORT (TLS) = a shared Redis or Valkey; redis+cluster://HOST:PORT[,HOST:PORT...] "
+        "(rediss+cluster:// for TLS) = a Redis or Valkey Cluster by its seed nodes: leases and the prefix "
+        "index live there (docs/scale.md)",
     )
     state_prefix: str = setting("kvb", "key prefix in the --state store (brokers of one fleet share it)")
     shutdown_grace_s: float = setting(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")

@@ -180,8 +180,8 @@ def _shared_state(config: BrokerConfig) -> RedisState | None:
         raise InvalidArgument(
             "--state needs the redis client library: pip install 'kvbroker[redis]'"
         ) from None
-    state = RedisState(config.state, config.state_prefix)
     try:
+        state = RedisState(config.state, config.state_prefix)
         state.ping()
     except Unavailable as err:
         raise InvalidArgument(f"--state: {err.message}") from None
@@ -222,7 +222,15 @@ def _fleet_core(
     )
     notifier.lease_of = core.leases.get
     log.info("broker replica %s", replica)
-    return core, notifier, notifier.follow()
+    return core, notifier, _follow_fleet(notifier)
+
+
+async def _follow_fleet(notifier: Any) -> None:
+    """The fleet's notices (pub/sub) until cancelled; then the mirror streams' readers stop too."""
+    try:
+        await notifier.follow()
+    finally:
+        await notifier.streams.stop()
 
 
 async def start_server(

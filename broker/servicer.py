@@ -36,7 +36,7 @@ from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult
-from kvbroker.broker.status import abort, status_of, trailers
+from kvbroker.broker.status import abort, answer, status_of, trailers
 from kvbroker.broker.tracing import command_span
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
@@ -372,15 +372,15 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
-        return listing.list_engines(self.core, request)
+        return await answer(context, lambda: listing.list_engines(self.core, request))
 
     async def ListLeases(
         self, request: pb.ListLeasesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListLeasesResponse:
-        return listing.list_leases(self.core, request)
+        return await answer(context, lambda: listing.list_leases(self.core, request))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        return codec.stats_pb(self.core.stats())
+        return await answer(context, lambda: codec.stats_pb(self.core.stats()))
 
     async def Revoke(self, request: pb.RevokeRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         try:

@@ -5,6 +5,14 @@ one round trip on a local network (a Lua script, a pipeline), well under the
 few milliseconds a request may hold the event loop. A store that does not
 answer turns into `Unavailable` (gRPC UNAVAILABLE, cause `state_unavailable`):
 the broker refuses what it cannot record instead of guessing.
+
+A Redis Cluster is named by its seed nodes (`redis+cluster://H1:P1,H2:P2`).
+Every script and transaction touches the keys of one hash slot (their keys
+share a hash tag), and on a Cluster each script starts with `#!lua`, which
+makes the server refuse any access outside that slot instead of allowing it
+when the slots happen to share a node. A redirect (MOVED, ASK) is followed by
+the client; one it cannot follow, a slot no primary serves, a node that is
+down or a Cluster that is down is `Unavailable` like a standalone store away.
 """
 
 from __future__ import annotations
@@ -12,42 +20,139 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import redis
+import redis.asyncio
+import redis.asyncio.retry
+from redis.backoff import ConstantBackoff, NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.retry import Retry
 
 from kvbroker.broker.errors import InvalidArgument, Unavailable
 
 T = TypeVar("T")
+_NO_RETRY = redis.asyncio.retry.Retry(NoBackoff(), retries=0)
 
 SCHEMES = ("redis://", "rediss://", "unix://")
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+_USAGE = (
+    "use redis://HOST:PORT[/DB], rediss://HOST:PORT (TLS), "
+    "redis+cluster://HOST:PORT[,HOST:PORT...] (a Redis Cluster's seed nodes; rediss+cluster:// for TLS), "
+    "or leave it empty for the in-memory broker"
+)
+# Answers that mean "not now" rather than "never": a replica or a loading store, and a Cluster
+# failing over or resharding (a script whose slot is half moved meets a key on another node; with
+# `#!lua` a key of another slot is refused earlier, as "do not hash to the same slot").
+_TRANSIENT = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+_TRANSIENT_IN_SCRIPT = ("access a non local key", "while the cluster is down")
+
+
+def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """Seed nodes and connection options from `redis[s]+cluster://[USER:PASSWORD@]H1:P1,H2:P2`."""
+    scheme, _, rest = url.partition("://")
+    options: dict[str, Any] = {"ssl": scheme == "rediss+cluster"}
+    if "?" in rest or "#" in rest:
+        raise InvalidArgument(f"--state {_shown(url)}: a Cluster URL takes no query or fragment; {_USAGE}")
+    userinfo, at, hosts = rest.rpartition("@")
+    if at:
+        user, colon, password = userinfo.partition(":")
+        if user:
+            options["username"] = unquote(user)
+        if colon:
+            options["password"] = unquote(password)
+    hosts, _, db = hosts.partition("/")
+    if db not in ("", "0"):
+        raise InvalidArgument(
+            f"--state {_shown(url)}: a Redis Cluster has only database 0, not {db!r}; drop the /{db}"
+        )
+    nodes: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        host = host.strip("[]")  # [::1]:7000
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument(
+                f"--state {_shown(url)}: seed node {item.strip()!r} is not HOST:PORT (port 1-65535); {_USAGE}"
+            )
+        nodes.append((host, int(port)))
+    return nodes, options
+
+
+def _shown(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if at and ":" in userinfo:
+        return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{hosts}"
+    return url
 
 
 class RedisState:
-    """A Redis client, the fleet's key prefix, and the one place Redis errors become broker errors."""
+    """A Redis (or Cluster) client, the fleet's key prefix, and the one place Redis errors become broker
+    errors."""
 
     def __init__(self, url: str, prefix: str = "kvb", timeout_s: float = 2.0) -> None:
-        if not url.startswith(SCHEMES):
-            raise InvalidArgument(
-                f"--state {url!r} is not a Redis URL: use redis://HOST:PORT[/DB] or rediss://HOST:PORT "
-                "(TLS), or leave it empty for the in-memory broker"
-            )
         self.url = url
+        self.shown = _shown(url)
         self.prefix = prefix
-        self.client: redis.Redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=10
-        )
+        self.cluster = url.startswith(CLUSTER_SCHEMES)
+        self._timeout_s = timeout_s
+        self.client: Any  # redis.Redis or redis.RedisCluster: the same commands, scripts and pipelines
+        if self.cluster:
+            self.seeds, self._options = parse_cluster_url(url)
+            self.client = self._connect_cluster()
+        elif url.startswith(SCHEMES):
+            self.client = redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=10
+            )
+        else:
+            raise InvalidArgument(f"--state {self.shown!r} is not a Redis URL: {_USAGE}")
+
+    def _connect_cluster(self) -> RedisCluster:
+        try:
+            return RedisCluster(
+                startup_nodes=[ClusterNode(host, port) for host, port in self.seeds],
+                socket_timeout=self._timeout_s,
+                socket_connect_timeout=self._timeout_s,
+                # One quick retry after refreshing the slot map: the event loop waits on every call,
+                # so a node that is down must become UNAVAILABLE now, not after seconds of backoff.
+                retry=Retry(ConstantBackoff(0.01), retries=1),
+                **self._options,
+            )
+        except (RedisClusterException, redis.RedisError) as err:
+            raise Unavailable(f"the Redis Cluster {self.shown} does not answer: {err}") from None
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:
             return fn(*args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as err:
-            raise Unavailable(f"the shared state store {self.url} does not answer: {err}") from None
+            raise Unavailable(f"the shared state store {self.shown} does not answer: {err}") from None
+        except (ClusterError, TryAgainError, AskError, SlotNotCoveredError) as err:
+            # A Cluster resharding or failing over: what the call touches has no primary to answer now.
+            raise Unavailable(f"the Redis Cluster {self.shown} cannot serve this now: {err}") from None
         except redis.ResponseError as err:
-            if "READONLY" in str(err) or "LOADING" in str(err) or "MASTERDOWN" in str(err):
+            if str(err).startswith(_TRANSIENT):
                 raise Unavailable(
-                    f"the shared state store {self.url} cannot take writes now: {err}"
+                    f"the shared state store {self.shown} cannot take writes now: {err}"
                 ) from None
+            if self.cluster and any(words in str(err) for words in _TRANSIENT_IN_SCRIPT):
+                raise Unavailable(f"the Redis Cluster {self.shown} is moving this slot: {err}") from None
             raise
+        except RedisClusterException as err:
+            if "connect" in str(err).lower():  # every known node is down
+                raise Unavailable(f"the Redis Cluster {self.shown} does not answer: {err}") from None
+            raise
+
+    def script(self, text: str) -> Any:
+        """A Lua script; on a Cluster, one the server confines to the hash slot of its first key."""
+        return self.client.register_script(("#!lua\n" + text) if self.cluster else text)
 
     def now(self) -> float:
         """Seconds of wall-clock time: deadlines in the store must mean the same on every replica."""
@@ -55,6 +160,50 @@ class RedisState:
 
     def ping(self) -> None:
         self.call(self.client.ping)
+
+    async def subscriber(self) -> redis.asyncio.Redis:
+        """An asyncio connection for pub/sub. On a Cluster a classic PUBLISH reaches every node, so
+        any live primary will do: the first that answers a ping, from the current slot map, then the
+        seeds."""
+        if not self.cluster:
+            return redis.asyncio.Redis.from_url(self.url)
+        candidates = [(n.host, n.port) for n in self.client.get_primaries()]  # the cached slot map
+        candidates += [s for s in self.seeds if s not in candidates]
+        for host, port in candidates:
+            client = redis.asyncio.Redis(
+                host=host, port=port, socket_connect_timeout=self._timeout_s, **self._options
+            )
+            try:
+                await client.ping()
+            except redis.RedisError:
+                await client.aclose()
+                continue
+            return client
+        raise redis.ConnectionError(f"no node of the Redis Cluster {self.shown} answers")
+
+    def stream_reader(
+        self, key: str, block_ms: int, node: tuple[str, int] | None = None, name: str | None = None
+    ) -> redis.asyncio.Redis:
+        """An asyncio client for XREAD BLOCK on `key` (its reads wait up to block_ms longer than
+        others; a lost connection is the caller's to handle: it reads on from its last entry). On a Cluster: a connection to `node` (where a MOVED pointed), else to the primary
+        that serves the key's slot in the current slot map."""
+        timeout = self._timeout_s + block_ms / 1000
+        if not self.cluster:
+            return redis.asyncio.Redis.from_url(
+                self.url, socket_timeout=timeout, client_name=name, retry=_NO_RETRY
+            )
+        if node is None:
+            owner = self.client.get_node_from_key(key)
+            node = (owner.host, owner.port)
+        return redis.asyncio.Redis(
+            host=node[0],
+            port=node[1],
+            socket_timeout=timeout,
+            socket_connect_timeout=self._timeout_s,
+            client_name=name,
+            retry=_NO_RETRY,
+            **self._options,
+        )
 
     def close(self) -> None:
         self.client.close()

@@ -94,11 +94,13 @@ class FleetRegistry(EngineRegistry):
         self._state = state
         self._r: Any = state.client
         self._p = f"{state.prefix}:{{fleet}}:"
+        # Scripts name their keys from the prefix; this key (same hash tag) routes them to its slot.
+        self._route = [self._p + "dl"]
         self.replica = replica
-        self._resume = self._r.register_script(_RESUME)
-        self._remove = self._r.register_script(_REMOVE)
-        self._claim = self._r.register_script(_CLAIM_EXPIRED)
-        self._push_script = self._r.register_script(_PUSH)
+        self._resume = state.script(_RESUME)
+        self._remove = state.script(_REMOVE)
+        self._claim = state.script(_CLAIM_EXPIRED)
+        self._push_script = state.script(_PUSH)
         self._claimed: set[str] = set()  # remote sessions this replica claimed to end
         self._pushed = 0.0
         self.on_resumed: Callable[[str], None] = lambda session_id: None
@@ -221,7 +223,7 @@ class FleetRegistry(EngineRegistry):
     def remove(self, rec: EngineRecord) -> None:
         super().remove(rec)
         self._claimed.discard(rec.session_id)
-        self._state.call(self._remove, args=[self._p, rec.engine_id, rec.session_id])
+        self._state.call(self._remove, keys=self._route, args=[self._p, rec.engine_id, rec.session_id])
 
     # -- shared state --------------------------------------------------------------------
 
@@ -229,7 +231,7 @@ class FleetRegistry(EngineRegistry):
         self, info: pb.EngineInfo, session_id: str, ttl_s: float, expected_ranks: int, now: float
     ) -> EngineRecord | None:
         argv = [self._p, info.engine_id, session_id, self.replica, repr(now + ttl_s)]
-        flat = self._state.call(self._resume, args=argv)
+        flat = self._state.call(self._resume, keys=self._route, args=argv)
         if not flat:
             return None
         rec = self._record(self._pairs(flat), now + ttl_s)
@@ -261,7 +263,9 @@ class FleetRegistry(EngineRegistry):
                 self.forget(rec)
         local = set(self._by_session)
         # Another replica's deadlines reach the store up to PUSH_EVERY_S late: wait that out twice.
-        for flat in self._state.call(self._claim, args=[self._p, repr(now - 2 * PUSH_EVERY_S), limit]):
+        for flat in self._state.call(
+            self._claim, keys=self._route, args=[self._p, repr(now - 2 * PUSH_EVERY_S), limit]
+        ):
             rec = self._record(self._pairs(flat), now)
             if rec.session_id in local:
                 continue  # ours: our own deadline decides (pushed again next time)
@@ -283,7 +287,7 @@ class FleetRegistry(EngineRegistry):
         for rec in self._by_session.values():
             argv += [rec.engine_id, rec.session_id, repr(rec.deadline), repr(rec.load), int(rec.draining)]
             argv.append(rec.peer_host)
-        for raw in self._state.call(self._push_script, args=argv):
+        for raw in self._state.call(self._push_script, keys=self._route, args=argv):
             session_id = raw.decode()
             mine = self._by_session.get(session_id)
             # A record of another session (moved, superseded): that replica tells us itself.

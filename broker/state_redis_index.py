@@ -173,11 +173,11 @@ class RedisPrefixIndex:
         self._state = state
         self._r: Any = state.client  # redis-py's return types are unions of every reply shape
         self._p = state.prefix
-        self._add = self._r.register_script(_ADD)
-        self._remove = self._r.register_script(_REMOVE)
-        self._drop = self._r.register_script(_DROP)
-        self._longest = self._r.register_script(_LONGEST)
-        self._sweep = self._r.register_script(_SWEEP)
+        self._add = state.script(_ADD)
+        self._remove = state.script(_REMOVE)
+        self._drop = state.script(_DROP)
+        self._longest = state.script(_LONGEST)
+        self._sweep = state.script(_SWEEP)
         self._known: set[str] = set()  # namespaces this replica has recorded in the namespace map
         self._sweep_cursor: dict[str, bytes] = {}
 

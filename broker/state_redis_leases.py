@@ -77,7 +77,7 @@ local function expire(p, id, f, history, keep_ms)
 end
 """
 
-# KEYS: none (all keys share the prefix's hash tag).  ARGV: prefix, op, id, history, keep_ms, args...
+# KEYS: the expiry set (it routes the call: every key shares its hash tag).  ARGV: prefix, op, id, history, keep_ms, args...
 # Answers {'ok', HGETALL...}, {'E', code}, or {} (nothing to do).
 _TRANSITION = (
     _END
@@ -177,10 +177,12 @@ class RedisLeaseTable:
         self._state = state
         self._r: Any = state.client  # redis-py's return types are unions of every reply shape
         self._p = f"{state.prefix}:{{leases}}:"
+        # Scripts name their keys from the prefix; this key (same hash tag) routes them to its slot.
+        self._route = [self._p + "exp"]
         self._history = history
         self._keep_ms = int(history_s * 1000)
-        self._transition = self._r.register_script(_TRANSITION)
-        self._expire_due = self._r.register_script(_EXPIRE_DUE)
+        self._transition = state.script(_TRANSITION)
+        self._expire_due = state.script(_EXPIRE_DUE)
         self._cache: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         self._expired_here: list[Lease] = []  # expired by a transition's script, reported by revoke_expired
         # Unique across replicas and restarts without a round trip: a random part per process.
@@ -221,7 +223,7 @@ class RedisLeaseTable:
 
     def _run(self, op: str, lease_id: str, *args: Any) -> list[Any]:
         argv = [self._p, op, lease_id, self._history, self._keep_ms, *args]
-        answer: list[Any] = self._state.call(self._transition, args=argv)
+        answer: list[Any] = self._state.call(self._transition, keys=self._route, args=argv)
         return answer
 
     def _done(self, op: str, lease_id: str, *args: Any) -> Lease:
@@ -320,7 +322,9 @@ class RedisLeaseTable:
     def revoke_expired(self, now: float, limit: int) -> list[Lease]:
         argv = [self._p, repr(now), limit, self._history, self._keep_ms]
         ended, self._expired_here = self._expired_here, []
-        return ended + [self._lease(flat) for flat in self._state.call(self._expire_due, args=argv)]
+        return ended + [
+            self._lease(flat) for flat in self._state.call(self._expire_due, keys=self._route, args=argv)
+        ]
 
     def _many(self, ids: Iterable[bytes | str]) -> list[Lease]:
         pipe = self._r.pipeline(transaction=False)

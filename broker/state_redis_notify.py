@@ -6,10 +6,8 @@ channel; the replica that holds that stream delivers it (reading the lease
 from the shared table, so it sends the lease as it is now). Pin results are
 published to all, so a resolve waiting for a pin on any replica answers.
 
-Index changes for Mirror streams go the same way (FleetMirrorHub): each
-replica applies its own changes to its local mirrors and publishes them; the
-others apply them to theirs, so a Mirror stream on any replica follows the
-whole fleet (its snapshot comes from the shared index).
+Index changes for Mirror streams (FleetMirrorHub) go through a Redis Stream
+per layout instead (state_redis_mirror), because a mirror must not miss one.
 
 Pub/sub delivers at most once: a message published while a replica is
 reconnecting to Redis is lost to it. What depends on it is bounded anyway:
@@ -25,14 +23,15 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import redis.asyncio
+import redis
 
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.clock import Clock
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.leases import Lease
-from kvbroker.broker.mirror import MirrorHub, mirror_engine_info
+from kvbroker.broker.mirror import DEFAULT_MAX_PENDING_BYTES, MirrorHub, MirrorSubscriber, mirror_engine_info
 from kvbroker.broker.state_redis_conn import RedisState
+from kvbroker.broker.state_redis_mirror import MirrorStreams
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -48,7 +47,7 @@ class FleetNotifier(StreamNotifier):
         self.replica = replica
         self.lease_of: Callable[[str], Lease] | None = None  # the shared lease table's get
         self.mirrors: FleetMirrorHub | None = None
-        self.mirror_channel = f"{state.prefix}:{{fleet}}:mirror"
+        self.streams = MirrorStreams(state, replica, self._apply_mirror, self._resync_mirrors)
         self.delivered = 0
 
     def _publish(self, kind: str, session_id: str, **more: str) -> None:
@@ -60,24 +59,19 @@ class FleetNotifier(StreamNotifier):
 
     def publish_mirror(self, layout_id: str, change: pb.MirrorBlocks | pb.MirrorEngine) -> None:
         kind = "blocks" if isinstance(change, pb.MirrorBlocks) else "engine"
-        head = json.dumps({"rep": self.replica, "lay": layout_id, "t": kind}).encode()
-        try:
-            self._state.call(
-                self._state.client.publish, self.mirror_channel, head + b"\n" + change.SerializeToString()
-            )
-        except BrokerError as err:
-            log.warning("cannot send an index change to the other replicas' mirrors: %s", err)
+        self.streams.append(layout_id, kind, change.SerializeToString())
 
-    def _deliver_mirror(self, data: bytes) -> None:
-        head_raw, _, body = data.partition(b"\n")
-        head = json.loads(head_raw)
-        if head.get("rep") == self.replica or self.mirrors is None:
+    def _apply_mirror(self, layout_id: str, kind: str, body: bytes) -> None:
+        if self.mirrors is None:
             return
-        layout_id = str(head.get("lay", ""))
-        if head.get("t") == "blocks":
+        if kind == "blocks":
             self.mirrors.apply_blocks(layout_id, pb.MirrorBlocks.FromString(body))
         else:
             self.mirrors.apply_engine(layout_id, pb.MirrorEngine.FromString(body))
+
+    def _resync_mirrors(self, layout_id: str) -> None:
+        if self.mirrors is not None:
+            self.mirrors.resync(layout_id)
 
     def _local(self, session_id: str) -> bool:
         return session_id in self._channels
@@ -160,16 +154,17 @@ class FleetNotifier(StreamNotifier):
     async def follow(self) -> None:
         """Receive the fleet's messages until cancelled, reconnecting to Redis as needed."""
         while True:
-            client = redis.asyncio.Redis.from_url(self._state.url)
+            try:
+                client = await self._state.subscriber()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
+                log.warning("fleet channel: %s; trying again", err)
+                await asyncio.sleep(0.5)
+                continue
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self._channel, self.mirror_channel)
+                await pubsub.subscribe(self._channel)
                 async for message in pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    if message["channel"] == self.mirror_channel.encode():
-                        self._deliver_mirror(message["data"])
-                    else:
+                    if message.get("type") == "message":
                         self.deliver(json.loads(message["data"]))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
                 log.warning("fleet channel lost (%s); resubscribing", err)
@@ -187,6 +182,18 @@ class FleetMirrorHub(MirrorHub):
 
     def watching(self, layout_id: str) -> bool:
         return True  # a mirror on another replica may be watching
+
+    def subscribe(
+        self, layout_id: str, wake: Callable[[], None], max_pending: int = DEFAULT_MAX_PENDING_BYTES
+    ) -> MirrorSubscriber:
+        sub = super().subscribe(layout_id, wake, max_pending)
+        self._notifier.streams.follow(layout_id)  # from the stream's end now, before the snapshot
+        return sub
+
+    def unsubscribe(self, sub: MirrorSubscriber) -> None:
+        super().unsubscribe(sub)
+        if sub.layout_id not in self._by_layout:  # its last mirror here: stop reading the layout
+            self._notifier.streams.unfollow(sub.layout_id)
 
     def blocks(
         self,
@@ -220,6 +227,12 @@ class FleetMirrorHub(MirrorHub):
         self._notifier.publish_mirror(layout_id, change)
 
     # -- another replica's changes: to the local mirrors only -----------------------
+
+    def resync(self, layout_id: str) -> None:
+        """Changes were missed: the layout's local mirrors start over from a fresh snapshot."""
+        for sub in self._by_layout.get(layout_id, ()):
+            sub.overflowed, sub.segments, sub.pending = True, [], 0
+            sub.wake()
 
     def apply_blocks(self, layout_id: str, change: pb.MirrorBlocks) -> None:
         if change.clear_tier:

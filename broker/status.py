@@ -8,14 +8,16 @@ ends at once, `trailers` for a stream that ends by returning.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import NoReturn
+from collections.abc import Callable, Mapping
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from kvbroker.broker import errors
 from kvbroker.common.causes import Cause
 from kvbroker.common.error_details import STATUS_DETAILS_KEY, status_details
+
+T = TypeVar("T")
 
 STATUS_OF_ERROR: dict[type[errors.BrokerError], grpc.StatusCode] = {
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
@@ -53,3 +55,12 @@ async def abort(
     """End the call with `code` and `message`, its cause in the details trailer."""
     await context.abort(code, message, trailing_metadata=trailers(code, message, cause, metadata))
     raise AssertionError("context.abort returned")  # it always raises
+
+
+async def answer(context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+    """`fn()`, or the call ended with its domain error (a read of the fleet's shared store can be
+    UNAVAILABLE)."""
+    try:
+        return fn()
+    except errors.BrokerError as err:
+        await abort(context, status_of(err), err.message, err.cause, err.metadata)

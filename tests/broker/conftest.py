@@ -8,6 +8,7 @@ import pytest
 
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.broker import RunningServer, running_broker
+from testkit.redis_cluster import RedisCluster, running_cluster
 from testkit.redis_server import RedisServer, missing_reason, running_redis
 
 
@@ -21,12 +22,25 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
 
 
-@pytest.fixture(params=["in-memory", "redis"])
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A real 3-primary Redis Cluster (three redis-server processes) for the session's tests."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with running_cluster(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["in-memory", "redis", "redis-cluster"])
 async def broker(request: pytest.FixtureRequest) -> AsyncIterator[RunningServer]:
-    """A real broker with its state in process, and one with its state in a real redis-server."""
+    """A real broker with its state in process, one with its state in a real redis-server, and one
+    over a real 3-primary Redis Cluster."""
     state: dict[str, str] = {}
-    if request.param == "redis":
-        server: RedisServer = request.getfixturevalue("redis_server")
+    if request.param != "in-memory":
+        server: RedisServer | RedisCluster = request.getfixturevalue(
+            "redis_server" if request.param == "redis" else "redis_cluster"
+        )
         state = {"state": server.url, "state_prefix": f"t{secrets.token_hex(4)}"}
     async with running_broker(
         **state,

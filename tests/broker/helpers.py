@@ -11,6 +11,7 @@ from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.state_redis_conn import RedisState
 from testkit.clock import FakeClock
+from testkit.redis_cluster import RedisCluster
 from testkit.redis_server import RedisServer
 
 
@@ -65,6 +66,6 @@ def make_core(**config: object) -> tuple[BrokerCore, FakeClock, RecordingNotifie
     return BrokerCore(cfg, clock=clock, notifier=notifier), clock, notifier
 
 
-def redis_state(server: RedisServer) -> RedisState:
-    """A RedisState on a real redis-server, under a key prefix of its own (tests share the server)."""
+def redis_state(server: RedisServer | RedisCluster) -> RedisState:
+    """A RedisState on a real redis-server (or Cluster), under a key prefix of its own (tests share it)."""
     return RedisState(server.url, prefix=f"t{secrets.token_hex(4)}")

@@ -1,4 +1,4 @@
-"""The PrefixIndex contract: every backend must pass these (in-memory, and Redis)."""
+"""The PrefixIndex contract: every backend must pass these (in-memory, Redis, and a Redis Cluster)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ BACKENDS: dict[str, Callable[[pytest.FixtureRequest], PrefixIndex]] = {
     "compact-in-memory": lambda _: CompactPrefixIndex(),
     # A real redis-server started by the tests (skipped, with the reason, where none can run).
     "redis": lambda request: RedisPrefixIndex(redis_state(request.getfixturevalue("redis_server"))),
+    # A real 3-primary Redis Cluster started by the tests: each namespace's keys on one slot.
+    "redis-cluster": lambda request: RedisPrefixIndex(redis_state(request.getfixturevalue("redis_cluster"))),
 }
 NS = Namespace("layout-a", "")
 OTHER = Namespace("layout-a", "tenant-2")

@@ -1,4 +1,4 @@
-"""The LeaseTable contract: every backend must pass these (in-memory, and Redis)."""
+"""The LeaseTable contract: every backend must pass these (in-memory, Redis, and a Redis Cluster)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ BACKENDS: dict[str, Callable[[pytest.FixtureRequest], LeaseTable]] = {
     "in-memory": lambda _: InMemoryLeaseTable(history=4),
     # A real redis-server started by the tests (skipped, with the reason, where none can run).
     "redis": lambda request: RedisLeaseTable(redis_state(request.getfixturevalue("redis_server")), history=4),
+    # A real 3-primary Redis Cluster started by the tests: the lease keys on one slot.
+    "redis-cluster": lambda request: RedisLeaseTable(
+        redis_state(request.getfixturevalue("redis_cluster")), history=4
+    ),
 }
 NS = Namespace("layout", "")
 

@@ -1,0 +1,171 @@
+"""Index changes for Mirror streams across broker replicas: one Redis Stream per layout.
+
+A mirror must not miss a change, so these do not go over pub/sub (at most
+once). Each replica applies its own changes to its local mirrors and appends
+them to the layout's stream (XADD, trimmed to the last minute of changes with
+MINID; each entry numbered by a counter in the same script). A replica reads
+the streams of the layouts it has Mirror streams for (XREAD BLOCK, which is
+also its wake-up), from the stream's end at the moment its first mirror of
+that layout subscribed (before that mirror's snapshot, so nothing falls in
+between), and applies the other replicas' changes to its mirrors.
+
+A replica that lost its connection to Redis reads on from its last entry when
+it is back, so the changes appended meanwhile still reach its mirrors. If they
+were trimmed away first, or the store restarted empty, or a replica could not
+append one of its own, the numbers jump and the layout's mirrors are resynced
+with a fresh snapshot from the shared index instead.
+
+Every key of a layout's stream shares one hash tag, so on a Redis Cluster the
+layouts' streams spread over the primaries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.exceptions import MovedError
+
+from kvbroker.broker.errors import BrokerError
+from kvbroker.broker.state_redis_conn import RedisState
+
+log = logging.getLogger("kvbroker")
+
+# How long a stream keeps a change: a replica away from Redis for longer resyncs its mirrors.
+# Kept by age rather than count, so its memory is bounded by the fleet's inventory rate.
+KEEP_MS = 60_000
+
+# KEYS: the stream, its counter.  ARGV: keep_ms, replica, kind, body, step (2 after a change this
+# replica could not append: the readers see the jump and resync).
+_APPEND = """
+local n = redis.call('INCRBY', KEYS[2], ARGV[5])
+local t = redis.call('TIME')
+local oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[1])
+redis.call('XADD', KEYS[1], 'MINID', '~', oldest, '*', 'n', n, 'rep', ARGV[2], 't', ARGV[3], 'b', ARGV[4])
+return n
+"""
+
+Apply = Callable[[str, str, bytes], None]  # layout id, kind ("blocks" or "engine"), serialized change
+
+
+@dataclass(eq=False)
+class LayoutReader:
+    layout_id: str
+    key: str
+    last_id: bytes  # the last entry read
+    last_n: int  # its number (-1: unknown, the next entry resyncs)
+    task: asyncio.Task[None] | None = None
+    reconnects: int = 0
+
+
+class MirrorStreams:
+    def __init__(
+        self,
+        state: RedisState,
+        replica: str,
+        apply: Apply,
+        resync: Callable[[str], None],
+        block_ms: int = 1000,
+    ) -> None:
+        self._state = state
+        self._replica = replica
+        self._apply = apply
+        self._resync = resync
+        self._block_ms = block_ms
+        self._append = state.script(_APPEND)
+        self._failed: set[str] = set()  # layouts whose last append failed
+        self.readers: dict[str, LayoutReader] = {}
+        self._ending: set[asyncio.Task[None]] = set()  # cancelled readers closing their connection
+
+    def keys(self, layout_id: str) -> list[str]:
+        tag = hashlib.blake2b(layout_id.encode(), digest_size=8, person=b"kvbroker-mir").hexdigest()
+        base = f"{self._state.prefix}:{{mirror-{tag}}}:"
+        return [base + "s", base + "n"]
+
+    def append(self, layout_id: str, kind: str, body: bytes) -> None:
+        step = 2 if layout_id in self._failed else 1
+        try:
+            self._state.call(
+                self._append, keys=self.keys(layout_id), args=[KEEP_MS, self._replica, kind, body, step]
+            )
+            self._failed.discard(layout_id)
+        except BrokerError as err:
+            # The other replicas' mirrors miss this change: the next append skips a number, so
+            # that they see the gap and resync from the shared index.
+            self._failed.add(layout_id)
+            log.warning("cannot send an index change to the other replicas' mirrors: %s", err)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def follow(self, layout_id: str) -> None:
+        """Read the layout's stream from its end now (called before the first mirror's snapshot)."""
+        if layout_id in self.readers:
+            return
+        key, counter = self.keys(layout_id)
+        r = self._state.client
+        try:
+            last = self._state.call(r.xrevrange, key, "+", "-", count=1)
+            if last:
+                last_id, last_n = last[0][0], int(last[0][1][b"n"])
+            else:
+                last_id, last_n = b"0-0", int(self._state.call(r.get, counter) or 0)
+        except BrokerError:
+            last_id, last_n = b"0-0", -1  # the store is away: resync at the first entry read
+        reader = LayoutReader(layout_id, key, last_id, last_n)
+        reader.task = asyncio.get_running_loop().create_task(
+            self._read(reader), name=f"kvbroker-mirror-{key}"
+        )
+        self.readers[layout_id] = reader
+
+    def unfollow(self, layout_id: str) -> None:
+        """Stop reading the layout (at once, so that a mirror subscribing next starts a new reader)."""
+        reader = self.readers.pop(layout_id, None)
+        if reader is not None and reader.task is not None:
+            reader.task.cancel()
+            self._ending.add(reader.task)
+            reader.task.add_done_callback(self._ending.discard)
+
+    async def stop(self) -> None:
+        for layout_id in list(self.readers):
+            self.unfollow(layout_id)
+        await asyncio.gather(*self._ending, return_exceptions=True)
+
+    def _deliver(self, reader: LayoutReader, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        n = int(fields[b"n"])
+        gap = n != reader.last_n + 1
+        reader.last_id, reader.last_n = entry_id, n
+        if gap:
+            log.warning(
+                "index changes of layout %s were missed: resyncing its mirrors", reader.layout_id[:12]
+            )
+            self._resync(reader.layout_id)  # the fresh snapshot has this change too
+        elif fields[b"rep"].decode() != self._replica:
+            self._apply(reader.layout_id, fields[b"t"].decode(), fields[b"b"])
+
+    async def _read(self, reader: LayoutReader) -> None:
+        node: tuple[str, int] | None = None
+        name = f"kvbroker-mirror-{self._replica}"
+        while True:
+            client = self._state.stream_reader(reader.key, self._block_ms, node, name)
+            try:
+                while True:
+                    answer: Any = await client.xread(
+                        {reader.key: reader.last_id}, count=512, block=self._block_ms
+                    )
+                    for _, entries in answer or ():
+                        for entry_id, fields in entries:
+                            self._deliver(reader, entry_id, fields)
+            except MovedError as err:  # the stream's slot moved to another Cluster primary
+                node = (err.host, err.port)
+            except (redis.RedisError, OSError) as err:
+                node = None
+                reader.reconnects += 1
+                log.warning("mirror stream lost (%s); reading on from %s", err, reader.last_id.decode())
+                await asyncio.sleep(0.5)
+            finally:
+                await client.aclose()

@@ -1,0 +1,137 @@
+"""A real 3-primary Redis Cluster (Debian's redis-server, three processes) on free loopback ports.
+
+Each node gets a free client port and a free cluster-bus port; the 16,384
+slots are split in three ranges (CLUSTER ADDSLOTSRANGE), the nodes meet
+(CLUSTER MEET), and `start` returns once every node reports cluster_state:ok.
+No replicas, nothing persisted. `url` is the broker's `--state` for it:
+`redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from testkit.ports import free_port
+from testkit.redis_server import missing_reason, server_binary
+
+SLOTS = 16384
+# Where each primary's slot range starts. Not an even split: the fleet's `{fleet}` keys (slot 14574)
+# and `{leases}` keys (slot 14949) land on different primaries, so a script that strayed from its
+# own slot would meet a key on another node and fail, instead of passing by luck.
+STARTS = (0, 5461, 14700)
+
+
+class ClusterNode:
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.bus_port = free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = server_binary()
+        if binary is None:
+            raise RuntimeError(missing_reason())
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 (the child owns it)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port", str(self.port),
+                "--cluster-port", str(self.bus_port),
+                "--bind", "127.0.0.1",
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", "2000",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.workdir),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        log.close()
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=2.0)
+
+    def kill(self) -> None:
+        """kill -9: the node is gone without a word to its peers."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+
+class RedisCluster:
+    def __init__(self, workdir: Path, starts: tuple[int, ...] = STARTS) -> None:
+        self.starts = starts
+        self.nodes = [ClusterNode(workdir / f"node{i}") for i in range(len(starts))]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout: float = 20.0) -> None:
+        import redis
+
+        for node in self.nodes:
+            node.start()
+        deadline = time.monotonic() + timeout
+        clients = [node.client() for node in self.nodes]
+        try:
+            for node, client in zip(self.nodes, clients, strict=True):
+                while True:
+                    try:
+                        client.ping()
+                        break
+                    except redis.ConnectionError:
+                        if node.proc is None or node.proc.poll() is not None or time.monotonic() > deadline:
+                            raise RuntimeError(f"redis-server did not start; see {node.workdir}") from None
+                        time.sleep(0.05)
+            ends = [*self.starts[1:], SLOTS]
+            for first, end, client in zip(self.starts, ends, clients, strict=True):
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, end - 1)
+            for node in self.nodes[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, node.bus_port)
+            for client in clients:
+                while client.cluster("INFO").get("cluster_state") != "ok":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the Redis Cluster did not reach cluster_state:ok in {timeout} s")
+                    time.sleep(0.05)
+            # Every node must know every slot's owner before a client asks it.
+            for client in clients:
+                while len(client.execute_command("CLUSTER", "SLOTS")) < len(self.nodes):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the Redis Cluster's nodes did not learn each other's slots")
+                    time.sleep(0.05)
+        finally:
+            for client in clients:
+                client.close()
+
+    def node_for_slot(self, slot: int) -> ClusterNode:
+        """The primary that serves `slot` as the cluster was started (before any resharding)."""
+        return next(
+            n for n, first in reversed(list(zip(self.nodes, self.starts, strict=True))) if slot >= first
+        )
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+
+@contextmanager
+def running_cluster(workdir: Path) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(workdir)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -401,8 +401,9 @@ class BlockMover:
                 plan.prepped_tried = True
             if plan.prepped is not None:
                 local_dl, remote_dl, indices = plan.prepped
+                # block_ids gives uint32 (a view suffices: these ids are below the list sizes).
                 local_idx, remote_idx = indices(
-                    ids.view(np.int32) if ids.dtype == np.uint32 else ids.astype(np.int32)
+                    ids.view(np.int32) if ids.itemsize == 4 else ids.astype(np.int32)
                 )
                 return self._agent.make_prepped_xfer(
                     "READ", local_dl, local_idx, remote_dl, remote_idx, notif or b""

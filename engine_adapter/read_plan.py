@@ -14,6 +14,7 @@ a plan was cached: a plan is stored only after its layers matched.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,21 +88,29 @@ def block_ids(
     """The ids of a read as one (2, n) array, local then remote, checked against the tier sizes.
 
     This runs on every read, just after the previous read's copy has emptied the CPU's caches,
-    where each numpy call costs several microseconds. So the usual case (two lists or two tuples)
-    is one conversion to uint32, which refuses negative and huge ids by itself, and one maximum
-    per side. Anything else, and every mistake, goes the careful way, which words the error."""
-    if type(local) is type(remote) and type(local) in (list, tuple) and len(local) == len(remote):
+    where each numpy call costs several microseconds. So the usual case (two lists or two tuples
+    of ints) is one C-level conversion to unsigned 32-bit ints, which refuses negative, huge and
+    non-integer ids by itself, and the builtin max of each side. Anything else, and every
+    mistake, goes the careful way, which words the error."""
+    if (
+        _U32
+        and type(local) is type(remote)
+        and type(local) in (list, tuple)
+        and len(local) == len(remote)
+        and len(local)
+    ):
         try:
-            ids = np.array(local + remote, dtype=np.uint32).reshape(2, -1)  # type: ignore[operator]
-        except (OverflowError, ValueError, TypeError):
+            buf = array.array(_U32, local + remote)  # type: ignore[operator]
+        except (OverflowError, TypeError):
             pass
         else:
-            if not ids.shape[1]:
-                return ids
-            lmax, rmax = ids.max(axis=1).tolist()
-            if lmax < local_blocks and (peer_blocks is None or rmax < peer_blocks):
-                return ids
+            if max(local) < local_blocks and (peer_blocks is None or max(remote) < peer_blocks):
+                return np.frombuffer(buf, dtype=np.uint32).reshape(2, -1)
     return _checked_ids(local, remote, local_blocks, peer_blocks)
+
+
+# array.array's type code for 32-bit unsigned ints ("" where the platform has none).
+_U32 = next((code for code in "IL" if array.array(code).itemsize == 4), "")
 
 
 def _checked_ids(

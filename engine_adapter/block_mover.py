@@ -47,7 +47,7 @@ import numpy as np
 
 from kvbroker.engine_adapter.kv_regions import Region
 from kvbroker.engine_adapter.nixl_agent import NIXL_LOCK, NixlApi, create_agent, real_nixl
-from kvbroker.engine_adapter.read_plan import ReadPlan, block_ids, match_layers, peer_table, plan_key
+from kvbroker.engine_adapter.read_plan import ReadPlan, block_ids, match_layers, peer_table
 from kvbroker.engine_adapter.xfer_descs import (
     PreppedIndices,
     RegionTable,
@@ -368,12 +368,14 @@ class BlockMover:
         layers: range | None,
     ) -> ReadPlan:
         """This read's plan: cached with the peer, made (and its layers checked) on first use."""
-        key = plan_key(tier_id, peer_regions, peer_num_blocks, peer_mem, layers)
+        # Layers as given when hashable (a range), else once as a tuple (an iterator is read once).
+        wanted = layers if layers is None or isinstance(layers, range) else tuple(layers)
+        key = (tier_id, tuple(peer_regions), peer_num_blocks, peer_mem, wanted)
         plans = peer.plans if peer is not None else {}
         plan = plans.get(key)
         if plan is not None and plan.tier is tier:  # a re-registered tier gets new plans
             return plan
-        want = list(layers) if layers is not None else sorted(tier.regions_of_layer)
+        want = list(wanted) if wanted is not None else sorted(tier.regions_of_layer)
         plan = ReadPlan(tier, *match_layers(tier.regions, tier.regions_of_layer, peer_regions, want))
         if len(plans) >= _PLANS_PER_PEER:
             plans.clear()

@@ -38,18 +38,6 @@ class ReadPlan:
     prepped_tried: bool = False
 
 
-def plan_key(
-    tier: int,
-    peer_regions: Sequence[Region],
-    peer_num_blocks: int | None,
-    peer_mem: str,
-    layers: Iterable[int] | None,
-) -> tuple[Any, ...]:
-    """Hashable identity of a plan. Regions compare by value (a caller may rebuild them per read)."""
-    want = layers if layers is None or isinstance(layers, range) else tuple(layers)
-    return (tier, tuple(peer_regions), peer_num_blocks, peer_mem, want)
-
-
 def match_layers(
     local_regions: Sequence[Region],
     regions_of_layer: dict[int, list[int]],

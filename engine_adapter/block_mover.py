@@ -12,6 +12,10 @@ fixed ~0.2 ms per read, more than reading a history of a few hundred KB. A read
 of at most `_PREPPED_MAX_DESCS` (region, block) pieces is made from two index
 arrays (`make_prepped_xfer`) into lists prepared once per local tier and per
 peer tier, one descriptor per region and block. Large reads keep coalescing.
+What a read shares with the previous ones (layer matching, index offsets, the
+lists) is kept in a `ReadPlan` per peer (read_plan.py), and a read that UCX
+finishes inside `transfer()` is released there: the per-read Python is a few
+numpy operations around NIXL's own calls.
 
 Failure model: anything that goes wrong with a peer (unknown, disconnected,
 killed with -9, a transfer in an error state, a read that outlives its
@@ -43,13 +47,14 @@ import numpy as np
 
 from kvbroker.engine_adapter.kv_regions import Region
 from kvbroker.engine_adapter.nixl_agent import NIXL_LOCK, NixlApi, create_agent, real_nixl
+from kvbroker.engine_adapter.read_plan import ReadPlan, block_ids, match_layers, peer_table
 from kvbroker.engine_adapter.xfer_descs import (
+    PreppedIndices,
     RegionTable,
     Span,
     block_pieces,
     block_rows,
     coalesce,
-    prepped_indices,
     registered_spans,
 )
 
@@ -64,6 +69,7 @@ _PREPPED_MAX_DESCS = 1024
 # this many per peer (a peer re-registering often falls back to coalescing).
 _PREPPED_MAX_ROWS = 1 << 18
 _PREPPED_PER_PEER = 8
+_PLANS_PER_PEER = 64  # read plans kept per peer (see read_plan.py); more and they start over
 _LOCAL = "NIXL_INIT_AGENT"  # NIXL's name for this agent in a descriptor list
 
 
@@ -86,6 +92,7 @@ class _Peer:
     tables: dict[tuple[tuple[Region, ...], int], RegionTable] = field(default_factory=dict)
     # Prepared descriptor lists of the peer's tiers, per (regions, blocks, memory type).
     dlists: dict[tuple[tuple[Region, ...], int, str], Any] = field(default_factory=dict)
+    plans: dict[tuple[Any, ...], ReadPlan] = field(default_factory=dict)
     dead_reason: str | None = None
 
 
@@ -95,7 +102,6 @@ class _Read:
     tier: int
     xfer: Any
     started: float
-    nbytes: int
 
 
 class BlockMover:
@@ -224,23 +230,14 @@ class BlockMover:
             tier = self._tiers.get(local_tier)
             if tier is None:
                 raise ValueError(f"local tier {local_tier} is not registered (have {sorted(self._tiers)})")
-            local_ids = _as_ids(local_block_ids, "local_block_ids")
-            remote_ids = _as_ids(remote_block_ids, "remote_block_ids")
-            if len(local_ids) != len(remote_ids):
-                raise ValueError(f"{len(remote_ids)} remote blocks but {len(local_ids)} local blocks")
-            if len(local_ids) and int(local_ids.max()) >= tier.num_blocks:
-                raise ValueError(f"local block {int(local_ids.max())} >= tier size {tier.num_blocks}")
-            if peer_num_blocks is not None and len(remote_ids) and int(remote_ids.max()) >= peer_num_blocks:
-                raise ValueError(f"remote block {int(remote_ids.max())} >= peer tier size {peer_num_blocks}")
-            want_layers = list(layers) if layers is not None else sorted(tier.regions_of_layer)
-            local_regions, peer_region_idx = self._match_layers(tier, peer_regions, want_layers)
-
+            ids = block_ids(local_block_ids, remote_block_ids, tier.num_blocks, peer_num_blocks)
+            peer = self._peers.get(peer_agent)
+            peer_mem = peer_mem_type or tier.mem_type
+            plan = self._plan(tier, local_tier, peer, peer_regions, peer_num_blocks, peer_mem, layers)
             handle = next(self._handles)
-            nbytes = sum(tier.regions[i].block_bytes for i in local_regions) * len(local_ids)
-            if not len(local_ids) or not local_regions:
+            if not ids.shape[1] or not plan.local_rows:
                 self._early_done.append(handle)
                 return handle
-            peer = self._peers.get(peer_agent)
             if peer is None:
                 self._early_failed[handle] = f"unknown peer {peer_agent!r}: add_peer() it first"
                 return handle
@@ -249,9 +246,8 @@ class BlockMover:
                 return handle
             try:
                 xfer = self._make_xfer(
-                    tier, peer_agent, peer, peer_regions, peer_num_blocks, peer_mem_type or tier.mem_type,
-                    (local_regions, peer_region_idx), (local_ids, remote_ids), notif or b"",
-                )  # fmt: skip
+                    tier, plan, peer_agent, peer, peer_regions, peer_num_blocks, peer_mem, ids, notif
+                )
             except self._api.errors as exc:
                 self._fail_early(handle, peer_agent, "could not prepare the read", exc)
                 return handle
@@ -265,7 +261,13 @@ class BlockMover:
                 self._release(xfer)
                 self._early_failed[handle] = f"NIXL refused to post the read from {peer_agent!r}"
                 return handle
-            self._reads[handle] = _Read(peer_agent, local_tier, xfer, self._clock(), nbytes)
+            if state == "DONE":
+                # Finished inside transfer() (UCX's copy between processes on one host does
+                # that): release now, as poll() would after check_xfer_state said DONE.
+                self._release(xfer)
+                self._early_done.append(handle)
+                return handle
+            self._reads[handle] = _Read(peer_agent, local_tier, xfer, self._clock())
             return handle
 
     def poll(self) -> tuple[list[int], dict[int, str]]:
@@ -273,6 +275,8 @@ class BlockMover:
         with self._lock:
             done, self._early_done = self._early_done, []
             failed, self._early_failed = self._early_failed, {}
+            if not self._reads:
+                return done, failed
             now = self._clock()
             for handle, read in list(self._reads.items()):
                 try:
@@ -353,44 +357,80 @@ class BlockMover:
             del self._notifs[:-10_000]
         return bool(new)
 
+    def _plan(
+        self,
+        tier: _LocalTier,
+        tier_id: int,
+        peer: _Peer | None,
+        peer_regions: list[Region],
+        peer_num_blocks: int | None,
+        peer_mem: str,
+        layers: range | None,
+    ) -> ReadPlan:
+        """This read's plan: cached with the peer, made (and its layers checked) on first use."""
+        # Layers as given when hashable (a range), else once as a tuple (an iterator is read once).
+        wanted = layers if layers is None or isinstance(layers, range) else tuple(layers)
+        key = (tier_id, tuple(peer_regions), peer_num_blocks, peer_mem, wanted)
+        plans = peer.plans if peer is not None else {}
+        plan = plans.get(key)
+        if plan is not None and plan.tier is tier:  # a re-registered tier gets new plans
+            return plan
+        want = list(wanted) if wanted is not None else sorted(tier.regions_of_layer)
+        plan = ReadPlan(tier, *match_layers(tier.regions, tier.regions_of_layer, peer_regions, want))
+        if len(plans) >= _PLANS_PER_PEER:
+            plans.clear()
+        plans[key] = plan
+        return plan
+
     def _make_xfer(
         self,
         tier: _LocalTier,
+        plan: ReadPlan,
         peer_agent: str,
         peer: _Peer,
         peer_regions: list[Region],
         peer_num_blocks: int | None,
         peer_mem: str,
-        regions: tuple[list[int], list[int]],  # (local region rows, the peer's matching rows)
-        ids: tuple[np.ndarray, np.ndarray],  # (local block ids, remote block ids)
-        notif: bytes,
+        ids: np.ndarray,  # (2, n): local block ids, remote block ids (read_plan.block_ids)
+        notif: bytes | None,
     ) -> Any:
         """A READ request: from prepared lists for a small read, from coalesced descriptors otherwise."""
-        prepped = None
-        if peer_num_blocks is not None and len(regions[0]) * len(ids[0]) <= _PREPPED_MAX_DESCS:
-            prepped = self._prepped_lists(tier, peer_agent, peer, peer_regions, peer_num_blocks, peer_mem)
-        if prepped is not None:
-            block_major, theirs = not tier.table.dense, _peer_table(peer, peer_regions, peer_num_blocks or 0)
-            local_idx = prepped_indices(tier.table, tier.num_blocks, regions[0], ids[0], block_major)
-            remote_idx = prepped_indices(theirs, peer_num_blocks or 0, regions[1], ids[1], block_major)
-            return self._agent.make_prepped_xfer("READ", prepped[0], local_idx, prepped[1], remote_idx, notif)
-        theirs = _peer_table(peer, peer_regions, peer_num_blocks or int(ids[1].max()) + 1)
-        pieces = coalesce(block_pieces(tier.table.take(regions[0]), theirs.take(regions[1]), *ids))
+        if peer_num_blocks is not None and len(plan.local_rows) * ids.shape[1] <= _PREPPED_MAX_DESCS:
+            if not plan.prepped_tried:
+                plan.prepped = self._prepped(
+                    tier, plan, peer_agent, peer, peer_regions, peer_num_blocks, peer_mem
+                )
+                plan.prepped_tried = True
+            if plan.prepped is not None:
+                local_dl, remote_dl, indices = plan.prepped
+                # block_ids gives uint32 (a view suffices: these ids are below the list sizes).
+                local_idx, remote_idx = indices(
+                    ids.view(np.int32) if ids.itemsize == 4 else ids.astype(np.int32)
+                )
+                return self._agent.make_prepped_xfer(
+                    "READ", local_dl, local_idx, remote_dl, remote_idx, notif or b""
+                )
+        theirs = peer_table(peer.tables, peer_regions, peer_num_blocks or int(ids[1].max()) + 1)
+        pieces = coalesce(
+            block_pieces(tier.table.take(plan.local_rows), theirs.take(plan.peer_rows), ids[0], ids[1])
+        )
         local_dl = self._agent.get_xfer_descs(pieces.local_descs(), tier.mem_type)
         remote_dl = self._agent.get_xfer_descs(pieces.remote_descs(), peer_mem)
-        return self._agent.initialize_xfer("READ", local_dl, remote_dl, peer_agent, notif)
+        return self._agent.initialize_xfer("READ", local_dl, remote_dl, peer_agent, notif or b"")
 
-    def _prepped_lists(
+    def _prepped(
         self,
         tier: _LocalTier,
+        plan: ReadPlan,
         peer_agent: str,
         peer: _Peer,
         peer_regions: list[Region],
         peer_num_blocks: int,
         peer_mem: str,
-    ) -> tuple[Any, Any] | None:
-        """The local tier's and the peer tier's prepared lists, built on first use; None
-        where a list would be too large (or the peer has too many): coalesce instead."""
+    ) -> tuple[Any, Any, PreppedIndices] | None:
+        """The local tier's and the peer tier's prepared lists, built on first use, with the
+        plan's index maps into them; None where a list would be too large (or the peer has
+        too many): coalesce instead."""
         if tier.dlist is None:
             if len(tier.regions) * tier.num_blocks > _PREPPED_MAX_ROWS:
                 return None
@@ -398,52 +438,28 @@ class BlockMover:
                 _LOCAL, block_rows(tier.table, tier.num_blocks), tier.mem_type
             )
         key = (tuple(peer_regions), peer_num_blocks, peer_mem)
+        table = peer_table(peer.tables, peer_regions, peer_num_blocks)
         if key not in peer.dlists:
             if (
                 len(peer_regions) * peer_num_blocks > _PREPPED_MAX_ROWS
                 or len(peer.dlists) >= _PREPPED_PER_PEER
             ):
                 return None
-            table = _peer_table(peer, peer_regions, peer_num_blocks)
             peer.dlists[key] = self._agent.prep_xfer_dlist(
                 peer_agent, block_rows(table, peer_num_blocks), peer_mem
             )
-        return tier.dlist, peer.dlists[key]
+        indices = PreppedIndices.of(
+            (tier.table, tier.num_blocks, plan.local_rows),
+            (table, peer_num_blocks, plan.peer_rows),
+            block_major=not tier.table.dense,
+        )
+        return tier.dlist, peer.dlists[key], indices
 
     def _release_dlist(self, dlist: Any) -> None:
         try:
             self._agent.release_dlist_handle(dlist)
         except self._api.errors as exc:
             log.debug("could not release a NIXL descriptor list: %s", exc)
-
-    def _match_layers(
-        self, tier: _LocalTier, peer_regions: list[Region], layers: list[int]
-    ) -> tuple[list[int], list[int]]:
-        peer_by_layer: dict[int, list[int]] = {}
-        for i, r in enumerate(peer_regions):
-            peer_by_layer.setdefault(r.layer, []).append(i)
-        local_idx: list[int] = []
-        peer_idx: list[int] = []
-        for layer in layers:
-            mine = tier.regions_of_layer.get(layer)
-            theirs = peer_by_layer.get(layer)
-            if mine is None:
-                raise ValueError(
-                    f"layer {layer} is not in the local tier (have {sorted(tier.regions_of_layer)})"
-                )
-            if theirs is None:
-                raise ValueError(f"layer {layer} is not in the peer's regions (have {sorted(peer_by_layer)})")
-            if len(mine) != len(theirs):
-                raise ValueError(f"layer {layer}: {len(mine)} local regions but {len(theirs)} peer regions")
-            for a, b in zip(mine, theirs, strict=True):
-                if tier.regions[a].block_bytes != peer_regions[b].block_bytes:
-                    raise ValueError(
-                        f"layer {layer}: local blocks are {tier.regions[a].block_bytes} bytes, "
-                        f"peer blocks {peer_regions[b].block_bytes} bytes (layouts differ)"
-                    )
-            local_idx.extend(mine)
-            peer_idx.extend(theirs)
-        return local_idx, peer_idx
 
     def _fail_early(self, handle: int, peer: str, what: str, exc: BaseException) -> None:
         self._early_failed[handle] = self._describe_failure(peer, what, exc)
@@ -498,22 +514,3 @@ class BlockMover:
             self._agent.deregister_memory(old.reg_descs)
         except self._api.errors as exc:
             log.debug("could not deregister tier %s: %s", tier, exc)
-
-
-def _as_ids(ids: Sequence[int], what: str) -> np.ndarray:
-    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if len(arr) and int(arr.min()) < 0:
-        raise ValueError(f"{what} contains a negative block id")
-    return arr
-
-
-def _peer_table(peer: _Peer, regions: list[Region], num_blocks: int) -> RegionTable:
-    """The peer's regions as columns, with what it registered (a BlockMover registers exactly
-    `registered_spans`); cached per region list."""
-    key = (tuple(regions), num_blocks)
-    table = peer.tables.get(key)
-    if table is None:
-        if len(peer.tables) > 64:  # a peer re-registered often: keep the cache small
-            peer.tables.clear()
-        table = peer.tables[key] = RegionTable.of(regions, registered_spans(regions, num_blocks))
-    return table

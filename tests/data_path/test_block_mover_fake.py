@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -357,3 +358,81 @@ def test_large_reads_and_unknown_sizes_coalesce(
     assert poll_until_settled(pair.reader)[0] == [h3]
     assert fabric.prepped_transfers == 0 and fabric.live_dlists == 0
     assert torch.equal(pair.layer(pair.reader_kv, 2)[4:10], pair.layer(pair.holder_kv, 2)[[0, 1, 2, 3, 8, 9]])
+
+
+def test_a_read_finished_inside_transfer_holds_no_handle(pair: Pair, fabric: FakeFabric) -> None:
+    """The fake, like UCX between processes on one host, can finish a read inside transfer()."""
+    h = pair.read([3, 4], [5, 6], peer_num_blocks=pair.num_blocks)
+    assert fabric.live_xfers == 0 and pair.reader.in_flight() == 0  # released at once
+    assert pair.reader.poll() == ([h], {})
+    assert pair.reader.poll() == ([], {})
+    assert torch.equal(pair.layer(pair.reader_kv, 1)[5:7], pair.layer(pair.holder_kv, 1)[3:5])
+
+
+def test_reads_share_a_plan_per_peer_regions_and_layers(pair: Pair, fabric: FakeFabric) -> None:
+    """Equal regions rebuilt per read (as the worker does) find the same plan; new layers, a new one."""
+    peer = pair.reader._peers["holder"]
+    for remote, local in [([1], [2]), ([7, 8], [9, 10]), ([0], [0])]:
+        copies = [Region(r.layer, r.base_addr, r.block_stride, r.block_bytes) for r in pair.holder_regions]
+        pair.reader.start_read("holder", copies, remote, GPU, local, peer_num_blocks=pair.num_blocks)
+    assert len(peer.plans) == 1 and fabric.prepped_transfers == 3
+    h = pair.read([5], [5], layers=range(1, 2), peer_num_blocks=pair.num_blocks)
+    assert len(peer.plans) == 2 and pair.reader.poll()[0][-1] == h
+    assert not pair.layer(pair.reader_kv, 0)[5].any()
+    assert torch.equal(pair.layer(pair.reader_kv, 1)[5], pair.layer(pair.holder_kv, 1)[5])
+    assert torch.equal(pair.layer(pair.reader_kv, 2)[9:11], pair.layer(pair.holder_kv, 2)[7:9])
+
+
+def test_a_reregistered_tier_gets_a_new_plan(pair: Pair, fabric: FakeFabric) -> None:
+    first = pair.read([1], [1], peer_num_blocks=pair.num_blocks)
+    assert pair.reader.poll() == ([first], {})
+    moved = cpu_backend_kv_caches(seed=None)  # the reader's KV cache at new addresses
+    regions, n, mem = regions_from_kv_caches(moved)
+    pair.reader.register_tier(GPU, mem, regions, n)
+    assert fabric.live_dlists == 1  # the old tier's list went with it; the peer's stays
+    h = pair.read([6, 2], [3, 4], peer_num_blocks=pair.num_blocks)
+    assert poll_until_settled(pair.reader) == ([h], {})
+    for layer in range(3):
+        assert torch.equal(moved[LAYER_NAME.format(layer)][3], pair.layer(pair.holder_kv, layer)[6])
+        assert torch.equal(moved[LAYER_NAME.format(layer)][4], pair.layer(pair.holder_kv, layer)[2])
+    assert not pair.layer(pair.reader_kv, 0)[3].any()  # nothing went to the old memory
+    assert fabric.live_dlists == 2
+
+
+@pytest.mark.parametrize(
+    ("remote", "local", "match"),
+    [
+        ((0, -1), (0, 1), "negative"),
+        ([0, 1], [np.int64(-1), 1], "negative"),
+        (np.array([0]), np.array([-2]), "negative"),
+        ([2**40], [0], "tier size"),
+        ([0], [2**40], "tier size"),
+        ([0, 1], (0, 1, 2), "remote blocks but"),
+        (np.array([0, 1]), [0], "remote blocks but"),
+    ],
+)
+def test_block_ids_of_any_sequence_are_checked(pair: Pair, remote: object, local: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        pair.read(remote, local, peer_num_blocks=pair.num_blocks)  # type: ignore[arg-type]
+    assert pair.reader.in_flight() == 0 and pair.reader.poll() == ([], {})
+
+
+def test_block_ids_of_any_sequence_are_read(pair: Pair) -> None:
+    """Tuples, numpy arrays and numpy integers in lists read like lists."""
+    handles = [
+        pair.read((1, 2), (3, 4), peer_num_blocks=pair.num_blocks),
+        pair.read(np.array([5]), np.array([6]), peer_num_blocks=pair.num_blocks),
+        pair.read([np.int64(7)], (8,)),
+    ]
+    assert sorted(poll_until_settled(pair.reader)[0]) == handles
+    for remote, local in [(1, 3), (2, 4), (5, 6), (7, 8)]:
+        assert torch.equal(pair.layer(pair.reader_kv, 2)[local], pair.layer(pair.holder_kv, 2)[remote])
+
+
+def test_layers_may_be_any_iterable(pair: Pair) -> None:
+    """An iterator of layers is read once: the plan and its key see the same layers."""
+    h = pair.read([3], [4], layers=iter([0, 2]), peer_num_blocks=pair.num_blocks)  # type: ignore[arg-type]
+    assert pair.reader.poll() == ([h], {})
+    assert torch.equal(pair.layer(pair.reader_kv, 0)[4], pair.layer(pair.holder_kv, 0)[3])
+    assert torch.equal(pair.layer(pair.reader_kv, 2)[4], pair.layer(pair.holder_kv, 2)[3])
+    assert not pair.layer(pair.reader_kv, 1)[4].any()

@@ -10,9 +10,11 @@ import pytest
 from kvbroker.engine_adapter.kv_regions import Region
 from kvbroker.engine_adapter.xfer_descs import (
     Pieces,
+    PreppedIndices,
     RegionTable,
     Span,
     block_pieces,
+    block_rows,
     coalesce,
     registered_spans,
 )
@@ -173,3 +175,39 @@ def test_coalesced_pieces_move_exactly_the_same_bytes(layout: str) -> None:
             for la, ra, n_bytes in zip(p.local.tolist(), p.remote.tolist(), p.length.tolist(), strict=True):
                 ctypes.memmove(la, ra, n_bytes)
         assert want.any() and np.array_equal(want, got)
+
+
+@pytest.mark.parametrize(
+    ("local_layout", "remote_layout"),
+    [
+        ("lbhnc", "lbhnc"),
+        ("blhnc", "blhnc"),
+        ("kv_split", "kv_split"),
+        ("blhnc", "lbhnc"),
+        ("lbhnc", "blhnc"),
+    ],
+)
+def test_prepped_indices_name_the_rows_of_the_blocks_read(local_layout: str, remote_layout: str) -> None:
+    """Row i of each side's prepared list is the same piece as block_pieces' i-th, in the same order."""
+
+    def regions(layout: str, base: int) -> list[Region]:
+        if layout == "lbhnc":
+            return lbhnc(base)
+        if layout == "blhnc":
+            return blhnc(base)
+        return kv_split([base + i * BLOCKS * PAGE for i in range(LAYERS)])
+
+    mine, theirs = table(regions(local_layout, 1 << 20)), table(regions(remote_layout, 1 << 30))
+    rows = list(range(len(mine.base)))[1:]  # a subset of layers, as a layer range reads
+    block_major = not mine.dense
+    indices = PreppedIndices.of((mine, BLOCKS, rows), (theirs, BLOCKS, rows), block_major)
+    local_ids, remote_ids = np.array([3, 7, 0, 15]), np.array([9, 1, 11, 2])  # nothing adjacent on both
+    local_idx, remote_idx = indices(np.stack((local_ids, remote_ids)).astype(np.int32))
+    assert local_idx.dtype == np.int32 and remote_idx.dtype == np.int32
+    want = block_pieces(mine.take(rows), theirs.take(rows), local_ids, remote_ids)  # region-major
+    order = np.arange(len(want)).reshape(len(rows), len(local_ids))
+    order = (order.T if block_major else order).ravel()
+    local_rows, remote_rows = block_rows(mine, BLOCKS)[local_idx], block_rows(theirs, BLOCKS)[remote_idx]
+    assert local_rows[:, 0].tolist() == want.local[order].tolist()
+    assert remote_rows[:, 0].tolist() == want.remote[order].tolist()
+    assert local_rows[:, 1].tolist() == want.length[order].tolist() == remote_rows[:, 1].tolist()

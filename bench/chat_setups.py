@@ -150,6 +150,22 @@ class Setup:
             self.broker.stop()
 
 
+def pin_pair(p: EngineProcess, d: EngineProcess) -> None:
+    """P's scheduler and worker on the first half of this process's cores, D's on the other half.
+
+    Both P/D setups (NixlConnector's and ours) get this; the one-engine setups
+    keep every core. In a deployment P and D have hardware of their own; on one
+    small machine each engine would otherwise also pay for the other's
+    busy-polling (EngineProcess.pin_engine_cpus)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        return
+    half = len(cpus) // 2
+    for engine, mine in ((p, cpus[:half]), (d, cpus[half:])):
+        n = engine.pin_engine_cpus(set(mine))
+        log(f"{engine.name}: scheduler and worker pinned to cores {mine} ({n} processes)")
+
+
 def start_setup(
     name: str, model: Path, work: Path, start_timeout_s: float, kv_cache_bytes: int = KV_CACHE_BYTES
 ) -> Setup:
@@ -192,6 +208,7 @@ def start_setup(
             for e in setup.engines:
                 e.wait_ready(timeout=start_timeout_s, progress=log)
             p, d = setup.engines
+            pin_pair(p, d)
             port = free_port()
             proxy = Child(
                 "nixl-proxy",
@@ -241,6 +258,7 @@ def start_setup(
             for e in setup.engines:
                 e.wait_ready(timeout=start_timeout_s, progress=log)
             p, d = setup.engines
+            pin_pair(p, d)
             port = free_port()
             proxy = Child(
                 "proxy",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from pathlib import Path
 
@@ -48,6 +49,18 @@ def test_engine_serves_greedy_completions_deterministically(tiny_model_dir: Path
             },
         )
         assert chat["usage"]["completion_tokens"] == 4
+        # Pinning (the P/D benchmarks give P and D cores of their own): every thread of the
+        # scheduler and worker processes, the API server left free; the engine still answers.
+        cpus = sorted(os.sched_getaffinity(0))
+        assert engine.pin_engine_cpus({cpus[0]}) == 2
+        for proc_pid, name, _state in engine._group_processes():
+            for tid in os.listdir(f"/proc/{proc_pid}/task"):
+                allowed = os.sched_getaffinity(int(tid))
+                pinned = name.startswith(("VLLM::Worker", "VLLM::EngineCor"))
+                assert allowed == ({cpus[0]} if pinned else set(cpus)), (name, tid)
+        assert (
+            _post(f"{engine.url}/v1/completions", body)["choices"][0]["text"] == first["choices"][0]["text"]
+        )
         pid = engine.pid
     assert pid is not None
     assert engine.proc is not None and engine.proc.poll() is not None

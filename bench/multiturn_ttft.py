@@ -36,6 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.chat_setups import pin_pair
 from bench.common import format_table, load_note, log, write_json
 from bench.engines import (
     BLOCK_SIZE,
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(d)
         for engine in engines:
             engine.wait_ready(timeout=args.start_timeout_s, progress=log)
+        pin_pair(p, d)  # P and D on cores of their own, as in bench.chat_compare
         client = BrokerClient(broker.address)
 
         # Warm-up (not recorded): first NIXL connection P<-D, first prefills.

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.chat_setups import pin_pair
 from bench.common import RESULTS_DIR, format_table, load_note, log, write_json
 from bench.engines import add_run_arguments, broker_engine, complete, output_ids, stat, stream_ttft, summary
 from kvbroker.clients.sync import BrokerClient
@@ -121,6 +122,7 @@ def run_model(name: str, model: Path, work: Path, args: argparse.Namespace) -> d
         engines.append(r)
         for engine in engines:
             engine.wait_ready(timeout=args.start_timeout_s, progress=log)
+        pin_pair(h, r)  # H and R on cores of their own, as in bench.chat_compare
         client = BrokerClient(broker.address)
         seed = 1
         log(f"{name}: warm-up; load {load_note()}")

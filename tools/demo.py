@@ -164,7 +164,7 @@ def _print_leases(watcher: LeaseWatcher, request_id: str, label: str = "") -> No
 def _print_pulls(
     engines: dict[str, EngineProcess], before: dict[str, Any], after: dict[str, Any], rid: str
 ) -> int:
-    """One line per engine: its NIXL reads for this request, or why it pulled nothing. Returns P's pulled blocks."""
+    """One line per engine: its NIXL reads for this request, or why it pulled nothing. Returns P's pulled tokens."""
     pulled_by_p = 0
     for name, engine in engines.items():
         pulled_blocks = _diff(after.get(name, {}), before.get(name, {}), "pulled_blocks")
@@ -172,7 +172,7 @@ def _print_pulls(
         # What vLLM took as computed: a prompt's partial last block counts its own tokens.
         pulled_tokens = _diff(after.get(name, {}), before.get(name, {}), "pulled_tokens")
         if name.startswith("prefill"):
-            pulled_by_p = pulled_blocks
+            pulled_by_p = pulled_tokens
         reads = _reads_in_log(engine, rid)
         if pulled_blocks or reads:
             for r in reads:
@@ -238,9 +238,7 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
             if single is not None:
                 line += f" | {(single.ttft_s or 0.0) * 1000:.0f} ms on one engine alone"
             say(f"{line}   (answer: {len(result.token_ids)} tokens in {result.total_s * 1000:.0f} ms)")
-            d_pulled_tokens = _diff(
-                after.get("decode-0", {}), before.get("decode-0", {}), "pulled_blocks"
-            ) * (stack.decode.block_size)
+            d_pulled_tokens = _diff(after.get("decode-0", {}), before.get("decode-0", {}), "pulled_tokens")
             say(
                 f"   decode-0 prompt: {prompt_tokens} tokens = {result.cached_tokens} from its own prefix cache + "
                 f"{d_pulled_tokens} pulled + {max(prompt_tokens - result.cached_tokens - d_pulled_tokens, 0)} computed"
@@ -256,7 +254,7 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
                     "prompt_tokens": prompt_tokens,
                     "ttft_ms": ttft_ms,
                     "single_ttft_ms": (single.ttft_s or 0.0) * 1000 if single else None,
-                    "history_pulled_tokens": pulled_by_p * stack.prefill.block_size,
+                    "history_pulled_tokens": pulled_by_p,
                     "identical": single.token_ids == result.token_ids if single else None,
                 }
             )

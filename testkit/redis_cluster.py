@@ -9,7 +9,6 @@ No replicas, nothing persisted. `url` is the broker's `--state` for it:
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from testkit.ports import free_port
-from testkit.redis_server import missing_reason, server_binary
+from testkit.redis_server import RedisServer
 
 SLOTS = 16384
 # Where each primary's slot range starts. Not an even split: the fleet's `{fleet}` keys (slot 14574)
@@ -26,36 +25,20 @@ SLOTS = 16384
 STARTS = (0, 5461, 14700)
 
 
-class ClusterNode:
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.bus_port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
+class ClusterNode(RedisServer):
+    """One cluster-enabled redis-server: RedisServer with a cluster-bus port."""
 
-    def start(self) -> None:
-        binary = server_binary()
-        if binary is None:
-            raise RuntimeError(missing_reason())
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 (the child owns it)
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port", str(self.port),
-                "--cluster-port", str(self.bus_port),
-                "--bind", "127.0.0.1",
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", "2000",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.workdir),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        log.close()
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.bus_port = free_port()
+
+    def extra_args(self) -> list[str]:
+        return [
+            "--cluster-port", str(self.bus_port),
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", "2000",
+        ]  # fmt: skip
 
     def client(self) -> Any:
         import redis
@@ -64,10 +47,7 @@ class ClusterNode:
 
     def kill(self) -> None:
         """kill -9: the node is gone without a word to its peers."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
+        self.stop()
 
 
 class RedisCluster:
@@ -80,22 +60,11 @@ class RedisCluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def start(self, timeout: float = 20.0) -> None:
-        import redis
-
-        for node in self.nodes:
-            node.start()
         deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            node.start(timeout)  # returns once the node answers PING
         clients = [node.client() for node in self.nodes]
         try:
-            for node, client in zip(self.nodes, clients, strict=True):
-                while True:
-                    try:
-                        client.ping()
-                        break
-                    except redis.ConnectionError:
-                        if node.proc is None or node.proc.poll() is not None or time.monotonic() > deadline:
-                            raise RuntimeError(f"redis-server did not start; see {node.workdir}") from None
-                        time.sleep(0.05)
             ends = [*self.starts[1:], SLOTS]
             for first, end, client in zip(self.starts, ends, clients, strict=True):
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, end - 1)

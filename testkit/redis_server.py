@@ -54,6 +54,7 @@ class RedisServer:
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", str(self.workdir),
+                *self.extra_args(),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -72,6 +73,10 @@ class RedisServer:
                     raise RuntimeError(f"redis-server did not start; see {self.workdir}") from None
                 time.sleep(0.05)
         client.close()
+
+    def extra_args(self) -> list[str]:
+        """More redis-server arguments (a subclass's, e.g. a Cluster node's)."""
+        return []
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

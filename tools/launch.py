@@ -384,18 +384,9 @@ class EngineProcess:
         is left over. Every thread is reniced: on Linux a niceness belongs to a
         thread, and a worker's OpenMP threads (which spin after each parallel
         region) would keep the old one. Linux only; elsewhere it does nothing."""
-        changed = 0
-        for pid, name, state in self._group_processes():
-            if name.startswith("VLLM::Worker") and state != "Z":
-                try:
-                    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-                except OSError:
-                    tids = [pid]
-                for tid in tids:
-                    with contextlib.suppress(OSError):
-                        os.setpriority(os.PRIO_PROCESS, tid, niceness)
-                changed += 1
-        return changed
+        return self._each_thread(
+            ("VLLM::Worker",), lambda tid: os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        )
 
     def pin_engine_cpus(self, cpus: set[int]) -> int:
         """Pin the engine's scheduler and worker processes (every thread) to ``cpus``; returns how many.
@@ -406,9 +397,16 @@ class EngineProcess:
         message), so every step of one engine also pays for the other's polling.
         Giving each engine its own cores is the small-machine analogue of its own
         GPU; the API server stays unpinned. Linux only; elsewhere it does nothing."""
-        pinned = 0
+        return self._each_thread(
+            ("VLLM::Worker", "VLLM::EngineCor"), lambda tid: os.sched_setaffinity(tid, cpus)
+        )
+
+    def _each_thread(self, names: tuple[str, ...], apply: Callable[[int], None]) -> int:
+        """Call ``apply`` on every thread of the group's live processes named ``names*``; returns how many
+        processes. A thread that is gone (or refuses) is skipped."""
+        count = 0
         for pid, name, state in self._group_processes():
-            if not name.startswith(("VLLM::Worker", "VLLM::EngineCor")) or state == "Z":
+            if not name.startswith(names) or state == "Z":
                 continue
             try:
                 tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
@@ -416,9 +414,9 @@ class EngineProcess:
                 tids = [pid]
             for tid in tids:
                 with contextlib.suppress(OSError):
-                    os.sched_setaffinity(tid, cpus)
-            pinned += 1
-        return pinned
+                    apply(tid)
+            count += 1
+        return count
 
     def _wait_group_gone(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

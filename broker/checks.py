@@ -8,7 +8,6 @@ import math
 
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, shown
-from kvbroker.broker.leases import LeaseTable
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
@@ -137,31 +136,22 @@ class Checks:
                 f"the limit is {limit} (--max-engine-info-bytes)"
             )
 
-    def lease_room(self, leases: LeaseTable, holder_id: str, reader_id: str, blocks: int) -> None:
-        """A new lease of `blocks` fits the per-lease and per-engine limits (RESOURCE_EXHAUSTED if not)."""
+    @staticmethod
+    def readable(incompatibility: str | None, reader_id: str, holder_id: str) -> None:
+        """FAILED_PRECONDITION when the reader cannot read the holder's blocks (the reason given)."""
+        if incompatibility is not None:
+            raise FailedPrecondition(
+                f"reader {shown(reader_id)} cannot read holder {shown(holder_id)}: {incompatibility}",
+                Cause.INCOMPATIBLE,
+            )
+
+    def lease_blocks(self, blocks: int) -> None:
+        """A new lease of `blocks` fits the per-lease limit (RESOURCE_EXHAUSTED if not). The limit of
+        live leases per engine is checked by the lease table as it creates or claims one."""
         c = self.config
         if blocks > c.max_lease_blocks:
             raise ResourceExhausted(
                 f"a lease of {blocks} blocks is over the limit of {c.max_lease_blocks} (--max-lease-blocks); "
                 "hold or read fewer blocks",
                 metadata={"limit": str(c.max_lease_blocks)},
-            )
-        held = leases.count_by_holder(holder_id)
-        if held >= c.max_leases_per_engine:
-            raise ResourceExhausted(
-                f"engine {shown(holder_id)} holds {held} live leases, the limit (--max-leases-per-engine); "
-                "free or release some first",
-                metadata={"engine_id": holder_id, "limit": str(c.max_leases_per_engine)},
-            )
-        if reader_id:
-            self.reader_room(leases, reader_id)
-
-    def reader_room(self, leases: LeaseTable, reader_id: str) -> None:
-        limit = self.config.max_leases_per_engine
-        read = leases.count_by_reader(reader_id)
-        if read >= limit:
-            raise ResourceExhausted(
-                f"engine {shown(reader_id)} reads {read} live leases, the limit (--max-leases-per-engine); "
-                "release some first",
-                metadata={"engine_id": reader_id, "limit": str(limit)},
             )

@@ -198,11 +198,11 @@ class BrokerCore:
         if best.matched < max(min_blocks, 1):
             return ResolveResult(matches, skipped_reason="below_min")
         holder = self.registry.get(best.engine_id)
+        most = self.config.max_leases_per_engine
         if best.hold_lease_id:
-            self.check.reader_room(self.leases, asker.engine_id)
-            lease = self.leases.claim(best.hold_lease_id, asker.engine_id, ttl_s, self.clock.now())
+            lease = self.leases.claim(best.hold_lease_id, asker.engine_id, ttl_s, self.clock.now(), most)
             return ResolveResult(matches, lease=lease, holder=holder)
-        self.check.lease_room(self.leases, holder.engine_id, asker.engine_id, best.matched)
+        self.check.lease_blocks(best.matched)
         now = self.clock.now()
         lease = self.leases.create(
             holder=holder.engine_id,
@@ -215,6 +215,7 @@ class BrokerCore:
             ttl_s=ttl_s,
             deadline=now + self.config.pin_timeout_ms / 1000,
             request_id=request_id,
+            max_leases=most,
         )
         self.notifier.pin(holder.session_id, lease)
         return ResolveResult(matches, lease=lease, holder=holder, pending=True)
@@ -280,13 +281,8 @@ class BrokerCore:
                     "reader_engine_id equals holder_engine_id; an engine does not lease to itself"
                 )
             reader = self.registry.get(reader_id)
-            reason = self.registry.incompatibility(reader, holder)
-            if reason is not None:
-                raise FailedPrecondition(
-                    f"reader {shown(reader_id)} cannot read holder {shown(holder_id)}: {reason}",
-                    Cause.INCOMPATIBLE,
-                )
-        self.check.lease_room(self.leases, holder_id, reader_id, len(hashes))
+            self.check.readable(self.registry.incompatibility(reader, holder), reader_id, holder_id)
+        self.check.lease_blocks(len(hashes))
         now = self.clock.now()
         if request_id and self.declines.take(holder_id, request_id, now):
             raise FailedPrecondition(
@@ -305,6 +301,7 @@ class BrokerCore:
             ttl_s=ttl_s,
             deadline=now + ttl_s,
             request_id=request_id,
+            max_leases=self.config.max_leases_per_engine,
         )
 
     def _expire_now(self, lease_id: str) -> None:
@@ -319,20 +316,17 @@ class BrokerCore:
             raise InvalidArgument("reader_engine_id is empty")
         reader = self.registry.get(reader_id)
         self._expire_now(lease_id)
-        lease = self.leases.get(lease_id)
+
+        def vet(lease: Lease) -> None:  # a hold that named this reader was vetted as it was made
+            holder = self.registry.find(lease.holder)
+            if holder is not None and lease.state.live:
+                self.check.readable(self.registry.incompatibility(reader, holder), reader_id, lease.holder)
+            if lease.holder == reader_id:
+                raise InvalidArgument("an engine cannot acquire its own hold")
+
+        most = self.config.max_leases_per_engine
+        lease = self.leases.claim(lease_id, reader_id, ttl_s, self.clock.now(), most, vet)
         holder = self.registry.find(lease.holder)
-        if holder is not None and lease.state.live:
-            reason = self.registry.incompatibility(reader, holder)
-            if reason is not None:
-                raise FailedPrecondition(
-                    f"reader {shown(reader_id)} cannot read holder {shown(lease.holder)}: {reason}",
-                    Cause.INCOMPATIBLE,
-                )
-        if lease.holder == reader_id:
-            raise InvalidArgument("an engine cannot acquire its own hold")
-        if lease.reader != reader_id:
-            self.check.reader_room(self.leases, reader_id)
-        lease = self.leases.claim(lease_id, reader_id, ttl_s, self.clock.now())
         assert holder is not None  # a live lease always has a live holder
         return lease, holder
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied, shown
+from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted, shown
 from kvbroker.broker.expiry import ExpiryQueue
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
@@ -49,6 +49,9 @@ class Lease:
         return max(0, int((self.deadline - now) * 1000))
 
 
+Vet = Callable[[Lease], None]
+
+
 class LeaseTable(Protocol):
     """The books of all live leases plus a bounded history of ended ones."""
 
@@ -65,13 +68,30 @@ class LeaseTable(Protocol):
         ttl_s: float,
         deadline: float,
         request_id: str,
-    ) -> Lease: ...
+        max_leases: int = 0,
+    ) -> Lease:
+        """A new live lease. With `max_leases`, refused (RESOURCE_EXHAUSTED) when the holder, or
+        the named reader, already has that many live leases: checked and created in one step."""
+        ...
 
     def get(self, lease_id: str) -> Lease:
         """A live or recently ended lease; NotFound otherwise."""
         ...
 
-    def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease: ...
+    def claim(
+        self,
+        lease_id: str,
+        reader: str,
+        ttl_s: float,
+        now: float,
+        max_leases: int = 0,
+        vet: Vet | None = None,
+    ) -> Lease:
+        """HELD -> ACTIVE for `reader`. `vet` sees the lease first (any state) and raises to refuse;
+        a table may skip it for a lease that named this reader when it was held (the hold checked
+        that pair). With `max_leases`, a reader the lease did not name yet must read fewer."""
+        ...
+
     def activate(self, lease_id: str, holder: str, block_ids: Sequence[int], now: float) -> Lease: ...
     def renew(self, lease_id: str, engine_id: str, ttl_s: float, now: float) -> Lease: ...
     def release(self, lease_id: str, reader: str, epoch: int, now: float) -> Lease: ...
@@ -95,6 +115,22 @@ def ended_cause(lease: Lease) -> Cause:
 def about(lease: Lease, **more: str) -> dict[str, str]:
     """An error's metadata: the lease, its state, and `more` ids."""
     return {"lease_id": lease.lease_id, "state": lease.state.label, **more}
+
+
+def too_many_held(holder: str, held: int, limit: int) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"engine {shown(holder)} holds {held} live leases, the limit (--max-leases-per-engine); "
+        "free or release some first",
+        metadata={"engine_id": holder, "limit": str(limit)},
+    )
+
+
+def too_many_read(reader: str, read: int, limit: int) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"engine {shown(reader)} reads {read} live leases, the limit (--max-leases-per-engine); "
+        "release some first",
+        metadata={"engine_id": reader, "limit": str(limit)},
+    )
 
 
 def _ended_error(lease: Lease) -> FailedPrecondition:
@@ -142,7 +178,13 @@ class InMemoryLeaseTable:
         ttl_s: float,
         deadline: float,
         request_id: str,
+        max_leases: int = 0,
     ) -> Lease:
+        if max_leases:
+            if (held := len(self._by_holder.get(holder, ()))) >= max_leases:
+                raise too_many_held(holder, held, max_leases)
+            if reader and (read := len(self._by_reader.get(reader, ()))) >= max_leases:
+                raise too_many_read(reader, read, max_leases)
         lease = Lease(
             lease_id=f"{self._prefix}-{next(self._ids):x}",
             holder=holder,
@@ -181,7 +223,22 @@ class InMemoryLeaseTable:
 
     # -- transitions ---------------------------------------------------------
 
-    def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease:
+    def claim(
+        self,
+        lease_id: str,
+        reader: str,
+        ttl_s: float,
+        now: float,
+        max_leases: int = 0,
+        vet: Vet | None = None,
+    ) -> Lease:
+        if vet is not None or max_leases:
+            lease = self.get(lease_id)
+            if vet is not None:
+                vet(lease)
+            read = len(self._by_reader.get(reader, ()))
+            if max_leases and lease.reader != reader and read >= max_leases:
+                raise too_many_read(reader, read, max_leases)
         lease = self._get_live(lease_id)
         if lease.state is not LeaseState.HELD:
             raise FailedPrecondition(

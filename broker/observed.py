@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from kvbroker.broker.events import ENGINE, INDEX, LEASE, Notifier, WatchEvent
 from kvbroker.broker.lease_stats import LeaseStats
-from kvbroker.broker.leases import Lease, LeaseTable
+from kvbroker.broker.leases import Lease, LeaseTable, Vet
 from kvbroker.broker.mirror import MirrorHub
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
 from kvbroker.common.index import PrefixIndex
@@ -139,6 +139,7 @@ class ObservedLeaseTable:
         ttl_s: float,
         deadline: float,
         request_id: str,
+        max_leases: int = 0,
     ) -> Lease:
         lease = self._table.create(
             holder=holder,
@@ -151,14 +152,23 @@ class ObservedLeaseTable:
             ttl_s=ttl_s,
             deadline=deadline,
             request_id=request_id,
+            max_leases=max_leases,
         )
         self._publish.lease("lease_pending" if state is LeaseState.PENDING else "lease_held", lease)
         if self.stats is not None:
             self.stats.started(lease)
         return lease
 
-    def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease:
-        lease = self._table.claim(lease_id, reader, ttl_s, now)
+    def claim(
+        self,
+        lease_id: str,
+        reader: str,
+        ttl_s: float,
+        now: float,
+        max_leases: int = 0,
+        vet: Vet | None = None,
+    ) -> Lease:
+        lease = self._table.claim(lease_id, reader, ttl_s, now, max_leases, vet)
         self._publish.lease("lease_active", lease)
         return lease
 

@@ -202,6 +202,8 @@ def _fleet_core(
     registry = FleetRegistry(shared, replica)
     notifier = FleetNotifier(clock, shared, replica)
     registry.on_resumed = notifier.session_resumed
+    registry.on_changed = notifier.engine_changed
+    notifier.on_engine_changed = registry.changed
     registry.on_lost = lambda session_id: notifier.close_session(
         session_id,
         "UNAVAILABLE",

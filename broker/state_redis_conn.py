@@ -18,7 +18,7 @@ down or a Cluster that is down is `Unavailable` like a standalone store away.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
@@ -30,6 +30,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
     AskError,
     ClusterError,
+    NoScriptError,
     RedisClusterException,
     SlotNotCoveredError,
     TryAgainError,
@@ -105,6 +106,7 @@ class RedisState:
         self.cluster = url.startswith(CLUSTER_SCHEMES)
         self._timeout_s = timeout_s
         self.client: Any  # redis.Redis or redis.RedisCluster: the same commands, scripts and pipelines
+        self._conn: Any = None  # on one Redis: the connection `run` and `command` use
         if self.cluster:
             self.seeds, self._options = parse_cluster_url(url)
             self.client = self._connect_cluster()
@@ -149,6 +151,47 @@ class RedisState:
             if "connect" in str(err).lower():  # every known node is down
                 raise Unavailable(f"the Redis Cluster {self.shown} does not answer: {err}") from None
             raise
+
+    def run(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """Run a script from `script()`. On one Redis this goes straight over a connection of this
+        replica's own: the client's layers per command cost more CPU than the round trip itself.
+        On a Cluster, through the client, which routes each call and follows redirects."""
+        if self.cluster:
+            return self.call(script, keys=keys, args=args)
+        return self.call(self._command, "EVALSHA", script, len(keys), *keys, *args)
+
+    def command(self, *command: Any) -> Any:
+        """One command (no keys, e.g. PUBLISH), its raw answer; the same direct connection."""
+        if self.cluster:
+            return self.call(self.client.execute_command, *command)
+        return self.call(self._command, *command)
+
+    def _command(self, *command: Any) -> Any:
+        script = command[1] if command[0] == "EVALSHA" else None
+        if script is not None:
+            command = ("EVALSHA", script.sha, *command[2:])
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self.client.connection_pool.make_connection()
+        for attempt in (1, 2):
+            try:
+                conn.send_command(*command)
+                return conn.read_response()
+            except NoScriptError:  # first use, or a store restarted empty
+                if script is None or attempt == 2:
+                    raise
+                script.sha = self.call(self.client.script_load, script.script)
+                command = ("EVALSHA", script.sha, *command[2:])
+            except redis.ConnectionError:
+                conn.disconnect()
+                if attempt == 2:  # a connection the store closed (it restarted): once more, anew
+                    raise
+            except redis.ResponseError:
+                raise  # an answer, read whole: the connection stays good
+            except BaseException:
+                conn.disconnect()  # a half-read answer must not be read as the next one's
+                raise
+        raise AssertionError("unreachable")
 
     def script(self, text: str) -> Any:
         """A Lua script; on a Cluster, one the server confines to the hash slot of its first key."""
@@ -206,4 +249,6 @@ class RedisState:
         )
 
     def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
         self.client.close()

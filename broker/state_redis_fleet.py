@@ -86,6 +86,10 @@ return gone
 """
 
 PUSH_EVERY_S = 0.25  # how often an owner writes its sessions' deadlines and loads to the store
+# Another replica's engine record is reused for as long as its owner takes to push a new load; a
+# registration, a new rank or a session's end is announced on the fleet's channel and drops it.
+SEEN_FOR_S = PUSH_EVERY_S
+SEEN_MAX = 4096
 
 
 class FleetRegistry(EngineRegistry):
@@ -104,6 +108,8 @@ class FleetRegistry(EngineRegistry):
         self._claimed: set[str] = set()  # remote sessions this replica claimed to end
         self._pushed = 0.0
         self.on_resumed: Callable[[str], None] = lambda session_id: None
+        self.on_changed: Callable[[str], None] = lambda engine_id: None  # tells the other replicas
+        self._seen: dict[str, tuple[EngineRecord, float]] = {}  # other replicas' engines, when read
         # A local session the store does not have (a store restarted empty): end its stream so the
         # engine registers again and re-announces, rebuilding the shared index.
         self.on_lost: Callable[[str], None] = lambda session_id: None
@@ -167,7 +173,25 @@ class FleetRegistry(EngineRegistry):
         return n
 
     def find(self, engine_id: str) -> EngineRecord | None:
-        return super().find(engine_id) or self._remote(engine_id)
+        rec = super().find(engine_id)
+        if rec is not None:
+            return rec
+        now = time.monotonic()
+        seen = self._seen.get(engine_id)
+        if seen is not None and now - seen[1] < SEEN_FOR_S:
+            return seen[0]
+        rec = self._remote(engine_id)
+        if rec is None:
+            self._seen.pop(engine_id, None)
+            return None
+        if len(self._seen) >= SEEN_MAX:
+            self._seen.clear()
+        self._seen[engine_id] = (rec, now)
+        return rec
+
+    def changed(self, engine_id: str) -> None:
+        """Another replica changed this engine's record: read it again when next needed."""
+        self._seen.pop(engine_id, None)
 
     def get(self, engine_id: str) -> EngineRecord:
         rec = self.find(engine_id)
@@ -206,6 +230,7 @@ class FleetRegistry(EngineRegistry):
     def add(self, info: pb.EngineInfo, ttl_s: float, expected_ranks: int, now: float) -> EngineRecord:
         rec = super().add(info, ttl_s, expected_ranks, now)
         self._publish(rec, new=True)
+        self.on_changed(rec.engine_id)
         return rec
 
     def add_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
@@ -218,12 +243,15 @@ class FleetRegistry(EngineRegistry):
             )
         rec = super().add_rank(engine_id, rank)
         self._publish(rec, new=False)
+        self.on_changed(engine_id)
         return rec
 
     def remove(self, rec: EngineRecord) -> None:
         super().remove(rec)
         self._claimed.discard(rec.session_id)
         self._state.call(self._remove, keys=self._route, args=[self._p, rec.engine_id, rec.session_id])
+        self._seen.pop(rec.engine_id, None)
+        self.on_changed(rec.engine_id)
 
     # -- shared state --------------------------------------------------------------------
 
@@ -236,6 +264,7 @@ class FleetRegistry(EngineRegistry):
             return None
         rec = self._record(self._pairs(flat), now + ttl_s)
         rec.ttl_s = ttl_s
+        self._seen.pop(rec.engine_id, None)
         self._engines[rec.engine_id] = rec
         self._by_session[rec.session_id] = rec
         self._fingerprints.setdefault(rec.layout_id, rec.info.layout)

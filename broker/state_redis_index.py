@@ -208,7 +208,7 @@ class RedisPrefixIndex:
             self._known.add(nsid)
         self._state.call(self._r.sadd, self._engine_key(engine_id), nsid)
         keys = self._keys(nsid, "ix", "slot", "slotof", "cnt", "seq")
-        added: int = self._state.call(self._add, keys=keys, args=[_holder(engine_id, tier), packed])
+        added: int = self._state.run(self._add, keys, [_holder(engine_id, tier), packed])
         return added
 
     def remove(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
@@ -216,7 +216,7 @@ class RedisPrefixIndex:
         if not packed:
             return 0
         keys = self._keys(namespace_id(namespace), "ix", "slotof", "cnt")
-        removed: int = self._state.call(self._remove, keys=keys, args=[_holder(engine_id, tier), packed])
+        removed: int = self._state.run(self._remove, keys, [_holder(engine_id, tier), packed])
         return removed
 
     def drop_holder(self, engine_id: str, tier: Tier | None = None) -> int:
@@ -239,7 +239,7 @@ class RedisPrefixIndex:
         if not packed:
             return []
         keys = self._keys(namespace_id(namespace), "ix", "slot")
-        flat = self._state.call(self._longest, keys=keys, args=[packed])
+        flat = self._state.run(self._longest, keys, [packed])
         out: list[tuple[str, Tier, int]] = []
         for i in range(0, len(flat), 2):
             engine_id, _, tier = flat[i].decode().rpartition("\t")

@@ -16,11 +16,16 @@ reader recomputes.
 Deadlines are seconds of the core's clock, which for a shared store must be
 the same on every replica (the broker uses wall-clock time in this mode).
 
-Expiry: `expire_if_due` answers from this replica's copy when that copy is not
-due (no round trip); claim, renew and release check the deadline again inside
-their scripts, so a lease another replica shortened (a claim) and that is now
-due ends there and then, and the next `revoke_expired` reports it so its
-parties are told.
+Expiry: `expire_if_due` answers from this replica's copy, without a round trip,
+unless that copy is live and due; claim, renew and release check the deadline
+again inside their scripts, so a lease another replica shortened (a claim) and
+that is now due ends there and then, and the next `revoke_expired` reports it
+so its parties are told.
+
+The limit of live leases per engine is counted inside the create and claim
+scripts, so it holds exactly across replicas, and a create answers nothing a
+caller needs to read back. A claim by the reader the hold named is one script;
+one by another reader answers the lease first so the core can vet the pair.
 
 Lease objects are cached per replica (weakly) and refreshed in place from each
 script's answer, so a caller holding a Lease sees its new state, as with the
@@ -36,7 +41,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied, shown
-from kvbroker.broker.leases import Lease, about, ended_cause
+from kvbroker.broker.leases import Lease, Vet, about, ended_cause, too_many_held, too_many_read
 from kvbroker.broker.state_redis_conn import RedisState
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
@@ -96,6 +101,15 @@ if op == 'revoke' or op == 'expire_if_due' then
   return {'ok', unpack(redis.call('HGETALL', key))}
 end
 if f == nil then return {'E', 'unknown'} end
+if op == 'claim' and f.r ~= ARGV[6] then
+  -- a reader the hold did not name: the caller vets the pair first (ARGV[11] = '1'), then counts
+  if ARGV[11] == '1' then return {'V', unpack(redis.call('HGETALL', key))} end
+  local most = tonumber(ARGV[10])
+  if most > 0 then
+    local n = redis.call('SCARD', p .. 'r:' .. ARGV[6])
+    if n >= most then return {'L', n} end
+  end
+end
 if f.st > 3 then return {'E', 'ended', unpack(redis.call('HGETALL', key))} end
 local who, now = ARGV[6], tonumber(ARGV[7])
 if op ~= 'activate' and f.dl <= now then
@@ -135,6 +149,25 @@ end
 return {'ok', unpack(redis.call('HGETALL', key))}
 """
 )
+
+# ARGV: prefix, id, holder, reader, most (live leases per engine; 0: no limit), deadline, then the
+# lease's fields and values.  -> {} once created, or {'held'|'read', count} when a limit refuses it.
+_CREATE = """
+local p, id, h, r, most = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+if most > 0 then
+  local n = redis.call('SCARD', p .. 'h:' .. h)
+  if n >= most then return {'held', n} end
+  if r ~= '' then
+    n = redis.call('SCARD', p .. 'r:' .. r)
+    if n >= most then return {'read', n} end
+  end
+end
+redis.call('HSET', p .. 'l:' .. id, unpack(ARGV, 7))
+redis.call('ZADD', p .. 'exp', ARGV[6], id)
+redis.call('SADD', p .. 'h:' .. h, id)
+if r ~= '' then redis.call('SADD', p .. 'r:' .. r, id) end
+return {}
+"""
 
 # ARGV: prefix, now, limit, history, keep_ms. Each due lease is expired by exactly one caller.
 _EXPIRE_DUE = (
@@ -182,6 +215,7 @@ class RedisLeaseTable:
         self._history = history
         self._keep_ms = int(history_s * 1000)
         self._transition = state.script(_TRANSITION)
+        self._create = state.script(_CREATE)
         self._expire_due = state.script(_EXPIRE_DUE)
         self._cache: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         self._expired_here: list[Lease] = []  # expired by a transition's script, reported by revoke_expired
@@ -223,17 +257,21 @@ class RedisLeaseTable:
 
     def _run(self, op: str, lease_id: str, *args: Any) -> list[Any]:
         argv = [self._p, op, lease_id, self._history, self._keep_ms, *args]
-        answer: list[Any] = self._state.call(self._transition, keys=self._route, args=argv)
+        answer: list[Any] = self._state.run(self._transition, self._route, argv)
         return answer
 
     def _done(self, op: str, lease_id: str, *args: Any) -> Lease:
-        answer = self._run(op, lease_id, *args)
+        return self._answer(op, lease_id, self._run(op, lease_id, *args), args)
+
+    def _answer(self, op: str, lease_id: str, answer: list[Any], args: tuple[Any, ...]) -> Lease:
         if answer[0] == b"ok":
             return self._lease(answer[1:])
         if answer[0] == b"X":  # its deadline had passed: the script expired it (told at the next pass)
             lease = self._lease(answer[1:])
             self._expired_here.append(lease)
             raise _refusal(op, "ended", lease, str(args[0]), args)
+        if answer[0] == b"L":  # a claim by a reader already at the limit of live leases
+            raise too_many_read(args[0], int(answer[1]), int(args[4]))
         code = answer[1].decode()
         if code == "unknown":
             raise _unknown(lease_id)
@@ -255,38 +293,27 @@ class RedisLeaseTable:
         ttl_s: float,
         deadline: float,
         request_id: str,
+        max_leases: int = 0,
     ) -> Lease:
         self._ids += 1
         lid = f"{self._prefix}-{self._ids:x}"
-        fields = {
-            "id": lid,
-            "h": holder,
-            "r": reader,
-            "lay": namespace.layout_id,
-            "ten": namespace.tenant,
-            "tier": int(tier),
-            "bh": _pack(block_hashes, _Q),
-            "bi": _pack(block_ids, _I),
-            "st": int(state),
-            "ttl": repr(ttl_s),
-            "ttlshown": f"{ttl_s:g}",
-            "dl": repr(deadline),
-            "ep": 1,
-            "c": 0,
-            "d": "",
-            "q": request_id,
-        }
-        pipe = self._r.pipeline(transaction=True)
-        pipe.hset(self._p + "l:" + lid, mapping=fields)
-        pipe.zadd(self._p + "exp", {lid: deadline})
-        pipe.sadd(self._p + "h:" + holder, lid)
-        if reader:
-            pipe.sadd(self._p + "r:" + reader, lid)
-        self._state.call(pipe.execute)
-        flat: list[bytes] = []
-        for k, v in fields.items():
-            flat += [k.encode(), v if isinstance(v, bytes) else str(v).encode()]
-        return self._lease(flat)
+        hashes, ids = tuple(block_hashes), tuple(block_ids)
+        argv = [self._p, lid, holder, reader, max_leases, repr(deadline)]
+        argv += ["id", lid, "h", holder, "r", reader, "lay", namespace.layout_id, "ten", namespace.tenant]
+        argv += ["tier", int(tier), "bh", _pack(hashes, _Q), "bi", _pack(ids, _I), "st", int(state)]
+        argv += ["ttl", repr(ttl_s), "ttlshown", f"{ttl_s:g}", "dl", repr(deadline), "ep", 1, "c", 0]
+        argv += ["d", "", "q", request_id]
+        refused = self._state.run(self._create, self._route, argv)
+        if refused:
+            count = int(refused[1])
+            if refused[0] == b"held":
+                raise too_many_held(holder, count, max_leases)
+            raise too_many_read(reader, count, max_leases)
+        # The script wrote exactly these fields: the lease is known without reading it back.
+        lease = Lease(lid, holder, reader, namespace, tier, hashes, ids, state, ttl_s, deadline)
+        lease.request_id = request_id
+        self._cache[lid] = lease
+        return lease
 
     def get(self, lease_id: str) -> Lease:
         flat = self._state.call(self._r.hgetall, self._p + "l:" + lease_id)
@@ -294,8 +321,24 @@ class RedisLeaseTable:
             raise _unknown(lease_id)
         return self._lease([x for kv in flat.items() for x in kv])
 
-    def claim(self, lease_id: str, reader: str, ttl_s: float, now: float) -> Lease:
-        return self._done("claim", lease_id, reader, repr(now), repr(ttl_s), f"{ttl_s:g}")
+    def claim(
+        self,
+        lease_id: str,
+        reader: str,
+        ttl_s: float,
+        now: float,
+        max_leases: int = 0,
+        vet: Vet | None = None,
+    ) -> Lease:
+        args = (reader, repr(now), repr(ttl_s), f"{ttl_s:g}", max_leases)
+        if vet is not None:
+            # One round trip when the hold named this reader (vetted as it was made); otherwise the
+            # script answers the lease unchanged, the caller vets it, and the claim runs unvetted.
+            answer = self._run("claim", lease_id, *args, 1)
+            if answer[0] != b"V":
+                return self._answer("claim", lease_id, answer, args)
+            vet(self._lease(answer[1:]))
+        return self._done("claim", lease_id, *args, 0)
 
     def activate(self, lease_id: str, holder: str, block_ids: Sequence[int], now: float) -> Lease:
         return self._done("activate", lease_id, holder, repr(now), _pack(block_ids, _I))
@@ -312,9 +355,10 @@ class RedisLeaseTable:
 
     def expire_if_due(self, lease_id: str, now: float) -> Lease | None:
         cached = self._cache.get(lease_id)
-        if cached is not None and cached.state.live and cached.deadline > now:
-            # Not due as far as this replica knows; claim, renew and release check the deadline
-            # again in their scripts (another replica's claim may have shortened it).
+        if cached is None or not cached.state.live or cached.deadline > now:
+            # Not due as far as this replica knows (or not known here): no round trip. Claim,
+            # renew and release check the deadline again in their scripts (another replica may
+            # have shortened it); what they expire, revoke_expired reports at the next pass.
             return None
         answer = self._run("expire_if_due", lease_id, repr(now))
         return self._lease(answer[1:]) if answer else None
@@ -322,9 +366,7 @@ class RedisLeaseTable:
     def revoke_expired(self, now: float, limit: int) -> list[Lease]:
         argv = [self._p, repr(now), limit, self._history, self._keep_ms]
         ended, self._expired_here = self._expired_here, []
-        return ended + [
-            self._lease(flat) for flat in self._state.call(self._expire_due, keys=self._route, args=argv)
-        ]
+        return ended + [self._lease(flat) for flat in self._state.run(self._expire_due, self._route, argv)]
 
     def _many(self, ids: Iterable[bytes | str]) -> list[Lease]:
         pipe = self._r.pipeline(transaction=False)
@@ -334,12 +376,12 @@ class RedisLeaseTable:
         return [self._lease([x for kv in h.items() for x in kv]) for h in found if h]
 
     def by_holder(self, engine_id: str) -> list[Lease]:
-        ids = self._state.call(self._r.smembers, self._p + "h:" + engine_id)
-        return [lease for lease in self._many(ids) if lease.state.live]
+        ids = self._state.command("SMEMBERS", self._p + "h:" + engine_id)
+        return [lease for lease in self._many(ids) if lease.state.live] if ids else []
 
     def by_reader(self, engine_id: str) -> list[Lease]:
-        ids = self._state.call(self._r.smembers, self._p + "r:" + engine_id)
-        return [lease for lease in self._many(ids) if lease.state.live]
+        ids = self._state.command("SMEMBERS", self._p + "r:" + engine_id)
+        return [lease for lease in self._many(ids) if lease.state.live] if ids else []
 
     def count_by_holder(self, engine_id: str) -> int:
         n: int = self._state.call(self._r.scard, self._p + "h:" + engine_id)

@@ -33,7 +33,7 @@ from kvbroker.broker.mirror import DEFAULT_MAX_PENDING_BYTES, MirrorHub, MirrorS
 from kvbroker.broker.state_redis_conn import RedisState
 from kvbroker.broker.state_redis_mirror import MirrorStreams
 from kvbroker.common.causes import Cause
-from kvbroker.common.model import Namespace, Tier
+from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
@@ -46,14 +46,15 @@ class FleetNotifier(StreamNotifier):
         self._channel = f"{state.prefix}:{{fleet}}:notify"
         self.replica = replica
         self.lease_of: Callable[[str], Lease] | None = None  # the shared lease table's get
+        self.on_engine_changed: Callable[[str], None] = lambda engine_id: None  # another replica's
         self.mirrors: FleetMirrorHub | None = None
         self.streams = MirrorStreams(state, replica, self._apply_mirror, self._resync_mirrors)
         self.delivered = 0
 
-    def _publish(self, kind: str, session_id: str, **more: str) -> None:
+    def _publish(self, kind: str, session_id: str, **more: Any) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
         try:
-            self._state.call(self._state.client.publish, self._channel, body)
+            self._state.command("PUBLISH", self._channel, body)
         except BrokerError as err:
             log.warning("cannot tell another replica (%s to session %s...): %s", kind, session_id[:8], err)
 
@@ -79,14 +80,22 @@ class FleetNotifier(StreamNotifier):
     def lease_revoked(self, session_id: str, lease: Lease) -> None:
         if self._local(session_id):
             super().lease_revoked(session_id, lease)
-        else:
+        elif lease.state.live:
             self._publish("revoked", session_id, lease=lease.lease_id)
+        else:  # it ended: it changes no more, so it travels with the notice (no read there)
+            self._publish("revoked", session_id, lease=lease.lease_id, ended=_ended_wire(lease))
 
     def lease_ended(self, session_id: str, lease: Lease) -> None:
         if self._local(session_id):
             super().lease_ended(session_id, lease)
-        else:
+        elif lease.state.live:
             self._publish("ended", session_id, lease=lease.lease_id)
+        else:
+            self._publish("ended", session_id, lease=lease.lease_id, ended=_ended_wire(lease))
+
+    def engine_changed(self, engine_id: str) -> None:
+        """An engine registered, added a rank or ended here: others drop their copy of its record."""
+        self._publish("engine", "", engine=engine_id)
 
     def pin(self, session_id: str, lease: Lease) -> None:
         if self._local(session_id):
@@ -124,6 +133,10 @@ class FleetNotifier(StreamNotifier):
                     sid, "ABORTED", "the session resumed on another broker replica", Cause.SESSION_SUPERSEDED
                 )
             return
+        if kind == "engine":
+            if msg.get("rep") != self.replica:
+                self.on_engine_changed(str(msg.get("engine", "")))
+            return
         if kind == "settled" and msg.get("rep") == self.replica:
             return
         if kind != "settled" and not self._local(sid):
@@ -135,12 +148,19 @@ class FleetNotifier(StreamNotifier):
             cause = Cause(msg["cause"]) if msg.get("cause") else None
             super().close_session(sid, str(msg.get("code", "")), str(msg.get("message", "")), cause)
             return
-        if self.lease_of is None:
+        ended = msg.get("ended")
+        if isinstance(ended, dict) and kind in ("revoked", "ended"):
+            try:
+                lease = _ended_lease(str(msg.get("lease", "")), ended)
+            except (KeyError, TypeError, ValueError):
+                return  # not a notice this version wrote
+        elif self.lease_of is None:
             return
-        try:
-            lease = self.lease_of(str(msg.get("lease", "")))
-        except BrokerError:
-            return  # gone from the shared table: nothing left to tell
+        else:
+            try:
+                lease = self.lease_of(str(msg.get("lease", "")))
+            except BrokerError:
+                return  # gone from the shared table: nothing left to tell
         self.delivered += 1
         if kind == "revoked":
             super().lease_revoked(sid, lease)
@@ -171,6 +191,43 @@ class FleetNotifier(StreamNotifier):
                 await asyncio.sleep(0.5)
             finally:
                 await client.aclose()
+
+
+def _ended_wire(lease: Lease) -> dict[str, Any]:
+    """An ended lease's fields for a notice (JSON)."""
+    ns = lease.namespace
+    return {
+        "h": lease.holder,
+        "r": lease.reader,
+        "ns": [ns.layout_id, ns.tenant],
+        "t": int(lease.tier),
+        "bh": list(lease.block_hashes),
+        "bi": list(lease.block_ids),
+        "st": int(lease.state),
+        "ep": lease.epoch,
+        "c": int(lease.cause),
+        "d": lease.detail,
+        "q": lease.request_id,
+    }
+
+
+def _ended_lease(lease_id: str, f: dict[str, Any]) -> Lease:
+    return Lease(
+        lease_id=lease_id,
+        holder=str(f["h"]),
+        reader=str(f["r"]),
+        namespace=Namespace(str(f["ns"][0]), str(f["ns"][1])),
+        tier=Tier(int(f["t"])),
+        block_hashes=tuple(int(h) for h in f["bh"]),
+        block_ids=tuple(int(b) for b in f["bi"]),
+        state=LeaseState(int(f["st"])),
+        ttl_s=0.0,
+        deadline=0.0,
+        epoch=int(f["ep"]),
+        cause=RevokeCause(int(f["c"])),
+        detail=str(f["d"]),
+        request_id=str(f["q"]),
+    )
 
 
 class FleetMirrorHub(MirrorHub):

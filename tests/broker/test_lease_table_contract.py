@@ -6,7 +6,13 @@ from collections.abc import Callable
 
 import pytest
 
-from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied
+from kvbroker.broker.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable
 from kvbroker.broker.state_redis_leases import RedisLeaseTable
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
@@ -29,9 +35,11 @@ def table(request: pytest.FixtureRequest) -> LeaseTable:
     return BACKENDS[request.param](request)
 
 
-def hold(table: LeaseTable, reader: str = "", ttl: float = 10.0, now: float = 0.0) -> Lease:
+def hold(
+    table: LeaseTable, reader: str = "", ttl: float = 10.0, now: float = 0.0, holder: str = "P", most: int = 0
+) -> Lease:
     return table.create(
-        holder="P",
+        holder=holder,
         reader=reader,
         namespace=NS,
         tier=Tier.GPU,
@@ -41,6 +49,7 @@ def hold(table: LeaseTable, reader: str = "", ttl: float = 10.0, now: float = 0.
         ttl_s=ttl,
         deadline=now + ttl,
         request_id="r1",
+        max_leases=most,
     )
 
 
@@ -72,6 +81,50 @@ def test_claim_rules(table: LeaseTable) -> None:
         table.claim(named.lease_id, "D", 1.0, 0.0)
     with pytest.raises(NotFound):
         table.claim("missing", "D", 1.0, 0.0)
+
+
+def test_live_lease_limits_are_checked_with_the_change(table: LeaseTable) -> None:
+    first = hold(table, most=2)
+    hold(table, reader="D", most=2)
+    with pytest.raises(ResourceExhausted, match="engine 'P' holds 2 live leases") as held:
+        hold(table, most=2)
+    assert held.value.metadata == {"engine_id": "P", "limit": "2"}
+    assert table.count_by_holder("P") == 2  # the refused one left nothing behind
+    hold(table, reader="D", holder="Q", most=2)  # D reads 2 now
+    with pytest.raises(ResourceExhausted, match="engine 'D' reads 2 live leases"):
+        hold(table, reader="D", holder="R", most=2)
+    with pytest.raises(ResourceExhausted, match="engine 'D' reads 2 live leases"):
+        table.claim(first.lease_id, "D", 1.0, 0.0, max_leases=2)
+    assert table.get(first.lease_id).state is LeaseState.HELD and table.count_by_holder("R") == 0
+    named = table.by_reader("D")[0]
+    table.claim(named.lease_id, "D", 1.0, 0.0, max_leases=2)  # already counted: no new read
+    table.claim(first.lease_id, "E", 1.0, 0.0, max_leases=2)
+    assert table.get(first.lease_id).reader == "E"
+
+
+def test_claim_vets_a_reader_the_hold_did_not_name(table: LeaseTable) -> None:
+    lease = hold(table)
+    seen: list[tuple[str, str, LeaseState]] = []
+
+    def refuse(found: Lease) -> None:
+        seen.append((found.lease_id, found.holder, found.state))
+        raise InvalidArgument("not this pair")
+
+    with pytest.raises(InvalidArgument, match="not this pair"):
+        table.claim(lease.lease_id, "D", 1.0, 0.0, vet=refuse)
+    assert seen == [(lease.lease_id, "P", LeaseState.HELD)]
+    assert table.get(lease.lease_id).state is LeaseState.HELD and table.by_reader("D") == []
+    table.claim(
+        lease.lease_id, "D", 1.0, 0.0, vet=lambda found: seen.append(("ok", found.holder, found.state))
+    )
+    assert seen[-1] == ("ok", "P", LeaseState.HELD) and lease.state is LeaseState.ACTIVE
+    named = hold(table, reader="D")  # vetted when it was held: a table may skip the vet
+    table.claim(
+        named.lease_id, "D", 1.0, 0.0, vet=lambda found: seen.append(("named", found.holder, found.state))
+    )
+    assert named.state is LeaseState.ACTIVE
+    with pytest.raises(NotFound):
+        table.claim("missing", "D", 1.0, 0.0, vet=refuse)
 
 
 def test_renew_only_extends_and_bumps_epoch(table: LeaseTable) -> None:

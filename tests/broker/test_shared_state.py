@@ -5,12 +5,15 @@ back empty ends the sessions it lost (engines register again), and the broker wo
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 
 import grpc
 import pytest
 import redis
 
+from kvbroker.broker import state_redis_fleet
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument
 from kvbroker.broker.state_redis_leases import RedisLeaseTable
 from kvbroker.common.error_details import STATUS_DETAILS_KEY
@@ -120,3 +123,39 @@ def test_a_deadline_another_replica_shortened_is_enforced_by_the_transition(
         here.release(lease.lease_id, "D", 0, now=2.0)
     assert here.revoke_expired(now=2.0, limit=10) == [lease]  # reported once, so both sides hear of it
     assert lease.state is LeaseState.REVOKED and here.revoke_expired(now=3.0, limit=10) == []
+
+
+async def test_a_replica_drops_its_copy_of_an_engine_another_replica_ended(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the fleet's notice can drop the copy within this test: the copy's own age limit is long.
+    monkeypatch.setattr(state_redis_fleet, "SEEN_FOR_S", 60.0)
+    fleet = {"state": redis_server.url, "state_prefix": f"seen{secrets.token_hex(3)}"}
+    async with (
+        running_broker(**fleet) as a,
+        running_broker(**fleet) as b,
+        grpc.aio.insecure_channel(a.address) as to_a,
+        grpc.aio.insecure_channel(b.address) as to_b,
+    ):
+        stub_a = broker_pb2_grpc.KVBrokerStub(to_a)
+        p, d = RawSession(stub_a), RawSession(broker_pb2_grpc.KVBrokerStub(to_b))
+        reg = await p.register(engine_info("P"), 60_000)
+        await d.register(engine_info("D"), 60_000)
+        ns = pb.Namespace(layout_id=reg.layout_id)
+        first = _hold(ns, "first")
+        first.reader_engine_id = "D"
+        held = await stub_a.Hold(first)  # replica a reads D's record from the store and keeps it
+        assert held.lease.reader_engine_id == "D"
+        await d.close()  # D's session ends on replica b
+        deadline = time.monotonic() + 5.0
+        while True:
+            again = _hold(ns, f"again-{time.monotonic()}")
+            again.reader_engine_id = "D"
+            try:
+                await stub_a.Hold(again)
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == grpc.StatusCode.NOT_FOUND, err
+                break
+            assert time.monotonic() < deadline, "replica a still names the ended engine D"
+            await asyncio.sleep(0.02)
+        await p.close()

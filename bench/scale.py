@@ -11,6 +11,8 @@ workload, through real engine sessions (Python clients):
   used_memory growth);
 - resolve over the session stream (the path without a mirror): a reader asks
   for a held 64-block chain, one at a time; p50/p99;
+- resolve on the engine's own Mirror (clients/mirror.py), synced from the
+  reader's replica: the same chains answered in process; p50/p99;
 - leases: hold (holder) + acquire + release (reader), one cycle at a time;
   cycles/s, and CPU seconds per cycle in the broker processes and in Redis
   (from /proc; on a Cluster summed over its primaries, and per primary);
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import statistics
 import tempfile
@@ -39,9 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import redis
 
 from bench.common import cpu_seconds, format_table, load_note, log, rss_bytes, write_json
+from kvbroker.clients.mirror import IndexMirror, follow
 from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
@@ -139,6 +144,9 @@ async def _measure(
         out["redis_cpu_us_per_resolve"] = sum(per_node)
         out["redis_cpu_us_per_resolve_per_node"] = per_node
 
+    # -- resolve on the engine's own synced mirror (the default path once synced): in process
+    await _measure_mirror(addresses[-1], p.layout_id, chains, out, args)
+
     # -- leases: hold + acquire + release
     cpu0 = _cpu(pids)
     rcpu0 = [cpu_seconds(pid) for pid in store_pids]
@@ -170,6 +178,36 @@ async def _measure(
     await p.close()
     await d.close()
     return out
+
+
+async def _measure_mirror(
+    address: str, layout_id: str, chains: list[list[int]], out: dict[str, Any], args: argparse.Namespace
+) -> None:
+    """The resolve an engine makes on its own Mirror (clients/mirror.py), synced from the replica
+    the reader uses (with several, not the holder's: the other replica's changes reach it over the
+    store): p50/p99 per resolve, in this process, asker given as the engine adapter does."""
+    mirror = IndexMirror(layout_id)
+    async with grpc.aio.insecure_channel(address) as channel:
+        task = asyncio.create_task(follow(mirror, channel))
+        started = time.monotonic()
+        while not mirror.synced or mirror.total_blocks() < out["blocks"]:
+            if task.done() or time.monotonic() - started > 60.0:
+                raise RuntimeError(f"mirror did not sync: {mirror.stats.errors}")
+            await asyncio.sleep(0.01)
+        out["mirror_sync_s"] = time.monotonic() - started
+        task.cancel()
+        asker = engine_info("D")
+        times: list[float] = []
+        for i in range(args.resolves * 10):
+            chain = chains[i % len(chains)]
+            t0 = time.perf_counter()
+            found = mirror.resolve("", chain, asker=asker)
+            times.append(time.perf_counter() - t0)
+            assert found and found[0].matched_blocks == CHAIN and found[0].engine_id == "P", found
+        out["mirror_resolve_p50_us"] = statistics.median(times) * 1e6
+        out["mirror_resolve_p99_us"] = _pct(times, 0.99) * 1e6
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def _broker(log_dir: Path, name: str, state: str) -> BrokerProcess:
@@ -225,6 +263,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 r["setup"],
                 f"{r['inventory_blocks_per_s']:,.0f}",
                 f"{r['resolve_p50_us']:,.0f} / {r['resolve_p99_us']:,.0f}",
+                f"{r['mirror_resolve_p50_us']:,.1f} / {r['mirror_resolve_p99_us']:,.1f}",
                 f"{r['broker_cpu_us_per_resolve']:,.0f} ({r['broker_cpu_us_per_resolve'] / base['broker_cpu_us_per_resolve']:.2f}x)",
                 f"{r.get('redis_cpu_us_per_resolve', 0):,.0f}",
                 f"{r['lease_cycles_per_s']:,.0f}",
@@ -238,6 +277,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "setup",
         "inventory blocks/s",
         "resolve p50/p99 us",
+        "mirror resolve p50/p99 us",
         "broker CPU us/resolve",
         "Redis CPU us/resolve",
         "lease cycles/s",

@@ -173,25 +173,27 @@ class RedisState:
         conn = self._conn
         if conn is None:
             conn = self._conn = self.client.connection_pool.make_connection()
-        for attempt in (1, 2):
+        loaded = reconnected = False
+        while True:
             try:
                 conn.send_command(*command)
                 return conn.read_response()
             except NoScriptError:  # first use, or a store restarted empty
-                if script is None or attempt == 2:
+                if script is None or loaded:
                     raise
+                loaded = True
                 script.sha = self.call(self.client.script_load, script.script)
                 command = ("EVALSHA", script.sha, *command[2:])
             except redis.ConnectionError:
                 conn.disconnect()
-                if attempt == 2:  # a connection the store closed (it restarted): once more, anew
+                if reconnected:  # once more on a new connection: the store may have restarted
                     raise
+                reconnected = True
             except redis.ResponseError:
                 raise  # an answer, read whole: the connection stays good
             except BaseException:
                 conn.disconnect()  # a half-read answer must not be read as the next one's
                 raise
-        raise AssertionError("unreachable")
 
     def script(self, text: str) -> Any:
         """A Lua script; on a Cluster, one the server confines to the hash slot of its first key."""

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from kvbroker.broker import state_redis_fleet
-from kvbroker.broker.errors import FailedPrecondition, InvalidArgument
+from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvbroker.broker.state_redis_leases import RedisLeaseTable
 from kvbroker.common.error_details import STATUS_DETAILS_KEY
 from kvbroker.common.model import LeaseState, Namespace, Tier
@@ -159,3 +159,26 @@ async def test_a_replica_drops_its_copy_of_an_engine_another_replica_ended(
             assert time.monotonic() < deadline, "replica a still names the ended engine D"
             await asyncio.sleep(0.02)
         await p.close()
+
+
+def test_the_direct_connection_reconnects_and_reloads_scripts_after_a_restart(
+    redis_server: RedisServer,
+) -> None:
+    store = RedisServer(redis_server.workdir / f"own-{secrets.token_hex(3)}")  # this test stops it
+    store.start()
+    try:
+        state = redis_state(store)
+        script = state.script("return {ARGV[1], redis.call('INCR', KEYS[1])}")
+        assert state.run(script, ["k"], ["x"]) == [b"x", 1]
+        assert state.command("PUBLISH", "ch", "body") == 0
+        store.stop()
+        with pytest.raises(Unavailable, match="does not answer"):
+            state.run(script, ["k"], ["x"])
+        store.start()  # the same port, empty: the old connection is dead and the script unknown
+        assert state.run(script, ["k"], ["y"]) == [b"y", 1]
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):  # an error answer keeps the connection
+            state.run(state.script("return redis.call('LPUSH', KEYS[1], 1)"), ["k"], [])
+        assert state.run(script, ["k"], ["z"]) == [b"z", 2]
+        state.close()
+    finally:
+        store.stop()

@@ -53,7 +53,18 @@ _USAGE = (
 # failing over or resharding (a script whose slot is half moved meets a key on another node; with
 # `#!lua` a key of another slot is refused earlier, as "do not hash to the same slot").
 _TRANSIENT = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+# Answers of a Cluster node for a command it did not run: left to the client, which knows what to do.
+_NOT_HERE = ("MOVED", "ASK", "NOSCRIPT", "TRYAGAIN", "CLUSTERDOWN")
 _TRANSIENT_IN_SCRIPT = ("access a non local key", "while the cluster is down")
+
+
+def _raw(answer: Any) -> Any:
+    """One shape whatever parsed it (RESP3 or the client): HGETALL's map and SMEMBERS' set as lists."""
+    if isinstance(answer, dict):
+        return [x for kv in answer.items() for x in kv]
+    if isinstance(answer, set):
+        return list(answer)
+    return answer
 
 
 def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
@@ -107,6 +118,7 @@ class RedisState:
         self._timeout_s = timeout_s
         self.client: Any  # redis.Redis or redis.RedisCluster: the same commands, scripts and pipelines
         self._conn: Any = None  # on one Redis: the connection `run` and `command` use
+        self._node_conns: dict[str, Any] = {}  # on a Cluster: one per primary, by node name
         if self.cluster:
             self.seeds, self._options = parse_cluster_url(url)
             self.client = self._connect_cluster()
@@ -153,18 +165,48 @@ class RedisState:
             raise
 
     def run(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """Run a script from `script()`. On one Redis this goes straight over a connection of this
-        replica's own: the client's layers per command cost more CPU than the round trip itself.
-        On a Cluster, through the client, which routes each call and follows redirects."""
+        """Run a script from `script()` over a connection of this replica's own: the client's
+        layers per command cost more CPU than the round trip itself. On a Cluster, to the primary
+        the cached slot map names for the first key; a redirect goes the client's way."""
         if self.cluster:
-            return self.call(script, keys=keys, args=args)
+            evalsha = ("EVALSHA", script.sha, len(keys), *keys, *args)
+            return self.call(self._on_node, keys[0], evalsha, lambda: script(keys=keys, args=args))
         return self.call(self._command, "EVALSHA", script, len(keys), *keys, *args)
 
     def command(self, *command: Any) -> Any:
-        """One command (no keys, e.g. PUBLISH), its raw answer; the same direct connection."""
-        if self.cluster:
+        """One command, its raw answer (HGETALL: a flat list), over the same connections; on a
+        Cluster, routed by its first argument (its key)."""
+        if not self.cluster:
+            return _raw(self.call(self._command, *command))
+        if command[0] == "PUBLISH":  # no key: any node (Redis forwards it to all)
             return self.call(self.client.execute_command, *command)
-        return self.call(self._command, *command)
+        answer = self.call(self._on_node, command[1], command, lambda: self.client.execute_command(*command))
+        return _raw(answer)
+
+    def _on_node(self, key: Any, command: tuple[Any, ...], slow: Callable[[], Any]) -> Any:
+        """On a Cluster: straight to the key's primary. A redirect, an unknown script, a slot not
+        served now or a node away is left to the client (`slow`): it follows redirects, refreshes
+        the slot map, loads scripts, and its errors become Unavailable as before."""
+        node = self.client.get_node_from_key(key)
+        conn = self._node_conns.get(node.name)
+        if conn is None:
+            if node.redis_connection is None:
+                return slow()
+            conn = self._node_conns[node.name] = node.redis_connection.connection_pool.make_connection()
+        try:
+            conn.send_command(*command)
+            return conn.read_response()
+        except redis.ResponseError as err:
+            if str(err).startswith(_NOT_HERE) or isinstance(err, (NoScriptError, AskError, ClusterError)):
+                return slow()  # the command did not run on this node
+            raise
+        except redis.ConnectionError:
+            conn.disconnect()
+            self._node_conns.pop(node.name, None)
+            return slow()
+        except BaseException:
+            conn.disconnect()  # a half-read answer must not be read as the next one's
+            raise
 
     def _command(self, *command: Any) -> Any:
         script = command[1] if command[0] == "EVALSHA" else None
@@ -251,6 +293,7 @@ class RedisState:
         )
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.disconnect()
+        for conn in [self._conn, *self._node_conns.values()]:
+            if conn is not None:
+                conn.disconnect()
         self.client.close()

@@ -159,8 +159,8 @@ class FleetRegistry(EngineRegistry):
         )
 
     def _remote(self, engine_id: str) -> EngineRecord | None:
-        fields = self._state.call(self._r.hgetall, self._p + "e:" + engine_id)
-        return self._record(fields) if fields else None
+        flat = self._state.command("HGETALL", self._p + "e:" + engine_id)
+        return self._record(self._pairs(flat)) if flat else None
 
     @staticmethod
     def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -292,9 +292,7 @@ class FleetRegistry(EngineRegistry):
                 self.forget(rec)
         local = set(self._by_session)
         # Another replica's deadlines reach the store up to PUSH_EVERY_S late: wait that out twice.
-        for flat in self._state.call(
-            self._claim, keys=self._route, args=[self._p, repr(now - 2 * PUSH_EVERY_S), limit]
-        ):
+        for flat in self._state.run(self._claim, self._route, [self._p, repr(now - 2 * PUSH_EVERY_S), limit]):
             rec = self._record(self._pairs(flat), now)
             if rec.session_id in local:
                 continue  # ours: our own deadline decides (pushed again next time)
@@ -316,7 +314,7 @@ class FleetRegistry(EngineRegistry):
         for rec in self._by_session.values():
             argv += [rec.engine_id, rec.session_id, repr(rec.deadline), repr(rec.load), int(rec.draining)]
             argv.append(rec.peer_host)
-        for raw in self._state.call(self._push_script, keys=self._route, args=argv):
+        for raw in self._state.run(self._push_script, self._route, argv):
             session_id = raw.decode()
             mine = self._by_session.get(session_id)
             # A record of another session (moved, superseded): that replica tells us itself.

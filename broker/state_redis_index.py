@@ -293,7 +293,7 @@ class RedisPrefixIndex:
 
     def maintain(self, budget: int) -> None:
         """Rewrite up to about `budget` entries of one namespace that names dropped holders."""
-        nsid_raw = self._state.call(self._r.srandmember, f"{self._p}:dirty")
+        nsid_raw = self._state.command("SRANDMEMBER", f"{self._p}:dirty")
         if nsid_raw is None:
             return
         nsid = nsid_raw.decode()

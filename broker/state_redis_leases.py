@@ -316,10 +316,10 @@ class RedisLeaseTable:
         return lease
 
     def get(self, lease_id: str) -> Lease:
-        flat = self._state.call(self._r.hgetall, self._p + "l:" + lease_id)
+        flat = self._state.command("HGETALL", self._p + "l:" + lease_id)
         if not flat:
             raise _unknown(lease_id)
-        return self._lease([x for kv in flat.items() for x in kv])
+        return self._lease(flat)
 
     def claim(
         self,

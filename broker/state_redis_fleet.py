@@ -107,6 +107,7 @@ class FleetRegistry(EngineRegistry):
         self._push_script = state.script(_PUSH)
         self._claimed: set[str] = set()  # remote sessions this replica claimed to end
         self._pushed = 0.0
+        self._swept = 0.0  # when this replica last looked for other replicas' expired sessions
         self.on_resumed: Callable[[str], None] = lambda session_id: None
         self.on_changed: Callable[[str], None] = lambda engine_id: None  # tells the other replicas
         self._seen: dict[str, tuple[EngineRecord, float]] = {}  # other replicas' engines, when read
@@ -290,6 +291,10 @@ class FleetRegistry(EngineRegistry):
                 out.append(rec)
             else:
                 self.forget(rec)
+        wall = time.monotonic()
+        if wall - self._swept < PUSH_EVERY_S:
+            return out  # the store's deadlines move only as often as owners push them
+        self._swept = wall
         local = set(self._by_session)
         # Another replica's deadlines reach the store up to PUSH_EVERY_S late: wait that out twice.
         for flat in self._state.run(self._claim, self._route, [self._p, repr(now - 2 * PUSH_EVERY_S), limit]):

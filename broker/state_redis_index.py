@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from kvbroker.broker.state_redis_conn import RedisState
 from kvbroker.common.model import Namespace, Tier
+
+IDLE_SWEEP_S = 0.5  # with no namespace to tidy, how long `maintain` waits before it looks again
 
 _HAS = "local function has(v, s) return string.find(',' .. v .. ',', ',' .. s .. ',', 1, true) ~= nil end\n"
 
@@ -180,6 +183,7 @@ class RedisPrefixIndex:
         self._sweep = state.script(_SWEEP)
         self._known: set[str] = set()  # namespaces this replica has recorded in the namespace map
         self._sweep_cursor: dict[str, bytes] = {}
+        self._idle_until = 0.0
 
     def _keys(self, nsid: str, *names: str) -> list[str]:
         return [f"{self._p}:{{{nsid}}}:{name}" for name in names]
@@ -228,6 +232,7 @@ class RedisPrefixIndex:
             keys = self._keys(nsid, "slot", "slotof", "cnt")
             dropped += self._state.call(self._drop, keys=keys, args=holders)
             self._state.call(self._r.sadd, f"{self._p}:dirty", nsid)
+            self._idle_until = 0.0  # ours to tidy: from the next pass on
         if tier is None:
             self._state.call(self._r.delete, self._engine_key(engine_id))
         return dropped
@@ -293,8 +298,12 @@ class RedisPrefixIndex:
 
     def maintain(self, budget: int) -> None:
         """Rewrite up to about `budget` entries of one namespace that names dropped holders."""
+        wall = time.monotonic()
+        if wall < self._idle_until:
+            return  # nothing was dirty a moment ago: look again in a while, not every pass
         nsid_raw = self._state.command("SRANDMEMBER", f"{self._p}:dirty")
         if nsid_raw is None:
+            self._idle_until = wall + IDLE_SWEEP_S
             return
         nsid = nsid_raw.decode()
         cursor = self._sweep_cursor.get(nsid, b"0")

@@ -204,6 +204,8 @@ def _fleet_core(
     registry.on_resumed = notifier.session_resumed
     registry.on_changed = notifier.engine_changed
     notifier.on_engine_changed = registry.changed
+    notifier.on_moved = registry.moved
+    notifier.replica_of = registry.replica_of
     registry.on_lost = lambda session_id: notifier.close_session(
         session_id,
         "UNAVAILABLE",

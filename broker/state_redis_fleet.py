@@ -111,6 +111,7 @@ class FleetRegistry(EngineRegistry):
         self.on_resumed: Callable[[str], None] = lambda session_id: None
         self.on_changed: Callable[[str], None] = lambda engine_id: None  # tells the other replicas
         self._seen: dict[str, tuple[EngineRecord, float]] = {}  # other replicas' engines, when read
+        self._serving: dict[str, tuple[str, float]] = {}  # session id -> its replica, when read
         # A local session the store does not have (a store restarted empty): end its stream so the
         # engine registers again and re-announces, rebuilding the shared index.
         self.on_lost: Callable[[str], None] = lambda session_id: None
@@ -181,18 +182,35 @@ class FleetRegistry(EngineRegistry):
         seen = self._seen.get(engine_id)
         if seen is not None and now - seen[1] < SEEN_FOR_S:
             return seen[0]
-        rec = self._remote(engine_id)
-        if rec is None:
+        flat = self._state.command("HGETALL", self._p + "e:" + engine_id)
+        if not flat:
             self._seen.pop(engine_id, None)
             return None
+        fields = self._pairs(flat)
+        rec = self._record(fields)
         if len(self._seen) >= SEEN_MAX:
             self._seen.clear()
+            self._serving.clear()
         self._seen[engine_id] = (rec, now)
+        self._serving[rec.session_id] = (fields.get(b"rep", b"").decode(), now)
         return rec
+
+    def replica_of(self, session_id: str) -> str | None:
+        """The replica serving another replica's session, as read within SEEN_FOR_S (else None)."""
+        serving = self._serving.get(session_id)
+        if serving is None or time.monotonic() - serving[1] >= SEEN_FOR_S:
+            return None
+        return serving[0] or None
 
     def changed(self, engine_id: str) -> None:
         """Another replica changed this engine's record: read it again when next needed."""
-        self._seen.pop(engine_id, None)
+        seen = self._seen.pop(engine_id, None)
+        if seen is not None:
+            self._serving.pop(seen[0].session_id, None)
+
+    def moved(self, session_id: str) -> None:
+        """A session resumed on another replica: it is not where this one last read it."""
+        self._serving.pop(session_id, None)
 
     def get(self, engine_id: str) -> EngineRecord:
         rec = self.find(engine_id)

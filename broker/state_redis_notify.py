@@ -38,12 +38,18 @@ from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
 
+_TO_ALL = ("settled", "moved", "engine")  # notices every replica acts on
+
 
 class FleetNotifier(StreamNotifier):
     def __init__(self, clock: Clock, state: RedisState, replica: str) -> None:
         super().__init__(clock)
         self._state = state
-        self._channel = f"{state.prefix}:{{fleet}}:notify"
+        self._channel = f"{state.prefix}:{{fleet}}:notify"  # to every replica
+        self._mine = f"{self._channel}:{replica}"  # to this one: notices for its sessions
+        # The replica serving a session, as this one last read it (None: not known now).
+        self.replica_of: Callable[[str], str | None] = lambda session_id: None
+        self.on_moved: Callable[[str], None] = lambda session_id: None  # another replica took it
         self.replica = replica
         self.lease_of: Callable[[str], Lease] | None = None  # the shared lease table's get
         self.on_engine_changed: Callable[[str], None] = lambda engine_id: None  # another replica's
@@ -53,8 +59,12 @@ class FleetNotifier(StreamNotifier):
 
     def _publish(self, kind: str, session_id: str, **more: Any) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
+        # A session's notice goes to the replica serving it when that is known, so the others
+        # spend nothing on it; else to all, and the one serving it delivers it.
+        to = None if kind in _TO_ALL else self.replica_of(session_id)
+        channel = f"{self._channel}:{to}" if to else self._channel
         try:
-            self._state.command("PUBLISH", self._channel, body)
+            self._state.command("PUBLISH", channel, body)
         except BrokerError as err:
             log.warning("cannot tell another replica (%s to session %s...): %s", kind, session_id[:8], err)
 
@@ -128,6 +138,8 @@ class FleetNotifier(StreamNotifier):
     def deliver(self, msg: dict[str, Any]) -> None:
         kind, sid = msg.get("k"), msg.get("s", "")
         if kind == "moved":
+            if msg.get("rep") != self.replica:
+                self.on_moved(sid)
             if msg.get("rep") != self.replica and self._local(sid):
                 super().close_session(
                     sid, "ABORTED", "the session resumed on another broker replica", Cause.SESSION_SUPERSEDED
@@ -182,7 +194,7 @@ class FleetNotifier(StreamNotifier):
                 continue
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self._channel)
+                await pubsub.subscribe(self._channel, self._mine)
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
                         self.deliver(json.loads(message["data"]))

@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 import redis
+import redis.asyncio
 
 from kvbroker.broker import state_redis_fleet
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -182,3 +183,45 @@ def test_the_direct_connection_reconnects_and_reloads_scripts_after_a_restart(
         state.close()
     finally:
         store.stop()
+
+
+async def test_a_lease_notice_goes_to_the_replica_serving_the_session(redis_server: RedisServer) -> None:
+    prefix = f"route{secrets.token_hex(3)}"
+    fleet = {"state": redis_server.url, "state_prefix": prefix}
+    listener = redis.asyncio.Redis.from_url(redis_server.url)
+    pubsub = listener.pubsub(ignore_subscribe_messages=True)
+    await pubsub.psubscribe(f"{prefix}:{{fleet}}:notify*")
+    async with (
+        running_broker(**fleet) as a,
+        running_broker(**fleet) as b,
+        grpc.aio.insecure_channel(a.address) as to_a,
+        grpc.aio.insecure_channel(b.address) as to_b,
+    ):
+        stub_a, stub_b = broker_pb2_grpc.KVBrokerStub(to_a), broker_pb2_grpc.KVBrokerStub(to_b)
+        p, d = RawSession(stub_a), RawSession(stub_b)
+        reg = await p.register(engine_info("P"), 60_000)
+        await d.register(engine_info("D"), 60_000)
+        request = _hold(pb.Namespace(layout_id=reg.layout_id), "routed")
+        request.reader_engine_id = "D"
+        held = await stub_a.Hold(request)
+        lid = held.lease.lease_id
+        acquired = await stub_b.Acquire(pb.AcquireRequest(lease_id=lid, reader_engine_id="D"))
+        await stub_b.Release(
+            pb.ReleaseRequest(lease_id=lid, reader_engine_id="D", epoch=acquired.lease.epoch)
+        )
+        ended = (await p.read_kind("lease_ended")).lease_ended.lease  # told across replicas
+        assert (ended.lease_id, ended.state, ended.block_hashes) == (lid, pb.LEASE_RELEASED, H[:4])
+        replica_a = a.notifier.replica  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            msg = await pubsub.get_message(timeout=0.5)
+            if msg is not None and b'"k": "ended"' in msg["data"]:
+                # Only replica a serves P: the notice went to its channel, not to every replica.
+                assert msg["channel"] == f"{prefix}:{{fleet}}:notify:{replica_a}".encode()
+                break
+        else:
+            raise AssertionError("no lease notice was published")
+        await p.close()
+        await d.close()
+    await pubsub.aclose()
+    await listener.aclose()

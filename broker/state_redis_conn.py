@@ -17,6 +17,7 @@ down or a Cluster that is down is `Unavailable` like a standalone store away.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -119,6 +120,9 @@ class RedisState:
         self.client: Any  # redis.Redis or redis.RedisCluster: the same commands, scripts and pipelines
         self._conn: Any = None  # on one Redis: the connection `run` and `command` use
         self._node_conns: dict[str, Any] = {}  # on a Cluster: one per primary, by node name
+        # Those connections carry one command at a time: only the thread that made this state
+        # (the event loop's) uses them; any other goes through the client's pool.
+        self._thread = threading.get_ident()
         if self.cluster:
             self.seeds, self._options = parse_cluster_url(url)
             self.client = self._connect_cluster()
@@ -168,6 +172,8 @@ class RedisState:
         """Run a script from `script()` over a connection of this replica's own: the client's
         layers per command cost more CPU than the round trip itself. On a Cluster, to the primary
         the cached slot map names for the first key; a redirect goes the client's way."""
+        if threading.get_ident() != self._thread:  # e.g. a /metrics scrape: the client's own pool
+            return self.call(script, keys=keys, args=args)
         if self.cluster:
             evalsha = ("EVALSHA", script.sha, len(keys), *keys, *args)
             return self.call(self._on_node, keys[0], evalsha, lambda: script(keys=keys, args=args))
@@ -176,6 +182,8 @@ class RedisState:
     def command(self, *command: Any) -> Any:
         """One command, its raw answer (HGETALL: a flat list), over the same connections; on a
         Cluster, routed by its first argument (its key)."""
+        if threading.get_ident() != self._thread:
+            return _raw(self.call(self.client.execute_command, *command))
         if not self.cluster:
             return _raw(self.call(self._command, *command))
         if command[0] == "PUBLISH":  # no key: any node (Redis forwards it to all)

@@ -11,9 +11,9 @@ workload, through real engine sessions (Python clients):
   used_memory growth);
 - resolve over the session stream (the path without a mirror): a reader asks
   for a held 64-block chain, one at a time; p50/p99;
-- resolve on the engine's own Mirror (clients/mirror.py), synced from the
-  reader's replica: the same chains answered in process; p50/p99 and CPU
-  per resolve (this process's);
+- resolve on the engine's own Mirror (clients/mirror.py), following the
+  reader's replica from before the inventory: the same chains answered in
+  process; p50/p99 and CPU per resolve (this process's);
 - leases: hold (holder) + acquire + release (reader), one cycle at a time;
   cycles/s, and CPU seconds per cycle in the broker processes and in Redis
   (from /proc; on a Cluster summed over its primaries, and per primary);
@@ -35,19 +35,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import random
+import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import redis
 
 from bench.common import cpu_seconds, format_table, load_note, log, rss_bytes, write_json
-from kvbroker.clients.mirror import IndexMirror, follow
+from bench.scale_chains import CHAIN, chains_for
 from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
@@ -58,7 +57,6 @@ from testkit.redis_server import RedisServer, missing_reason
 Store = RedisServer | RedisCluster
 
 GPU = pb.TIER_GPU
-CHAIN = 64
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -95,8 +93,7 @@ async def _measure(
     store: Store | None,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    rng = random.Random(7)
-    chains = [[rng.getrandbits(64) for _ in range(CHAIN)] for _ in range(args.blocks // CHAIN)]
+    chains = chains_for(args.blocks)
     fast = Backoff(initial_s=0.05, max_s=0.5)
     moved: list[float] = []
     p = EngineSession(",".join(addresses), engine_info("P"), ttl_ms=5_000, backoff=fast)
@@ -110,6 +107,8 @@ async def _measure(
     out: dict[str, Any] = {"setup": name, "replicas": len(brokers), "blocks": len(chains) * CHAIN}
     if isinstance(store, RedisCluster):
         out["redis_primaries"] = len(store.nodes)
+
+    mirror = await _start_mirror(addresses[-1], p.layout_id, args)
 
     # -- inventory and memory per block
     rss0 = sum(rss_bytes(pid) for pid in pids)
@@ -146,7 +145,7 @@ async def _measure(
         out["redis_cpu_us_per_resolve_per_node"] = per_node
 
     # -- resolve on the engine's own synced mirror (the default path once synced): in process
-    await _measure_mirror(addresses[-1], p.layout_id, chains, out, args)
+    await _measure_mirror(mirror, out)
 
     # -- leases: hold + acquire + release
     cpu0 = _cpu(pids)
@@ -181,37 +180,40 @@ async def _measure(
     return out
 
 
-async def _measure_mirror(
-    address: str, layout_id: str, chains: list[list[int]], out: dict[str, Any], args: argparse.Namespace
-) -> None:
-    """The resolve an engine makes on its own Mirror (clients/mirror.py), synced from the replica
-    the reader uses (with several, not the holder's: the other replica's changes reach it over the
-    store): p50/p99 per resolve, in this process, asker given as the engine adapter does."""
-    mirror = IndexMirror(layout_id)
-    async with grpc.aio.insecure_channel(address) as channel:
-        task = asyncio.create_task(follow(mirror, channel))
-        started = time.monotonic()
-        while not mirror.synced or mirror.total_blocks() < out["blocks"]:
-            if task.done() or time.monotonic() - started > 60.0:
-                raise RuntimeError(f"mirror did not sync: {mirror.stats.errors}")
-            await asyncio.sleep(0.01)
-        out["mirror_sync_s"] = time.monotonic() - started
-        task.cancel()
-        asker = engine_info("D")
-        times: list[float] = []
-        cpu0 = time.process_time()
-        for i in range(args.resolves * 10):
-            chain = chains[i % len(chains)]
-            t0 = time.perf_counter()
-            found = mirror.resolve("", chain, asker=asker)
-            times.append(time.perf_counter() - t0)
-            assert found and found[0].matched_blocks == CHAIN and found[0].engine_id == "P", found
-        # CPU of this process per resolve: steadier than the latencies on a shared machine.
-        out["mirror_cpu_us_per_resolve"] = (time.process_time() - cpu0) / len(times) * 1e6
-        out["mirror_resolve_p50_us"] = statistics.median(times) * 1e6
-        out["mirror_resolve_p99_us"] = _pct(times, 0.99) * 1e6
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+async def _start_mirror(address: str, layout_id: str, args: argparse.Namespace) -> asyncio.subprocess.Process:
+    """The reader's Mirror (clients/mirror.py) in a process of its own (bench/scale_mirror.py),
+    following the replica the reader uses (with several, not the holder's: the holder's changes
+    reach it over the store). Started before the inventory, as an engine's mirror is, so the
+    blocks arrive as changes, in the order announced."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.scale_mirror",
+        address,
+        layout_id,
+        str(args.blocks // CHAIN * CHAIN),
+        str(args.resolves * 10),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert child.stdout is not None
+    line = await asyncio.wait_for(child.stdout.readline(), 60.0)
+    if line.strip() != b"synced":
+        raise RuntimeError(f"mirror process: {line!r}")
+    return child
+
+
+async def _measure_mirror(child: asyncio.subprocess.Process, out: dict[str, Any]) -> None:
+    """Resolves on the engine's own mirror, in its process, asker given as the engine adapter
+    does: p50/p99 per resolve, and its CPU per resolve (steadier on a shared machine)."""
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(b"go\n")
+    await child.stdin.drain()
+    line = await asyncio.wait_for(child.stdout.readline(), 120.0)
+    await child.wait()
+    if child.returncode != 0 or not line:
+        raise RuntimeError(f"mirror process failed ({child.returncode})")
+    out.update(json.loads(line))
 
 
 def _broker(log_dir: Path, name: str, state: str) -> BrokerProcess:

@@ -181,13 +181,12 @@ class RedisState:
 
     def command(self, *command: Any) -> Any:
         """One command, its raw answer (HGETALL: a flat list), over the same connections; on a
-        Cluster, routed by its first argument (its key)."""
+        Cluster, routed by its first argument (its key; PUBLISH's channel: any node forwards a
+        classic PUBLISH to all)."""
         if threading.get_ident() != self._thread:
             return _raw(self.call(self.client.execute_command, *command))
         if not self.cluster:
             return _raw(self.call(self._command, *command))
-        if command[0] == "PUBLISH":  # no key: any node (Redis forwards it to all)
-            return self.call(self.client.execute_command, *command)
         answer = self.call(self._on_node, command[1], command, lambda: self.client.execute_command(*command))
         return _raw(answer)
 

@@ -151,6 +151,33 @@ def _candidates(
     return [first, *out]
 
 
+def candidate_ends(lo: int, hi: int, num_prompt_tokens: int, block_size: int, chunk_tokens: int) -> list[int]:
+    """The block ends [lo, hi] among which the quickest way to the first token lies, ascending.
+
+    Pulling blocks up to ``end`` and computing the rest takes
+    ``pull(end) + prefill(N - k new, after k)`` with k = the tokens covered. The
+    pull is linear in k; the prefill is ``chunks * a + b * (N - k) + c * (N**2 - k**2) / 2``
+    (the attention pairs of computing tokens k..N telescope to that, however they
+    are chunked). So wherever the number of chunks stays the same, the total is
+    concave in k and its minimum over a stretch of ends lies at one of the
+    stretch's two ends. The stretches end where N - k crosses a multiple of the
+    chunk size. Weighing those ends only keeps a decision O(prompt / chunk),
+    not O(blocks): about two predictions per chunk of the prompt, not one per block.
+    """
+    if hi < lo:
+        return []
+    ends = {lo, hi}
+    if chunk_tokens > 0:
+        boundary = num_prompt_tokens - chunk_tokens
+        while boundary > (lo - 1) * block_size:
+            below = boundary // block_size  # covers at most the boundary: one chunk more to compute
+            for end in (below, below + 1):
+                if lo <= end <= hi:
+                    ends.add(end)
+            boundary -= chunk_tokens
+    return sorted(ends)
+
+
 def _cheapest(
     *,
     model: CostModel,
@@ -167,7 +194,9 @@ def _cheapest(
     for m in candidates:
         end_max = min(int(m.matched_blocks), -(-(num_prompt_tokens - 1) // block_size))
         share = 1 + in_flight.get(m.engine_id, 0)
-        for end in range(local_blocks + 1, end_max + 1):
+        for end in candidate_ends(
+            local_blocks + 1, end_max, num_prompt_tokens, block_size, model.chunk_tokens
+        ):
             covered = min(end * block_size, num_prompt_tokens - 1)
             if covered <= num_local_tokens:
                 continue

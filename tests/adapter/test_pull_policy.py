@@ -181,6 +181,13 @@ def test_pulls_in_flight_from_a_holder_share_its_bandwidth() -> None:
     busy = decide(model, tokens=300, matches=[held(9)], now=5.0, pulls_in_flight={"holder": 3})
     assert alone.decision.plan is not None and busy.decision.plan is not None
     assert busy.costs.predicted_pull_ms == pytest.approx(alone.costs.predicted_pull_ms + 3 * 90, rel=0.05)
+    # Other readers' reads of it, as the broker counts them (its count includes this engine's own).
+    read = held(9)
+    read.reads_in_flight = 3
+    shared = decide(model, tokens=300, matches=[read], now=5.0, pulls_in_flight={"holder": 1})
+    assert shared.costs.predicted_pull_ms == pytest.approx(busy.costs.predicted_pull_ms)
+    assert shared.costs.holder_reads == 3 and shared.costs.attributes()["kvbroker.holder_reads"] == 3
+    assert "3 other reads of it in flight" in shared.decision.detail
 
 
 def test_config_pull_policy() -> None:

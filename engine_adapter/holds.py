@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -67,6 +68,12 @@ class Held:
     unsure: bool = False
 
 
+def _call_later(delay_s: float, callback: Callable[[], None]) -> None:
+    timer = threading.Timer(delay_s, callback)
+    timer.daemon = True
+    timer.start()
+
+
 def answer_lost(error: BaseException | None) -> bool:
     """A Hold failed without a word from the broker on it: the stream broke before the answer,
     or it came too late. The broker may have made the hold (a replica that died right after its
@@ -88,6 +95,8 @@ class Holds:
         # Only the scheduler thread may touch the pool: returns wait for its next hook.
         self._block_pool: Any = None
         self._pool_returns: list[list[int]] = []
+        # Runs a callback after some seconds, on another thread (tests replace it).
+        self.call_later: Callable[[float, Callable[[], None]], None] = _call_later
 
     # ------------------------------------------------------------------
     # vLLM's block pool
@@ -194,6 +203,8 @@ class Holds:
                             error,
                             len(held.block_ids),
                         )
+                        # An idle engine runs no step: look again at the backstop all the same.
+                        self.call_later(max(0.0, held.started + backstop - now) + 0.1, self._on_reply)
                 elif not lease_id:
                     logger.warning(
                         "kvbroker: request %s: hold refused, freeing %d blocks: %s",

@@ -108,18 +108,25 @@ def test_holds_end_when_the_broker_stays_away_for_two_session_ttls() -> None:
 def test_a_hold_whose_answer_was_lost_keeps_its_blocks_until_its_lease_ends() -> None:
     """The replica died after its store made the hold, before the answer: a reader may claim it."""
     sched, link, clock = make(multi_turn=True)
+    timers: list[tuple[float, Any]] = []
+    sched.holds.call_later = lambda delay, callback: timers.append((delay, callback))
     sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
     sched.request_finished(FakeRequest("b", num_tokens=141, num_computed_tokens=140), [6, 7, 8, 9, 10])
     holds = link.named("hold")
     holds[0].future.set_exception(errors.Unavailable("broker session lost before the answer came"))  # type: ignore[union-attr]
     holds[1].future.set_exception(errors.DeadlineExceeded("no answer"))  # type: ignore[union-attr]
     assert sched.build_connector_meta().frees == []
+    backstop_s = (sched._ctx.config.hold_ttl_ms + 2 * sched._ctx.config.session_ttl_ms) / 1000
+    assert [round(delay, 1) for delay, _ in timers] == [round(backstop_s + 0.1, 1)] * 2
     assert link.stored == []  # not announced: we do not know its lease
     link.end_lease("another", "released", request_id="x")  # not ours
     link.end_lease("h-a", "REVOKE_TTL_EXPIRED", request_id="a")  # its lease ended: known by its request id
     assert sched.build_connector_meta().frees == ["a"]
-    # The other is freed by the backstop (hold TTL + 2 session TTLs) if no notice comes.
-    clock.advance((sched._ctx.config.hold_ttl_ms + 2 * sched._ctx.config.session_ttl_ms) / 1000 + 0.1)
+    # The other is freed by the backstop (hold TTL + 2 session TTLs) if no notice comes, even on
+    # an idle engine: the timer looks again then.
+    clock.advance(backstop_s + 0.1)
+    timers[1][1]()
+    assert sched.stats_snapshot()["holds_freed"] == 2
     assert sched.build_connector_meta().frees == ["b"]
 
 

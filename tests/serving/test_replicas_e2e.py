@@ -50,10 +50,12 @@ class Fleet:
     stats: dict[str, Path]
     log_dir: Path
 
-    def stat(self, name: str, key: str) -> int:
+    def stat(self, name: str, key: str, *, settle: bool = True) -> int:
+        """`settle`: wait a moment first (the stats file is written from a thread, after the answer)."""
         from testkit.engines import read_stats
 
-        time.sleep(0.3)  # the stats file is written from a thread, a moment after the answer
+        if settle:
+            time.sleep(0.3)
         return int(read_stats(self.stats[name], settle=False).get(key, 0))
 
 
@@ -203,7 +205,7 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
         load.start()
         # Every first turn answered: the second turns (P pulling D's history) are under way.
         assert wait_for(lambda: done[0] >= CONVERSATIONS, 120, 0.05), "the load did not get going"
-        pulled_before = {name: fleet.stat(name, "pulled_tokens") for name in ("P", "D")}
+        pulled_before = {name: fleet.stat(name, "pulled_tokens", settle=False) for name in ("P", "D")}
         killed, killed_after = time.monotonic(), done[0]
         fleet.a.kill9()
         assert wait_for(
@@ -237,6 +239,7 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
     assert mismatches(runs, reference) == []
     pulled_during = {name: fleet.stat(name, "pulled_tokens") - pulled_before[name] for name in ("P", "D")}
     print(f"tokens pulled from the kill to the end of the load: {pulled_during}")
+    assert pulled_during["D"] > 0, "no turn of the load pulled its prompt after the kill"
 
     # Pulls go on over the survivor: D pulls a new chat's prompt from P, and P pulls the history of
     # a chat whose first turn only D answered (alone: D holds it, P never saw it).

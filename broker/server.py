@@ -48,6 +48,7 @@ from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 
 if TYPE_CHECKING:
     from kvbroker.broker.state_redis_conn import RedisState
+    from kvbroker.broker.state_redis_counters import FleetCounters
 
 log = logging.getLogger("kvbroker")
 
@@ -191,8 +192,9 @@ def _shared_state(config: BrokerConfig) -> RedisState | None:
 
 def _fleet_core(
     config: BrokerConfig, clock: Clock, shared: RedisState
-) -> tuple[BrokerCore, StreamNotifier, Coroutine[Any, Any, None]]:
+) -> tuple[BrokerCore, StreamNotifier, Coroutine[Any, Any, None], FleetCounters]:
     """A core whose registry, leases and index live in the shared store, as one replica of a fleet."""
+    from kvbroker.broker.state_redis_counters import FleetCounters, core_counts
     from kvbroker.broker.state_redis_fleet import FleetRegistry
     from kvbroker.broker.state_redis_index import RedisPrefixIndex
     from kvbroker.broker.state_redis_leases import RedisLeaseTable
@@ -221,16 +223,19 @@ def _fleet_core(
         mirrors=notifier.mirrors,
     )
     notifier.lease_of = core.leases.get
+    counters = FleetCounters(shared, replica, core_counts(core.revocations, lambda: core.released_total))
     log.info("broker replica %s", replica)
-    return core, notifier, _follow_fleet(notifier)
+    return core, notifier, _follow_fleet(notifier, counters), counters
 
 
-async def _follow_fleet(notifier: Any) -> None:
-    """The fleet's notices (pub/sub) until cancelled; then the mirror streams' readers stop too."""
+async def _follow_fleet(notifier: Any, counters: FleetCounters) -> None:
+    """The fleet's notices (pub/sub), its watchers' record and the counters' flushes until
+    cancelled; then the mirror and watch streams' readers stop too."""
     try:
-        await notifier.follow()
+        await asyncio.gather(notifier.follow(), notifier.watch.run(), counters.run())
     finally:
         await notifier.streams.stop()
+        await notifier.watch.stop()
 
 
 async def start_server(
@@ -251,13 +256,16 @@ async def start_server(
     shared = _shared_state(config)
     clock = clock or (WallClock() if shared is not None else MonotonicClock())
     tasks: list[asyncio.Task[None]] = []
+    counters: FleetCounters | None = None
     if shared is None:
         notifier = StreamNotifier(clock)
         core = BrokerCore(config, clock=clock, notifier=notifier)
     else:
-        core, notifier, follow = _fleet_core(config, clock, shared)
+        core, notifier, follow, counters = _fleet_core(config, clock, shared)
         tasks.append(asyncio.create_task(follow, name="kvbroker-fleet-channel"))
     servicer = BrokerServicer(core, notifier)
+    if counters is not None:
+        servicer.stats = lambda: counters.stats(core.stats())  # the fleet's counts, not this replica's
 
     # Outermost first: metrics and spans see the INVALID_ARGUMENT of a malformed request too.
     interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -307,7 +315,14 @@ async def start_server(
     metrics_port = 0
     feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
     if metrics_registry is not None:
-        http = start_metrics_http(core, metrics_registry, config.metrics_host, config.metrics_port, feeds)
+        http = start_metrics_http(
+            core,
+            metrics_registry,
+            config.metrics_host,
+            config.metrics_port,
+            feeds,
+            counters.stats if counters is not None else None,
+        )
         if http is not None:
             extras.append(http)
             metrics_port = http.server_port

@@ -64,6 +64,11 @@ class LayoutReader:
 
 
 class MirrorStreams:
+    """The per-layout mirror streams; Watch's fleet stream (state_redis_watch) is one more of them."""
+
+    reader_name = "kvbroker-mirror"  # readers' Redis client names: `<reader_name>-<replica>`
+    apply_own = False  # mirrors apply their own replica's changes at once, not from the stream
+
     def __init__(
         self,
         state: RedisState,
@@ -118,7 +123,7 @@ class MirrorStreams:
             last_id, last_n = b"0-0", -1  # the store is away: resync at the first entry read
         reader = LayoutReader(layout_id, key, last_id, last_n)
         reader.task = asyncio.get_running_loop().create_task(
-            self._read(reader), name=f"kvbroker-mirror-{key}"
+            self._read(reader), name=f"{self.reader_name}-{key}"
         )
         self.readers[layout_id] = reader
 
@@ -144,12 +149,12 @@ class MirrorStreams:
                 "index changes of layout %s were missed: resyncing its mirrors", reader.layout_id[:12]
             )
             self._resync(reader.layout_id)  # the fresh snapshot has this change too
-        elif fields[b"rep"].decode() != self._replica:
+        elif self.apply_own or fields[b"rep"].decode() != self._replica:
             self._apply(reader.layout_id, fields[b"t"].decode(), fields[b"b"])
 
     async def _read(self, reader: LayoutReader) -> None:
         node: tuple[str, int] | None = None
-        name = f"kvbroker-mirror-{self._replica}"
+        name = f"{self.reader_name}-{self._replica}"
         while True:
             client = self._state.stream_reader(reader.key, self._block_ms, node, name)
             try:
@@ -165,7 +170,9 @@ class MirrorStreams:
             except (redis.RedisError, OSError) as err:
                 node = None
                 reader.reconnects += 1
-                log.warning("mirror stream lost (%s); reading on from %s", err, reader.last_id.decode())
+                log.warning(
+                    "%s stream lost (%s); reading on from %s", self.reader_name, err, reader.last_id.decode()
+                )
                 await asyncio.sleep(0.5)
             finally:
                 await client.aclose()

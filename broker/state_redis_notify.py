@@ -20,18 +20,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 
-from kvbroker.broker.channels import StreamNotifier
+from kvbroker.broker.channels import StreamNotifier, Watcher
 from kvbroker.broker.clock import Clock
 from kvbroker.broker.errors import BrokerError
+from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import DEFAULT_MAX_PENDING_BYTES, MirrorHub, MirrorSubscriber, mirror_engine_info
 from kvbroker.broker.state_redis_conn import RedisState
 from kvbroker.broker.state_redis_mirror import MirrorStreams
+from kvbroker.broker.state_redis_watch import FleetWatch
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -48,6 +51,9 @@ class FleetNotifier(StreamNotifier):
         self.lease_of: Callable[[str], Lease] | None = None  # the shared lease table's get
         self.mirrors: FleetMirrorHub | None = None
         self.streams = MirrorStreams(state, replica, self._apply_mirror, self._resync_mirrors)
+        self.watch = FleetWatch(
+            state, replica, self, lambda c: self._publish("watching", "", cats=",".join(c))
+        )
         self.delivered = 0
 
     def _publish(self, kind: str, session_id: str, **more: str) -> None:
@@ -110,6 +116,28 @@ class FleetNotifier(StreamNotifier):
         super().pin_settled(lease)
         self._publish("settled", "", lease=lease.lease_id)
 
+    # -- Watch: the fleet's events, through its watch stream (state_redis_watch) -----------
+
+    def watching(self, category: str) -> bool:
+        return self.watch.wanted(category)
+
+    def event(self, event: WatchEvent) -> None:
+        """Into the fleet's stream; this replica's watchers read it back from there with the rest."""
+        if self.watch.wanted(event.category):
+            self.watch.append(event, self._clock.now(), time.time())
+
+    def add_watcher(self, categories: frozenset[str], max_bytes: int = 16 * 1024 * 1024) -> Watcher:
+        watcher = super().add_watcher(categories, max_bytes)
+        self.watch.watchers_changed(self._watched())
+        return watcher
+
+    def remove_watcher(self, watcher: Watcher) -> None:
+        super().remove_watcher(watcher)
+        self.watch.watchers_changed(self._watched())
+
+    def _watched(self) -> frozenset[str]:
+        return frozenset(c for c, n in self._watching.items() if n > 0)
+
     def session_resumed(self, session_id: str) -> None:
         """This replica took the session over: the one that had its stream lets it go."""
         self._publish("moved", session_id)
@@ -125,6 +153,9 @@ class FleetNotifier(StreamNotifier):
                 )
             return
         if kind == "settled" and msg.get("rep") == self.replica:
+            return
+        if kind == "watching":
+            self.watch.heard(str(msg.get("cats", "")).split(","))
             return
         if kind != "settled" and not self._local(sid):
             return

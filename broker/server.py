@@ -30,7 +30,7 @@ from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.decode_guard import DecodeGuardInterceptor
-from kvbroker.broker.errors import InvalidArgument, Unavailable
+from kvbroker.broker.errors import BrokerError, InvalidArgument, Unavailable
 from kvbroker.broker.identity import Authenticator, TokenTable
 from kvbroker.broker.indexer_http import IndexerHttp
 from kvbroker.broker.kv_events import KvEventsFeed, parse_sources
@@ -223,9 +223,15 @@ def _fleet_core(
         mirrors=notifier.mirrors,
     )
     notifier.lease_of = core.leases.get
+    notifier.on_drain = lambda session_id: _mark_draining(core, session_id)
     counters = FleetCounters(shared, replica, core_counts(core.revocations, lambda: core.released_total))
     log.info("broker replica %s", replica)
     return core, notifier, _follow_fleet(notifier, counters), counters
+
+
+def _mark_draining(core: BrokerCore, session_id: str) -> None:
+    with contextlib.suppress(BrokerError):  # the session ended meanwhile: nothing left to mark
+        core.registry.by_session(session_id).draining = True
 
 
 async def _follow_fleet(notifier: Any, counters: FleetCounters) -> None:

@@ -55,6 +55,9 @@ class FleetNotifier(StreamNotifier):
             state, replica, self, lambda c: self._publish("watching", "", cats=",".join(c))
         )
         self.delivered = 0
+        # Another replica drained an engine whose stream is here: mark this replica's record draining
+        # (its next push writes the flag to the store, where every replica reads it).
+        self.on_drain: Callable[[str], None] = lambda session_id: None
 
     def _publish(self, kind: str, session_id: str, **more: str) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
@@ -160,6 +163,7 @@ class FleetNotifier(StreamNotifier):
         if kind != "settled" and not self._local(sid):
             return
         if kind == "drain":
+            self.on_drain(sid)
             super().drain(sid, str(msg.get("reason", "")))
             return
         if kind == "close":

@@ -25,8 +25,10 @@ import redis
 from process_engine_client import engine_info
 from process_harness import child_env
 
+from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.session import EngineSession
+from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.ports import free_port
@@ -226,5 +228,41 @@ async def test_stats_and_metrics_count_the_whole_fleet(tmp_path: Path, store: Re
         for session in (p, d):
             if session is not None:
                 await session.close()
+        a.stop()
+        b.stop()
+
+
+async def test_a_drain_through_one_replica_marks_the_engine_whose_stream_is_on_the_other(
+    tmp_path: Path, store: RedisServer
+) -> None:
+    a, b = replica(tmp_path, store, "a").start(), replica(tmp_path, store, "b").start()
+    drained: list[pb.DrainCommand] = []
+    p = EngineSession(a.address, engine_info("P"), ttl_ms=5_000, on_drain=drained.append)
+    try:
+        await p.start(wait_connected_s=10.0)
+        async with AsyncBrokerClient(b.address) as operator:
+            await operator.drain(engine_id="P", reason="upgrade")
+        await until(lambda: drained, message="P never got the drain command")
+        assert drained[0].reason == "upgrade"
+
+        # P's own replica (a) knows it drains: it refuses P's new holds ...
+        with pytest.raises(errors.FailedPrecondition) as refused:
+            await p.hold((p.layout_id, ""), GPU, BLOCKS, [1, 2, 3], 60_000)
+        assert refused.value.cause == Cause.DRAINING
+
+        # ... and its record in the store says so to every replica, and stays so after a's pushes.
+        async def draining_everywhere() -> bool:
+            for address in (a.address, b.address):
+                async with AsyncBrokerClient(address) as client:
+                    listed = await client.list_engines()
+                if [(e.engine_id, e.draining) for e in listed.engines] != [("P", True)]:
+                    return False
+            return True
+
+        await until(draining_everywhere, timeout=5.0, message="the draining flag did not reach the store")
+        await asyncio.sleep(0.6)  # two of a's deadline pushes (every 0.25 s) later, still draining
+        assert await draining_everywhere()
+    finally:
+        await p.close()
         a.stop()
         b.stop()

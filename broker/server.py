@@ -36,6 +36,7 @@ from kvbroker.broker.indexer_http import IndexerHttp
 from kvbroker.broker.kv_events import KvEventsFeed, parse_sources
 from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
 from kvbroker.broker.quotas import Quotas
+from kvbroker.broker.registry import EngineRegistry
 from kvbroker.broker.security_config import SecurityConfig, is_loopback
 from kvbroker.broker.servicer import BrokerServicer
 from kvbroker.broker.tenancy import TenantGuard
@@ -49,6 +50,7 @@ from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 if TYPE_CHECKING:
     from kvbroker.broker.state_redis_conn import RedisState
     from kvbroker.broker.state_redis_counters import FleetCounters
+    from kvbroker.broker.state_redis_declines import FleetDeclineBook
 
 log = logging.getLogger("kvbroker")
 
@@ -195,6 +197,7 @@ def _fleet_core(
 ) -> tuple[BrokerCore, StreamNotifier, Coroutine[Any, Any, None], FleetCounters]:
     """A core whose registry, leases and index live in the shared store, as one replica of a fleet."""
     from kvbroker.broker.state_redis_counters import FleetCounters, core_counts
+    from kvbroker.broker.state_redis_declines import FleetDeclineBook
     from kvbroker.broker.state_redis_fleet import FleetRegistry
     from kvbroker.broker.state_redis_index import RedisPrefixIndex
     from kvbroker.broker.state_redis_leases import RedisLeaseTable
@@ -225,8 +228,10 @@ def _fleet_core(
     notifier.lease_of = core.leases.get
     notifier.on_drain = lambda session_id: _mark_draining(core, session_id)
     counters = FleetCounters(shared, replica, core_counts(core.revocations, lambda: core.released_total))
+    declines = core.declines = FleetDeclineBook(shared, replica, clock.now)
+    declines.on_heard = lambda holder, request_id: _declined_elsewhere(core, registry, holder, request_id)
     log.info("broker replica %s", replica)
-    return core, notifier, _follow_fleet(notifier, counters), counters
+    return core, notifier, _follow_fleet(notifier, counters, declines), counters
 
 
 def _mark_draining(core: BrokerCore, session_id: str) -> None:
@@ -234,14 +239,24 @@ def _mark_draining(core: BrokerCore, session_id: str) -> None:
         core.registry.by_session(session_id).draining = True
 
 
-async def _follow_fleet(notifier: Any, counters: FleetCounters) -> None:
-    """The fleet's notices (pub/sub), its watchers' record and the counters' flushes until
-    cancelled; then the mirror and watch streams' readers stop too."""
+def _declined_elsewhere(core: BrokerCore, registry: EngineRegistry, holder: str, request_id: str) -> None:
+    """Another replica had an early decline: if the holder's stream is here, end a hold of it that
+    arrived meanwhile (the base class's find: this replica's own sessions, no store read)."""
+    if EngineRegistry.find(registry, holder) is not None:
+        with contextlib.suppress(BrokerError):  # claimed by its reader already, or the holder left
+            core.decline(holder, request_id, "declined (through another broker replica) before its hold")
+
+
+async def _follow_fleet(notifier: Any, counters: FleetCounters, declines: FleetDeclineBook) -> None:
+    """The fleet's notices (pub/sub), its watchers' record, the counters' flushes and the early
+    declines until cancelled; then the mirror, watch and declines streams' readers stop too."""
+    declines.follow()
     try:
         await asyncio.gather(notifier.follow(), notifier.watch.run(), counters.run())
     finally:
         await notifier.streams.stop()
         await notifier.watch.stop()
+        await declines.stream.stop()
 
 
 async def start_server(

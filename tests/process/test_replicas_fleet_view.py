@@ -266,3 +266,39 @@ async def test_a_drain_through_one_replica_marks_the_engine_whose_stream_is_on_t
         await p.close()
         a.stop()
         b.stop()
+
+
+async def test_a_decline_through_one_replica_before_its_hold_refuses_the_hold_on_the_other(
+    tmp_path: Path, store: RedisServer
+) -> None:
+    a, b = replica(tmp_path, store, "a").start(), replica(tmp_path, store, "b").start()
+    p, d = await started(a.address, "P"), await started(b.address, "D")  # holder on a, reader on b
+    ns = (p.layout_id, "")
+    try:
+        # D declines P's hold of r1 through b before P holds it through a.
+        answer = await d.decline("P", "r1", "D has it cached")
+        assert not answer.HasField("lease")  # nothing to end yet: remembered
+
+        async def hold_refused() -> bool:
+            try:
+                await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D", request_id="r1")
+            except errors.FailedPrecondition as err:
+                assert err.cause == "declined", err
+                return True
+            return False  # came before a heard of the decline: a ends it as declined when it does
+
+        await until(hold_refused, timeout=5.0, message="a never heard of b's early decline")
+
+        # Every hold of r1 made through a ended (refused, or ended as declined): none is left.
+        async def none_left() -> bool:
+            async with AsyncBrokerClient(b.address) as operator:
+                return not (await operator.list_leases(engine_id="P")).leases
+
+        await until(none_left, message="a hold of the declined request is still live")
+        # An early decline is used once: the next hold of r1 is taken (as with one broker).
+        again = await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D", request_id="r1")
+        assert again.state == pb.LEASE_HELD
+    finally:
+        await asyncio.gather(p.close(), d.close(), return_exceptions=True)
+        a.stop()
+        b.stop()

@@ -32,6 +32,7 @@ class DeclineStreams(MirrorStreams):
     """The fleet's early declines: one stream (and counter) under the `{declines}` hash tag."""
 
     reader_name = "kvbroker-declines"
+    apply_after_gap = True  # a gap loses the declines missed, not the one that showed it
 
     def keys(self, layout_id: str) -> list[str]:
         base = f"{self._state.prefix}:{{declines}}:"

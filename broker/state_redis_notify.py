@@ -79,6 +79,7 @@ class FleetNotifier(StreamNotifier):
             self.mirrors.apply_engine(layout_id, pb.MirrorEngine.FromString(body))
 
     def _resync_mirrors(self, layout_id: str) -> None:
+        log.warning("index changes of layout %s were missed: resyncing its mirrors", layout_id[:12])
         if self.mirrors is not None:
             self.mirrors.resync(layout_id)
 

@@ -50,6 +50,7 @@ class WatchStreams(MirrorStreams):
 
     reader_name = "kvbroker-watch"
     apply_own = True  # a replica's own events reach its watchers through the stream too: one order
+    apply_after_gap = True  # after `events_missed`, the event that showed the gap
 
     def keys(self, layout_id: str) -> list[str]:
         base = f"{self._state.prefix}:{{watch}}:"

@@ -1,5 +1,5 @@
 """What operators see of a fleet of `kvbroker serve --state redis://...` replicas over one real
-redis-server, on whichever replica they ask.
+redis-server (the Watch also over a real 3-primary Redis Cluster), on whichever replica they ask.
 
 Watch: a Watch on replica a shows the events of leases and engines made
 through replica b, each once and in each lease's order; cut a's connection to
@@ -33,6 +33,7 @@ from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.ports import free_port
 from testkit.processes import SERVE, BrokerProcess
+from testkit.redis_cluster import RedisCluster, running_cluster
 from testkit.redis_server import RedisServer, missing_reason, running_redis
 from testkit.waiting import until
 
@@ -51,7 +52,23 @@ def store(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
-def replica(tmp_path: Path, store: RedisServer, name: str, metrics_port: int = 0) -> BrokerProcess:
+@pytest.fixture(params=["redis", "redis-cluster"])
+def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer | RedisCluster]:
+    """One redis-server, or a 3-primary Redis Cluster (the replicas get its seed nodes)."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    if request.param == "redis":
+        with running_redis(tmp_path / "redis") as server:
+            yield server
+    else:
+        with running_cluster(tmp_path / "redis-cluster") as cluster:
+            yield cluster
+
+
+def replica(
+    tmp_path: Path, store: RedisServer | RedisCluster, name: str, metrics_port: int = 0
+) -> BrokerProcess:
     args = ["--state", store.url, "--session-ttl-min-ms", "100", "--expiry-interval-ms", "20"]
     args += ["--metrics-port", str(metrics_port)]
     return BrokerProcess(
@@ -117,7 +134,10 @@ async def until_fleet_appends(log: WatchLog, holder: EngineSession, address: str
             await operator.revoke(lease_id=lease_id, reason="probe")
 
 
-async def test_a_watch_on_one_replica_shows_what_the_other_does(tmp_path: Path, store: RedisServer) -> None:
+async def test_a_watch_on_one_replica_shows_what_the_other_does(
+    tmp_path: Path, shared_store: RedisServer | RedisCluster
+) -> None:
+    store = shared_store
     a, b = replica(tmp_path, store, "a").start(), replica(tmp_path, store, "b").start()
     p = d = None
     try:
@@ -159,14 +179,19 @@ async def test_a_watch_on_one_replica_shows_what_the_other_does(tmp_path: Path, 
         b.stop()
 
 
-def cut_watch_readers(store: RedisServer) -> int:
-    """CLIENT KILL every replica's watch-stream reader, as a network cut would."""
-    client = redis.Redis.from_url(store.url)
-    try:
+def cut_watch_readers(store: RedisServer | RedisCluster) -> int:
+    """CLIENT KILL every replica's watch-stream reader (on every node), as a network cut would."""
+    clients = [n.client() for n in store.nodes] if isinstance(store, RedisCluster) else [store_client(store)]
+    killed = 0
+    for client in clients:
         readers = [c for c in client.client_list() if c.get("name", "").startswith("kvbroker-watch-")]
-        return sum(int(client.client_kill_filter(_id=c["id"])) for c in readers)
-    finally:
+        killed += sum(int(client.client_kill_filter(_id=c["id"])) for c in readers)
         client.close()
+    return killed
+
+
+def store_client(store: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(store.url)
 
 
 def scrape(port: int) -> dict[str, float]:

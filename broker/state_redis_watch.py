@@ -32,7 +32,7 @@ from collections.abc import Callable
 from kvbroker.broker import codec
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.errors import BrokerError
-from kvbroker.broker.events import WatchEvent
+from kvbroker.broker.events import EVENTS_MISSED, WatchEvent
 from kvbroker.broker.state_redis_conn import RedisState
 from kvbroker.broker.state_redis_mirror import MirrorStreams
 from kvbroker.v1 import broker_pb2 as pb
@@ -42,7 +42,7 @@ log = logging.getLogger("kvbroker")
 FLEET = "fleet"  # the one "layout" of the watch stream
 REFRESH_S = 1.0  # how often a replica renews its watchers' record and reads the fleet's
 LAPSE_S = 5.0  # a replica that stopped renewing (it died) counts as not watching after this
-MISSED = "events_missed"
+MISSED = EVENTS_MISSED
 
 
 class WatchStreams(MirrorStreams):

@@ -14,13 +14,18 @@ import pytest
 from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, Watcher
 from kvbroker.broker.events import WatchEvent
+from kvbroker.broker.identity import Identity, Role
+from kvbroker.broker.quotas import Quotas
+from kvbroker.broker.security_config import SecurityConfig
 from kvbroker.broker.state_redis_notify import FleetNotifier
 from kvbroker.broker.state_redis_watch import MISSED
+from kvbroker.broker.tenancy import TenantGuard
+from kvbroker.v1 import broker_pb2 as pb
 from testkit.clock import FakeClock
 from testkit.redis_cluster import RedisCluster
 from testkit.redis_server import RedisServer
 from testkit.waiting import until
-from tests.broker.helpers import redis_state
+from tests.broker.helpers import make_core, redis_state
 from tests.broker.test_fleet_mirror_stream import cut_connections, node_clients
 
 
@@ -122,3 +127,14 @@ async def test_a_new_watch_is_heard_on_the_fleet_channel(store: RedisServer | Re
     finally:
         following.cancel()
         await asyncio.gather(following, b.watch.stop(), return_exceptions=True)
+
+
+def test_every_watcher_hears_of_missed_events_whatever_its_tenant() -> None:
+    """`events_missed` names no engine and no lease: a tenant's operator gets it too (its stream has a
+    hole as well), while another tenant's engine event stays hidden."""
+    core, _clock, _notifier = make_core()
+    guard = TenantGuard(core, Quotas(SecurityConfig()))
+    globex = Identity("globex", Role.OPERATOR, "ops")
+    missed = pb.WatchEvent(kind=MISSED, detail="events of the broker fleet were missed")
+    assert guard.stream_item(globex, missed) is missed
+    assert guard.stream_item(globex, pb.WatchEvent(kind="engine_registered", engine_id="p0")) is None

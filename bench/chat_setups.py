@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.chat_workload import ROOT, SERVED_MODEL
 from bench.common import log
-from kvbroker.tools.launch import EngineProcess, connector_config, engine_environment, free_port
+from kvbroker.tools.launch import EngineProcess, connector_config, engine_environment, free_port, pin_apart
 from testkit.engines import ACQUIRE_WAIT_MS, BLOCK_SIZE, RESOLVE_WAIT_MS, read_stats
 from testkit.processes import BrokerProcess
 
@@ -157,13 +157,7 @@ def pin_pair(p: EngineProcess, d: EngineProcess) -> None:
     keep every core. In a deployment P and D have hardware of their own; on one
     small machine each engine would otherwise also pay for the other's
     busy-polling (EngineProcess.pin_engine_cpus)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cpus) < 2:
-        return
-    half = len(cpus) // 2
-    for engine, mine in ((p, cpus[:half]), (d, cpus[half:])):
-        n = engine.pin_engine_cpus(set(mine))
-        log(f"{engine.name}: scheduler and worker pinned to cores {mine} ({n} processes)")
+    pin_apart([p, d], log)
 
 
 def start_setup(

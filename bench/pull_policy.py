@@ -1,6 +1,7 @@
 """Turn-2 TTFT under four pull-or-recompute policies, on the tiny test model and on SmolLM2-135M.
 
-    .venv/bin/python -m bench.pull_policy [--models tiny smollm2] [--histories 32 ... 4096] [--reps 3]
+    .venv/bin/python -m bench.pull_policy [--models tiny smollm2] [--histories 32 ... 4096]
+        [--reps 3] [--short-reps 9] [--busy-holder 8 --busy-models tiny]
 
 Per model: one real broker, a holder H (multi_turn: it answers turn 1 and holds
 the conversation's blocks) and a reader R with the default configuration
@@ -20,6 +21,18 @@ a rotating order. Before measuring, R serves a warm-up (two unrelated prompts
 and two conversations under each policy): what any engine has seen after a
 few requests, and all that its cost model learns from.
 
+Repetitions: ``--reps`` at every length, ``--short-reps`` at lengths up to
+SHORT_HISTORY tokens. A short turn 2 takes 15-30 ms on the tiny model and
+varies by a few ms from one request to the next, as much as the 10% the
+target allows, so a median of three says more of the noise than of the
+policy there; short conversations are cheap to repeat.
+
+Busy holder (``--busy-holder N`` on ``--busy-models``): after the idle run,
+the same engines run the four policies again while H serves N other
+requests at all times (unrelated prompts, long answers), so every pull from
+H is decided at the load H reports (N and up) and R's cost model learns
+from pulls made at it. These rows are reported as model "NAME+busyN".
+
 Target: adaptive within 10% of the better of always-pull and always-recompute
 at every length on both models. Results: bench/results/pull_policy.json, .txt
 and .png; the machine's load (uptime) is recorded before and after.
@@ -30,13 +43,25 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from bench.chat_setups import pin_pair
 from bench.common import RESULTS_DIR, format_table, load_note, log, write_json
-from bench.engines import add_run_arguments, broker_engine, complete, output_ids, stat, stream_ttft, summary
+from bench.engines import (
+    add_run_arguments,
+    broker_engine,
+    complete,
+    output_ids,
+    read_stats,
+    stat,
+    stream_ttft,
+    summary,
+)
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
 from kvbroker.tools.launch import EngineProcess
@@ -56,6 +81,9 @@ NEW_TOKENS = 16
 OUTPUT_TOKENS = 4
 MAX_MODEL_LEN = 8192
 TARGET = 1.10  # adaptive's median within 10% of the better fixed choice
+SHORT_HISTORY = 512  # lengths up to this many tokens get --short-reps repetitions
+BUSY_PROMPT_TOKENS = 64
+BUSY_ANSWER_TOKENS = 2000
 MIRROR_SETTLE_S = 0.3
 
 
@@ -92,16 +120,85 @@ def conversation(
     params = {"kvbroker": POLICIES[policy]} if POLICIES[policy] else None
     ttft, _ = stream_ttft(reader, turn2, max_tokens=OUTPUT_TOKENS, kv_transfer_params=params, timeout=600)
     wait_for(lambda: stat(stats, "pulled_blocks") > before, 0.5)
-    return {"ttft_s": ttft, "pulled_tokens": (stat(stats, "pulled_blocks") - before) * BLOCK_SIZE}
+    figures = read_stats(stats, settle=False).get("figures", {})
+    return {
+        "ttft_s": ttft,
+        "pulled_tokens": (stat(stats, "pulled_blocks") - before) * BLOCK_SIZE,
+        # What R's last decision weighed for its holder (the idle run: 0 or 1).
+        "holder_load": figures.get("last_holder_load", 0.0),
+        "pull_load_factor": figures.get("last_pull_load_factor", 1.0),
+    }
 
 
-def run_model(name: str, model: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+@contextmanager
+def busy(h: EngineProcess, streams: int) -> Iterator[None]:
+    """H serves ``streams`` other requests at all times while the block runs."""
+    stop = threading.Event()
+
+    def serve(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                complete(
+                    h,
+                    prompt_of(BUSY_PROMPT_TOKENS, 5_000_000 + 1000 * i + n),
+                    max_tokens=BUSY_ANSWER_TOKENS,
+                    timeout=600,
+                )
+            except OSError as e:  # the engine stopping under us ends the load
+                if not stop.is_set():
+                    log(f"busy stream {i}: {e}")
+                return
+
+    threads = [threading.Thread(target=serve, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+
+
+def measure(
+    name: str,
+    h: EngineProcess,
+    r: EngineProcess,
+    stats: Path,
+    client: BrokerClient,
+    args: argparse.Namespace,
+    seed: int,
+) -> tuple[list[dict[str, Any]], int]:
+    """Every length, repetition and policy once, the policies in a rotating order."""
+    rows: list[dict[str, Any]] = []
+    order = list(POLICIES)
+    for rep in range(max(args.reps, args.short_reps)):
+        for history in args.histories:
+            if rep >= (args.short_reps if history <= SHORT_HISTORY else args.reps):
+                continue
+            for i in range(len(order)):
+                policy = order[(i + rep + history) % len(order)]
+                seed += 1
+                row = conversation(h, r, stats, client, history, seed, policy)
+                row.update(model=name, policy=policy, history=history, rep=rep)
+                rows.append(row)
+                log(
+                    f"{name} rep {rep} history {history} {policy}: {row['ttft_s'] * 1000:.1f} ms, "
+                    f"pulled {row['pulled_tokens']} tokens, holder load {row['holder_load']}"
+                )
+    return rows, seed
+
+
+def run_model(name: str, model: Path, work: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The idle run, and the busy-holder run when asked for: rows per run name."""
     kv = {"tiny": 256 << 20, "smollm2": 1 << 30}[name]
     log_dir = work / name
     log_dir.mkdir(parents=True, exist_ok=True)
     broker = BrokerProcess(log_dir).start()
     engines: list[EngineProcess] = []
-    rows: list[dict[str, Any]] = []
+    runs: dict[str, Any] = {}
     try:
         common: dict[str, Any] = {"broker_address": broker.address, "max_model_len": MAX_MODEL_LEN}
         h, _ = broker_engine(
@@ -132,26 +229,25 @@ def run_model(name: str, model: Path, work: Path, args: argparse.Namespace) -> d
             for history in (256, 1024):
                 seed += 1
                 conversation(h, r, stats, client, history, seed, policy)
-        order = list(POLICIES)
-        for rep in range(args.reps):
-            for history in args.histories:
-                for i in range(len(order)):
-                    policy = order[(i + rep + history) % len(order)]
+        rows, seed = measure(name, h, r, stats, client, args, seed)
+        runs[name] = {"rows": rows}
+        if args.busy_holder > 0 and name in args.busy_models:
+            label = f"{name}+busy{args.busy_holder}"
+            with busy(h, args.busy_holder):
+                log(f"{label}: H serves {args.busy_holder} other requests; warm-up; load {load_note()}")
+                for policy in POLICIES:
                     seed += 1
-                    row = conversation(h, r, stats, client, history, seed, policy)
-                    row.update(model=name, policy=policy, history=history, rep=rep)
-                    rows.append(row)
-                    log(
-                        f"{name} rep {rep} history {history} {policy}: {row['ttft_s'] * 1000:.1f} ms, "
-                        f"pulled {row['pulled_tokens']} tokens"
-                    )
+                    conversation(h, r, stats, client, 1024, seed, policy)
+                runs[label] = {"rows": measure(label, h, r, stats, client, args, seed)[0]}
         final = _json_stats(stats)
         client.close()
     finally:
         for engine in engines:
             engine.stop()
         broker.stop()
-    return {"rows": rows, "reader_stats": final}
+    for run in runs.values():
+        run["reader_stats"] = final
+    return runs
 
 
 def _json_stats(path: Path) -> dict[str, Any]:
@@ -183,8 +279,16 @@ def evaluate(rows: list[dict[str, Any]], histories: list[int]) -> dict[str, Any]
             if len(adaptive_pulled) > 1
             else ("pull" if adaptive_pulled and adaptive_pulled[0] else "recompute")
         )
+        loads = [
+            float(r.get("holder_load", 0.0))
+            for r in rows
+            if r["history"] == history and r["policy"] == "adaptive"
+        ]
         out[str(history)] = {
             "ttft": per,
+            "reps": len(loads),
+            # The holder load adaptive's decisions weighed (median; 0 before a decision names it).
+            "adaptive_holder_load": sorted(loads)[len(loads) // 2] if loads else 0.0,
             "better_fixed_ms": best,
             "adaptive_pulled_tokens": adaptive_pulled,
             "adaptive_vs_better": round(per["adaptive"]["median_ms"] / best, 3),
@@ -240,20 +344,25 @@ def report(
                 h,
                 *(f"{e['ttft'][p]['median_ms']:.1f}" for p in POLICIES),
                 "/".join(map(str, e["adaptive_pulled_tokens"])),
+                f"{e.get('adaptive_holder_load', 0.0):g}",
                 f"{e['adaptive_choice']} / {e['faster_fixed']}",
                 f"{e['adaptive_vs_better']:.2f}{'' if e['adaptive_within_target'] else ' MISS'}",
                 f"{e['threshold_64_vs_better']:.2f}{'' if e['threshold_64_within_target'] else ' MISS'}",
             ]
             for h, e in res["per_history"].items()
         ]
-        reps = len({r["rep"] for r in res["rows"]})
-        lines.append(f"{name}: turn-2 TTFT, median ms of {reps} (lengths every policy completed)")
+        reps = sorted({e.get("reps", 0) for e in res["per_history"].values()})
+        lines.append(
+            f"{name}: turn-2 TTFT, median ms of {'/'.join(map(str, reps))} repetitions "
+            f"(more at lengths up to {SHORT_HISTORY}; lengths every policy completed)"
+        )
         lines.append(
             format_table(
                 [
                     "history",
                     *POLICIES,
                     "adaptive pulled",
+                    "holder load",
                     "adaptive chose / faster fixed",
                     "adaptive/better",
                     "threshold_64/better",
@@ -278,6 +387,9 @@ def report(
         {
             "histories": args.histories,
             "reps": args.reps,
+            "short_reps": args.short_reps,
+            "short_history": SHORT_HISTORY,
+            "busy_holder_requests": args.busy_holder,
             "policies": POLICIES,
             "answer_tokens": ANSWER_TOKENS,
             "new_tokens": NEW_TOKENS,
@@ -303,7 +415,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     ap.add_argument("--histories", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048, 4096])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per length and policy")
+    ap.add_argument(
+        "--short-reps",
+        type=int,
+        default=9,
+        help=f"repetitions at lengths up to {SHORT_HISTORY} tokens, where one is cheap and noise is large",
+    )
+    ap.add_argument(
+        "--busy-holder", type=int, default=8, help="requests H serves meanwhile in the busy run (0: none)"
+    )
+    ap.add_argument(
+        "--busy-models",
+        nargs="*",
+        default=["tiny"],
+        choices=["tiny", "smollm2"],
+        help="models with a busy run",
+    )
     ap.add_argument("--name", default="pull_policy", help="results file name (bench/results/NAME.json)")
     add_run_arguments(ap)
     ap.add_argument(
@@ -315,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
         args.histories, args.reps = saved["histories"], saved["reps"]
+        args.short_reps = saved.get("short_reps", args.reps)
         rebuilt = {
             name: {**res, "per_history": evaluate(res["rows"], args.histories)}
             for name, res in saved["results"].items()
@@ -340,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for name in args.models:
         model = build_tiny_model(work / "tiny-model") if name == "tiny" else ensure_real_model(log=log)
-        run = run_model(name, model, work, args)
-        results[name] = {"per_history": evaluate(run["rows"], args.histories), **run}
+        for label, run in run_model(name, model, work, args).items():
+            results[label] = {"per_history": evaluate(run["rows"], args.histories), **run}
     report(results, args, uptime_before, uptime())
     return 0
 

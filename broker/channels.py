@@ -180,14 +180,15 @@ class StreamNotifier:
         return self._watching.get(category, 0) > 0
 
     def event(self, event: WatchEvent) -> None:
-        msg: pb.WatchEvent | None = None
-        size = 0
+        if any(event.category in w.categories for w in self._watchers):
+            self.offer(event.category, codec.watch_event_pb(event, self._clock.now(), time.time()))
+
+    def offer(self, category: str | None, msg: pb.WatchEvent) -> None:
+        """Queue an encoded event for each watcher of `category` (None: for every watcher)."""
+        size = msg.ByteSize()
         for watcher in self._watchers:
-            if event.category not in watcher.categories or watcher.overflowed:
+            if (category is not None and category not in watcher.categories) or watcher.overflowed:
                 continue
-            if msg is None:
-                msg = codec.watch_event_pb(event, self._clock.now(), time.time())
-                size = msg.ByteSize()
             behind = ""
             if watcher.queue.qsize() >= self._watch_queue:
                 behind = f"{self._watch_queue} events"

@@ -48,6 +48,7 @@ def match_pb(m: HolderMatch) -> pb.HolderMatch:
         matched_blocks=m.matched,
         hold_lease_id=m.hold_lease_id,
         load=m.load,
+        reads_in_flight=m.reads,
     )
 
 

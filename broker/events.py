@@ -14,6 +14,8 @@ from kvbroker.broker.leases import Lease
 from kvbroker.common.model import Tier
 
 INDEX, LEASE, ENGINE = "index", "lease", "engine"
+# A Watch of a broker fleet lost events (the shared store was away too long, or restarted empty).
+EVENTS_MISSED = "events_missed"
 
 
 @dataclass(slots=True, frozen=True)

@@ -48,7 +48,7 @@ def find_holders(
         matches = rank_holders(matches)
     reader = asker.engine_id if asker is not None else ""
     for m in matches:
-        hold = covering_hold(leases, m, ns, hashes, reader)
+        hold, m.reads = covering_hold(leases, m, ns, hashes, reader)
         if hold is not None:
             m.hold_lease_id = hold.lease_id
             # A hold pins its blocks, so all it covers is held, announced yet or not:
@@ -60,12 +60,16 @@ def find_holders(
 
 def covering_hold(
     leases: LeaseTable, m: HolderMatch, ns: Namespace, hashes: Sequence[int], reader: str
-) -> Lease | None:
-    """The holder's unclaimed hold, open to `reader`, with the longest prefix covering the match."""
+) -> tuple[Lease | None, int]:
+    """The holder's unclaimed hold, open to `reader`, with the longest prefix covering the match;
+    and how many of the holder's leases of that tier are being read now (from the same walk)."""
     best: Lease | None = None
     best_len = 0
+    reads = 0
     for lease in leases.by_holder(m.engine_id):
-        if (
+        if lease.state is LeaseState.ACTIVE and lease.tier == m.tier:
+            reads += 1
+        elif (
             lease.state is LeaseState.HELD
             and lease.tier == m.tier
             and lease.namespace == ns
@@ -74,4 +78,4 @@ def covering_hold(
             n = common_prefix(lease.block_hashes, hashes)
             if n >= m.matched and n > best_len:
                 best, best_len = lease, n
-    return best
+    return best, reads

@@ -2,7 +2,9 @@
 
 - `BrokerCollector` reads the core's state at scrape time (engines, sessions,
   blocks indexed, leases by state, revocations by cause): nothing is counted
-  on the hot path.
+  on the hot path. A replica of a fleet (`--state`) counts its own ended
+  leases and revocations, and adds the fleet's totals from the store
+  (`kvbroker_fleet_*` gauges).
 - `MetricsInterceptor` times every unary RPC (histogram by method and code)
   and counts Session/Watch streams opened.
 - `SessionStreamMetrics` counts and times what the engines' Session streams
@@ -36,7 +38,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.kv_events import KvEventsFeed
+from kvbroker.broker.results import Stats
 
 log = logging.getLogger("kvbroker.metrics")
 
@@ -46,8 +50,9 @@ STREAM_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.
 
 
 class BrokerCollector(Collector):
-    def __init__(self, core: BrokerCore) -> None:
+    def __init__(self, core: BrokerCore, fleet: Callable[[Stats], Stats] | None = None) -> None:
         self._core = core
+        self._fleet = fleet  # a replica of a fleet: this replica's Stats -> the fleet's
 
     def collect(self) -> Iterator[Metric]:
         stats = self._core.stats()
@@ -72,6 +77,8 @@ class BrokerCollector(Collector):
         for cause, n in stats.revocations_by_cause.items():
             revoked.add_metric([cause], n)
         yield revoked
+        if self._fleet is not None:
+            yield from self._fleet_totals(stats)
         yield from self._lease_stats()
         lag, pending = self._core.mirrors.lag()
         yield GaugeMetricFamily(
@@ -84,6 +91,32 @@ class BrokerCollector(Collector):
             "Bytes of index changes waiting for Mirror streams",
             value=pending,
         )
+
+    def _fleet_totals(self, local: Stats) -> Iterator[Metric]:
+        """Every replica's counts summed, read from the shared store now. Gauges: each replica shows
+        the same totals, so take any one of them (max by ...), never their sum; the per-replica
+        series above are the ones to sum or rate."""
+        assert self._fleet is not None
+        try:
+            fleet = self._fleet(local)
+        except BrokerError as err:  # the store is away: this replica's own series still answer
+            log.debug("fleet totals not read: %s", err)
+            return
+        ended = GaugeMetricFamily(
+            "kvbroker_fleet_leases_ended",
+            "Ended leases by final state, all broker replicas together (from the shared store)",
+            labels=["state"],
+        )
+        for state in ("released", "revoked"):
+            ended.add_metric([state], fleet.leases_by_state.get(state, 0))
+        revoked = GaugeMetricFamily(
+            "kvbroker_fleet_revocations",
+            "Lease revocations by cause, all broker replicas together (from the shared store)",
+            labels=["cause"],
+        )
+        for cause, n in fleet.revocations_by_cause.items():
+            revoked.add_metric([cause], n)
+        yield from (ended, revoked)
 
     def _lease_stats(self) -> Iterator[Metric]:
         stats = self._core.leases.stats
@@ -258,10 +291,11 @@ def start_metrics_http(
     host: str,
     port: int,
     feeds: Mapping[str, KvEventsFeed] | None = None,
+    fleet: Callable[[Stats], Stats] | None = None,
 ) -> Any:
     """Serve /metrics on a background thread; returns the server (call .shutdown() to stop),
     or None when the port is taken: the broker then runs without metrics, and says so."""
-    registry.register(BrokerCollector(core))
+    registry.register(BrokerCollector(core, fleet))
     if feeds is not None:
         registry.register(KvEventsCollector(feeds))
     ProcessCollector(registry=registry)

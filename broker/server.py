@@ -30,12 +30,13 @@ from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.decode_guard import DecodeGuardInterceptor
-from kvbroker.broker.errors import InvalidArgument, Unavailable
+from kvbroker.broker.errors import BrokerError, InvalidArgument, Unavailable
 from kvbroker.broker.identity import Authenticator, TokenTable
 from kvbroker.broker.indexer_http import IndexerHttp
 from kvbroker.broker.kv_events import KvEventsFeed, parse_sources
 from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
 from kvbroker.broker.quotas import Quotas
+from kvbroker.broker.registry import EngineRegistry
 from kvbroker.broker.security_config import SecurityConfig, is_loopback
 from kvbroker.broker.servicer import BrokerServicer
 from kvbroker.broker.tenancy import TenantGuard
@@ -48,6 +49,8 @@ from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 
 if TYPE_CHECKING:
     from kvbroker.broker.state_redis_conn import RedisState
+    from kvbroker.broker.state_redis_counters import FleetCounters
+    from kvbroker.broker.state_redis_declines import FleetDeclineBook
 
 log = logging.getLogger("kvbroker")
 
@@ -191,8 +194,10 @@ def _shared_state(config: BrokerConfig) -> RedisState | None:
 
 def _fleet_core(
     config: BrokerConfig, clock: Clock, shared: RedisState
-) -> tuple[BrokerCore, StreamNotifier, Coroutine[Any, Any, None]]:
+) -> tuple[BrokerCore, StreamNotifier, Coroutine[Any, Any, None], FleetCounters]:
     """A core whose registry, leases and index live in the shared store, as one replica of a fleet."""
+    from kvbroker.broker.state_redis_counters import FleetCounters, core_counts
+    from kvbroker.broker.state_redis_declines import FleetDeclineBook
     from kvbroker.broker.state_redis_fleet import FleetRegistry
     from kvbroker.broker.state_redis_index import RedisPrefixIndex
     from kvbroker.broker.state_redis_leases import RedisLeaseTable
@@ -225,16 +230,37 @@ def _fleet_core(
         mirrors=notifier.mirrors,
     )
     notifier.lease_of = core.leases.get
+    notifier.on_drain = lambda session_id: _mark_draining(core, session_id)
+    counters = FleetCounters(shared, replica, core_counts(core.revocations, lambda: core.released_total))
+    declines = core.declines = FleetDeclineBook(shared, replica, clock.now)
+    declines.on_heard = lambda holder, request_id: _declined_elsewhere(core, registry, holder, request_id)
     log.info("broker replica %s", replica)
-    return core, notifier, _follow_fleet(notifier)
+    return core, notifier, _follow_fleet(notifier, counters, declines), counters
 
 
-async def _follow_fleet(notifier: Any) -> None:
-    """The fleet's notices (pub/sub) until cancelled; then the mirror streams' readers stop too."""
+def _mark_draining(core: BrokerCore, session_id: str) -> None:
+    with contextlib.suppress(BrokerError):  # the session ended meanwhile: nothing left to mark
+        core.registry.by_session(session_id).draining = True
+
+
+def _declined_elsewhere(core: BrokerCore, registry: EngineRegistry, holder: str, request_id: str) -> None:
+    """Another replica had an early decline: if the holder's stream is here, end a hold of it that
+    arrived meanwhile (the base class's find: this replica's own sessions, no store read)."""
+    if EngineRegistry.find(registry, holder) is not None:
+        with contextlib.suppress(BrokerError):  # claimed by its reader already, or the holder left
+            core.decline(holder, request_id, "declined (through another broker replica) before its hold")
+
+
+async def _follow_fleet(notifier: Any, counters: FleetCounters, declines: FleetDeclineBook) -> None:
+    """The fleet's notices (pub/sub), its watchers' record, the counters' flushes and the early
+    declines until cancelled; then the mirror, watch and declines streams' readers stop too."""
+    declines.follow()
     try:
-        await notifier.follow()
+        await asyncio.gather(notifier.follow(), notifier.watch.run(), counters.run())
     finally:
         await notifier.streams.stop()
+        await notifier.watch.stop()
+        await declines.stream.stop()
 
 
 async def start_server(
@@ -255,13 +281,16 @@ async def start_server(
     shared = _shared_state(config)
     clock = clock or (WallClock() if shared is not None else MonotonicClock())
     tasks: list[asyncio.Task[None]] = []
+    counters: FleetCounters | None = None
     if shared is None:
         notifier = StreamNotifier(clock)
         core = BrokerCore(config, clock=clock, notifier=notifier)
     else:
-        core, notifier, follow = _fleet_core(config, clock, shared)
+        core, notifier, follow, counters = _fleet_core(config, clock, shared)
         tasks.append(asyncio.create_task(follow, name="kvbroker-fleet-channel"))
     servicer = BrokerServicer(core, notifier)
+    if counters is not None:
+        servicer.stats = lambda: counters.stats(core.stats())  # the fleet's counts, not this replica's
 
     # Outermost first: metrics and spans see the INVALID_ARGUMENT of a malformed request too.
     interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -311,7 +340,14 @@ async def start_server(
     metrics_port = 0
     feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
     if metrics_registry is not None:
-        http = start_metrics_http(core, metrics_registry, config.metrics_host, config.metrics_port, feeds)
+        http = start_metrics_http(
+            core,
+            metrics_registry,
+            config.metrics_host,
+            config.metrics_port,
+            feeds,
+            counters.stats if counters is not None else None,
+        )
         if http is not None:
             extras.append(http)
             metrics_port = http.server_port

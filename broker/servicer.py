@@ -35,7 +35,7 @@ from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
-from kvbroker.broker.results import ResolveResult
+from kvbroker.broker.results import ResolveResult, Stats
 from kvbroker.broker.status import abort, answer, status_of, trailers
 from kvbroker.broker.tracing import command_span
 from kvbroker.common.causes import Cause
@@ -72,6 +72,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         self.core = core
         self.notifier = notifier
         self.shutting_down = False
+        self.stats: Callable[[], Stats] = core.stats  # a replica of a fleet answers the fleet's counts
         # Session-stream metrics (None: off); the unary calls are timed by an interceptor.
         self.stream_observer: StreamObserver | None = None
         # Spans for the lease commands on Session streams (set when tracing is on).
@@ -380,7 +381,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         return await answer(context, lambda: listing.list_leases(self.core, request))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        return await answer(context, lambda: codec.stats_pb(self.core.stats()))
+        return await answer(context, lambda: codec.stats_pb(self.stats()))
 
     async def Revoke(self, request: pb.RevokeRequest, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         try:

@@ -64,6 +64,13 @@ class LayoutReader:
 
 
 class MirrorStreams:
+    """The per-layout mirror streams; the fleet's Watch and early-declines streams (state_redis_watch,
+    state_redis_declines) are two more, with their own keys and readers' names."""
+
+    reader_name = "kvbroker-mirror"  # readers' Redis client names: `<reader_name>-<replica>`
+    apply_own = False  # mirrors apply their own replica's changes at once, not from the stream
+    apply_after_gap = False  # a mirror's resync snapshot has the entry after a gap; a Watch has none
+
     def __init__(
         self,
         state: RedisState,
@@ -118,7 +125,7 @@ class MirrorStreams:
             last_id, last_n = b"0-0", -1  # the store is away: resync at the first entry read
         reader = LayoutReader(layout_id, key, last_id, last_n)
         reader.task = asyncio.get_running_loop().create_task(
-            self._read(reader), name=f"kvbroker-mirror-{key}"
+            self._read(reader), name=f"{self.reader_name}-{key}"
         )
         self.readers[layout_id] = reader
 
@@ -133,27 +140,32 @@ class MirrorStreams:
     async def stop(self) -> None:
         for layout_id in list(self.readers):
             self.unfollow(layout_id)
-        await asyncio.gather(*self._ending, return_exceptions=True)
+        if self._ending:  # bounded: a reader stops within one read (block_ms) even if its cancel is lost
+            await asyncio.wait(set(self._ending), timeout=self._block_ms / 1000 + 5.0)
 
     def _deliver(self, reader: LayoutReader, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         n = int(fields[b"n"])
         gap = n != reader.last_n + 1
         reader.last_id, reader.last_n = entry_id, n
         if gap:
-            log.warning(
-                "index changes of layout %s were missed: resyncing its mirrors", reader.layout_id[:12]
-            )
-            self._resync(reader.layout_id)  # the fresh snapshot has this change too
-        elif fields[b"rep"].decode() != self._replica:
+            self._resync(reader.layout_id)  # (a mirror's fresh snapshot has this change too)
+        if gap and not self.apply_after_gap:
+            return
+        if self.apply_own or fields[b"rep"].decode() != self._replica:
             self._apply(reader.layout_id, fields[b"t"].decode(), fields[b"b"])
+
+    def _following(self, reader: LayoutReader) -> bool:
+        return self.readers.get(reader.layout_id) is reader
 
     async def _read(self, reader: LayoutReader) -> None:
         node: tuple[str, int] | None = None
-        name = f"kvbroker-mirror-{self._replica}"
-        while True:
+        name = f"{self.reader_name}-{self._replica}"
+        # Checked as well as cancelled: a cancellation that lands as the client's read times out can
+        # come out of it as a timeout error, and the reader must still stop.
+        while self._following(reader):
             client = self._state.stream_reader(reader.key, self._block_ms, node, name)
             try:
-                while True:
+                while self._following(reader):
                     answer: Any = await client.xread(
                         {reader.key: reader.last_id}, count=512, block=self._block_ms
                     )
@@ -165,7 +177,9 @@ class MirrorStreams:
             except (redis.RedisError, OSError) as err:
                 node = None
                 reader.reconnects += 1
-                log.warning("mirror stream lost (%s); reading on from %s", err, reader.last_id.decode())
+                log.warning(
+                    "%s stream lost (%s); reading on from %s", self.reader_name, err, reader.last_id.decode()
+                )
                 await asyncio.sleep(0.5)
             finally:
                 await client.aclose()

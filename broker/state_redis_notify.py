@@ -20,25 +20,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 
-from kvbroker.broker.channels import StreamNotifier
+from kvbroker.broker.channels import StreamNotifier, Watcher
 from kvbroker.broker.clock import Clock
 from kvbroker.broker.errors import BrokerError
+from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import DEFAULT_MAX_PENDING_BYTES, MirrorHub, MirrorSubscriber, mirror_engine_info
 from kvbroker.broker.state_redis_conn import RedisState
 from kvbroker.broker.state_redis_mirror import MirrorStreams
+from kvbroker.broker.state_redis_watch import FleetWatch
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
 
-_TO_ALL = ("settled", "moved", "engine")  # notices every replica acts on
+_TO_ALL = ("settled", "moved", "engine", "watching")  # notices every replica acts on
 
 
 class FleetNotifier(StreamNotifier):
@@ -55,7 +58,13 @@ class FleetNotifier(StreamNotifier):
         self.on_engine_changed: Callable[[str], None] = lambda engine_id: None  # another replica's
         self.mirrors: FleetMirrorHub | None = None
         self.streams = MirrorStreams(state, replica, self._apply_mirror, self._resync_mirrors)
+        self.watch = FleetWatch(
+            state, replica, self, lambda c: self._publish("watching", "", cats=",".join(c))
+        )
         self.delivered = 0
+        # Another replica drained an engine whose stream is here: mark this replica's record draining
+        # (its next push writes the flag to the store, where every replica reads it).
+        self.on_drain: Callable[[str], None] = lambda session_id: None
 
     def _publish(self, kind: str, session_id: str, **more: Any) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
@@ -81,6 +90,7 @@ class FleetNotifier(StreamNotifier):
             self.mirrors.apply_engine(layout_id, pb.MirrorEngine.FromString(body))
 
     def _resync_mirrors(self, layout_id: str) -> None:
+        log.warning("index changes of layout %s were missed: resyncing its mirrors", layout_id[:12])
         if self.mirrors is not None:
             self.mirrors.resync(layout_id)
 
@@ -129,6 +139,28 @@ class FleetNotifier(StreamNotifier):
         super().pin_settled(lease)
         self._publish("settled", "", lease=lease.lease_id)
 
+    # -- Watch: the fleet's events, through its watch stream (state_redis_watch) -----------
+
+    def watching(self, category: str) -> bool:
+        return self.watch.wanted(category)
+
+    def event(self, event: WatchEvent) -> None:
+        """Into the fleet's stream; this replica's watchers read it back from there with the rest."""
+        if self.watch.wanted(event.category):
+            self.watch.append(event, self._clock.now(), time.time())
+
+    def add_watcher(self, categories: frozenset[str], max_bytes: int = 16 * 1024 * 1024) -> Watcher:
+        watcher = super().add_watcher(categories, max_bytes)
+        self.watch.watchers_changed(self._watched())
+        return watcher
+
+    def remove_watcher(self, watcher: Watcher) -> None:
+        super().remove_watcher(watcher)
+        self.watch.watchers_changed(self._watched())
+
+    def _watched(self) -> frozenset[str]:
+        return frozenset(c for c, n in self._watching.items() if n > 0)
+
     def session_resumed(self, session_id: str) -> None:
         """This replica took the session over: the one that had its stream lets it go."""
         self._publish("moved", session_id)
@@ -151,9 +183,13 @@ class FleetNotifier(StreamNotifier):
             return
         if kind == "settled" and msg.get("rep") == self.replica:
             return
+        if kind == "watching":
+            self.watch.heard(str(msg.get("cats", "")).split(","))
+            return
         if kind != "settled" and not self._local(sid):
             return
         if kind == "drain":
+            self.on_drain(sid)
             super().drain(sid, str(msg.get("reason", "")))
             return
         if kind == "close":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import NotFound, PermissionDenied
+from kvbroker.broker.events import EVENTS_MISSED
 from kvbroker.broker.identity import ALL_TENANTS, Identity, Role
 from kvbroker.broker.quotas import Quotas
 from kvbroker.common.causes import Cause
@@ -232,6 +233,8 @@ class TenantGuard:
         if isinstance(item, pb.WatchEvent):
             if item.HasField("lease"):
                 return item if who.owns_tenant(item.lease.namespace.tenant) else None
+            if item.kind == EVENTS_MISSED:
+                return item  # names nobody: every watcher must know its stream has a hole
             return item if item.engine_id and self.sees_engine(who, item.engine_id) else None
         if isinstance(item, pb.MirrorUpdate):
             engines = [e for e in item.engines if self.sees_engine(who, e.engine.engine_id)]

@@ -76,6 +76,12 @@ class ThreadedEngineSession:
     def layout_id(self) -> str:
         return self._session.layout_id if self._session else ""
 
+    @property
+    def session_id(self) -> str:
+        """The session id of the last registration ("" before the first); see EngineSession."""
+        registered = self._session.registered if self._session else None
+        return registered.session_id if registered is not None else ""
+
     def start(self, wait_connected_s: float | None = None) -> None:
         """Start the thread; with ``wait_connected_s``, block until registered (for set-up code only)."""
         if self._thread is not None:

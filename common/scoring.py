@@ -25,6 +25,7 @@ class HolderMatch:
     matched: int
     load: float
     hold_lease_id: str = ""
+    reads: int = 0  # leases on the holder's blocks of this tier being read now (ACTIVE)
 
 
 def rank_holders(matches: list[HolderMatch]) -> list[HolderMatch]:

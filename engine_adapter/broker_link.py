@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 class LeaseEndNotice:
     lease_id: str
     cause: str  # "released", or the RevokeCause name
+    # The request id of a lease this engine holds ("" otherwise): a holder whose Hold answer
+    # was lost knows its hold by that alone.
+    request_id: str = ""
 
 
 class BrokerLink(Protocol):
@@ -40,6 +43,13 @@ class BrokerLink(Protocol):
 
     @property
     def layout_id(self) -> str: ...
+
+    @property
+    def session_id(self) -> str:
+        """The broker session this engine registered last ("" before the first). It stays the same
+        when a shared-state fleet resumes the session on another replica (leases kept), and
+        changes when the engine had to register anew (the old session's leases ended with it)."""
+        ...
 
     def resolve(
         self,
@@ -137,6 +147,7 @@ class SessionBrokerLink:
         from kvbroker.clients.threaded_session import ThreadedEngineSession
 
         self._ends = LeaseEndQueue()
+        self._engine_id = engine.engine_id
         self._pin: PinHandler | None = None
         self._listener: Callable[[], None] | None = None
         self._unpin: Callable[[str], None] | None = None
@@ -166,6 +177,10 @@ class SessionBrokerLink:
     @property
     def layout_id(self) -> str:
         return self._session.layout_id
+
+    @property
+    def session_id(self) -> str:
+        return self._session.session_id
 
     def resolve(
         self,
@@ -244,11 +259,17 @@ class SessionBrokerLink:
     def close(self) -> None:
         self._session.close()
 
+    def _held_as(self, lease: pb.Lease) -> str:
+        return lease.request_id if lease.holder_engine_id == self._engine_id else ""
+
     # Session-thread callbacks: queue, never touch scheduler state here.
     def _on_revoked(self, message: pb.LeaseRevoked) -> None:
         if self._unpin is not None:
             self._unpin(message.lease.lease_id)
-        self._ends.put(LeaseEndNotice(message.lease.lease_id, pb.RevokeCause.Name(message.cause)))
+        lease = message.lease
+        self._ends.put(
+            LeaseEndNotice(lease.lease_id, pb.RevokeCause.Name(message.cause), self._held_as(lease))
+        )
         self._notify()
 
     def _on_lease_ended(self, message: pb.LeaseEnded) -> None:
@@ -256,7 +277,7 @@ class SessionBrokerLink:
         if self._unpin is not None:
             self._unpin(lease.lease_id)
         cause = "released" if lease.state == pb.LEASE_RELEASED else pb.RevokeCause.Name(lease.cause)
-        self._ends.put(LeaseEndNotice(lease.lease_id, cause))
+        self._ends.put(LeaseEndNotice(lease.lease_id, cause, self._held_as(lease)))
         self._notify()
 
     def _on_pin(self, command: pb.PinCommand) -> pb.PinResult | Future[pb.PinResult]:

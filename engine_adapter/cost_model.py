@@ -156,16 +156,17 @@ class PrefillModel:
         return 0.0, 0.0, 0.0
 
     def predict(self, new_tokens: int, context_tokens: int, chunk_tokens: int = 0) -> float:
-        """Seconds to compute ``new_tokens`` after ``context_tokens``, in chunks of ``chunk_tokens``."""
+        """Seconds to compute ``new_tokens`` after ``context_tokens``, in chunks of ``chunk_tokens``.
+
+        One step per chunk; the chunks' attention pairs add up to those of one
+        step over all the new tokens, so this is O(1) however many chunks."""
+        if new_tokens <= 0:
+            return 0.0
         a, b, c = self.coefficients()
-        chunk = chunk_tokens if chunk_tokens > 0 else max(1, new_tokens)
-        total, done = 0.0, 0
-        while True:
-            n = min(chunk, new_tokens - done)
-            total += a + b * n / _TOKENS + c * attention_pairs(n, context_tokens + done) / _PAIRS
-            done += n
-            if done >= new_tokens:
-                return total
+        chunks = -(-new_tokens // chunk_tokens) if chunk_tokens > 0 else 1
+        return (
+            chunks * a + b * new_tokens / _TOKENS + c * attention_pairs(new_tokens, context_tokens) / _PAIRS
+        )
 
 
 @dataclass

@@ -220,15 +220,21 @@ class GpuInventory:
             future.set_result(result)
 
     def unpin_all(self) -> None:
-        """The broker session is gone, and every lease with it: refuse waiting pins, and give
+        """The broker session is over, and every lease with it: refuse waiting pins, and give
         every pinned block back at the next step. (Under the scheduler's lock, on any thread.)"""
+        self.refuse_waiting_pins()
+        with self._requests_lock:
+            self._requests.extend((None, lease_id, None) for lease_id in self._pinned)
+        self.wake_engine()
+
+    def refuse_waiting_pins(self) -> None:
+        """The session's stream broke: pins not made yet are refused (their answer has no stream
+        to go to); pins already made stay while the session may resume elsewhere."""
         with self._requests_lock:
             waiting = [(c, f) for c, _, f in self._requests if c is not None and f is not None]
             self._requests = [r for r in self._requests if r[0] is None]
-            self._requests.extend((None, lease_id, None) for lease_id in self._pinned)
         for command, future in waiting:
             future.set_result(pb.PinResult(lease_id=command.lease.lease_id, ok=False, error="session lost"))
-        self.wake_engine()
 
     def _pin_now(self, command: pb.PinCommand) -> pb.PinResult:
         lease = command.lease

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kvbroker.clients import errors
+from kvbroker.common.causes import Cause
 from kvbroker.engine_adapter.decisions import (
     BadTransferParams,
     holdable_blocks,
@@ -60,6 +63,24 @@ class Held:
     lease_id: str = ""
     freed: bool = False
     announced: bool = False
+    # The Hold's answer was lost (the stream broke, or it came too late): the hold may exist at
+    # the broker, where a reader can claim it, so the blocks stay until its lease ends.
+    unsure: bool = False
+
+
+def _call_later(delay_s: float, callback: Callable[[], None]) -> None:
+    timer = threading.Timer(delay_s, callback)
+    timer.daemon = True
+    timer.start()
+
+
+def answer_lost(error: BaseException | None) -> bool:
+    """A Hold failed without a word from the broker on it: the stream broke before the answer,
+    or it came too late. The broker may have made the hold (a replica that died right after its
+    store did). A broker that answered UNAVAILABLE itself (its shared store away) changed nothing."""
+    if isinstance(error, errors.DeadlineExceeded):
+        return True
+    return isinstance(error, errors.Unavailable) and error.cause != Cause.STATE_UNAVAILABLE
 
 
 class Holds:
@@ -74,6 +95,8 @@ class Holds:
         # Only the scheduler thread may touch the pool: returns wait for its next hook.
         self._block_pool: Any = None
         self._pool_returns: list[list[int]] = []
+        # Runs a callback after some seconds, on another thread (tests replace it).
+        self.call_later: Callable[[float, Callable[[], None]], None] = _call_later
 
     # ------------------------------------------------------------------
     # vLLM's block pool
@@ -170,7 +193,19 @@ class Holds:
             if not held.lease_id and future is not None and future.done():
                 error = future.exception()
                 lease_id = "" if error is not None else future.result().lease_id
-                if not lease_id:
+                if not lease_id and answer_lost(error):
+                    if not held.unsure:
+                        held.unsure = True
+                        logger.warning(
+                            "kvbroker: request %s: the hold's answer was lost (%s); keeping its %d "
+                            "blocks until its lease ends or the broker session is over",
+                            held.request_id,
+                            error,
+                            len(held.block_ids),
+                        )
+                        # An idle engine runs no step: look again at the backstop all the same.
+                        self.call_later(max(0.0, held.started + backstop - now) + 0.1, self._on_reply)
+                elif not lease_id:
                     logger.warning(
                         "kvbroker: request %s: hold refused, freeing %d blocks: %s",
                         held.request_id,
@@ -179,9 +214,10 @@ class Holds:
                     )
                     self._free(held, "hold refused")
                     continue
-                held.lease_id = lease_id
-                self._held_by_lease[lease_id] = held.request_id
-                self._announce(held, stored=True)
+                else:
+                    held.lease_id = lease_id
+                    self._held_by_lease[lease_id] = held.request_id
+                    self._announce(held, stored=True)
             if now - held.started > backstop:
                 # Every lease ends: if no notice ever came, do not pin blocks forever.
                 self._free(held, "no lease-end notice within hold TTL + 2 session TTLs")
@@ -203,6 +239,9 @@ class Holds:
         for notice in link.take_lease_ends():
             req_id = self._held_by_lease.get(notice.lease_id)
             held = self._held.get(req_id) if req_id else None
+            if held is None and notice.request_id:
+                lost = self._held.get(notice.request_id)  # a hold whose answer was lost
+                held = lost if lost is not None and lost.unsure else None
             if held is not None:
                 self._free(held, f"lease {notice.lease_id} ended ({notice.cause})")
 

@@ -15,8 +15,10 @@ way of serving the prompt and takes the quickest:
   A holder that covers only part of the prompt, or whose pull pays only for
   part, is taken for that part (partial coverage).
 
-A pull's bandwidth part is scaled by (1 + pulls already in flight from that
-holder): they share it. The whole pull is scaled by the holder's load factor
+A pull's bandwidth part is scaled by (1 + reads already in flight from that
+holder): they share it. Those are this engine's own pulls from it, or, when
+the broker answered, every reader's leases on it being read
+(``HolderMatch.reads_in_flight``), whichever is more. The whole pull is scaled by the holder's load factor
 (1 + slope * the load the broker or the mirror names for it, cost_model.py),
 so a busy holder is pulled from less, and again as soon as it reports itself
 idle. Pure: the cost model is read, never updated, so
@@ -52,6 +54,7 @@ class Costs:
     pull_observations: int = 0  # that holder's and tier's observed pulls (0: prior)
     holder_load: float = 0.0  # the load named for the chosen (or best) holder
     pull_load_factor: float = 1.0  # what that load multiplied its predicted pull by
+    holder_reads: int = 0  # reads of that holder in flight, its bandwidth shared with them
 
     def attributes(self) -> dict[str, float | str | int]:
         return {
@@ -62,6 +65,7 @@ class Costs:
             "kvbroker.pull_observations": self.pull_observations,
             "kvbroker.holder_load": round(self.holder_load, 3),
             "kvbroker.pull_load_factor": round(self.pull_load_factor, 3),
+            "kvbroker.holder_reads": self.holder_reads,
         }
 
 
@@ -142,6 +146,7 @@ def _candidates(
             continue
         if m.engine_id == first.engine_id and m.tier == first.tier and m.hold_lease_id == first.hold_lease_id:
             first.matched_blocks, first.load = m.matched_blocks, m.load
+            first.reads_in_flight = m.reads_in_flight
             continue
         out.append(m)
     if preferred.holder_engine_id == self_engine_id:
@@ -149,6 +154,33 @@ def _candidates(
     if first.matched_blocks <= 0:
         first.matched_blocks = preferred.first_block + preferred.num_blocks
     return [first, *out]
+
+
+def candidate_ends(lo: int, hi: int, num_prompt_tokens: int, block_size: int, chunk_tokens: int) -> list[int]:
+    """The block ends [lo, hi] among which the quickest way to the first token lies, ascending.
+
+    Pulling blocks up to ``end`` and computing the rest takes
+    ``pull(end) + prefill(N - k new, after k)`` with k = the tokens covered. The
+    pull is linear in k; the prefill is ``chunks * a + b * (N - k) + c * (N**2 - k**2) / 2``
+    (the attention pairs of computing tokens k..N telescope to that, however they
+    are chunked). So wherever the number of chunks stays the same, the total is
+    concave in k and its minimum over a stretch of ends lies at one of the
+    stretch's two ends. The stretches end where N - k crosses a multiple of the
+    chunk size. Weighing those ends only keeps a decision O(prompt / chunk),
+    not O(blocks): about two predictions per chunk of the prompt, not one per block.
+    """
+    if hi < lo:
+        return []
+    ends = {lo, hi}
+    if chunk_tokens > 0:
+        boundary = num_prompt_tokens - chunk_tokens
+        while boundary > (lo - 1) * block_size:
+            below = boundary // block_size  # covers at most the boundary: one chunk more to compute
+            for end in (below, below + 1):
+                if lo <= end <= hi:
+                    ends.add(end)
+            boundary -= chunk_tokens
+    return sorted(ends)
 
 
 def _cheapest(
@@ -163,11 +195,15 @@ def _cheapest(
     in_flight: Mapping[str, int],
 ) -> Choice:
     local_blocks = num_local_tokens // block_size
-    best: tuple[float, pb.HolderMatch, int, PullEstimate] | None = None  # (total s, holder, end block, est)
+    best: tuple[float, pb.HolderMatch, int, PullEstimate, int] | None = None  # (s, holder, end, est, reads)
     for m in candidates:
         end_max = min(int(m.matched_blocks), -(-(num_prompt_tokens - 1) // block_size))
-        share = 1 + in_flight.get(m.engine_id, 0)
-        for end in range(local_blocks + 1, end_max + 1):
+        # Reads of the holder now: this engine's own pulls, or every reader's as the broker
+        # counts them (its count includes ours; a mirror's answer has none).
+        share = 1 + max(in_flight.get(m.engine_id, 0), m.reads_in_flight)
+        for end in candidate_ends(
+            local_blocks + 1, end_max, num_prompt_tokens, block_size, model.chunk_tokens
+        ):
             covered = min(end * block_size, num_prompt_tokens - 1)
             if covered <= num_local_tokens:
                 continue
@@ -175,13 +211,13 @@ def _cheapest(
             pull_s = est.fixed_s + (est.seconds - est.fixed_s) * share
             total = pull_s + model.prefill_s(num_prompt_tokens - covered, covered)
             if best is None or total < best[0]:
-                best = (total, m, end, est)
+                best = (total, m, end, est, share - 1)
     if best is None:
         return Choice(
             Decision(None, SKIP_NO_HOLDER, "no holder covers a block beyond the local hit"),
             Costs(POLICY_ADAPTIVE, predicted_recompute_ms=recompute_s * 1000.0),
         )
-    total, holder, end, est = best
+    total, holder, end, est, reads = best
     costs = Costs(
         POLICY_ADAPTIVE,
         predicted_pull_ms=total * 1000.0,
@@ -190,8 +226,11 @@ def _cheapest(
         pull_observations=est.observations,
         holder_load=holder.load,
         pull_load_factor=est.load_factor,
+        holder_reads=reads,
     )
     busy = f" at load {holder.load:g} (x{est.load_factor:.2f})" if holder.load > 0 else ""
+    if reads:
+        busy += f", {reads} other read{'s' if reads > 1 else ''} of it in flight"
     if recompute_s <= total:
         detail = (
             f"recompute {recompute_s * 1000.0:.1f} ms <= pull from {holder.engine_id}{busy} "

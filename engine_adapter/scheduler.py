@@ -111,6 +111,8 @@ class AdapterScheduler:
         self.stores = CpuStores(self._ctx)
         self.own_load = OwnLoad()
         self._was_connected = False
+        self._session_id = ""  # the broker session our holds and pins belong to
+        self._lost_at: float | None = None  # when the scheduler saw that session's stream break
         # Writes stats_path on its own thread, from snapshots taken here.
         self._stats_writer = StatsWriter(config.stats_path) if config.stats_path else None
         # vLLM's hooks run on the scheduler thread; lease ends, hold replies, pins and
@@ -313,16 +315,43 @@ class AdapterScheduler:
                 self.link.set_load(load)
 
     def _check_connection(self) -> None:
+        """Holds and lease pins live as long as the broker session they belong to.
+
+        A broken stream does not end the session: a shared-state broker fleet
+        resumes it on another replica with its leases (the same session id),
+        and a reader may then still read what we hold, so freeing the blocks
+        at the break could hand it reused blocks. They are given back once the
+        session is known to be over: the engine registered a new session (its
+        id changed; the old one's leases ended with it), or no stream came back
+        within two session TTLs, by which time the broker has expired it. Only
+        pins still waiting for this thread are refused at the break: their
+        answer had no stream to go to.
+        """
         link = self.link
         connected = link is not None and link.connected
-        if self._was_connected and not connected:
-            # The broker lost our leases with our session: nobody can claim these blocks.
-            self.holds.free_all("broker session lost")
-            if self.gpu.bound:
-                self.gpu.unpin_all()
-            if self.cpu is not None:
-                self.cpu.unpin_all(keep_prefix=LOCAL_PIN_PREFIX)
+        if connected:
+            session_id = link.session_id if link is not None else ""
+            if self._session_id and session_id != self._session_id:
+                self._session_over("the engine registered a new broker session")
+            self._session_id, self._lost_at = session_id, None
+        elif self._was_connected:
+            self._lost_at = self._clock()
+            self.gpu.refuse_waiting_pins()
+        elif self._lost_at is not None and self._clock() - self._lost_at > self._session_gone_s():
+            self._session_over("broker session lost")
+            self._lost_at = None
         self._was_connected = connected
+
+    def _session_gone_s(self) -> float:
+        return 2 * self._ctx.config.session_ttl_ms / 1000.0
+
+    def _session_over(self, why: str) -> None:
+        # The broker ended our leases with the session: nobody can claim these blocks.
+        self.holds.free_all(why)
+        if self.gpu.bound:
+            self.gpu.unpin_all()
+        if self.cpu is not None:
+            self.cpu.unpin_all(keep_prefix=LOCAL_PIN_PREFIX)
 
     # ------------------------------------------------------------------
     # stats

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbroker.tools.launch import EngineProcess, EngineStartError, connector_config
+from kvbroker.tools.launch import EngineProcess, EngineStartError, connector_config, pin_apart
 
 # model choice -> the name the proxy and engines serve it under
 SERVED_NAMES = {"real": "smollm2", "tiny": "tiny"}
@@ -288,6 +288,9 @@ def start_stack(
             else:
                 stack.decode = engine
             engine.wait_ready(timeout=600, progress=lambda m: say("      " + m))
+    # On one machine P and D each get cores of their own, as on hardware of their own:
+    # otherwise each engine's steps also pay for the other's busy-polling.
+    pin_apart([stack.prefill, stack.decode], lambda m: say("      " + m))
 
     stack.proxy_url = f"http://127.0.0.1:{proxy_port}"
     say(f"[4/4] starting the proxy on {stack.proxy_url} ...")

@@ -472,3 +472,24 @@ class EngineProcess:
 
     def __repr__(self) -> str:
         return f"EngineProcess({self.name!r}, url={self.url!r}, pid={self.pid})"
+
+
+def pin_apart(engines: Sequence[EngineProcess], say: Callable[[str], None] | None = None) -> list[list[int]]:
+    """Each engine's scheduler and worker on cores of its own: this process's cores split evenly.
+
+    What a P/D pair on one small machine needs to behave like one on hardware of
+    its own (EngineProcess.pin_engine_cpus). With fewer cores than engines it
+    pins nothing and returns []; otherwise the cores given to each engine (the
+    last one takes what an uneven split leaves)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < len(engines) or not engines:
+        return []
+    share = len(cpus) // len(engines)
+    out = []
+    for i, engine in enumerate(engines):
+        mine = cpus[i * share :] if i == len(engines) - 1 else cpus[i * share : (i + 1) * share]
+        n = engine.pin_engine_cpus(set(mine))
+        if say is not None:
+            say(f"{engine.name}: scheduler and worker pinned to cores {mine} ({n} processes)")
+        out.append(mine)
+    return out

@@ -25,6 +25,7 @@ class FakeLink:
     def __init__(self, layout_id: str = "layout-a") -> None:
         self.connected = True
         self.layout_id = layout_id
+        self.session_id = "session-1"  # a new id: the engine registered anew
         self.calls: list[Call] = []
         self.stored: list[int] = []
         self.removed: list[int] = []
@@ -98,10 +99,18 @@ class FakeLink:
     def set_event_listener(self, listener):  # type: ignore[no-untyped-def]
         self.listener = listener
 
-    def end_lease(self, lease_id: str, cause: str) -> None:
-        """A lease-end notice as the session thread delivers it: queued, then the listener."""
-        self.ends.append(LeaseEndNotice(lease_id, cause))
+    def end_lease(self, lease_id: str, cause: str, request_id: str = "") -> None:
+        """A lease-end notice as the session thread delivers it: queued, then the listener.
+        `request_id`: that of a lease this engine holds."""
+        self.ends.append(LeaseEndNotice(lease_id, cause, request_id))
         self.listener()
+
+    def reconnect(self, *, resumed: bool) -> None:
+        """The stream is back: the same session resumed (a broker replica took it over with its
+        leases), or a new one registered (the old one's leases ended with it)."""
+        if not resumed:
+            self.session_id += "+"
+        self.connected = True
 
     def close(self) -> None:
         self.closed = True

@@ -47,17 +47,86 @@ def test_plain_request_is_not_held_but_multi_turn_is() -> None:
     assert multi.request_finished(aborted, [1, 2, 3, 4, 5]) == (False, None)
 
 
-def test_hold_refused_frees_at_once_and_lost_session_frees_all() -> None:
+def test_hold_refused_frees_at_once() -> None:
     sched, link, _ = make(multi_turn=True)
     sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
     sched.request_finished(FakeRequest("b", num_tokens=141, num_computed_tokens=140), [6, 7, 8, 9, 10])
     sched.build_connector_meta()
     holds = link.named("hold")
-    holds[0].future.set_exception(errors.Unavailable("broker gone"))  # type: ignore[union-attr]
+    holds[0].future.set_exception(errors.ResourceExhausted("lease limit"))  # type: ignore[union-attr]
     assert sched.build_connector_meta().frees == ["a"]
-    holds[1].future.set_result(pb.Lease(lease_id="hb"))  # type: ignore[union-attr]
-    sched.build_connector_meta()
+    # A broker that answers UNAVAILABLE itself (its shared store is away) made no hold either.
+    holds[1].future.set_exception(errors.Unavailable("store away", cause="state_unavailable"))  # type: ignore[union-attr]
+    assert sched.build_connector_meta().frees == ["b"]
+
+
+def _two_holds(sched: Any, link: FakeLink) -> None:
+    """Holds a and b, both granted (h-a, h-b)."""
+    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
+    sched.request_finished(FakeRequest("b", num_tokens=141, num_computed_tokens=140), [6, 7, 8, 9, 10])
+    for call, lease_id in zip(link.named("hold"), ("h-a", "h-b"), strict=True):
+        call.future.set_result(pb.Lease(lease_id=lease_id))  # type: ignore[union-attr]
+    assert sched.build_connector_meta().frees == []
+
+
+def test_holds_stay_through_a_session_a_replica_resumes() -> None:
+    """A broker fleet over shared state resumes the session elsewhere with its leases: a reader
+    may still claim them, so the blocks must stay."""
+    sched, link, clock = make(multi_turn=True)
+    _two_holds(sched, link)
     link.connected = False
+    link.listener()
+    assert sched.build_connector_meta().frees == []
+    clock.advance(0.2)
+    link.reconnect(resumed=True)
+    assert sched.build_connector_meta().frees == []
+    assert sched.stats_snapshot()["held_blocks"] == 8
+    link.end_lease("h-a", "released")
+    assert sched.build_connector_meta().frees == ["a"]
+
+
+def test_holds_end_with_a_session_registered_anew() -> None:
+    sched, link, _ = make(multi_turn=True)
+    _two_holds(sched, link)
+    link.connected = False
+    assert sched.build_connector_meta().frees == []
+    link.reconnect(resumed=False)  # the old session, and its leases, ended
+    assert sorted(sched.build_connector_meta().frees) == ["a", "b"]
+
+
+def test_holds_end_when_the_broker_stays_away_for_two_session_ttls() -> None:
+    sched, link, clock = make(multi_turn=True, session_ttl_ms=1000)
+    _two_holds(sched, link)
+    link.connected = False
+    assert sched.build_connector_meta().frees == []
+    clock.advance(1.9)
+    assert sched.build_connector_meta().frees == []
+    clock.advance(0.2)  # the broker has expired the session by now
+    assert sorted(sched.build_connector_meta().frees) == ["a", "b"]
+
+
+def test_a_hold_whose_answer_was_lost_keeps_its_blocks_until_its_lease_ends() -> None:
+    """The replica died after its store made the hold, before the answer: a reader may claim it."""
+    sched, link, clock = make(multi_turn=True)
+    timers: list[tuple[float, Any]] = []
+    sched.holds.call_later = lambda delay, callback: timers.append((delay, callback))
+    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
+    sched.request_finished(FakeRequest("b", num_tokens=141, num_computed_tokens=140), [6, 7, 8, 9, 10])
+    holds = link.named("hold")
+    holds[0].future.set_exception(errors.Unavailable("broker session lost before the answer came"))  # type: ignore[union-attr]
+    holds[1].future.set_exception(errors.DeadlineExceeded("no answer"))  # type: ignore[union-attr]
+    assert sched.build_connector_meta().frees == []
+    backstop_s = (sched._ctx.config.hold_ttl_ms + 2 * sched._ctx.config.session_ttl_ms) / 1000
+    assert [round(delay, 1) for delay, _ in timers] == [round(backstop_s + 0.1, 1)] * 2
+    assert link.stored == []  # not announced: we do not know its lease
+    link.end_lease("another", "released", request_id="x")  # not ours
+    link.end_lease("h-a", "REVOKE_TTL_EXPIRED", request_id="a")  # its lease ended: known by its request id
+    assert sched.build_connector_meta().frees == ["a"]
+    # The other is freed by the backstop (hold TTL + 2 session TTLs) if no notice comes, even on
+    # an idle engine: the timer looks again then.
+    clock.advance(backstop_s + 0.1)
+    timers[1][1]()
+    assert sched.stats_snapshot()["holds_freed"] == 2
     assert sched.build_connector_meta().frees == ["b"]
 
 
@@ -171,7 +240,7 @@ def test_ended_holds_give_their_blocks_back_before_vllm_would_preempt() -> None:
     assert pool.get_num_free_blocks() == 7
 
 
-def test_a_lost_session_frees_pool_holds_without_a_step() -> None:
+def test_a_session_registered_anew_frees_pool_holds_without_a_step() -> None:
     sched, link, _ = make(multi_turn=True)
     pool, ids = _pool_with_request_blocks(16, 5)
     sched.bind_block_pool(pool)
@@ -179,7 +248,10 @@ def test_a_lost_session_frees_pool_holds_without_a_step() -> None:
     sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), ids)
     link.named("hold")[0].future.set_result(pb.Lease(lease_id="h1"))  # type: ignore[union-attr]
     link.connected = False
-    link.listener()  # the session thread reports the stream lost
+    link.listener()  # the session thread reports the stream lost: the session may resume
+    assert sched.stats_snapshot().get("holds_freed", 0) == 0
+    link.reconnect(resumed=False)
+    link.listener()  # registered anew: the old session's leases are gone
     assert sched.stats_snapshot()["holds_freed"] == 1
 
 

@@ -202,13 +202,16 @@ def test_pins_of_cpu_blocks_are_granted_with_slot_ids_and_unpinned_on_lease_end(
     assert sched.stats_snapshot()["cpu_pins"] == 1
 
 
-def test_lost_session_unpins_everything() -> None:
+def test_a_session_registered_anew_unpins_everything() -> None:
     sched, link = make()
     sched.request_finished(finished("a", 2), [1, 2, 3])
     sched.build_connector_meta()
     store_done(sched, 1)
     assert link.pin_handler(pin_command("l1", [wire(0)])).ok
     link.connected = False
+    sched.build_connector_meta()
+    assert sched.stats_snapshot()["cpu_tier_pinned_slots"] == 1  # the session may resume elsewhere
+    link.reconnect(resumed=False)
     sched.build_connector_meta()
     assert sched.stats_snapshot()["cpu_tier_pinned_slots"] == 0
 

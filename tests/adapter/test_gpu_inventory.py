@@ -151,7 +151,7 @@ def test_a_pin_of_evicted_blocks_is_refused() -> None:
     assert sched.stats_snapshot()["gpu_pins_refused"] == 1
 
 
-def test_a_lost_session_refuses_waiting_pins_and_frees_pinned_blocks_at_the_next_step() -> None:
+def test_a_lost_stream_refuses_waiting_pins_and_a_new_session_frees_pinned_blocks() -> None:
     sched, link, pool, _ = _bound()
     req, ids = _cached_request(pool, "a", 2 * BS + 1)
     _finish(sched, pool, req, ids)
@@ -167,6 +167,10 @@ def test_a_lost_session_refuses_waiting_pins_and_frees_pinned_blocks_at_the_next
     link.connected = False
     link.listener()  # the session thread reports the stream lost
     assert not waiting.result(0).ok  # type: ignore[union-attr]
+    sched.build_connector_meta()
+    assert pool.blocks[ids[0]].ref_cnt == 1  # kept: the session may resume with L1
+    link.reconnect(resumed=False)
+    link.listener()  # registered anew: L1 ended with the old session
     assert pool.blocks[ids[0]].ref_cnt == 1  # the pool is touched on the scheduler thread only
     sched.build_connector_meta()
     assert pool.blocks[ids[0]].ref_cnt == 0

@@ -181,6 +181,13 @@ def test_pulls_in_flight_from_a_holder_share_its_bandwidth() -> None:
     busy = decide(model, tokens=300, matches=[held(9)], now=5.0, pulls_in_flight={"holder": 3})
     assert alone.decision.plan is not None and busy.decision.plan is not None
     assert busy.costs.predicted_pull_ms == pytest.approx(alone.costs.predicted_pull_ms + 3 * 90, rel=0.05)
+    # Other readers' reads of it, as the broker counts them (its count includes this engine's own).
+    read = held(9)
+    read.reads_in_flight = 3
+    shared = decide(model, tokens=300, matches=[read], now=5.0, pulls_in_flight={"holder": 1})
+    assert shared.costs.predicted_pull_ms == pytest.approx(busy.costs.predicted_pull_ms)
+    assert shared.costs.holder_reads == 3 and shared.costs.attributes()["kvbroker.holder_reads"] == 3
+    assert "3 other reads of it in flight" in shared.decision.detail
 
 
 def test_config_pull_policy() -> None:
@@ -236,3 +243,54 @@ def test_a_request_may_name_its_rule() -> None:
     for bad in ({"pull_policy": "never"}, {"kv_recompute_threshold": -1}, {"kv_recompute_threshold": "5"}):
         with pytest.raises(BadTransferParams, match="kvbroker"):
             parse_transfer_params({"kvbroker": bad})
+
+
+def test_weighing_only_the_stretch_ends_finds_the_quickest_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy weighs a few block ends per prompt; every end weighed picks the same plan."""
+    import random
+
+    from kvbroker.engine_adapter import pull_policy
+
+    rng = random.Random(7)
+    for case in range(300):
+        a, b, c = rng.uniform(0.001, 0.05), rng.uniform(1e-6, 3e-3), rng.choice([0.0, rng.uniform(0, 3e-7)])
+        model = trained(a, b, c, block_bytes=rng.choice([MB // 8, MB, 8 * MB]))
+        model.chunk_tokens = rng.choice([0, 64, 256, 2048])
+        for i in range(4):
+            holder = rng.choice(["h1", "h2"])
+            blocks = rng.randint(1, 40)
+            model.observe_pull(float(i), holder, pb.TIER_GPU, blocks, blocks * MB, rng.uniform(0.002, 0.3))
+        tokens = rng.randint(BS + 1, 4000)
+        local = rng.choice([0, BS * rng.randint(0, max(0, tokens // BS - 1))])
+        matches = [held(rng.randint(1, tokens // BS + 1), "h1"), held(rng.randint(1, tokens // BS + 1), "h2")]
+        matches[1].load = rng.choice([0.0, 3.0])
+        kw = {"tokens": tokens, "matches": matches, "now": 5.0, "local": local}
+        fast = decide(model, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(pull_policy, "candidate_ends", lambda lo, hi, *_: list(range(lo, hi + 1)))
+            every = decide(model, **kw)
+        assert fast.decision == every.decision, case
+        assert fast.costs.predicted_pull_ms == pytest.approx(every.costs.predicted_pull_ms), case
+
+
+def test_a_long_prompt_is_decided_in_a_few_predictions() -> None:
+    from kvbroker.engine_adapter.pull_policy import candidate_ends
+
+    ends = candidate_ends(1, 4096, 131072, BS, 2048)
+    assert len(ends) <= 2 * (131072 // 2048) + 2
+    assert ends == sorted(ends) and ends[0] == 1 and ends[-1] == 4096
+    assert candidate_ends(1, 128, 4096, BS, 0) == [1, 128]
+    assert candidate_ends(5, 4, 4096, BS, 0) == []
+
+
+def test_chunked_prefill_prediction_is_the_sum_of_its_steps() -> None:
+    model = PrefillModel()
+    for i, (tokens, context) in enumerate([(300, 0), (900, 0), (64, 2000), (2000, 0), (1, 64)]):
+        model.observe(float(i), step_seconds(tokens, context, 0.01, 1e-4, 2e-8), [(tokens, context)])
+    a, b, c = model.coefficients()
+    steps = sum(
+        a + b * n / 1e3 + c * n * (ctx + n / 2) / 1e6
+        for ctx, n in [(100, 256), (356, 256), (612, 256), (868, 100)]
+    )
+    assert model.predict(868, 100, chunk_tokens=256) == pytest.approx(steps)
+    assert model.predict(0, 100, chunk_tokens=256) == 0.0

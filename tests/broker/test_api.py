@@ -107,14 +107,19 @@ async def test_hold_acquire_release_and_holder_told(stub: Stub) -> None:
     # Resolve names the hold; Acquire claims it with transfer details.
     down = await d.resolve(ns, H)
     assert down.resolve.matches[0].hold_lease_id == held.lease.lease_id
+    assert down.resolve.matches[0].reads_in_flight == 0
     acq = await stub.Acquire(pb.AcquireRequest(lease_id=held.lease.lease_id, reader_engine_id="D"))
     assert acq.lease.state == pb.LEASE_ACTIVE and acq.holder.engine_id == "P"
+    # While D reads, every Resolve naming P counts that read (a reader weighs sharing P's bandwidth).
+    (reading,) = (await d.resolve(ns, H)).resolve.matches
+    assert (reading.engine_id, reading.reads_in_flight) == ("P", 1)
     assert acq.holder.ranks[0].agent_name == "P-tp0"
     renewed = await stub.Renew(pb.RenewRequest(lease_id=held.lease.lease_id, engine_id="D", ttl_ms=60_000))
     rel = await stub.Release(
         pb.ReleaseRequest(lease_id=held.lease.lease_id, reader_engine_id="D", epoch=renewed.lease.epoch)
     )
     assert rel.lease.state == pb.LEASE_RELEASED
+    assert [m.reads_in_flight for m in (await d.resolve(ns, H)).resolve.matches] == [0]
     ended = await p.read_kind("lease_ended")
     assert ended.lease_ended.lease.lease_id == held.lease.lease_id
     code, msg = await code_of(

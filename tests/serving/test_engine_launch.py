@@ -76,3 +76,31 @@ def test_bad_model_dir_fails_fast_with_log(tmp_path: Path) -> None:
             engine.wait_ready(timeout=120)
     finally:
         engine.stop()
+
+
+class _Pinned:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.cpus: set[int] | None = None
+
+    def pin_engine_cpus(self, cpus: set[int]) -> int:
+        self.cpus = cpus
+        return 2
+
+
+def test_pin_apart_gives_each_engine_cores_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the demo and the P/D benchmarks do with their engines (real pinning: the test above)."""
+    from kvbroker.tools import launch
+
+    said: list[str] = []
+    p, d = _Pinned("prefill-0"), _Pinned("decode-0")
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _pid: {0, 1, 2}, raising=False)
+    assert launch.pin_apart([p, d], said.append) == [[0], [1, 2]]  # type: ignore[list-item]
+    assert (p.cpus, d.cpus) == ({0}, {1, 2})
+    assert said == [
+        "prefill-0: scheduler and worker pinned to cores [0] (2 processes)",
+        "decode-0: scheduler and worker pinned to cores [1, 2] (2 processes)",
+    ]
+    lone = _Pinned("x")
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    assert launch.pin_apart([lone, _Pinned("y")]) == [] and lone.cpus is None, "one core: nothing pinned"

@@ -593,6 +593,7 @@ class HolderMatch(_message.Message):
     MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
     HOLD_LEASE_ID_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    READS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     tier: Global___Tier.ValueType
     matched_blocks: _builtins.int
@@ -601,6 +602,11 @@ class HolderMatch(_message.Message):
     """non-empty if the prefix is under a hold lease"""
     load: _builtins.float
     """the holder's last reported load (EngineInfo.load)"""
+    reads_in_flight: _builtins.int
+    """Leases on this holder's blocks of this tier being read right now (ACTIVE),
+    by any reader: pulls that would share its bandwidth. Index mirrors do not
+    see leases and answer 0 here.
+    """
     def __init__(
         self,
         *,
@@ -609,10 +615,11 @@ class HolderMatch(_message.Message):
         matched_blocks: _builtins.int = ...,
         hold_lease_id: _builtins.str = ...,
         load: _builtins.float = ...,
+        reads_in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "hold_lease_id", b"hold_lease_id", "load", b"load", "matched_blocks", b"matched_blocks", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "hold_lease_id", b"hold_lease_id", "load", b"load", "matched_blocks", b"matched_blocks", "reads_in_flight", b"reads_in_flight", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

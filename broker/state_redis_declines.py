@@ -1,0 +1,74 @@
+"""Declines that came before their hold, remembered by every broker replica.
+
+A router passes P's answer on to D before P's hold reaches the broker, so D's
+decline can come first, and through another replica than the hold. Each
+replica keeps its book of early declines in memory (declines.py; a hold looks
+only there, so holds cost the store nothing more) and appends each early
+decline it receives to the fleet's declines stream (the mirror streams'
+machinery, state_redis_mirror.MirrorStreams: kept a minute, read on from the
+last entry after a lost connection). Every replica reads that stream and
+puts the other replicas' early declines in its own book, so a hold arriving
+after that is refused wherever it arrives. The replica that serves the
+holder's session also looks for a hold that arrived in the moment between
+the decline and its reading it, and ends it as declined.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+from kvbroker.broker.declines import DeclineBook
+from kvbroker.broker.state_redis_conn import RedisState
+from kvbroker.broker.state_redis_mirror import MirrorStreams
+
+log = logging.getLogger("kvbroker")
+
+FLEET = "fleet"  # the one "layout" of the declines stream
+
+
+class DeclineStreams(MirrorStreams):
+    """The fleet's early declines: one stream (and counter) under the `{declines}` hash tag."""
+
+    reader_name = "kvbroker-declines"
+    apply_after_gap = True  # a gap loses the declines missed, not the one that showed it
+
+    def keys(self, layout_id: str) -> list[str]:
+        base = f"{self._state.prefix}:{{declines}}:"
+        return [base + "s", base + "n"]
+
+
+class FleetDeclineBook(DeclineBook):
+    def __init__(self, state: RedisState, replica: str, now: Callable[[], float]) -> None:
+        super().__init__()
+        self._now = now
+        self._heard = False  # adding what another replica said: do not send it back
+        self.stream = DeclineStreams(state, replica, self._apply, self._missed)
+        # Another replica's early decline, heard here (holder, request id): the holder's replica
+        # ends a hold of it that arrived meanwhile (BrokerCore.decline).
+        self.on_heard: Callable[[str, str], None] = lambda holder, request_id: None
+
+    def add(self, holder: str, request_id: str, now: float) -> None:
+        super().add(holder, request_id, now)
+        if not self._heard:
+            self.stream.append(FLEET, "decline", json.dumps([holder, request_id]).encode())
+
+    def follow(self) -> None:
+        """Read the other replicas' early declines from now on (on the running event loop)."""
+        self.stream.follow(FLEET)
+
+    def _apply(self, layout_id: str, kind: str, body: bytes) -> None:
+        holder, request_id = (str(part) for part in json.loads(body))
+        self._heard = True
+        try:
+            super().add(holder, request_id, self._now())
+            self.on_heard(holder, request_id)
+        finally:
+            self._heard = False
+
+    def _missed(self, layout_id: str) -> None:
+        log.warning(
+            "early declines of other broker replicas were missed: their holds, if they come here, "
+            "end by their TTL"
+        )

@@ -10,6 +10,8 @@ import pytest
 from process_harness import EngineProcess, child_env
 
 from testkit.processes import SERVE, BrokerProcess
+from testkit.redis_cluster import RedisCluster, running_cluster
+from testkit.redis_server import RedisServer, missing_reason, running_redis
 
 
 @pytest.fixture
@@ -36,3 +38,27 @@ def engine_processes() -> Iterator[list[EngineProcess]]:
     yield started
     for engine in started:
         engine.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server of the test's own (skipped, with the reason, where none can run)."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with running_redis(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer | RedisCluster]:
+    """One redis-server, or a 3-primary Redis Cluster (the replicas get its seed nodes)."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    if request.param == "redis":
+        with running_redis(tmp_path / "redis") as server:
+            yield server
+    else:
+        with running_cluster(tmp_path / "redis-cluster") as cluster:
+            yield cluster

@@ -9,7 +9,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+from testkit.processes import SERVE, BrokerProcess
+
+if TYPE_CHECKING:
+    from testkit.redis_cluster import RedisCluster
+    from testkit.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_CLIENT = Path(__file__).with_name("process_engine_client.py")
@@ -20,6 +26,17 @@ def child_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def replica(
+    tmp_path: Path, store: RedisServer | RedisCluster, name: str, metrics_port: int = 0
+) -> BrokerProcess:
+    """A `kvbroker serve --state` replica over ``store`` (not started), its log NAME.log."""
+    args = ["--state", store.url, "--session-ttl-min-ms", "100", "--expiry-interval-ms", "20"]
+    args += ["--metrics-port", str(metrics_port)]
+    return BrokerProcess(
+        tmp_path, args, command=SERVE, log_name=f"{name}.log", priority=None, env=child_env()
+    )
 
 
 class EngineProcess:

@@ -20,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from process_engine_client import engine_info
-from process_harness import child_env
+from process_harness import replica
 from test_process_liveness import Timeline
 
 from kvbroker.clients import errors
@@ -34,9 +33,8 @@ from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.mirror import IndexMirror, follow
 from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.v1 import broker_pb2 as pb
-from testkit.processes import SERVE, BrokerProcess
-from testkit.redis_cluster import RedisCluster, running_cluster
-from testkit.redis_server import RedisServer, missing_reason, running_redis
+from testkit.redis_cluster import RedisCluster
+from testkit.redis_server import RedisServer
 from testkit.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,37 +42,6 @@ pytestmark = pytest.mark.timeout(120)
 GPU = pb.TIER_GPU
 BLOCKS = [301, 302, 303, 304, 305]
 FAILOVER_S = 2.0
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[RedisServer]:
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    with running_redis(tmp_path / "redis") as server:
-        yield server
-
-
-@pytest.fixture(params=["redis", "redis-cluster"])
-def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer | RedisCluster]:
-    """One redis-server, or a 3-primary Redis Cluster (the replicas get its seed nodes)."""
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    if request.param == "redis":
-        with running_redis(tmp_path / "redis") as server:
-            yield server
-    else:
-        with running_cluster(tmp_path / "redis-cluster") as cluster:
-            yield cluster
-
-
-def replica(tmp_path: Path, store: RedisServer | RedisCluster, name: str) -> BrokerProcess:
-    args = ["--state", store.url, "--session-ttl-min-ms", "100", "--expiry-interval-ms", "20"]
-    args += ["--metrics-port", "0"]
-    return BrokerProcess(
-        tmp_path, args, command=SERVE, log_name=f"{name}.log", priority=None, env=child_env()
-    )
 
 
 async def test_kill9_replica_moves_sessions_and_keeps_leases(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
@@ -23,7 +23,7 @@ import grpc
 import pytest
 import redis
 from process_engine_client import engine_info
-from process_harness import child_env
+from process_harness import replica
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
@@ -32,48 +32,14 @@ from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.ports import free_port
-from testkit.processes import SERVE, BrokerProcess
-from testkit.redis_cluster import RedisCluster, running_cluster
-from testkit.redis_server import RedisServer, missing_reason, running_redis
+from testkit.redis_cluster import RedisCluster
+from testkit.redis_server import RedisServer
 from testkit.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
 GPU = pb.TIER_GPU
 BLOCKS = [401, 402, 403]
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[RedisServer]:
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    with running_redis(tmp_path / "redis") as server:
-        yield server
-
-
-@pytest.fixture(params=["redis", "redis-cluster"])
-def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer | RedisCluster]:
-    """One redis-server, or a 3-primary Redis Cluster (the replicas get its seed nodes)."""
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    if request.param == "redis":
-        with running_redis(tmp_path / "redis") as server:
-            yield server
-    else:
-        with running_cluster(tmp_path / "redis-cluster") as cluster:
-            yield cluster
-
-
-def replica(
-    tmp_path: Path, store: RedisServer | RedisCluster, name: str, metrics_port: int = 0
-) -> BrokerProcess:
-    args = ["--state", store.url, "--session-ttl-min-ms", "100", "--expiry-interval-ms", "20"]
-    args += ["--metrics-port", str(metrics_port)]
-    return BrokerProcess(
-        tmp_path, args, command=SERVE, log_name=f"{name}.log", priority=None, env=child_env()
-    )
 
 
 class WatchLog:

@@ -161,8 +161,12 @@ class FleetRegistry(EngineRegistry):
         )
 
     def _remote(self, engine_id: str) -> EngineRecord | None:
+        fields = self._remote_fields(engine_id)
+        return self._record(fields) if fields else None
+
+    def _remote_fields(self, engine_id: str) -> dict[bytes, bytes] | None:
         flat = self._state.command("HGETALL", self._p + "e:" + engine_id)
-        return self._record(self._pairs(flat)) if flat else None
+        return self._pairs(flat) if flat else None
 
     @staticmethod
     def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -182,11 +186,10 @@ class FleetRegistry(EngineRegistry):
         seen = self._seen.get(engine_id)
         if seen is not None and now - seen[1] < SEEN_FOR_S:
             return seen[0]
-        flat = self._state.command("HGETALL", self._p + "e:" + engine_id)
-        if not flat:
+        fields = self._remote_fields(engine_id)
+        if not fields:
             self._seen.pop(engine_id, None)
             return None
-        fields = self._pairs(flat)
         rec = self._record(fields)
         if len(self._seen) >= SEEN_MAX:
             self._seen.clear()

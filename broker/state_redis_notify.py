@@ -100,18 +100,20 @@ class FleetNotifier(StreamNotifier):
     def lease_revoked(self, session_id: str, lease: Lease) -> None:
         if self._local(session_id):
             super().lease_revoked(session_id, lease)
-        elif lease.state.live:
-            self._publish("revoked", session_id, lease=lease.lease_id)
-        else:  # it ended: it changes no more, so it travels with the notice (no read there)
-            self._publish("revoked", session_id, lease=lease.lease_id, ended=_ended_wire(lease))
+        else:
+            self._publish_lease("revoked", session_id, lease)
 
     def lease_ended(self, session_id: str, lease: Lease) -> None:
         if self._local(session_id):
             super().lease_ended(session_id, lease)
-        elif lease.state.live:
-            self._publish("ended", session_id, lease=lease.lease_id)
         else:
-            self._publish("ended", session_id, lease=lease.lease_id, ended=_ended_wire(lease))
+            self._publish_lease("ended", session_id, lease)
+
+    def _publish_lease(self, kind: str, session_id: str, lease: Lease) -> None:
+        if lease.state.live:
+            self._publish(kind, session_id, lease=lease.lease_id)
+        else:  # it ended: it changes no more, so it travels with the notice (no read there)
+            self._publish(kind, session_id, lease=lease.lease_id, ended=_ended_wire(lease))
 
     def engine_changed(self, engine_id: str) -> None:
         """An engine registered, added a rank or ended here: others drop their copy of its record."""
@@ -172,10 +174,13 @@ class FleetNotifier(StreamNotifier):
         if kind == "moved":
             if msg.get("rep") != self.replica:
                 self.on_moved(sid)
-            if msg.get("rep") != self.replica and self._local(sid):
-                super().close_session(
-                    sid, "ABORTED", "the session resumed on another broker replica", Cause.SESSION_SUPERSEDED
-                )
+                if self._local(sid):
+                    super().close_session(
+                        sid,
+                        "ABORTED",
+                        "the session resumed on another broker replica",
+                        Cause.SESSION_SUPERSEDED,
+                    )
             return
         if kind == "engine":
             if msg.get("rep") != self.replica:

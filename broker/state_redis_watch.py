@@ -42,7 +42,6 @@ log = logging.getLogger("kvbroker")
 FLEET = "fleet"  # the one "layout" of the watch stream
 REFRESH_S = 1.0  # how often a replica renews its watchers' record and reads the fleet's
 LAPSE_S = 5.0  # a replica that stopped renewing (it died) counts as not watching after this
-MISSED = EVENTS_MISSED
 
 
 class WatchStreams(MirrorStreams):
@@ -143,7 +142,7 @@ class FleetWatch:
         self._local.offer(
             None,
             pb.WatchEvent(
-                kind=MISSED,
+                kind=EVENTS_MISSED,
                 detail="events of the broker fleet were missed (the shared store was away or lost "
                 "them); list engines and leases for the current state",
                 time_unix=self._state.now(),

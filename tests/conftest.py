@@ -1,4 +1,5 @@
-"""Keep the session's exit status when real NIXL agents were created in this process (any test folder).
+"""Keep the session's exit status when real NIXL agents were created in this process (any test folder);
+and `store`, a real redis-server of a test's own, for the tests of broker replicas in any folder.
 
 nixl 1.5.1 segfaults during interpreter teardown in any process that created
 a UCX agent (see engine_adapter.nixl_agent.exit_skipping_nixl_teardown), which
@@ -8,9 +9,13 @@ finished (reports written), leave with pytest's own status instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from kvbroker.engine_adapter.nixl_agent import exit_skipping_nixl_teardown, nixl_agents_created
+from testkit.redis_server import RedisServer, missing_reason, running_redis
 
 _exit_status: list[int] = []
 
@@ -23,3 +28,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if nixl_agents_created() and _exit_status:
         exit_skipping_nixl_teardown(_exit_status[-1])
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server of the test's own (skipped, with the reason, where none can run)."""
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    with running_redis(tmp_path / "redis") as server:
+        yield server

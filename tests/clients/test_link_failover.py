@@ -5,7 +5,6 @@ Hold answer was lost in such a failover recognises its hold)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,21 +13,12 @@ from kvbroker.engine_adapter.broker_link import LeaseEndNotice, SessionBrokerLin
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
 from testkit.processes import SERVE, BrokerProcess
-from testkit.redis_server import RedisServer, missing_reason, running_redis
+from testkit.redis_server import RedisServer
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 H = [4301, 4302, 4303]
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[RedisServer]:
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    with running_redis(tmp_path / "redis") as server:
-        yield server
 
 
 def test_a_resumed_session_keeps_its_id_and_hold_ends_name_their_request(

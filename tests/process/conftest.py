@@ -40,16 +40,6 @@ def engine_processes() -> Iterator[list[EngineProcess]]:
         engine.close()
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[RedisServer]:
-    """A real redis-server of the test's own (skipped, with the reason, where none can run)."""
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    with running_redis(tmp_path / "redis") as server:
-        yield server
-
-
 @pytest.fixture(params=["redis", "redis-cluster"])
 def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer | RedisCluster]:
     """One redis-server, or a 3-primary Redis Cluster (the replicas get its seed nodes)."""

@@ -39,7 +39,7 @@ protos-check: $(STAMP)  ## fail if generated code is stale
 lint: $(STAMP)  ## ruff (lint + format check) and mypy
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python scripts/typecheck.py
+	$(BIN)/mypy
 
 test: $(STAMP) protos-check lint redis-server  ## the full test suite (what CI runs)
 	$(BIN)/python -m pytest -ra

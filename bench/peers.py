@@ -273,7 +273,7 @@ def _env_with_pythonpath() -> dict[str, str]:
     from bench.common import REPO_ROOT
 
     env = dict(os.environ)
-    parts = [str(REPO_ROOT), str(REPO_ROOT / "proto")]
+    parts = [str(REPO_ROOT)]
     if env.get("PYTHONPATH"):
         parts.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(parts)

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 def run_bench(module: str, out_dir: Path, *extra: str) -> tuple[str, dict[str, Any]]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-m", module, "--tiny", "--no-plot", "--out-dir", str(out_dir), *extra],
         cwd=str(REPO),
@@ -119,7 +119,7 @@ def test_broker_bench_tiny(tmp_path: Path) -> None:
 def test_tls_bench_quick(tmp_path: Path) -> None:
     """bench/tls.py runs its three transports and writes every figure for each."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = tmp_path / "tls.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.tls", "--quick", "--rounds", "1", "--out", str(out)],

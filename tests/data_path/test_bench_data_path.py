@@ -26,7 +26,7 @@ pytestmark = [
 
 def test_bench_runs_and_writes_json(tmp_path: Path) -> None:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     args = ["--models", "tiny", "--layouts", "cpu,blhnc", "--histories", "256", "--reps", "2"]
     args += ["--out-dir", str(tmp_path), "--name", "dp-smoke"]
     proc = subprocess.run(

@@ -23,7 +23,7 @@ ENGINE_CLIENT = Path(__file__).with_name("process_engine_client.py")
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "proto"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

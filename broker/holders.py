@@ -33,7 +33,7 @@ def find_holders(
     hashes: Sequence[int],
 ) -> list[HolderMatch]:
     """Ready, serving engines whose blocks `asker` can read, ranked; never `asker` itself, never an
-    event-fed engine (broker/kv_events.py)."""
+    event-fed engine (broker/indexer/kv_events.py)."""
     matches: list[HolderMatch] = []
     for engine_id, tier, n in index.longest_prefixes(ns, hashes):
         rec = registry.find(engine_id)

@@ -8,7 +8,7 @@ into an in-band SessionError of the command's seq.
 On the stream the session names the engine (``session_request``): an engine
 id left empty is filled with the session's, one naming another engine is
 refused, so an engine can act only as itself there. The unary calls are held
-to the same rule by broker/callers.py.
+to the same rule by broker/security/callers.py.
 """
 
 from __future__ import annotations

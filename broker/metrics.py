@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError
-from kvbroker.broker.kv_events import KvEventsFeed
+from kvbroker.broker.indexer.kv_events import KvEventsFeed
 from kvbroker.broker.results import Stats
 
 log = logging.getLogger("kvbroker.metrics")

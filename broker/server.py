@@ -23,23 +23,23 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from kvbroker.broker.auth import AuthInterceptor
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.clock import Clock, MonotonicClock, WallClock
 from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
-from kvbroker.broker.credentials import CertificateFiles, server_credentials
-from kvbroker.broker.decode_guard import DecodeGuardInterceptor
 from kvbroker.broker.errors import BrokerError, InvalidArgument, Unavailable
-from kvbroker.broker.identity import Authenticator, TokenTable
-from kvbroker.broker.indexer_http import IndexerHttp
-from kvbroker.broker.kv_events import KvEventsFeed, parse_sources
+from kvbroker.broker.indexer.http import IndexerHttp
+from kvbroker.broker.indexer.kv_events import KvEventsFeed, parse_sources
 from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
-from kvbroker.broker.quotas import Quotas
 from kvbroker.broker.registry import EngineRegistry
-from kvbroker.broker.security_config import SecurityConfig, is_loopback
+from kvbroker.broker.security.auth import AuthInterceptor
+from kvbroker.broker.security.config import SecurityConfig, is_loopback
+from kvbroker.broker.security.credentials import CertificateFiles, server_credentials
+from kvbroker.broker.security.decode_guard import DecodeGuardInterceptor
+from kvbroker.broker.security.identity import Authenticator, TokenTable
+from kvbroker.broker.security.quotas import Quotas
+from kvbroker.broker.security.tenancy import TenantGuard
 from kvbroker.broker.servicer import BrokerServicer
-from kvbroker.broker.tenancy import TenantGuard
 from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider
 from kvbroker.common import keepalive, settings
 from kvbroker.common.causes import Cause
@@ -48,9 +48,9 @@ from kvbroker.common.version import version
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 
 if TYPE_CHECKING:
-    from kvbroker.broker.state_redis_conn import RedisState
-    from kvbroker.broker.state_redis_counters import FleetCounters
-    from kvbroker.broker.state_redis_declines import FleetDeclineBook
+    from kvbroker.broker.fleet.conn import RedisState
+    from kvbroker.broker.fleet.counters import FleetCounters
+    from kvbroker.broker.fleet.declines import FleetDeclineBook
 
 log = logging.getLogger("kvbroker")
 
@@ -178,7 +178,7 @@ def _shared_state(config: BrokerConfig) -> RedisState | None:
     if not config.state:
         return None
     try:
-        from kvbroker.broker.state_redis_conn import RedisState
+        from kvbroker.broker.fleet.conn import RedisState
     except ImportError:
         raise InvalidArgument(
             "--state needs the redis client library: pip install 'kvbroker[redis]'"
@@ -196,12 +196,12 @@ def _fleet_core(
     config: BrokerConfig, clock: Clock, shared: RedisState
 ) -> tuple[BrokerCore, StreamNotifier, Coroutine[Any, Any, None], FleetCounters]:
     """A core whose registry, leases and index live in the shared store, as one replica of a fleet."""
-    from kvbroker.broker.state_redis_counters import FleetCounters, core_counts
-    from kvbroker.broker.state_redis_declines import FleetDeclineBook
-    from kvbroker.broker.state_redis_fleet import FleetRegistry
-    from kvbroker.broker.state_redis_index import RedisPrefixIndex
-    from kvbroker.broker.state_redis_leases import RedisLeaseTable
-    from kvbroker.broker.state_redis_notify import FleetMirrorHub, FleetNotifier
+    from kvbroker.broker.fleet.counters import FleetCounters, core_counts
+    from kvbroker.broker.fleet.declines import FleetDeclineBook
+    from kvbroker.broker.fleet.index import RedisPrefixIndex
+    from kvbroker.broker.fleet.leases import RedisLeaseTable
+    from kvbroker.broker.fleet.notify import FleetMirrorHub, FleetNotifier
+    from kvbroker.broker.fleet.registry import FleetRegistry
 
     replica = secrets.token_hex(6)
     registry = FleetRegistry(shared, replica)

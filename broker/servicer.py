@@ -22,13 +22,6 @@ from opentelemetry.trace import Tracer
 
 from kvbroker.broker import codec, lease_calls, listing
 from kvbroker.broker import events as ev
-from kvbroker.broker.callers import (
-    ENGINE_ID_METADATA,
-    SESSION_ID_METADATA,
-    call_metadata,
-    check_owner,
-    peer_host,
-)
 from kvbroker.broker.channels import Close, SessionChannel, StreamNotifier
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
@@ -36,6 +29,13 @@ from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult, Stats
+from kvbroker.broker.security.callers import (
+    ENGINE_ID_METADATA,
+    SESSION_ID_METADATA,
+    call_metadata,
+    check_owner,
+    peer_host,
+)
 from kvbroker.broker.status import abort, answer, status_of, trailers
 from kvbroker.broker.tracing import command_span
 from kvbroker.common.causes import Cause
@@ -259,7 +259,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     # -- unary: engine side ---------------------------------------------------------
 
     def _acting_as(self, engine_id: str, context: grpc.aio.ServicerContext, what: str) -> None:
-        """A unary call acting as `engine_id` must come from its session (broker/callers.py)."""
+        """A unary call acting as `engine_id` must come from its session (broker/security/callers.py)."""
         rec = self.core.registry.find(engine_id)
         if rec is not None:  # an unknown or empty id is the core's to refuse, precisely
             check_owner(rec, context, what)

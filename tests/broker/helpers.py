@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.events import WatchEvent
+from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.leases import Lease
-from kvbroker.broker.state_redis_conn import RedisState
 from testkit.clock import FakeClock
 from testkit.redis_cluster import RedisCluster
 from testkit.redis_server import RedisServer

@@ -20,7 +20,7 @@ from kvbroker.common.causes import CAUSES, LEASE_ENDED, Cause
 from kvbroker.common.model import RevokeCause
 
 ROOT = Path(__file__).resolve().parents[2]
-BROKER = sorted((ROOT / "broker").glob("*.py"))
+BROKER = sorted((ROOT / "broker").rglob("*.py"))
 ERROR_CLASSES = {cls.__name__: cls for cls in STATUS_OF_ERROR}
 NOT_ERRORS = {Cause.NO_HOLDER, Cause.BELOW_MIN}  # skipped_reason words, never an error
 

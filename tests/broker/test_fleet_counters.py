@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvbroker.broker.fleet.counters import FleetCounters
 from kvbroker.broker.results import Stats
-from kvbroker.broker.state_redis_counters import FleetCounters
 from testkit.redis_cluster import RedisCluster
 from testkit.redis_server import RedisServer
 from tests.broker.helpers import redis_state

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvbroker.broker.state_redis_declines import FleetDeclineBook
+from kvbroker.broker.fleet.declines import FleetDeclineBook
 from testkit.redis_cluster import RedisCluster
 from testkit.redis_server import RedisServer
 from testkit.waiting import until

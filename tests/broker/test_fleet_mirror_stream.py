@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import redis
 
-from kvbroker.broker.state_redis_conn import RedisState
-from kvbroker.broker.state_redis_notify import FleetMirrorHub, FleetNotifier
+from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.fleet.notify import FleetMirrorHub, FleetNotifier
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.clock import FakeClock

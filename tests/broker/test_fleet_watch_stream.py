@@ -15,11 +15,11 @@ from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, Watcher
 from kvbroker.broker.events import EVENTS_MISSED as MISSED
 from kvbroker.broker.events import WatchEvent
-from kvbroker.broker.identity import Identity, Role
-from kvbroker.broker.quotas import Quotas
-from kvbroker.broker.security_config import SecurityConfig
-from kvbroker.broker.state_redis_notify import FleetNotifier
-from kvbroker.broker.tenancy import TenantGuard
+from kvbroker.broker.fleet.notify import FleetNotifier
+from kvbroker.broker.security.config import SecurityConfig
+from kvbroker.broker.security.identity import Identity, Role
+from kvbroker.broker.security.quotas import Quotas
+from kvbroker.broker.security.tenancy import TenantGuard
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.clock import FakeClock
 from testkit.redis_cluster import RedisCluster

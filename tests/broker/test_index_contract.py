@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvbroker.broker.state_redis_index import RedisPrefixIndex
+from kvbroker.broker.fleet.index import RedisPrefixIndex
 from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
 from kvbroker.common.model import Namespace, Tier
 from tests.broker.helpers import redis_state

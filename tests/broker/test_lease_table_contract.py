@@ -13,8 +13,8 @@ from kvbroker.broker.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvbroker.broker.fleet.leases import RedisLeaseTable
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable
-from kvbroker.broker.state_redis_leases import RedisLeaseTable
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from tests.broker.helpers import redis_state
 

@@ -14,9 +14,9 @@ import pytest
 import redis
 import redis.asyncio
 
-from kvbroker.broker import state_redis_fleet
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kvbroker.broker.state_redis_leases import RedisLeaseTable
+from kvbroker.broker.fleet import registry as state_redis_fleet
+from kvbroker.broker.fleet.leases import RedisLeaseTable
 from kvbroker.common.error_details import STATUS_DETAILS_KEY
 from kvbroker.common.model import LeaseState, Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb

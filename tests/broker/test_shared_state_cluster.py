@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from kvbroker.broker.errors import InvalidArgument, Unavailable
-from kvbroker.broker.state_redis_conn import RedisState, parse_cluster_url
-from kvbroker.broker.state_redis_leases import RedisLeaseTable
+from kvbroker.broker.fleet.conn import RedisState, parse_cluster_url
+from kvbroker.broker.fleet.leases import RedisLeaseTable
 from kvbroker.common.error_details import STATUS_DETAILS_KEY
 from kvbroker.common.model import LeaseState, Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvbroker.broker.security_config import SecurityConfig
+from kvbroker.broker.security.config import SecurityConfig
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.session import EngineSession

@@ -10,7 +10,7 @@ import pytest
 
 from kvbroker.broker.config import ENV_PREFIX as BROKER_PREFIX
 from kvbroker.broker.config import BrokerConfig
-from kvbroker.broker.security_config import SecurityConfig
+from kvbroker.broker.security.config import SecurityConfig
 from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.proxy.config import ENV_PREFIX as PROXY_PREFIX
 from kvbroker.clients.proxy.config import ProxyConfig

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvbroker.broker.errors import InvalidArgument
-from kvbroker.broker.kv_chain import MASK64, BlockChain, event_fields
-from kvbroker.broker.kv_events import parse_source, parse_sources
+from kvbroker.broker.indexer.kv_chain import MASK64, BlockChain, event_fields
+from kvbroker.broker.indexer.kv_events import parse_source, parse_sources
 from kvbroker.common.hashing import wire_chain
 from kvbroker.common.model import Tier
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbroker.broker.identity import parse_identity
+from kvbroker.broker.security.identity import parse_identity
 from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.processes import BrokerProcess

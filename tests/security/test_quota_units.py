@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvbroker.broker.errors import ResourceExhausted
-from kvbroker.broker.identity import parse_identity
-from kvbroker.broker.quotas import Quotas
-from kvbroker.broker.security_config import SecurityConfig
+from kvbroker.broker.security.config import SecurityConfig
+from kvbroker.broker.security.identity import parse_identity
+from kvbroker.broker.security.quotas import Quotas
 
 A1 = parse_identity("kvbroker://acme/router/a1")
 A2 = parse_identity("kvbroker://acme/router/a2")

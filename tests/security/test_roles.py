@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvbroker.broker.auth import ROLES_OF_METHOD
+from kvbroker.broker.security.auth import ROLES_OF_METHOD
 from kvbroker.v1 import broker_pb2 as pb
 from tests.security.conftest import Pki
 from tests.security.world import World, build_world, outcome, stub

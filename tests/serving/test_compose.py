@@ -104,7 +104,7 @@ def test_proxy_environment_uses_real_proxy_variables(monkeypatch: pytest.MonkeyP
 
 def test_broker_environment_names_broker_flags() -> None:
     from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
-    from kvbroker.broker.security_config import SecurityConfig
+    from kvbroker.broker.security.config import SecurityConfig
     from kvbroker.common import settings
 
     known = {

@@ -23,8 +23,8 @@ from __future__ import annotations
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import NotFound, PermissionDenied
 from kvbroker.broker.events import EVENTS_MISSED
-from kvbroker.broker.identity import ALL_TENANTS, Identity, Role
-from kvbroker.broker.quotas import Quotas
+from kvbroker.broker.security.identity import ALL_TENANTS, Identity, Role
+from kvbroker.broker.security.quotas import Quotas
 from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 

@@ -30,11 +30,11 @@ from kvbroker.broker.channels import StreamNotifier, Watcher
 from kvbroker.broker.clock import Clock
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.events import WatchEvent
+from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.fleet.mirror import MirrorStreams
+from kvbroker.broker.fleet.watch import FleetWatch
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import DEFAULT_MAX_PENDING_BYTES, MirrorHub, MirrorSubscriber, mirror_engine_info
-from kvbroker.broker.state_redis_conn import RedisState
-from kvbroker.broker.state_redis_mirror import MirrorStreams
-from kvbroker.broker.state_redis_watch import FleetWatch
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from kvbroker.v1 import broker_pb2 as pb

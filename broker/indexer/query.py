@@ -17,7 +17,7 @@ instance, how many leading tokens of the prompt each holds::
   rank, ``"0"`` (or the engine's ``dp_rank`` label), has ``longest_matched``.
 - Instances are our engine ids of the model (and ``block_size`` when given)
   in the asked tenant; only instances holding at least one block are listed.
-  Event-fed engines (broker/kv_events.py) are listed like the others.
+  Event-fed engines (broker/indexer/kv_events.py) are listed like the others.
 - Token ids are hashed per layout exactly as vLLM hashes them (its chained
   block hashes, ``cache_salt`` in block 0); ``/query_by_hash`` takes those
   hashes in our wire form (``seq_hashes``, or ``block_hash`` as in early drafts).

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbroker.broker.errors import QuotaExceeded
-from kvbroker.broker.identity import Identity
-from kvbroker.broker.security_config import SecurityConfig
+from kvbroker.broker.security.config import SecurityConfig
+from kvbroker.broker.security.identity import Identity
 
 
 class _Bucket:

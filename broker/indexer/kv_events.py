@@ -36,7 +36,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
-from kvbroker.broker.kv_chain import BlockChain, ChainStats, event_fields
+from kvbroker.broker.indexer.kv_chain import BlockChain, ChainStats, event_fields
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL, Namespace
 from kvbroker.v1 import broker_pb2 as pb

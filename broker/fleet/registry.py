@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbroker.broker.errors import NotFound, shown
+from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
-from kvbroker.broker.state_redis_conn import RedisState
 from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 

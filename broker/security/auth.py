@@ -1,10 +1,10 @@
 """The authorization interceptor: every KVBroker call runs as an identity, within its role's rights.
 
-For each call it finds the caller's identity (kvbroker.broker.identity: the
+For each call it finds the caller's identity (kvbroker.broker.security.identity: the
 client certificate's URI SAN, else the bearer token), refuses it without one
 (UNAUTHENTICATED), checks the role table below (PERMISSION_DENIED naming the
 identity and the rule), spends the identity's request-rate quota, and hands
-request and answer to the TenantGuard (kvbroker.broker.tenancy), which keeps
+request and answer to the TenantGuard (kvbroker.broker.security.tenancy), which keeps
 each tenant to itself. The identity is also set in `CURRENT` for the call, so
 the servicer's session loop can check each stream message through
 `session_guard`.
@@ -24,11 +24,11 @@ import grpc
 from google.protobuf.message import Message
 
 from kvbroker.broker.errors import BrokerError, PermissionDenied
-from kvbroker.broker.identity import Authenticator, Identity, Role, Unidentified
-from kvbroker.broker.quotas import Quotas
 from kvbroker.broker.registry import EngineRecord
+from kvbroker.broker.security.identity import Authenticator, Identity, Role, Unidentified
+from kvbroker.broker.security.quotas import Quotas
+from kvbroker.broker.security.tenancy import TenantGuard
 from kvbroker.broker.status import abort, status_of
-from kvbroker.broker.tenancy import TenantGuard
 from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 

@@ -20,8 +20,8 @@ import logging
 from collections.abc import Callable
 
 from kvbroker.broker.declines import DeclineBook
-from kvbroker.broker.state_redis_conn import RedisState
-from kvbroker.broker.state_redis_mirror import MirrorStreams
+from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.fleet.mirror import MirrorStreams
 
 log = logging.getLogger("kvbroker")
 

@@ -41,8 +41,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied, shown
+from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.leases import Lease, Vet, about, ended_cause, too_many_held, too_many_read
-from kvbroker.broker.state_redis_conn import RedisState
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 

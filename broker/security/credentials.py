@@ -16,7 +16,7 @@ import time
 
 import grpc
 
-from kvbroker.broker.security_config import SecurityConfig
+from kvbroker.broker.security.config import SecurityConfig
 
 log = logging.getLogger("kvbroker.credentials")
 

@@ -15,7 +15,7 @@ check out (another hash algorithm, another ``PYTHONHASHSEED``, a LoRA or
 multi-modal request) or whose parent we never saw is skipped and counted,
 never indexed under a wrong key.
 
-Pure and synchronous: the feed (broker/kv_events.py) gives it decoded events.
+Pure and synchronous: the feed (broker/indexer/kv_events.py) gives it decoded events.
 """
 
 from __future__ import annotations

@@ -32,10 +32,10 @@ from typing import Any
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import InvalidArgument
-from kvbroker.broker.identity import SCHEME, Identity, Role, TokenTable, parse_identity
-from kvbroker.broker.indexer_query import IndexerError, query
-from kvbroker.broker.kv_events import KvEventsFeed, KvEventsSource, parse_source
-from kvbroker.broker.security_config import SecurityConfig, is_loopback
+from kvbroker.broker.indexer.kv_events import KvEventsFeed, KvEventsSource, parse_source
+from kvbroker.broker.indexer.query import IndexerError, query
+from kvbroker.broker.security.config import SecurityConfig, is_loopback
+from kvbroker.broker.security.identity import SCHEME, Identity, Role, TokenTable, parse_identity
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL
 
 log = logging.getLogger("kvbroker.indexer")

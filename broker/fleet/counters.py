@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvbroker.broker.errors import BrokerError
+from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.results import Stats
-from kvbroker.broker.state_redis_conn import RedisState
 from kvbroker.common.model import LeaseState
 
 log = logging.getLogger("kvbroker")

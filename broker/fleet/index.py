@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from kvbroker.broker.state_redis_conn import RedisState
+from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.common.model import Namespace, Tier
 
 IDLE_SWEEP_S = 0.5  # with no namespace to tidy, how long `maintain` waits before it looks again

@@ -32,7 +32,7 @@ import redis
 from redis.exceptions import MovedError
 
 from kvbroker.broker.errors import BrokerError
-from kvbroker.broker.state_redis_conn import RedisState
+from kvbroker.broker.fleet.conn import RedisState
 
 log = logging.getLogger("kvbroker")
 

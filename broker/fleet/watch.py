@@ -33,8 +33,8 @@ from kvbroker.broker import codec
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.events import EVENTS_MISSED, WatchEvent
-from kvbroker.broker.state_redis_conn import RedisState
-from kvbroker.broker.state_redis_mirror import MirrorStreams
+from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.fleet.mirror import MirrorStreams
 from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")

@@ -1,0 +1,5 @@
+"""The Redis/Valkey fleet: broker state in a shared store, served by any number of replicas.
+
+Only `broker.server` imports this wing; it builds on the broker's top level
+(core, registry, leases, channels) and never on the other wings.
+"""

@@ -24,6 +24,7 @@ from kvbroker.broker.security.engine_identity import EngineIdentity
 from kvbroker.broker.security.identity import ALL_TENANTS, Identity, Role
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.common.causes import Cause
+from kvbroker.common.model import Namespace
 from kvbroker.v1 import broker_pb2 as pb
 
 
@@ -139,6 +140,15 @@ class TenantGuard:
     def _indexed_blocks(self, tenant: str) -> int:
         return sum(sum(self.core.index.blocks_of(e).values()) for e in self._tenant_engines(tenant))
 
+    def _already_indexed(self, engine_id: str, inv: pb.InventoryUpdate) -> int:
+        """How many of `inv.stored`, from the first on, the index already names for this engine and tier
+        (a re-announced chain costs nothing; a list that is not a chain counts as new, never less)."""
+        ns = Namespace(inv.namespace.layout_id, inv.namespace.tenant)
+        for holder, tier, matched in self.core.index.longest_prefixes(ns, inv.stored):
+            if holder == engine_id and tier == inv.tier:
+                return matched
+        return 0
+
     # -- per request, before the servicer -------------------------------------------------
 
     def before(self, method: str, who: Identity, request: object) -> None:
@@ -200,7 +210,11 @@ class TenantGuard:
             self.namespace(who, msg.inventory.namespace, "inventory")
             stored = len(msg.inventory.stored)
             if stored:
-                self.quotas.check_blocks(who, self._indexed_blocks(who.tenant), stored)
+                indexed = self._indexed_blocks(who.tenant)
+                limit = self.quotas.config.quota_blocks
+                if limit and indexed + stored > limit:  # near the quota: blocks already indexed are not new
+                    stored -= self._already_indexed(who.name, msg.inventory)
+                self.quotas.check_blocks(who, indexed, stored)
         elif kind in ("resolve", "hold", "acquire", "renew", "release", "decline"):
             self.before(kind, who, getattr(msg, kind))
 

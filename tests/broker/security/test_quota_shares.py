@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,3 +140,39 @@ def test_the_tenant_rate_never_drops_an_engines_housekeeping(pki: Pki, tmp_path:
         finally:
             stop.set()
             p0.close()
+
+
+def test_the_block_quota_does_not_count_blocks_already_indexed(pki: Pki, tmp_path: Path) -> None:
+    with _broker(pki, tmp_path, "--quota-blocks", "8") as proc:
+        channel, s = stub(proc.address, pki.mtls("p0"))
+        ups: queue.Queue[pb.SessionUp | None] = queue.Queue()
+        downs = s.Session(iter(ups.get, None), timeout=30)
+        try:
+            ups.put(pb.SessionUp(seq=1, register=pb.Register(engine=engine_info("p0"))))
+            layout = next(downs).registered.layout_id
+            ns = pb.Namespace(layout_id=layout, tenant="acme/")
+
+            def inventory(seq: int, hashes: list[int]) -> pb.SessionDown:
+                """Send a raw inventory (a resync re-announces what is indexed) and a heartbeat after it:
+                the first answer is the inventory's error, if any, else the heartbeat's."""
+                ups.put(
+                    pb.SessionUp(
+                        seq=seq, inventory=pb.InventoryUpdate(namespace=ns, tier=pb.TIER_GPU, stored=hashes)
+                    )
+                )
+                ups.put(pb.SessionUp(seq=seq + 1, heartbeat=pb.Heartbeat()))
+                return next(downs)
+
+            assert inventory(2, HASHES[:6]).WhichOneof("msg") == "heartbeat_ack"
+            # The chain again, two blocks longer: six are indexed already, two are new (8 in all).
+            answer = inventory(4, HASHES)
+            assert answer.WhichOneof("msg") == "heartbeat_ack", answer
+            # Past the quota, a new block is still refused.
+            answer = inventory(6, [*HASHES, 0x5109])
+            assert answer.seq == 6 and answer.error.cause == "quota_exceeded", answer
+            with BrokerClient(proc.address, security=pki.mtls("root")) as root:
+                (match,) = root.resolve(namespace=ns, block_hashes=[*HASHES, 0x5109]).matches
+                assert match.matched_blocks == 8
+        finally:
+            ups.put(None)
+            channel.close()

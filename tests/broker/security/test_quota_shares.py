@@ -38,8 +38,12 @@ def _broker(pki: Pki, tmp_path: Path, *flags: str) -> BrokerProcess:
     return BrokerProcess(tmp_path, [*tls_args(pki, mutual=True, tokens=False), *flags])
 
 
-def _session(address: str, pki: Pki, who: str, **options: object) -> ThreadedEngineSession:
-    s = ThreadedEngineSession(address, engine_info(who), ttl_ms=30_000, security=pki.mtls(who), **options)
+def _session(
+    address: str, pki: Pki, who: str, engine_id: str = "", **options: object
+) -> ThreadedEngineSession:
+    s = ThreadedEngineSession(
+        address, engine_info(engine_id or who), ttl_ms=30_000, security=pki.mtls(who), **options
+    )
     s.start(wait_connected_s=15)
     return s
 
@@ -73,6 +77,34 @@ def test_one_tenant_cannot_take_every_mirror_slot(pki: Pki, tmp_path: Path) -> N
         finally:
             for channel, updates in opened:
                 updates.cancel()  # type: ignore[attr-defined]
+                channel.close()
+
+
+def test_one_tenant_cannot_take_every_watch_slot(pki: Pki, tmp_path: Path) -> None:
+    with _broker(pki, tmp_path, "--max-watchers", "4") as proc:
+        channels: list[grpc.Channel] = []
+        sessions: list[ThreadedEngineSession] = []
+
+        def watch(who: str, timeout: float) -> Iterator[pb.WatchEvent]:
+            channel, s = stub(proc.address, pki.mtls(who))
+            channels.append(channel)
+            return s.Watch(pb.WatchRequest(engine_events=True), timeout=timeout)  # type: ignore[no-any-return]
+
+        try:
+            acme = watch("operator", 30)
+            sessions.append(_session(proc.address, pki, "p0"))
+            assert next(acme).engine_id == "p0"  # acme's one watcher is open
+            with pytest.raises(grpc.RpcError) as caught:
+                next(watch("operator", 10))
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+            assert "--quota-tenant-slots" in caught.value.details()  # type: ignore[attr-defined]
+            globex = watch("other_operator", 30)
+            sessions.append(_session(proc.address, pki, "other_engine", "g1"))
+            assert next(globex).engine_id == "g1"
+        finally:
+            for session in sessions:
+                session.close()
+            for channel in channels:
                 channel.close()
 
 

@@ -217,6 +217,7 @@ class HistoryParts:
         kv_ok = self._kv_is(self.remote)
         ref = partial(self._contiguous, self.ctx.plan.mem_type, "flat_device")
         self.ctx.flat[: self.nbytes].zero_()
+        self.ctx.sync()
         ref()
         self.ctx.sync()
         ref_ok = torch.equal(self.ctx.flat[: self.nbytes], self.ctx.flat_want[: self.nbytes])
@@ -307,6 +308,7 @@ class HistoryParts:
     def _zero_kv(self) -> None:
         for t in self.mem.kv.values():
             t.zero_()
+        self.ctx.sync()  # a NIXL read does not wait for torch's stream: the zeros must land first
 
     def _zero_tier(self) -> None:
         tier = self.mem.tier

@@ -83,6 +83,15 @@ else
     echo "no wheels in $WHEELS/: using the packages $PY already has" >&2
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# kvbroker/ is a folder of links to the layers; a copy of the tree that dropped them gets them
+# back (python -m puts this folder first on sys.path, so they must be here, not elsewhere).
+if ! [ -e kvbroker/engine_adapter/block_mover.py ]; then
+    echo "kvbroker/ lost its links in this copy: linking the layers again" >&2
+    for layer in broker clients common engine_adapter tools; do
+        ln -sfn "../$layer" "kvbroker/$layer"
+    done
+    ln -sfn ../proto/kvbroker/v1 kvbroker/v1
+fi
 args=("$@")
 if [ -n "${OUT:-}" ]; then
     args+=(--out-dir "$OUT")

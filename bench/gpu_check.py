@@ -208,6 +208,10 @@ def table(rows: list[Row], device: str) -> str:
             lines.append(
                 f"    contiguous NIXL host -> device: {r.extra['contiguous_nixl_host_to_device_gbps']} GB/s"
             )
+        if "contiguous_nixl_host_to_device_error" in r.extra:
+            lines.append(
+                f"    contiguous NIXL host -> device failed: {r.extra['contiguous_nixl_host_to_device_error']}"
+            )
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench.gpu_check import verdict_of
+from bench.gpu_check import table, verdict_of
 from bench.gpu_check_holder import Plan, seed_of
-from bench.gpu_check_parts import CaseMemory, HistoryParts, Row
+from bench.gpu_check_parts import CaseMemory, HistoryParts, Row, guarded
 from bench.kv_layouts import MODELS, kv_caches
 from kvbroker.engine_adapter.nixl_agent import nixl_available
 
@@ -129,3 +130,19 @@ def test_exit_status_and_verdicts() -> None:
     line, status = verdict_of([good, wrong, broken], "cuda")
     assert status == 1 and "WRONG: CPU tier (peer) -> DRAM c" in line
     assert verdict_of([good, tests_failed], "cuda")[1] == 1
+
+
+def test_a_failing_part_is_recorded_and_the_check_goes_on() -> None:
+    def broken(row: Row) -> None:
+        raise RuntimeError("peer gone")
+
+    def fine(row: Row) -> None:
+        row.bytes_ok, row.gbps, row.ref_gbps = True, 1.0, 1.0
+
+    far, spent = time.monotonic() + 60, time.monotonic() - 1
+    rows = [guarded(Row("a", "c"), broken, far), guarded(Row("b", "c"), fine, far)]
+    assert rows[0].error == "RuntimeError: peer gone" and rows[0].verdict == "ERROR"
+    assert rows[1].error is None and rows[1].verdict == "info"
+    late = guarded(Row("c", "c"), fine, spent)
+    assert late.error is not None and "budget" in late.error and late.gbps is None
+    assert "RuntimeError: peer gone" in table(rows, "test")

@@ -375,7 +375,7 @@ def run_cuda_tests(row: Row) -> None:
         "failed": counts["failures"] + counts["errors"],
     }
     if row.extra["failed"]:
-        row.error = f"{row.extra['failed']} CUDA test(s) failed:\n{proc.stdout[-3000:]}"
+        row.error = f"{row.extra['failed']} CUDA test(s) failed:\n{proc.stdout[-1500:]}"
     elif counts["tests"] != CUDA_TEST_COUNT:
         row.error = f"expected {CUDA_TEST_COUNT} CUDA tests, pytest ran {counts['tests']}"
     row.case = f"{passed} passed, {counts['skipped']} skipped, {row.extra['failed']} failed"

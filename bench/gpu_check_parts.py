@@ -30,7 +30,7 @@ TIER_TARGET = 0.8  # CPU tier into VRAM / torch's pinned host-to-device copy
 FIRST_LOCAL_BLOCK = 5
 READ_TIMEOUT_S = 30.0
 # The tests that need CUDA (marked `cuda`): four in the first file, one in the second.
-CUDA_TESTS = ("tests/data_path/test_cuda_transfers.py", "tests/data_path/test_cpu_tier.py")
+CUDA_TESTS = ("tests/engine_adapter/test_cuda_transfers.py", "tests/engine_adapter/test_cpu_tier.py")
 CUDA_TEST_COUNT = 5
 CUDA_TESTS_TIMEOUT_S = 150
 

@@ -38,7 +38,7 @@ GPU = pb.TIER_GPU
 H = list(range(7000, 7008))
 IDS = list(range(8))
 NOT_ERRORS = {Cause.NO_HOLDER, Cause.BELOW_MIN}
-# Who-is-calling causes need a broker with credentials: tests/security runs every
+# Who-is-calling causes need a broker with credentials: tests/broker/security runs every
 # RPC as every caller against real TLS and token brokers and checks these words.
 CALLER_CAUSES = {
     Cause.UNAUTHENTICATED,

@@ -15,27 +15,21 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
 import grpc
 from opentelemetry.trace import Tracer
 
 from kvbroker.broker import codec, lease_calls, listing
 from kvbroker.broker import events as ev
-from kvbroker.broker.channels import Close, SessionChannel, StreamNotifier
+from kvbroker.broker.channels import Close, SessionChannel, SessionNotifier
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult, Stats
-from kvbroker.broker.security.callers import (
-    ENGINE_ID_METADATA,
-    SESSION_ID_METADATA,
-    call_metadata,
-    check_owner,
-    peer_host,
-)
+from kvbroker.broker.servicer_parts import Callers, StreamObserver
 from kvbroker.broker.status import abort, answer, status_of, trailers
 from kvbroker.broker.tracing import command_span
 from kvbroker.common.causes import Cause
@@ -59,26 +53,31 @@ def _session_error(seq: int, err: BrokerError) -> pb.SessionDown:
     )
 
 
-class StreamObserver(Protocol):
-    """Told about each Session-stream message the broker handled (broker/metrics.py)."""
-
-    def message(self, kind: str, code: str, seconds: float) -> None: ...
-
-    def pin(self, outcome: str, seconds: float) -> None: ...
-
-
 class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
-    def __init__(self, core: BrokerCore, notifier: StreamNotifier) -> None:
+    def __init__(
+        self,
+        core: BrokerCore,
+        notifier: SessionNotifier,
+        callers: Callers,
+        *,
+        stats: Callable[[], Stats] | None = None,
+        stream_observer: StreamObserver | None = None,
+        tracer: Tracer | None = None,
+        session_guard: Callable[[EngineRecord, pb.SessionUp], None] | None = None,
+    ) -> None:
         self.core = core
         self.notifier = notifier
+        self.callers = callers
         self.shutting_down = False
-        self.stats: Callable[[], Stats] = core.stats  # a replica of a fleet answers the fleet's counts
+        self.stats: Callable[[], Stats] = (
+            stats or core.stats
+        )  # a replica of a fleet answers the fleet's counts
         # Session-stream metrics (None: off); the unary calls are timed by an interceptor.
-        self.stream_observer: StreamObserver | None = None
-        # Spans for the lease commands on Session streams (set when tracing is on).
-        self.tracer: Tracer | None = None
-        # Checks each Session message as the caller's identity (broker.auth; set when it authenticates).
-        self.session_guard: Callable[[EngineRecord, pb.SessionUp], None] | None = None
+        self.stream_observer = stream_observer
+        # Spans for the lease commands on Session streams (None: tracing is off).
+        self.tracer = tracer
+        # Checks each Session message as the caller's identity (broker.auth; None: no authentication).
+        self.session_guard = session_guard
 
     # -- Session stream ------------------------------------------------------------
 
@@ -113,8 +112,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         except BrokerError as err:
             await _abort(context, err)
             return
-        rec.peer_host = peer_host(context.peer() or "")
-        channel = self.notifier.attach(rec.session_id, self.core.config.session_buffer_bytes)
+        rec.peer_host = self.callers.peer_host(context.peer() or "")
+        channel = self.notifier.attach(rec.session_id, self.core.config.session_buffer_bytes, rec)
         lock = asyncio.Lock()
         ttl_ms = int(rec.ttl_s * 1000)
         await context.write(
@@ -262,19 +261,20 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         """A unary call acting as `engine_id` must come from its session (broker/security/callers.py)."""
         rec = self.core.registry.find(engine_id)
         if rec is not None:  # an unknown or empty id is the core's to refuse, precisely
-            check_owner(rec, context, what)
+            self.callers.check_owner(rec, context, what)
 
     def _asker(self, context: grpc.aio.ServicerContext) -> EngineRecord | None:
         """The engine a unary Resolve asks for: named by its session id, or by its engine id
         from its own session's host; None for a router."""
-        session_id = call_metadata(context, SESSION_ID_METADATA)
+        callers = self.callers
+        session_id = callers.call_metadata(context, callers.session_id_metadata)
         if session_id:
             return self.core.registry.by_session(session_id)
-        engine_id = call_metadata(context, ENGINE_ID_METADATA)
+        engine_id = callers.call_metadata(context, callers.engine_id_metadata)
         if not engine_id:
             return None
         rec = self.core.registry.get(engine_id)
-        check_owner(rec, context, f"Resolve with {ENGINE_ID_METADATA}")
+        callers.check_owner(rec, context, f"Resolve with {callers.engine_id_metadata}")
         return rec
 
     async def RegisterRank(

@@ -54,3 +54,13 @@ def check_owner(rec: EngineRecord, context: grpc.aio.ServicerContext, what: str)
         Cause.NOT_SESSION_OWNER,
         {"engine_id": rec.engine_id},
     )
+
+
+class SessionCallers:
+    """The rule above as the collaborator the servicer is given (broker/server.py passes it in)."""
+
+    session_id_metadata = SESSION_ID_METADATA
+    engine_id_metadata = ENGINE_ID_METADATA
+    peer_host = staticmethod(peer_host)
+    call_metadata = staticmethod(call_metadata)
+    check_owner = staticmethod(check_owner)

@@ -136,7 +136,9 @@ def test_the_broker_wings_import_only_the_top_level_and_only_the_server_imports_
             if wing is None or wing == own or module == BUILDER:
                 continue
             who = f"the wing {own}" if own else module
-            wrong.append(f"{path.relative_to(ROOT)}:{line}: {who} imports {target} (pass it in from server.py)")
+            wrong.append(
+                f"{path.relative_to(ROOT)}:{line}: {who} imports {target} (pass it in from server.py)"
+            )
     assert not wrong, "imports of the broker's wings:\n" + "\n".join(wrong)
 
 

@@ -68,8 +68,8 @@ class LayoutReader:
 
 
 class MirrorStreams:
-    """The per-layout mirror streams; the fleet's Watch and early-declines streams (state_redis_watch,
-    state_redis_declines) are two more, with their own keys and readers' names."""
+    """The per-layout mirror streams; the fleet's Watch and early-declines streams (fleet/watch.py,
+    fleet/declines.py) are two more, with their own keys and readers' names."""
 
     reader_name = "kvbroker-mirror"  # readers' Redis client names: `<reader_name>-<replica>`
     apply_own = False  # mirrors apply their own replica's changes at once, not from the stream

@@ -117,7 +117,7 @@ class FleetNotifier(StreamNotifier):
         super().pin_settled(lease)
         self._publish("settled", "", lease=lease.lease_id)
 
-    # -- Watch: the fleet's events, through its watch stream (state_redis_watch) -----------
+    # -- Watch: the fleet's events, through its watch stream (fleet/watch.py) --------------
 
     def watching(self, category: str) -> bool:
         return self.watch.wanted(category)

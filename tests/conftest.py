@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,19 +22,33 @@ from testkit.redis_server import RedisServer, missing_reason, running_redis
 _exit_status: list[int] = []
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist (`make test` runs two workers with --dist loadgroup).
+# Test files that start vLLM engines (a `vllm` mark anywhere in them), by path from the root.
+_ROOT = Path(__file__).resolve().parent.parent
+ENGINE_FILES = frozenset(
+    str(path.relative_to(_ROOT))
+    for path in (_ROOT / "tests").rglob("test_*.py")
+    if "mark.vllm" in path.read_text(encoding="utf-8", errors="replace")
+)
 
-    Every module that starts vLLM engines runs on one worker, one module after
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """How pytest-xdist shares the tests out (`make test` runs two workers).
+
+    Every file that starts vLLM engines runs on one worker, one file after
     another, exactly as in a plain run: engines never compete with engines for
     the two cores. The rest (brokers, Redis, NIXL, fakes: mostly waiting on
-    sockets and timers) runs beside them on the other worker, one whole module
-    at a time so module-scoped fixtures are built once.
+    sockets and timers) runs beside them on the other worker, a whole file at a
+    time so module-scoped fixtures are built once.
     """
-    engine_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("vllm")}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("engines" if path in engine_files else path))
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EnginesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "engines" if path in ENGINE_FILES else path
+
+    return EnginesTogether(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

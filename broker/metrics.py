@@ -32,7 +32,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -40,7 +39,10 @@ from prometheus_client.registry import Collector
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.indexer.kv_events import KvEventsFeed
+from kvbroker.broker.metrics_http import serve_metrics
 from kvbroker.broker.results import Stats
+from kvbroker.broker.security.config import SecurityConfig
+from kvbroker.broker.security.identity import TokenTable
 
 log = logging.getLogger("kvbroker.metrics")
 
@@ -180,15 +182,43 @@ class KvEventsCollector(Collector):
             "Blocks in KV events by outcome (stored, removed, unknown_parent, mismatched, unsupported)",
             labels=["engine", "outcome"],
         )
+        bad = CounterMetricFamily(
+            "kvbroker_kv_events_bad_frames",
+            "Frames skipped: not a KV event batch, undecodable, or too deeply nested (the feed goes on)",
+            labels=["engine"],
+        )
         for engine_id, feed in list(self._feeds.items()):
             up.add_metric([engine_id], 1 if feed.record is not None else 0)
             batches.add_metric([engine_id], feed.batches)
+            bad.add_metric([engine_id], feed.bad_frames)
             gaps.add_metric([engine_id], feed.seq_gaps)
             replayed.add_metric([engine_id], feed.replayed)
             for outcome, n in feed.stats.as_dict().items():
                 if outcome != "cleared":
                     blocks.add_metric([engine_id, outcome], n)
-        yield from (up, batches, gaps, replayed, blocks)
+        yield from (up, batches, gaps, replayed, blocks, bad)
+
+
+class TokensCollector(Collector):
+    """The tokens file as last read: tokens granted, lines rejected, reloads that revoked all."""
+
+    def __init__(self, tokens: TokenTable) -> None:
+        self._tokens = tokens
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "kvbroker_tokens", "Bearer tokens in the tokens file", value=len(self._tokens)
+        )
+        yield GaugeMetricFamily(
+            "kvbroker_tokens_file_rejected_lines",
+            "Malformed lines of the tokens file as last read (each grants nothing; see the broker's log)",
+            value=self._tokens.rejected_lines,
+        )
+        yield CounterMetricFamily(
+            "kvbroker_tokens_file_failed_reloads",
+            "Times the tokens file was gone or unreadable (every token revoked until it is back)",
+            value=self._tokens.failed_reloads,
+        )
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
@@ -292,16 +322,21 @@ def start_metrics_http(
     port: int,
     feeds: Mapping[str, KvEventsFeed] | None = None,
     fleet: Callable[[Stats], Stats] | None = None,
+    security: SecurityConfig | None = None,
+    tokens: TokenTable | None = None,
 ) -> Any:
-    """Serve /metrics on a background thread; returns the server (call .shutdown() to stop),
-    or None when the port is taken: the broker then runs without metrics, and says so."""
+    """Serve /metrics on a background thread (metrics_http.py: who may read it, over what);
+    returns the server (call .shutdown() to stop), or None when the port is taken: the broker
+    then runs without metrics, and says so."""
     registry.register(BrokerCollector(core, fleet))
     if feeds is not None:
         registry.register(KvEventsCollector(feeds))
+    if tokens is not None:
+        registry.register(TokensCollector(tokens))
     ProcessCollector(registry=registry)
     build_info(registry)
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        server = serve_metrics(registry, host, port, security or SecurityConfig(), tokens)
     except OSError as e:
         if e.errno != errno.EADDRINUSE:
             raise

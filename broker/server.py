@@ -29,11 +29,11 @@ from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument, Unavailable
 from kvbroker.broker.indexer.http import IndexerHttp
-from kvbroker.broker.indexer.kv_events import KvEventsFeed, parse_sources
+from kvbroker.broker.indexer.kv_events import KvEventsFeed, check_feed_bind, parse_sources
 from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
 from kvbroker.broker.registry import EngineRegistry
 from kvbroker.broker.security.auth import AuthInterceptor
-from kvbroker.broker.security.config import SecurityConfig, is_loopback
+from kvbroker.broker.security.config import SecurityConfig, is_loopback, require_safe_listener
 from kvbroker.broker.security.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.security.decode_guard import DecodeGuardInterceptor
 from kvbroker.broker.security.identity import Authenticator, TokenTable
@@ -138,13 +138,21 @@ def _public_address(address: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def _auth_interceptor(core: BrokerCore, security: SecurityConfig) -> AuthInterceptor | None:
-    if not security.authenticates:
+def _tokens(security: SecurityConfig) -> TokenTable | None:
+    """The tokens file, read once for every surface (gRPC, the indexer API, /metrics)."""
+    if not security.tokens_file:
         return None
     try:
-        tokens = TokenTable(security.tokens_file) if security.tokens_file else None
+        return TokenTable(security.tokens_file)
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"cannot use --tokens-file: {err}") from None
+
+
+def _auth_interceptor(
+    core: BrokerCore, security: SecurityConfig, tokens: TokenTable | None
+) -> AuthInterceptor | None:
+    if not security.authenticates:
+        return None
     quotas = Quotas(security)
     return AuthInterceptor(Authenticator(tokens, security.mutual), TenantGuard(core, quotas), quotas)
 
@@ -162,8 +170,8 @@ def _listen(
         return server.add_insecure_port(address), None
     if not security.authenticates and not is_loopback(address):
         log.warning(
-            "serving TLS without client identities on %s: any client that reaches it may act for any "
-            "engine; add --tls-ca (mutual TLS) or --tokens-file",
+            "serving TLS without client identities on %s (--insecure): any client that reaches it may "
+            "act for any engine; add --tls-ca (mutual TLS) or --tokens-file",
             address,
         )
     try:
@@ -171,6 +179,20 @@ def _listen(
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"cannot load the TLS certificate, key or CA: {err}") from None
     return server.add_secure_port(address, creds), files
+
+
+def _check_side_listeners(config: BrokerConfig, security: SecurityConfig) -> None:
+    """/metrics, the indexer API and KV-event binds follow the gRPC rule: a non-loopback address
+    needs TLS or --insecure (checked before anything listens)."""
+    if config.metrics_port:
+        address = f"{config.metrics_host}:{config.metrics_port}"
+        require_safe_listener(security, address, "/metrics (--metrics-host)", tls=security.tls)
+    if config.indexer_http:
+        require_safe_listener(
+            security, config.indexer_http, "the indexer API (--indexer-http)", tls=security.tls
+        )
+    for source in parse_sources(config.kv_events):
+        check_feed_bind(source, security)
 
 
 def _shared_state(config: BrokerConfig) -> RedisState | None:
@@ -278,6 +300,7 @@ async def start_server(
     config.validate()
     security = security or SecurityConfig()
     security.validate(config.address)
+    _check_side_listeners(config, security)
     shared = _shared_state(config)
     clock = clock or (WallClock() if shared is not None else MonotonicClock())
     tasks: list[asyncio.Task[None]] = []
@@ -305,7 +328,8 @@ async def start_server(
         interceptors.append(TracingInterceptor(provider))
         servicer.tracer = provider.get_tracer("kvbroker.server")
         extras.append(provider)
-    auth = _auth_interceptor(core, security)
+    tokens = _tokens(security)
+    auth = _auth_interceptor(core, security, tokens)
     if auth is not None:
         # Before the decode guard: a caller without rights learns nothing, not even "malformed".
         interceptors.append(auth)
@@ -347,6 +371,8 @@ async def start_server(
             config.metrics_port,
             feeds,
             counters.stats if counters is not None else None,
+            security,
+            tokens,
         )
         if http is not None:
             extras.append(http)
@@ -371,7 +397,7 @@ async def start_server(
     running._expiry_task = asyncio.create_task(_expiry_loop(core), name="kvbroker-expiry")
     running._tasks = tasks
     try:
-        await _start_indexer(running, config, security, auth.guard if auth is not None else None)
+        await _start_indexer(running, config, security, auth.guard if auth is not None else None, tokens)
     except BaseException:
         await running.stop(0)
         raise
@@ -379,7 +405,11 @@ async def start_server(
 
 
 async def _start_indexer(
-    running: RunningServer, config: BrokerConfig, security: SecurityConfig, guard: TenantGuard | None
+    running: RunningServer,
+    config: BrokerConfig,
+    security: SecurityConfig,
+    guard: TenantGuard | None,
+    tokens: TokenTable | None,
 ) -> None:
     """The engines followed by KV events (--kv-events) and the indexer HTTP API (--indexer-http)."""
     for source in parse_sources(config.kv_events):
@@ -387,7 +417,7 @@ async def _start_indexer(
         feed.start()
     if config.indexer_http:
         tenant_of = guard.tenant_of_engine if guard is not None else None
-        indexer = IndexerHttp(running.core, security, running.feeds, tenant_of)
+        indexer = IndexerHttp(running.core, security, running.feeds, tenant_of, tokens)
         try:
             running.indexer_port = await indexer.start(config.indexer_http)
         except OSError as err:

@@ -26,23 +26,29 @@ import asyncio
 import contextlib
 import json
 import logging
-import ssl
 from collections.abc import Callable
 from typing import Any
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import InvalidArgument
-from kvbroker.broker.indexer.kv_events import KvEventsFeed, KvEventsSource, parse_source
+from kvbroker.broker.indexer.kv_events import KvEventsFeed, KvEventsSource, check_feed_bind, parse_source
 from kvbroker.broker.indexer.query import IndexerError, query
-from kvbroker.broker.security.config import SecurityConfig, is_loopback
-from kvbroker.broker.security.identity import SCHEME, Identity, Role, TokenTable, parse_identity
+from kvbroker.broker.security.config import SecurityConfig, require_safe_listener
+from kvbroker.broker.security.http_identity import HttpUnidentified, identify_http, server_ssl_context
+from kvbroker.broker.security.identity import Identity, Role, TokenTable
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL
 
 log = logging.getLogger("kvbroker.indexer")
 
 MAX_HEAD_BYTES = 16 * 1024
-MAX_CONNECTIONS = 256  # beyond: 503 and close, so that idle clients cannot pile up
-READ_TIMEOUT_S = 30.0
+# Connections whose caller is identified (a first request that passed its identity check, or a
+# verified client certificate); beyond: 503 and close, so that idle clients cannot pile up.
+MAX_CONNECTIONS = 256
+# Connections not identified yet: a newcomer beyond this closes the oldest of them, so hundreds
+# of idle strangers cannot keep an operator's new connection out.
+MAX_UNIDENTIFIED = 64
+HANDSHAKE_TIMEOUT_S = 5.0  # a TLS handshake, and a stranger's first request head, must come in this
+READ_TIMEOUT_S = 30.0  # an identified caller's next request on a kept-alive connection
 REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -64,39 +70,39 @@ class IndexerHttp:
         security: SecurityConfig,
         feeds: dict[str, KvEventsFeed],
         engine_tenant: Callable[[str], str | None] | None = None,
+        tokens: TokenTable | None = None,
     ) -> None:
         self.core = core
         self.security = security
         self.feeds = feeds  # engine id -> feed; shared with --kv-events
         self.engine_tenant = engine_tenant
-        self.tokens = TokenTable(security.tokens_file) if security.tokens_file else None
+        self.tokens = tokens  # the broker's tokens file (one table for every surface)
+        if self.tokens is None and security.tokens_file:
+            self.tokens = TokenTable(security.tokens_file)
         self.max_body = core.config.max_message_bytes
         self.server: asyncio.Server | None = None
         self.port = 0
-        self.connections = 0
+        self.connections = 0  # identified ones, against MAX_CONNECTIONS
+        self._strangers: dict[asyncio.StreamWriter, None] = {}  # not identified yet, oldest first
 
     async def start(self, address: str) -> int:
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
         if not port.isdigit() or not host:
             raise InvalidArgument(f"--indexer-http {address!r}: need HOST:PORT")
-        if not self.security.tls and not self.security.insecure and not is_loopback(address):
-            raise InvalidArgument(
-                f"--indexer-http {address!r} is not a loopback address: serve it with TLS (--tls-cert) "
-                "or pass --insecure"
-            )
-        context = self._ssl_context() if self.security.tls else None
-        self.server = await asyncio.start_server(self._connection, host, int(port), ssl=context)
+        require_safe_listener(
+            self.security, address, "the indexer API (--indexer-http)", tls=self.security.tls
+        )
+        context = server_ssl_context(self.security, self.tokens) if self.security.tls else None
+        self.server = await asyncio.start_server(
+            self._connection,
+            host,
+            int(port),
+            ssl=context,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if context is not None else None,
+        )
         self.port = int(self.server.sockets[0].getsockname()[1])
         return self.port
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.security.tls_cert, self.security.tls_key)
-        if self.security.tls_ca:
-            context.load_verify_locations(self.security.tls_ca)
-            context.verify_mode = ssl.CERT_OPTIONAL if self.tokens is not None else ssl.CERT_REQUIRED
-        return context
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -107,14 +113,16 @@ class IndexerHttp:
     # -- transport ---------------------------------------------------------------------
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
+        """Serve one connection. It takes one of MAX_CONNECTIONS slots only once its caller is
+        identified; until then it is a stranger: HANDSHAKE_TIMEOUT_S for its first request, and the
+        oldest stranger makes room when MAX_UNIDENTIFIED are waiting."""
+        identified = False
+        self._admit_stranger(writer)
         try:
-            if self.connections > MAX_CONNECTIONS:
-                await self._send(writer, 503, _error(503, "too many connections; retry later"), False)
-                return
             while True:
                 try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+                    timeout = READ_TIMEOUT_S if identified else HANDSHAKE_TIMEOUT_S
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
                 except (
                     asyncio.IncompleteReadError,
                     asyncio.LimitOverrunError,
@@ -145,6 +153,22 @@ class IndexerHttp:
                 if length > self.max_body:
                     await self._send(writer, 413, _error(413, f"body over {self.max_body} bytes"), False)
                     return
+                if not identified:
+                    if target == "/health":  # open to anyone, and no slot for it
+                        await self._send(writer, 200, {"status": "ok"}, False)
+                        return
+                    # Identity before a slot (and before the body): a caller who cannot show one
+                    # never takes a slot.
+                    refused = self._refusal(headers, writer)
+                    if refused is not None:
+                        await self._send(writer, refused[0], refused[1], False)
+                        return
+                    self._strangers.pop(writer, None)
+                    if self.connections >= MAX_CONNECTIONS:
+                        await self._send(writer, 503, _error(503, "too many connections; retry later"), False)
+                        return
+                    self.connections += 1
+                    identified = True
                 try:
                     raw = (
                         await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT_S) if length else b""
@@ -156,10 +180,27 @@ class IndexerHttp:
                 if not keep:
                     return
         finally:
-            self.connections -= 1
+            if identified:
+                self.connections -= 1
+            self._strangers.pop(writer, None)
             writer.close()
             with contextlib.suppress(OSError, TimeoutError):
                 await writer.wait_closed()
+
+    def _admit_stranger(self, writer: asyncio.StreamWriter) -> None:
+        while len(self._strangers) >= MAX_UNIDENTIFIED:
+            oldest = next(iter(self._strangers))
+            del self._strangers[oldest]
+            oldest.close()  # its read ends, and its task cleans up
+        self._strangers[writer] = None
+
+    def _refusal(self, headers: dict[str, str], writer: asyncio.StreamWriter) -> tuple[int, Any] | None:
+        """401 for a first request whose caller has no identity (None: identified, or no identities)."""
+        try:
+            self._identify(headers, writer)
+        except IndexerError as err:
+            return err.status, _error(err.status, err.message)
+        return None
 
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, status: int, answer: Any, keep: bool) -> None:
@@ -219,21 +260,10 @@ class IndexerHttp:
             return None
         ssl_object = writer.get_extra_info("ssl_object")
         cert = ssl_object.getpeercert() if ssl_object is not None else None
-        for kind, value in (cert or {}).get("subjectAltName", ()):
-            if kind == "URI" and value.startswith(SCHEME):
-                try:
-                    return parse_identity(value)
-                except ValueError as err:
-                    raise IndexerError(
-                        401, f"the client certificate's identity is not valid: {err}"
-                    ) from None
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if self.tokens is not None and scheme.lower() == "bearer" and token.strip():
-            found = self.tokens.lookup(token.strip())
-            if found is None:
-                raise IndexerError(401, "the bearer token is not in the broker's tokens file")
-            return found
-        raise IndexerError(401, "identify yourself: a client certificate or 'Authorization: Bearer TOKEN'")
+        try:
+            return identify_http(cert, headers.get("authorization", ""), self.tokens)
+        except HttpUnidentified as err:
+            raise IndexerError(401, str(err)) from None
 
     @staticmethod
     def _allow(who: Identity | None, roles: tuple[Role, ...], target: str) -> None:
@@ -289,6 +319,10 @@ class IndexerHttp:
             tenant="" if tenant == "default" else tenant,
             replay=str(body.get("replay_endpoint") or ""),
         )
+        try:
+            check_feed_bind(source, self.security)
+        except InvalidArgument as err:
+            raise IndexerError(403, err.message) from None
         feed = KvEventsFeed(self.core, source)
         self.feeds[instance] = feed
         feed.start()

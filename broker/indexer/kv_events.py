@@ -53,7 +53,7 @@ REPLAY_TIMEOUT_MS = 2_000  # a replay that sends nothing for this long is given 
 # Events are decoded and applied in slices: after this much work the feed yields the event
 # loop, so a 120,000-event batch never holds up gRPC (bench/kv_events_stall.py measures it).
 SLICE_BUDGET_S = 0.002
-SLICE_CHECK_EVERY = 32  # events between looks at the clock
+SLICE_CHECK_EVERY = 8  # events between looks at the clock (an event costs tens of microseconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +363,12 @@ class KvEventsFeed:
                         self.connected()
                     elif note["event"] == zmq.EVENT_DISCONNECTED:
                         self.disconnected("the connection to its KV event publisher dropped")
+                        if not self.source.binds:
+                            # ZMQ gives up for good on a peer that broke the protocol (a frame over
+                            # ZMQ_MAXMSGSIZE): connect anew, as after any drop.
+                            with contextlib.suppress(zmq.ZMQError):
+                                sub.disconnect(self.source.endpoint)
+                            sub.connect(self.source.endpoint)
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     if len(frames) != 3 or len(frames[1]) != 8:

@@ -88,7 +88,10 @@ def test_plain_metrics_on_a_network_address_need_insecure(tmp_path: Path) -> Non
     with pytest.raises(RuntimeError, match="--insecure"):
         BrokerProcess(tmp_path, args, log_name="refused.log").start(timeout=20)
     with BrokerProcess(tmp_path, [*args, "--insecure"], log_name="insecure.log"):
-        assert "kvbroker_engines" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert (
+            "kvbroker_engines"
+            in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        )
 
 
 def _scrape_https(pki: Pki, port: int, who: str | None) -> int:
@@ -112,7 +115,13 @@ def test_metrics_of_an_mtls_broker_on_a_network_address_are_https_for_operators(
     pki: Pki, tmp_path: Path
 ) -> None:
     port = free_port()
-    args = [*tls_args(pki, mutual=True, tokens=False), "--metrics-port", str(port), "--metrics-host", "0.0.0.0"]
+    args = [
+        *tls_args(pki, mutual=True, tokens=False),
+        "--metrics-port",
+        str(port),
+        "--metrics-host",
+        "0.0.0.0",
+    ]
     with BrokerProcess(tmp_path, args) as proc:
         with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
@@ -205,11 +214,10 @@ def test_idle_strangers_cannot_keep_an_operator_out_of_the_indexer(pki: Pki, tmp
 def test_an_idle_handshake_is_closed_fast(pki: Pki, tmp_path: Path) -> None:
     port = free_port()
     args = [*tls_args(pki, mutual=True, tokens=True), "--indexer-http", f"127.0.0.1:{port}"]
-    with BrokerProcess(tmp_path, args):
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
-            started = time.monotonic()
-            assert raw.recv(1) == b""  # no ClientHello: the broker hangs up
-            assert time.monotonic() - started < 15  # HANDSHAKE_TIMEOUT_S (5 s), not asyncio's 60 s
+    with BrokerProcess(tmp_path, args), socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+        started = time.monotonic()
+        assert raw.recv(1) == b""  # no ClientHello: the broker hangs up
+        assert time.monotonic() - started < 15  # HANDSHAKE_TIMEOUT_S (5 s), not asyncio's 60 s
 
 
 # -- secrets in --help ----------------------------------------------------------------------
@@ -218,7 +226,11 @@ def test_an_idle_handshake_is_closed_fast(pki: Pki, tmp_path: Path) -> None:
 def test_help_does_not_print_the_state_password() -> None:
     env = {**os.environ, "KVBROKER_STATE": "redis://:hunter2-s3cret@redis.example:6379/0"}
     out = subprocess.run(
-        [sys.executable, "-m", "kvbroker.broker", "--help"], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvbroker.broker", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert "hunter2-s3cret" not in out.stdout + out.stderr

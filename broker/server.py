@@ -36,6 +36,7 @@ from kvbroker.broker.security.auth import AuthInterceptor
 from kvbroker.broker.security.config import SecurityConfig, is_loopback, require_safe_listener
 from kvbroker.broker.security.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.security.decode_guard import DecodeGuardInterceptor
+from kvbroker.broker.security.engine_identity import EngineIdentity
 from kvbroker.broker.security.identity import Authenticator, TokenTable
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.broker.security.tenancy import TenantGuard
@@ -149,12 +150,13 @@ def _tokens(security: SecurityConfig) -> TokenTable | None:
 
 
 def _auth_interceptor(
-    core: BrokerCore, security: SecurityConfig, tokens: TokenTable | None
+    core: BrokerCore, security: SecurityConfig, engines: EngineIdentity, tokens: TokenTable | None
 ) -> AuthInterceptor | None:
     if not security.authenticates:
         return None
-    quotas = Quotas(security)
-    return AuthInterceptor(Authenticator(tokens, security.mutual), TenantGuard(core, quotas), quotas)
+    slots = {"Mirror": core.config.max_mirrors, "Watch": core.config.max_watchers}
+    quotas = Quotas(security, stream_slots=slots)
+    return AuthInterceptor(Authenticator(tokens, security.mutual), TenantGuard(core, quotas, engines), quotas)
 
 
 def _listen(
@@ -311,7 +313,14 @@ async def start_server(
     else:
         core, notifier, follow, counters = _fleet_core(config, clock, shared)
         tasks.append(asyncio.create_task(follow, name="kvbroker-fleet-channel"))
-    servicer = BrokerServicer(core, notifier)
+    feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
+
+    def feed_tenant(engine_id: str) -> str | None:
+        feed = feeds.get(engine_id)
+        return feed.source.tenant if feed is not None else None
+
+    engines = EngineIdentity(core.registry, feed_tenant)
+    servicer = BrokerServicer(core, notifier, engines)
     if counters is not None:
         servicer.stats = lambda: counters.stats(core.stats())  # the fleet's counts, not this replica's
 
@@ -329,7 +338,7 @@ async def start_server(
         servicer.tracer = provider.get_tracer("kvbroker.server")
         extras.append(provider)
     tokens = _tokens(security)
-    auth = _auth_interceptor(core, security, tokens)
+    auth = _auth_interceptor(core, security, engines, tokens)
     if auth is not None:
         # Before the decode guard: a caller without rights learns nothing, not even "malformed".
         interceptors.append(auth)
@@ -362,7 +371,6 @@ async def start_server(
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     metrics_port = 0
-    feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
     if metrics_registry is not None:
         http = start_metrics_http(
             core,
@@ -413,7 +421,8 @@ async def _start_indexer(
 ) -> None:
     """The engines followed by KV events (--kv-events) and the indexer HTTP API (--indexer-http)."""
     for source in parse_sources(config.kv_events):
-        feed = running.feeds[source.engine_id] = KvEventsFeed(running.core, source)
+        feed = KvEventsFeed(running.core, source, bare_salts=not security.authenticates)
+        running.feeds[source.engine_id] = feed
         feed.start()
     if config.indexer_http:
         tenant_of = guard.tenant_of_engine if guard is not None else None

@@ -36,10 +36,11 @@ protos: $(STAMP)  ## regenerate proto/ Python code and type stubs
 protos-check: $(STAMP)  ## fail if generated code is stale
 	$(BIN)/python scripts/gen_protos.py --check
 
-lint: $(STAMP)  ## ruff (lint + format check) and mypy
+lint: $(STAMP)  ## ruff (lint + format check), mypy and pyright
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/pyright --pythonpath $(BIN)/python
 
 test: $(STAMP) protos-check lint redis-server  ## the full test suite (what CI runs)
 	$(BIN)/python -m pytest -ra

@@ -21,7 +21,7 @@ import errno
 import logging
 import platform
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -32,17 +32,14 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
+    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError
-from kvbroker.broker.indexer.kv_events import KvEventsFeed
-from kvbroker.broker.metrics_http import serve_metrics
 from kvbroker.broker.results import Stats
-from kvbroker.broker.security.config import SecurityConfig
-from kvbroker.broker.security.identity import TokenTable
 
 log = logging.getLogger("kvbroker.metrics")
 
@@ -152,75 +149,6 @@ class BrokerCollector(Collector):
         yield from (reads, blocks, moved)
 
 
-class KvEventsCollector(Collector):
-    """Engines followed by their vLLM KV events (kv_events.py): connection, batches, blocks by outcome."""
-
-    def __init__(self, feeds: Mapping[str, KvEventsFeed]) -> None:
-        self._feeds = feeds
-
-    def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily(
-            "kvbroker_kv_events_connected",
-            "1 while the broker is connected to the engine's publisher",
-            labels=["engine"],
-        )
-        batches = CounterMetricFamily(
-            "kvbroker_kv_events_batches", "KV event batches received", labels=["engine"]
-        )
-        gaps = CounterMetricFamily(
-            "kvbroker_kv_events_seq_gaps",
-            "Gaps in the publisher's sequence numbers (missed batches)",
-            labels=["engine"],
-        )
-        replayed = CounterMetricFamily(
-            "kvbroker_kv_events_replayed",
-            "Batches filled in from the publisher's replay socket",
-            labels=["engine"],
-        )
-        blocks = CounterMetricFamily(
-            "kvbroker_kv_events_blocks",
-            "Blocks in KV events by outcome (stored, removed, unknown_parent, mismatched, unsupported, unowned_salt)",
-            labels=["engine", "outcome"],
-        )
-        bad = CounterMetricFamily(
-            "kvbroker_kv_events_bad_frames",
-            "Frames skipped: not a KV event batch, undecodable, or too deeply nested (the feed goes on)",
-            labels=["engine"],
-        )
-        for engine_id, feed in list(self._feeds.items()):
-            up.add_metric([engine_id], 1 if feed.record is not None else 0)
-            batches.add_metric([engine_id], feed.batches)
-            bad.add_metric([engine_id], feed.bad_frames)
-            gaps.add_metric([engine_id], feed.seq_gaps)
-            replayed.add_metric([engine_id], feed.replayed)
-            for outcome, n in feed.stats.as_dict().items():
-                if outcome != "cleared":
-                    blocks.add_metric([engine_id, outcome], n)
-        yield from (up, batches, gaps, replayed, blocks, bad)
-
-
-class TokensCollector(Collector):
-    """The tokens file as last read: tokens granted, lines rejected, reloads that revoked all."""
-
-    def __init__(self, tokens: TokenTable) -> None:
-        self._tokens = tokens
-
-    def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(
-            "kvbroker_tokens", "Bearer tokens in the tokens file", value=len(self._tokens)
-        )
-        yield GaugeMetricFamily(
-            "kvbroker_tokens_file_rejected_lines",
-            "Malformed lines of the tokens file as last read (each grants nothing; see the broker's log)",
-            value=self._tokens.rejected_lines,
-        )
-        yield CounterMetricFamily(
-            "kvbroker_tokens_file_failed_reloads",
-            "Times the tokens file was gone or unreadable (every token revoked until it is back)",
-            value=self._tokens.failed_reloads,
-        )
-
-
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, registry: CollectorRegistry) -> None:
         self.latency = Histogram(
@@ -320,23 +248,25 @@ def start_metrics_http(
     registry: CollectorRegistry,
     host: str,
     port: int,
-    feeds: Mapping[str, KvEventsFeed] | None = None,
+    collectors: Sequence[Collector] = (),
     fleet: Callable[[Stats], Stats] | None = None,
-    security: SecurityConfig | None = None,
-    tokens: TokenTable | None = None,
+    serve: Callable[[CollectorRegistry, str, int], Any] | None = None,
 ) -> Any:
-    """Serve /metrics on a background thread (metrics_http.py: who may read it, over what);
-    returns the server (call .shutdown() to stop), or None when the port is taken: the broker
-    then runs without metrics, and says so."""
+    """Serve /metrics on a background thread; returns the server (call .shutdown() to stop),
+    or None when the port is taken: the broker then runs without metrics, and says so.
+    `collectors`: more, from the broker's wings (the KV-event feeds': indexer/feed_metrics.py).
+    `serve(registry, host, port)`: the HTTP server (the security wing's: security/metrics_http.py,
+    who may read it and over what); default: prometheus_client's plain HTTP."""
     registry.register(BrokerCollector(core, fleet))
-    if feeds is not None:
-        registry.register(KvEventsCollector(feeds))
-    if tokens is not None:
-        registry.register(TokensCollector(tokens))
+    for collector in collectors:
+        registry.register(collector)
     ProcessCollector(registry=registry)
     build_info(registry)
     try:
-        server = serve_metrics(registry, host, port, security or SecurityConfig(), tokens)
+        if serve is not None:
+            server = serve(registry, host, port)
+        else:
+            server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as e:
         if e.errno != errno.EADDRINUSE:
             raise

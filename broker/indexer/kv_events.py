@@ -39,7 +39,6 @@ from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.indexer.kv_chain import BlockChain, ChainStats, event_fields
 from kvbroker.broker.registry import EngineRecord
-from kvbroker.broker.security.config import SecurityConfig, require_safe_listener
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL, Namespace
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -137,18 +136,6 @@ def parse_source(spec: str) -> KvEventsSource:
             raise InvalidArgument(f"--kv-events {engine_id}: add {needed}=... (as the engine serves it)")
     endpoint = f"{parts.scheme}://{parts.netloc}{parts.path}"
     return KvEventsSource(engine_id=engine_id, endpoint=endpoint, **options)
-
-
-def check_feed_bind(source: KvEventsSource, security: SecurityConfig) -> None:
-    """A feed the broker binds (``tcp://*:PORT``) listens on every interface, and ZMQ checks no
-    one: anybody who reaches the port could publish that engine's blocks. It needs --insecure."""
-    if source.binds and source.endpoint.startswith("tcp://"):
-        require_safe_listener(
-            security,
-            source.endpoint,
-            f"a KV-event feed bound to {source.endpoint} ({source.engine_id})",
-            tls=False,
-        )
 
 
 def parse_sources(specs: str) -> list[KvEventsSource]:
@@ -410,10 +397,3 @@ def _batch_splitter(msgspec: Any, feed: KvEventsFeed) -> Callable[[bytes], list[
         return events
 
     return split
-
-
-async def start_feeds(core: BrokerCore, specs: str) -> list[KvEventsFeed]:
-    feeds = [KvEventsFeed(core, source) for source in parse_sources(specs)]
-    for feed in feeds:
-        feed.start()
-    return feeds

@@ -18,12 +18,14 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.registry import Collector
 
 from kvbroker.broker.security.config import SecurityConfig, is_loopback, require_safe_listener
 from kvbroker.broker.security.http_identity import HttpUnidentified, identify_http, server_ssl_context
@@ -80,7 +82,7 @@ def _operators_only(app: App, tokens: TokenTable | None) -> App:
 
 
 def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int, security: SecurityConfig, tokens: TokenTable | None
+    registry: CollectorRegistry, host: str, port: int, *, security: SecurityConfig, tokens: TokenTable | None
 ) -> Any:
     """Start /metrics on a daemon thread (see the module docstring); returns the server
     (.server_port, .shutdown()). OSError if the port cannot be bound; InvalidArgument if the
@@ -102,3 +104,25 @@ def serve_metrics(
         httpd.tls = server_ssl_context(security, tokens)  # type: ignore[attr-defined]
     threading.Thread(target=httpd.serve_forever, name="kvbroker-metrics", daemon=True).start()
     return httpd
+
+
+class TokensCollector(Collector):
+    """The tokens file as last read: tokens granted, lines rejected, reloads that revoked all."""
+
+    def __init__(self, tokens: TokenTable) -> None:
+        self._tokens = tokens
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "kvbroker_tokens", "Bearer tokens in the tokens file", value=len(self._tokens)
+        )
+        yield GaugeMetricFamily(
+            "kvbroker_tokens_file_rejected_lines",
+            "Malformed lines of the tokens file as last read (each grants nothing; see the broker's log)",
+            value=self._tokens.rejected_lines,
+        )
+        yield CounterMetricFamily(
+            "kvbroker_tokens_file_failed_reloads",
+            "Times the tokens file was gone or unreadable (every token revoked until it is back)",
+            value=self._tokens.failed_reloads,
+        )

@@ -11,8 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.leases import BYTES_PER_BLOCK, BYTES_PER_LEASE
 from kvbroker.common import keepalive, settings
 from kvbroker.common.settings import setting
+
+
+def derived_leases_per_engine(memory_mib: int, max_lease_blocks: int) -> int:
+    """How many of the largest leases fit one engine's lease memory budget (at least 1)."""
+    return max(1, memory_mib * 1024 * 1024 // (max_lease_blocks * BYTES_PER_BLOCK + BYTES_PER_LEASE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +62,17 @@ class BrokerConfig:
         10_000, "ended leases kept for ListLeases(include_ended) and precise release errors"
     )
     max_lease_blocks: int = setting(8_192, "most blocks in one lease (a hold or a resolve's acquire)")
+    lease_memory_mib: int = setting(
+        256,
+        "memory budget, in MiB, for the live leases one engine holds (and, apart, for those it reads): "
+        "--max-leases-per-engine 0 derives its cap from it, budget / (--max-lease-blocks x "
+        f"{BYTES_PER_BLOCK} bytes + {BYTES_PER_LEASE} bytes), measured by bench/lease_memory.py; "
+        f"{derived_leases_per_engine(256, 8_192)} leases at the defaults",
+    )
     max_leases_per_engine: int = setting(
-        4_096, "most live leases an engine may hold, and most it may read (RESOURCE_EXHAUSTED beyond)"
+        0,
+        "most live leases an engine may hold, and most it may read (RESOURCE_EXHAUSTED beyond); "
+        "0 = derived from --lease-memory-mib",
     )
     ended_lease_history_blocks: int = setting(
         1_000_000, "most block hashes kept in the ended-lease history, over all its leases"
@@ -101,7 +116,12 @@ class BrokerConfig:
     metrics_port: int = setting(
         9400, "Prometheus /metrics port (0 = off; a port already taken turns metrics off with a warning)"
     )
-    metrics_host: str = setting("0.0.0.0", "Prometheus listen host")
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "Prometheus /metrics listen host; any other than loopback serves HTTPS with the broker's "
+        "certificate (operators of tenant '*' only, when the broker has identities), or needs --insecure "
+        "for plain HTTP (docs/security.md)",
+    )
     indexer_http: str = setting(
         "",
         "HOST:PORT to serve the KV-indexer HTTP API on (Mooncake Conductor's /query, /query_by_hash, "
@@ -112,6 +132,11 @@ class BrokerConfig:
         "",
         "vLLM engines without our connector to follow by their KV cache events, comma-separated "
         "ENGINE_ID=tcp://HOST:PORT?model=NAME&block_size=N (docs/indexer.md); needs pyzmq and msgspec",
+    )
+    kv_events_max_frame_bytes: int = setting(
+        16 * 1024 * 1024,
+        "largest KV-event frame a --kv-events feed reads; a publisher sending a larger one is disconnected "
+        "(ZMQ_MAXMSGSIZE) before it is read into memory",
     )
     otlp_endpoint: str = setting(
         "",
@@ -130,7 +155,16 @@ class BrokerConfig:
     shutdown_grace_s: float = setting(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 
+    @property
+    def leases_per_engine(self) -> int:
+        """The cap on live leases per engine: --max-leases-per-engine, else derived from the budget."""
+        return self.max_leases_per_engine or derived_leases_per_engine(
+            self.lease_memory_mib, self.max_lease_blocks
+        )
+
     def validate(self) -> None:
+        if self.max_leases_per_engine < 0:
+            raise InvalidArgument("max_leases_per_engine must be >= 0 (0: derived from lease_memory_mib)")
         if not 0 < self.session_ttl_min_ms <= self.session_ttl_ms <= self.session_ttl_max_ms:
             raise InvalidArgument("need 0 < session_ttl_min_ms <= session_ttl_ms <= session_ttl_max_ms")
         if not 0 < self.lease_ttl_min_ms <= self.lease_ttl_ms <= self.lease_ttl_max_ms:
@@ -144,7 +178,7 @@ class BrokerConfig:
             "mirror_chunk",
             "keepalive_min_ping_interval_ms",
             "max_lease_blocks",
-            "max_leases_per_engine",
+            "lease_memory_mib",
             "list_page_size",
             "max_id_bytes",
             "max_labels_bytes",
@@ -154,6 +188,7 @@ class BrokerConfig:
             "watch_buffer_bytes",
             "mirror_buffer_bytes",
             "session_buffer_bytes",
+            "kv_events_max_frame_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0")

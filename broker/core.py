@@ -192,7 +192,7 @@ class BrokerCore:
         if best.matched < max(min_blocks, 1):
             return ResolveResult(matches, skipped_reason="below_min")
         holder = self.registry.get(best.engine_id)
-        most = self.config.max_leases_per_engine
+        most = self.config.leases_per_engine
         if best.hold_lease_id:
             lease = self.leases.claim(best.hold_lease_id, asker.engine_id, ttl_s, self.clock.now(), most)
             return ResolveResult(matches, lease=lease, holder=holder)
@@ -295,7 +295,7 @@ class BrokerCore:
             ttl_s=ttl_s,
             deadline=now + ttl_s,
             request_id=request_id,
-            max_leases=self.config.max_leases_per_engine,
+            max_leases=self.config.leases_per_engine,
         )
 
     def _expire_now(self, lease_id: str) -> None:
@@ -318,7 +318,7 @@ class BrokerCore:
             if lease.holder == reader_id:
                 raise InvalidArgument("an engine cannot acquire its own hold")
 
-        most = self.config.max_leases_per_engine
+        most = self.config.leases_per_engine
         lease = self.leases.claim(lease_id, reader_id, ttl_s, self.clock.now(), most, vet)
         holder = self.registry.find(lease.holder)
         assert holder is not None  # a live lease always has a live holder

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,25 @@ from kvbroker.broker.expiry import ExpiryQueue
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 
+# A lease's hashes are most of its memory: packed, 8 bytes a hash and 4 a block id (Python ints
+# in a tuple cost about 96 bytes a block). bench/lease_memory.py measures both.
+HASH_CODE = "Q"  # fixed64 on the wire
+BLOCK_ID_CODE = "I"  # uint32 on the wire
+BYTES_PER_BLOCK = array(HASH_CODE).itemsize + array(BLOCK_ID_CODE).itemsize
+# A lease's own cost besides its blocks (the record, its ids, its entries in the table's maps
+# and expiry queue), rounded up from bench/lease_memory.py.
+BYTES_PER_LEASE = 1_024
+
+
+def packed_hashes(values: Iterable[int]) -> array[int]:
+    return values if isinstance(values, array) and values.typecode == HASH_CODE else array(HASH_CODE, values)
+
+
+def packed_block_ids(values: Iterable[int]) -> array[int]:
+    if isinstance(values, array) and values.typecode == BLOCK_ID_CODE:
+        return values
+    return array(BLOCK_ID_CODE, values)
+
 
 @dataclass(slots=True, weakref_slot=True)  # weakly cached by the Redis table
 class Lease:
@@ -33,8 +53,8 @@ class Lease:
     reader: str  # "" while HELD without a named reader
     namespace: Namespace
     tier: Tier
-    block_hashes: tuple[int, ...]
-    block_ids: tuple[int, ...]  # empty while PENDING
+    block_hashes: array[int]  # packed (packed_hashes)
+    block_ids: array[int]  # packed (packed_block_ids), parallel to block_hashes; empty while PENDING
     state: LeaseState
     ttl_s: float  # granted TTL, used when a PENDING/HELD lease becomes ACTIVE
     deadline: float  # monotonic seconds; PENDING: the pin deadline
@@ -191,8 +211,8 @@ class InMemoryLeaseTable:
             reader=reader,
             namespace=namespace,
             tier=tier,
-            block_hashes=tuple(block_hashes),
-            block_ids=tuple(block_ids),
+            block_hashes=packed_hashes(block_hashes),
+            block_ids=packed_block_ids(block_ids),
             state=state,
             ttl_s=ttl_s,
             deadline=deadline,
@@ -274,7 +294,7 @@ class InMemoryLeaseTable:
                 Cause.WRONG_LEASE_STATE,
                 about(lease),
             )
-        lease.block_ids = tuple(block_ids)
+        lease.block_ids = packed_block_ids(block_ids)
         lease.state = LeaseState.ACTIVE
         lease.epoch += 1
         lease.deadline = now + lease.ttl_s

@@ -250,17 +250,23 @@ def start_metrics_http(
     port: int,
     collectors: Sequence[Collector] = (),
     fleet: Callable[[Stats], Stats] | None = None,
+    serve: Callable[[CollectorRegistry, str, int], Any] | None = None,
 ) -> Any:
     """Serve /metrics on a background thread; returns the server (call .shutdown() to stop),
     or None when the port is taken: the broker then runs without metrics, and says so.
-    `collectors`: more, from the broker's wings (the KV-event feeds': indexer/feed_metrics.py)."""
+    `collectors`: more, from the broker's wings (the KV-event feeds': indexer/feed_metrics.py).
+    `serve(registry, host, port)`: the HTTP server (the security wing's: security/metrics_http.py,
+    who may read it and over what); default: prometheus_client's plain HTTP."""
     registry.register(BrokerCollector(core, fleet))
     for collector in collectors:
         registry.register(collector)
     ProcessCollector(registry=registry)
     build_info(registry)
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        if serve is not None:
+            server = serve(registry, host, port)
+        else:
+            server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as e:
         if e.errno != errno.EADDRINUSE:
             raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
@@ -31,12 +32,13 @@ from kvbroker.broker.indexer.http import IndexerHttp
 from kvbroker.broker.indexer.kv_events import KvEventsFeed, parse_sources
 from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
 from kvbroker.broker.security.auth import AuthInterceptor
-from kvbroker.broker.security.config import SecurityConfig, is_loopback
+from kvbroker.broker.security.config import SecurityConfig, is_loopback, require_safe_listener
 from kvbroker.broker.security.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.security.decode_guard import DecodeGuardInterceptor
 from kvbroker.broker.security.engine_identity import EngineIdentity
 from kvbroker.broker.security.http_gate import IndexerGate
 from kvbroker.broker.security.identity import Authenticator, TokenTable
+from kvbroker.broker.security.metrics_http import TokensCollector, serve_metrics
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.broker.security.tenancy import TenantGuard
 from kvbroker.broker.servicer import BrokerServicer
@@ -137,15 +139,21 @@ def _public_address(address: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def _tokens(security: SecurityConfig) -> TokenTable | None:
+    """The tokens file, read once for every surface (gRPC, the indexer API, /metrics)."""
+    if not security.tokens_file:
+        return None
+    try:
+        return TokenTable(security.tokens_file)
+    except (OSError, ValueError) as err:
+        raise InvalidArgument(f"cannot use --tokens-file: {err}") from None
+
+
 def _auth_interceptor(
-    core: BrokerCore, security: SecurityConfig, engines: EngineIdentity
+    core: BrokerCore, security: SecurityConfig, engines: EngineIdentity, tokens: TokenTable | None
 ) -> AuthInterceptor | None:
     if not security.authenticates:
         return None
-    try:
-        tokens = TokenTable(security.tokens_file) if security.tokens_file else None
-    except (OSError, ValueError) as err:
-        raise InvalidArgument(f"cannot use --tokens-file: {err}") from None
     slots = {"Mirror": core.config.max_mirrors, "Watch": core.config.max_watchers}
     quotas = Quotas(security, stream_slots=slots)
     return AuthInterceptor(Authenticator(tokens, security.mutual), TenantGuard(core, quotas, engines), quotas)
@@ -164,8 +172,8 @@ def _listen(
         return server.add_insecure_port(address), None
     if not security.authenticates and not is_loopback(address):
         log.warning(
-            "serving TLS without client identities on %s: any client that reaches it may act for any "
-            "engine; add --tls-ca (mutual TLS) or --tokens-file",
+            "serving TLS without client identities on %s (--insecure): any client that reaches it may "
+            "act for any engine; add --tls-ca (mutual TLS) or --tokens-file",
             address,
         )
     try:
@@ -173,6 +181,22 @@ def _listen(
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"cannot load the TLS certificate, key or CA: {err}") from None
     return server.add_secure_port(address, creds), files
+
+
+def _check_side_listeners(config: BrokerConfig, security: SecurityConfig) -> None:
+    """/metrics, the indexer API and KV-event binds follow the gRPC rule: a non-loopback address
+    needs TLS or --insecure (checked before anything listens)."""
+    if config.metrics_port:
+        address = f"{config.metrics_host}:{config.metrics_port}"
+        require_safe_listener(security, address, "/metrics (--metrics-host)", tls=security.tls)
+    if config.indexer_http:
+        require_safe_listener(
+            security, config.indexer_http, "the indexer API (--indexer-http)", tls=security.tls
+        )
+    for source in parse_sources(config.kv_events):
+        if source.binds and source.endpoint.startswith("tcp://"):
+            what = f"a KV-event feed bound to {source.endpoint} ({source.engine_id})"
+            require_safe_listener(security, source.endpoint, what, tls=False)
 
 
 def _shared_state(config: BrokerConfig) -> RedisState | None:
@@ -209,6 +233,7 @@ async def start_server(
     config.validate()
     security = security or SecurityConfig()
     security.validate(config.address)
+    _check_side_listeners(config, security)
     shared = _shared_state(config)
     clock = clock or (WallClock() if shared is not None else MonotonicClock())
     tasks: list[asyncio.Task[None]] = []
@@ -241,7 +266,8 @@ async def start_server(
     if provider is not None:
         interceptors.append(TracingInterceptor(provider))
         extras.append(provider)
-    auth = _auth_interceptor(core, security, engines)
+    tokens = _tokens(security)
+    auth = _auth_interceptor(core, security, engines, tokens)
     if auth is not None:
         # Before the decode guard: a caller without rights learns nothing, not even "malformed".
         interceptors.append(auth)
@@ -254,8 +280,9 @@ async def start_server(
             metrics_registry,
             config.metrics_host,
             config.metrics_port,
-            [KvEventsCollector(feeds)],
+            [KvEventsCollector(feeds), *([TokensCollector(tokens)] if tokens is not None else [])],
             replica.counters.stats if replica is not None else None,
+            functools.partial(serve_metrics, security=security, tokens=tokens),
         )
         if http is not None:
             extras.append(http)
@@ -322,7 +349,7 @@ async def start_server(
         _tasks=tasks,
     )
     try:
-        await _start_indexer(running, config, security, auth.guard if auth is not None else None)
+        await _start_indexer(running, config, security, auth.guard if auth is not None else None, tokens)
     except BaseException:
         await running.stop(0)
         raise
@@ -330,7 +357,11 @@ async def start_server(
 
 
 async def _start_indexer(
-    running: RunningServer, config: BrokerConfig, security: SecurityConfig, guard: TenantGuard | None
+    running: RunningServer,
+    config: BrokerConfig,
+    security: SecurityConfig,
+    guard: TenantGuard | None,
+    tokens: TokenTable | None,
 ) -> None:
     """The engines followed by KV events (--kv-events) and the indexer HTTP API (--indexer-http)."""
     for source in parse_sources(config.kv_events):
@@ -339,7 +370,7 @@ async def _start_indexer(
         feed.start()
     if config.indexer_http:
         tenant_of = guard.tenant_of_engine if guard is not None else None
-        indexer = IndexerHttp(running.core, IndexerGate(security), running.feeds, tenant_of)
+        indexer = IndexerHttp(running.core, IndexerGate(security, tokens), running.feeds, tenant_of)
         try:
             running.indexer_port = await indexer.start(config.indexer_http)
         except OSError as err:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -137,7 +138,8 @@ def add_arguments(
                     raise
                 error(str(exc))
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata['help']} [env {env}; default: %(default)s]"
+        shown = str(redacted(default)).replace("%", "%%")
+        help_text = f"{f.metadata['help']} [env {env}; default: {shown}]"
         if repeated:
             default = argparse.SUPPRESS
             help_text = f.metadata["help"]
@@ -164,6 +166,16 @@ def add_arguments(
             metavar=None if f.metadata.get("choices") else f.metadata.get("metavar") or kind.__name__.upper(),
             help=help_text,
         )
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def redacted(value: Any) -> Any:
+    """`value` fit to print: credentials in a URL's user part (redis://:PASSWORD@host) become ***."""
+    if isinstance(value, str) and "@" in value:
+        return _USERINFO.sub("***@", value)
+    return value
 
 
 def from_args(cls: type, args: argparse.Namespace, **others: Any) -> Any:

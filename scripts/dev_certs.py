@@ -5,7 +5,8 @@
 Writes into the folder: ca.pem (and ca.key), broker.pem/.key for the broker's
 names, and one client certificate per identity: prefill and decode
 (kvbroker://TENANT/engine/...), proxy (router), health (router, for health
-checks) and admin (kvbroker://*/operator/admin). Needs the `cryptography`
+checks), admin (kvbroker://*/operator/admin) and prometheus (an operator of
+every tenant, for the broker's /metrics over HTTPS). Needs the `cryptography`
 package (the dev extra). For development only: the CA key lies next to what it
 signed, and the keys are readable by every user so that containers running as
 another user can read them. Never commit them.
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "proxy": f"kvbroker://{args.tenant}/router/proxy",
         "health": f"kvbroker://{args.tenant}/router/health",
         "admin": "kvbroker://*/operator/admin",
+        "prometheus": "kvbroker://*/operator/prometheus",  # scrapes the broker's /metrics over mutual TLS
     }
     for stem, identity in identities.items():
         ca.client(stem, identity)

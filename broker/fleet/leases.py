@@ -36,13 +36,26 @@ from __future__ import annotations
 
 import secrets
 import struct
+import sys
 import weakref
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied, shown
 from kvbroker.broker.fleet.conn import RedisState
-from kvbroker.broker.leases import Lease, Vet, about, ended_cause, too_many_held, too_many_read
+from kvbroker.broker.leases import (
+    BLOCK_ID_CODE,
+    HASH_CODE,
+    Lease,
+    Vet,
+    about,
+    ended_cause,
+    packed_block_ids,
+    packed_hashes,
+    too_many_held,
+    too_many_read,
+)
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 
@@ -199,8 +212,13 @@ def _pack(values: Iterable[int], fmt: struct.Struct) -> bytes:
     return b"".join(fmt.pack(v) for v in values)
 
 
-def _unpack(raw: bytes, fmt: struct.Struct) -> tuple[int, ...]:
-    return tuple(v for (v,) in fmt.iter_unpack(raw))
+def _unpack(raw: bytes, code: str) -> array[int]:
+    """Big-endian packed values (as _pack wrote them) as a packed array, no Python int per value."""
+    values = array(code)
+    values.frombytes(raw)
+    if sys.byteorder == "little":
+        values.byteswap()
+    return values
 
 
 class RedisLeaseTable:
@@ -237,8 +255,8 @@ class RedisLeaseTable:
                 reader="",
                 namespace=Namespace(f["lay"].decode(), f["ten"].decode()),
                 tier=Tier(int(f["tier"])),
-                block_hashes=_unpack(f["bh"], _Q),
-                block_ids=(),
+                block_hashes=_unpack(f["bh"], HASH_CODE),
+                block_ids=array(BLOCK_ID_CODE),
                 state=state,
                 ttl_s=0.0,
                 deadline=0.0,
@@ -246,7 +264,7 @@ class RedisLeaseTable:
             )
             self._cache[lid] = lease
         lease.reader = f["r"].decode()
-        lease.block_ids = _unpack(f["bi"], _I)
+        lease.block_ids = _unpack(f["bi"], BLOCK_ID_CODE)
         lease.state = state
         lease.ttl_s = float(f["ttl"])
         lease.deadline = float(f["dl"])
@@ -310,7 +328,18 @@ class RedisLeaseTable:
                 raise too_many_held(holder, count, max_leases)
             raise too_many_read(reader, count, max_leases)
         # The script wrote exactly these fields: the lease is known without reading it back.
-        lease = Lease(lid, holder, reader, namespace, tier, hashes, ids, state, ttl_s, deadline)
+        lease = Lease(
+            lid,
+            holder,
+            reader,
+            namespace,
+            tier,
+            packed_hashes(hashes),
+            packed_block_ids(ids),
+            state,
+            ttl_s,
+            deadline,
+        )
         lease.request_id = request_id
         self._cache[lid] = lease
         return lease

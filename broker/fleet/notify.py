@@ -32,7 +32,7 @@ from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.fleet.registry import SeenRecords
 from kvbroker.broker.fleet.watch import FleetWatch
-from kvbroker.broker.leases import Lease, LeaseTable
+from kvbroker.broker.leases import Lease, LeaseTable, packed_block_ids, packed_hashes
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 
@@ -258,8 +258,8 @@ def _ended_lease(lease_id: str, f: dict[str, Any]) -> Lease:
         reader=str(f["r"]),
         namespace=Namespace(str(f["ns"][0]), str(f["ns"][1])),
         tier=Tier(int(f["t"])),
-        block_hashes=tuple(int(h) for h in f["bh"]),
-        block_ids=tuple(int(b) for b in f["bi"]),
+        block_hashes=packed_hashes(int(h) for h in f["bh"]),
+        block_ids=packed_block_ids(int(b) for b in f["bi"]),
         state=LeaseState(int(f["st"])),
         ttl_s=0.0,
         deadline=0.0,

@@ -41,12 +41,18 @@ class KvEventsCollector(Collector):
             "Blocks in KV events by outcome (stored, removed, unknown_parent, mismatched, unsupported, unowned_salt)",
             labels=["engine", "outcome"],
         )
+        bad = CounterMetricFamily(
+            "kvbroker_kv_events_bad_frames",
+            "Frames skipped: not a KV event batch, undecodable, or too deeply nested (the feed goes on)",
+            labels=["engine"],
+        )
         for engine_id, feed in list(self._feeds.items()):
             up.add_metric([engine_id], 1 if feed.record is not None else 0)
             batches.add_metric([engine_id], feed.batches)
+            bad.add_metric([engine_id], feed.bad_frames)
             gaps.add_metric([engine_id], feed.seq_gaps)
             replayed.add_metric([engine_id], feed.replayed)
             for outcome, n in feed.stats.as_dict().items():
                 if outcome != "cleared":
                     blocks.add_metric([engine_id, outcome], n)
-        yield from (up, batches, gaps, replayed, blocks)
+        yield from (up, batches, gaps, replayed, blocks, bad)

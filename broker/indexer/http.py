@@ -42,8 +42,14 @@ from kvbroker.common.model import EVENT_FED, SOURCE_LABEL
 log = logging.getLogger("kvbroker.indexer")
 
 MAX_HEAD_BYTES = 16 * 1024
-MAX_CONNECTIONS = 256  # beyond: 503 and close, so that idle clients cannot pile up
-READ_TIMEOUT_S = 30.0
+# Connections whose caller is identified (a first request that passed its identity check, or a
+# verified client certificate); beyond: 503 and close, so that idle clients cannot pile up.
+MAX_CONNECTIONS = 256
+# Connections not identified yet: a newcomer beyond this closes the oldest of them, so hundreds
+# of idle strangers cannot keep an operator's new connection out.
+MAX_UNIDENTIFIED = 64
+HANDSHAKE_TIMEOUT_S = 5.0  # a TLS handshake, and a stranger's first request head, must come in this
+READ_TIMEOUT_S = 30.0  # an identified caller's next request on a kept-alive connection
 REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -83,6 +89,10 @@ class Gate(Protocol):
         """InvalidArgument if the API may not be served on `address` this way."""
         ...
 
+    def check_feed_bind(self, endpoint: str) -> None:
+        """InvalidArgument if a KV-event feed may not bind `endpoint` (tcp://* needs --insecure)."""
+        ...
+
     def ssl_context(self) -> ssl.SSLContext | None: ...
 
     @property
@@ -110,7 +120,8 @@ class IndexerHttp:
         self.max_body = core.config.max_message_bytes
         self.server: asyncio.Server | None = None
         self.port = 0
-        self.connections = 0
+        self.connections = 0  # identified ones, against MAX_CONNECTIONS
+        self._strangers: dict[asyncio.StreamWriter, None] = {}  # not identified yet, oldest first
 
     async def start(self, address: str) -> int:
         host, _, port = address.rpartition(":")
@@ -119,7 +130,13 @@ class IndexerHttp:
             raise InvalidArgument(f"--indexer-http {address!r}: need HOST:PORT")
         self.gate.check_address(address)
         context = self.gate.ssl_context()
-        self.server = await asyncio.start_server(self._connection, host, int(port), ssl=context)
+        self.server = await asyncio.start_server(
+            self._connection,
+            host,
+            int(port),
+            ssl=context,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if context is not None else None,
+        )
         self.port = int(self.server.sockets[0].getsockname()[1])
         return self.port
 
@@ -132,14 +149,16 @@ class IndexerHttp:
     # -- transport ---------------------------------------------------------------------
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
+        """Serve one connection. It takes one of MAX_CONNECTIONS slots only once its caller is
+        identified; until then it is a stranger: HANDSHAKE_TIMEOUT_S for its first request, and the
+        oldest stranger makes room when MAX_UNIDENTIFIED are waiting."""
+        identified = False
+        self._admit_stranger(writer)
         try:
-            if self.connections > MAX_CONNECTIONS:
-                await self._send(writer, 503, _error(503, "too many connections; retry later"), False)
-                return
             while True:
                 try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+                    timeout = READ_TIMEOUT_S if identified else HANDSHAKE_TIMEOUT_S
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
                 except (
                     asyncio.IncompleteReadError,
                     asyncio.LimitOverrunError,
@@ -170,6 +189,22 @@ class IndexerHttp:
                 if length > self.max_body:
                     await self._send(writer, 413, _error(413, f"body over {self.max_body} bytes"), False)
                     return
+                if not identified:
+                    if target == "/health":  # open to anyone, and no slot for it
+                        await self._send(writer, 200, {"status": "ok"}, False)
+                        return
+                    # Identity before a slot (and before the body): a caller who cannot show one
+                    # never takes a slot.
+                    refused = self._refusal(headers, writer)
+                    if refused is not None:
+                        await self._send(writer, refused[0], refused[1], False)
+                        return
+                    self._strangers.pop(writer, None)
+                    if self.connections >= MAX_CONNECTIONS:
+                        await self._send(writer, 503, _error(503, "too many connections; retry later"), False)
+                        return
+                    self.connections += 1
+                    identified = True
                 try:
                     raw = (
                         await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT_S) if length else b""
@@ -181,10 +216,27 @@ class IndexerHttp:
                 if not keep:
                     return
         finally:
-            self.connections -= 1
+            if identified:
+                self.connections -= 1
+            self._strangers.pop(writer, None)
             writer.close()
             with contextlib.suppress(OSError, TimeoutError):
                 await writer.wait_closed()
+
+    def _admit_stranger(self, writer: asyncio.StreamWriter) -> None:
+        while len(self._strangers) >= MAX_UNIDENTIFIED:
+            oldest = next(iter(self._strangers))
+            del self._strangers[oldest]
+            oldest.close()  # its read ends, and its task cleans up
+        self._strangers[writer] = None
+
+    def _refusal(self, headers: dict[str, str], writer: asyncio.StreamWriter) -> tuple[int, Any] | None:
+        """401 for a first request whose caller has no identity (None: identified, or no identities)."""
+        try:
+            self.gate.identify(headers, writer.get_extra_info("ssl_object"))
+        except Unauthenticated as err:
+            return 401, _error(401, err.message)
+        return None
 
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, status: int, answer: Any, keep: bool) -> None:
@@ -312,6 +364,11 @@ class IndexerHttp:
             tenant=tenant,
             replay=str(body.get("replay_endpoint") or ""),
         )
+        if source.binds:
+            try:
+                self.gate.check_feed_bind(source.endpoint)
+            except InvalidArgument as err:
+                raise IndexerError(403, err.message) from None
         feed = KvEventsFeed(self.core, source, bare_salts=not self.gate.authenticates)
         self.feeds[instance] = feed
         feed.start()

@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -48,6 +49,10 @@ NO_SESSION_TTL_S = 10 * 365 * 86_400.0
 _INT_OPTIONS = ("block_size", "num_layers", "num_kv_heads", "head_size")
 _STR_OPTIONS = ("model", "hash_algo", "dtype", "kv_layout", "tenant", "topic", "url", "replay")
 REPLAY_TIMEOUT_MS = 2_000  # a replay that sends nothing for this long is given up (the gap stays a gap)
+# Events are decoded and applied in slices: after this much work the feed yields the event
+# loop, so a 120,000-event batch never holds up gRPC (bench/kv_events_stall.py measures it).
+SLICE_BUDGET_S = 0.002
+SLICE_CHECK_EVERY = 8  # events between looks at the clock (an event costs tens of microseconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +160,9 @@ class KvEventsFeed:
     batches: int = 0
     seq_gaps: int = 0
     replayed: int = 0  # batches applied from the publisher's replay socket
+    bad_frames: int = 0  # frames skipped: wrong shape, undecodable, too deeply nested
     _last_seq: int = -1
+    _bad_logged: float = float("-inf")
     _task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
@@ -216,26 +223,43 @@ class KvEventsFeed:
 
     # -- events -----------------------------------------------------------------------
 
-    def apply_batch(self, seq: int, batch: object) -> None:
-        """One decoded ``[ts, [event, ...], dp_rank]`` batch with its sequence number."""
+    def bad_frame(self, why: str) -> None:
+        """Count a frame that is skipped; the feed goes on with the next one (logged once a minute)."""
+        self.bad_frames += 1
+        now = self.core.clock.now()
+        if now - self._bad_logged >= 60.0:
+            self._bad_logged = now
+            log.warning(
+                "kv-events %s: frame skipped (%d so far), still following: %s",
+                self.source.engine_id,
+                self.bad_frames,
+                why[:200],
+            )
+
+    async def apply_batch(self, seq: int, events: Sequence[Any], decode: Callable[[Any], Any]) -> None:
+        """One batch's events (each still encoded: `decode` turns one into its value), applied in
+        slices of about SLICE_BUDGET_S each with the event loop yielded in between."""
         rec = self.record
         if rec is None or self.core.registry.find(rec.engine_id) is not rec:
             return
         if self._last_seq >= 0 and seq != self._last_seq + 1:
             self.seq_gaps += 1  # missed events: children of what we missed are skipped, not misfiled
         self._last_seq = seq
-        if not isinstance(batch, list | tuple) or len(batch) < 2 or not isinstance(batch[1], list | tuple):
-            self.chain.stats.unsupported += 1
-            return
         self.batches += 1
-        for raw in batch[1]:
-            event = event_fields(raw)
+        clock = time.perf_counter
+        started = clock()
+        for done, raw in enumerate(events, 1):
             try:
-                self._apply(rec, event)
-            except (BrokerError, TypeError, ValueError, AttributeError) as err:
+                self._apply(rec, event_fields(decode(raw)))
+            except (BrokerError, TypeError, ValueError, AttributeError, RecursionError) as err:
                 # Whatever a publisher sends, the broker and the other engines carry on.
                 self.chain.stats.unsupported += 1
-                log.warning("kv-events %s: event not applied: %s", self.source.engine_id, str(err)[:200])
+                log.debug("kv-events %s: event not applied: %s", self.source.engine_id, str(err)[:200])
+            if done % SLICE_CHECK_EVERY == 0 and clock() - started >= SLICE_BUDGET_S:
+                await asyncio.sleep(0)
+                if self.record is not rec or self.core.registry.find(rec.engine_id) is not rec:
+                    return  # the publisher went away (or the feed stopped) meanwhile
+                started = clock()
 
     def _apply(self, rec: EngineRecord, event: Mapping[str, Any] | None) -> None:
         kind = event.get("type") if event is not None else None
@@ -252,10 +276,13 @@ class KvEventsFeed:
             self.chain.clear()
             self.core.index.drop_holder(rec.engine_id)
 
+    def _splitter(self, msgspec: Any) -> Callable[[bytes], list[Any] | None]:
+        return _batch_splitter(msgspec, self)
+
     def _needs_replay(self, seq: int) -> bool:
         return bool(self.source.replay) and self.record is not None and seq > self._last_seq + 1
 
-    async def _replay(self, ctx: Any, start: int, stop: int, decode: Any) -> None:
+    async def _replay(self, ctx: Any, start: int, stop: int, split: Any, decode: Any) -> None:
         """Ask the publisher's replay socket for batches [start, stop) and apply them in order.
 
         vLLM keeps its last ``buffer_steps`` batches for this; what it no longer has stays
@@ -263,6 +290,7 @@ class KvEventsFeed:
         import zmq
 
         dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.core.config.kv_events_max_frame_bytes)
         dealer.connect(self.source.replay)
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -274,8 +302,10 @@ class KvEventsFeed:
                 if seq < 0:
                     break  # the end-of-replay marker
                 if self._last_seq < seq < stop:
-                    self.replayed += 1
-                    self.apply_batch(seq, decode(frames[3]))
+                    events = split(frames[3])
+                    if events is not None:
+                        self.replayed += 1
+                        await self.apply_batch(seq, events, decode)
         finally:
             dealer.close(linger=0)
 
@@ -290,6 +320,9 @@ class KvEventsFeed:
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         sub.setsockopt(zmq.RECONNECT_IVL, 200)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # A frame over the limit is never read into memory: ZMQ drops the publisher's connection
+        # (and reconnects; the feed forgets and relearns the engine, as after any drop).
+        sub.setsockopt(zmq.MAXMSGSIZE, self.core.config.kv_events_max_frame_bytes)
         # Up once the ZMTP handshake succeeded (a port that merely accepts TCP is no publisher).
         up = zmq.EVENT_HANDSHAKE_SUCCEEDED
         monitor = sub.get_monitor_socket(up | zmq.EVENT_DISCONNECTED)
@@ -306,6 +339,7 @@ class KvEventsFeed:
                 f"cannot {'bind' if self.source.binds else 'connect'} {self.source.endpoint}: {err}"
             ) from None
         decoder = msgspec.msgpack.Decoder()
+        split = self._splitter(msgspec)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -318,24 +352,48 @@ class KvEventsFeed:
                         self.connected()
                     elif note["event"] == zmq.EVENT_DISCONNECTED:
                         self.disconnected("the connection to its KV event publisher dropped")
+                        if not self.source.binds:
+                            # ZMQ gives up for good on a peer that broke the protocol (a frame over
+                            # ZMQ_MAXMSGSIZE): connect anew, as after any drop.
+                            with contextlib.suppress(zmq.ZMQError):
+                                sub.disconnect(self.source.endpoint)
+                            sub.connect(self.source.endpoint)
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     if len(frames) != 3 or len(frames[1]) != 8:
-                        self.chain.stats.unsupported += 1
+                        self.bad_frame(f"{len(frames)} frames; a batch is topic, 8-byte sequence, payload")
                         continue
-                    try:
-                        batch = decoder.decode(frames[2])
-                    except msgspec.DecodeError:
-                        self.chain.stats.unsupported += 1
+                    events = split(frames[2])
+                    if events is None:
                         continue
                     seq = int.from_bytes(frames[1], "big", signed=True)
                     if self._needs_replay(seq):
                         try:
-                            await self._replay(ctx, self._last_seq + 1, seq, decoder.decode)
-                        except (zmq.ZMQError, msgspec.DecodeError) as err:
+                            await self._replay(ctx, self._last_seq + 1, seq, split, decoder.decode)
+                        except zmq.ZMQError as err:
                             log.warning("kv-events %s: replay failed: %s", self.source.engine_id, err)
-                    self.apply_batch(seq, batch)
+                    await self.apply_batch(seq, events, decoder.decode)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+
+def _batch_splitter(msgspec: Any, feed: KvEventsFeed) -> Callable[[bytes], list[Any] | None]:
+    """payload -> its events, each still encoded (None: not a batch, counted). Only the
+    outer ``[ts, [events], dp_rank]`` is parsed at once (a quick scan, no Python object per
+    value); each event is decoded later, in slices (apply_batch)."""
+    outer = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+    def split(payload: bytes) -> list[Any] | None:
+        try:
+            batch = outer.decode(payload)
+            if len(batch) < 2:
+                raise ValueError(f"{len(batch)} items; a batch is [ts, [events], dp_rank]")
+            events: list[Any] = outer.decode(batch[1])
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError) as err:
+            feed.bad_frame(f"not a KV event batch: {err}")
+            return None
+        return events
+
+    return split

@@ -36,7 +36,10 @@ class SecurityConfig:
         "", "file of bearer tokens, one 'TOKEN kvbroker://TENANT/ROLE/NAME' a line (needs TLS)"
     )
     insecure: bool = setting(
-        False, "allow plaintext without credentials on a non-loopback address (logs a warning)"
+        False,
+        "allow, on a non-loopback address, what is refused otherwise: gRPC in plaintext, TLS without "
+        "client identities, /metrics and the indexer API over plain HTTP, a KV-event feed bound to "
+        "tcp://* (each logs a warning)",
     )
     quota_sessions: int = setting(64, "most live sessions per tenant (0 = no limit)")
     quota_streams: int = setting(16, "most open Watch plus Mirror streams per identity (0 = no limit)")
@@ -86,6 +89,13 @@ class SecurityConfig:
                 "address: set --tls-cert/--tls-key (and --tls-ca or --tokens-file), or pass --insecure "
                 "(KVBROKER_INSECURE=1) on a network you trust"
             )
+        if self.tls and not self.authenticates and not self.insecure and not is_loopback(address):
+            raise InvalidArgument(
+                f"refusing to serve TLS without client identities on {address}, which is not a loopback "
+                "address: any client that reaches it could read every engine's NIXL metadata and act for "
+                "any engine; add --tls-ca (mutual TLS) or --tokens-file, or pass --insecure "
+                "(KVBROKER_INSECURE=1) on a network you trust"
+            )
         for name in ("quota_sessions", "quota_streams", "quota_leases", "quota_blocks", "quota_burst"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0")
@@ -93,6 +103,18 @@ class SecurityConfig:
             value = getattr(self, name)
             if value < 0 or value != value:
                 raise InvalidArgument(f"{name} must be a number >= 0")
+
+
+def require_safe_listener(security: SecurityConfig, address: str, what: str, *, tls: bool) -> None:
+    """The rule of every side listener (/metrics, the indexer API, a KV-event bind): on a
+    non-loopback address it needs TLS (`tls`: it will serve TLS), or --insecure; else refused."""
+    if tls or security.insecure or is_loopback(address):
+        return
+    raise InvalidArgument(
+        f"refusing to serve {what} on {address}, which is not a loopback address, without TLS: "
+        "bind it to 127.0.0.1, serve it with TLS (--tls-cert and --tls-key), or pass --insecure "
+        "(KVBROKER_INSECURE=1) on a network you trust"
+    )
 
 
 def is_loopback(address: str) -> bool:

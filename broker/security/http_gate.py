@@ -13,54 +13,46 @@ from __future__ import annotations
 import ssl
 from typing import Any
 
-from kvbroker.broker.errors import InvalidArgument, Unauthenticated
-from kvbroker.broker.security.config import SecurityConfig, is_loopback
-from kvbroker.broker.security.identity import SCHEME, Identity, TokenTable, parse_identity
+from kvbroker.broker.errors import Unauthenticated
+from kvbroker.broker.security.config import SecurityConfig, require_safe_listener
+from kvbroker.broker.security.http_identity import HttpUnidentified, identify_http, server_ssl_context
+from kvbroker.broker.security.identity import Identity, TokenTable
 
 
 class IndexerGate:
-    def __init__(self, security: SecurityConfig) -> None:
+    def __init__(self, security: SecurityConfig, tokens: TokenTable | None = None) -> None:
         self.security = security
-        self.tokens = TokenTable(security.tokens_file) if security.tokens_file else None
+        # The broker's one tokens table (server.py), else this gate's own.
+        self.tokens = tokens
+        if tokens is None and security.tokens_file:
+            self.tokens = TokenTable(security.tokens_file)
 
     @property
     def authenticates(self) -> bool:
         return self.security.authenticates
 
     def check_address(self, address: str) -> None:
-        """InvalidArgument if the API may not be served on `address` in plaintext."""
-        if not self.security.tls and not self.security.insecure and not is_loopback(address):
-            raise InvalidArgument(
-                f"--indexer-http {address!r} is not a loopback address: serve it with TLS (--tls-cert) "
-                "or pass --insecure"
-            )
+        """InvalidArgument if the API may not be served on `address` (the rule of every listener)."""
+        require_safe_listener(
+            self.security, address, "the indexer API (--indexer-http)", tls=self.security.tls
+        )
+
+    def check_feed_bind(self, endpoint: str) -> None:
+        """InvalidArgument if a feed may not bind `endpoint`: ``tcp://*`` listens on every interface
+        and ZMQ checks no one, so it needs --insecure."""
+        if endpoint.startswith("tcp://") and "*" in endpoint:
+            require_safe_listener(self.security, endpoint, f"a KV-event feed bound to {endpoint}", tls=False)
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The server's TLS context (None: plaintext)."""
-        if not self.security.tls:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.security.tls_cert, self.security.tls_key)
-        if self.security.tls_ca:
-            context.load_verify_locations(self.security.tls_ca)
-            context.verify_mode = ssl.CERT_OPTIONAL if self.tokens is not None else ssl.CERT_REQUIRED
-        return context
+        return server_ssl_context(self.security, self.tokens) if self.security.tls else None
 
     def identify(self, headers: dict[str, str], ssl_object: Any) -> Identity | None:
         """The caller (None: identities are off); Unauthenticated if it shows none the broker accepts."""
         if not self.security.authenticates:
             return None
         cert = ssl_object.getpeercert() if ssl_object is not None else None
-        for kind, value in (cert or {}).get("subjectAltName", ()):
-            if kind == "URI" and value.startswith(SCHEME):
-                try:
-                    return parse_identity(value)
-                except ValueError as err:
-                    raise Unauthenticated(f"the client certificate's identity is not valid: {err}") from None
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if self.tokens is not None and scheme.lower() == "bearer" and token.strip():
-            found = self.tokens.lookup(token.strip())
-            if found is None:
-                raise Unauthenticated("the bearer token is not in the broker's tokens file")
-            return found
-        raise Unauthenticated("identify yourself: a client certificate or 'Authorization: Bearer TOKEN'")
+        try:
+            return identify_http(cert, headers.get("authorization", ""), self.tokens)
+        except HttpUnidentified as err:
+            raise Unauthenticated(str(err)) from None

@@ -8,7 +8,7 @@ URI SAN (mutual TLS), else from the bearer token in the call's
 (operators only) sees every tenant.
 
 The tokens file is reread when it changes (checked at most once a second), so
-tokens rotate without a restart.
+tokens rotate without a restart; it fails closed (TokenTable).
 """
 
 from __future__ import annotations
@@ -81,36 +81,57 @@ def _digest(token: str) -> bytes:
 
 
 class TokenTable:
-    """The tokens file: ``TOKEN kvbroker://TENANT/ROLE/NAME`` a line; ``#`` starts a comment."""
+    """The tokens file: ``TOKEN kvbroker://TENANT/ROLE/NAME`` a line; ``#`` starts a comment.
+
+    It fails closed. At start a malformed line refuses the whole file (the broker does not
+    start: a person is watching). On a reload a malformed line is rejected alone, logged at
+    ERROR and counted (`rejected_lines`); the other lines of the new file are the table, so a
+    token removed in the same edit is revoked all the same (refusing the whole reload would keep
+    it, and refusing every token would lock every engine out over one typo). A file that is
+    gone or cannot be read revokes every token until it is back. Replace the file atomically
+    (write a new one, rename it over) so that no reload sees it half written.
+    """
 
     RECHECK_S = 1.0
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._by_digest: dict[bytes, Identity] = {}
-        self._mtime: float | None = None
+        self._signature: tuple[int, int, int] | None = None
         self._checked = 0.0
-        self.load()
+        self.rejected_lines = 0  # malformed lines in the file as last read (they grant nothing)
+        self.failed_reloads = 0  # reloads that found the file gone or unreadable (every token revoked)
+        self.load(strict=True)
 
-    def load(self) -> None:
-        """(Re)read the file; a file that cannot be read or parsed keeps the previous table."""
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def load(self, *, strict: bool = False) -> None:
+        """(Re)read the file. `strict`: a malformed line raises ValueError (nothing changes);
+        otherwise it is rejected alone. OSError when the file cannot be read."""
         stat = os.stat(self.path)
         table: dict[bytes, Identity] = {}
-        with open(self.path, encoding="utf-8") as f:
+        rejected = []
+        with open(self.path, encoding="utf-8", errors="replace") as f:
             for number, line in enumerate(f, 1):
                 line = line.split("#", 1)[0].strip()
                 if not line:
                     continue
                 fields = line.split()
-                if len(fields) != 2:
-                    raise ValueError(f"{self.path}:{number}: need 'TOKEN {SCHEME}TENANT/ROLE/NAME'")
                 try:
+                    if len(fields) != 2:
+                        raise ValueError(f"need 'TOKEN {SCHEME}TENANT/ROLE/NAME'")
                     table[_digest(fields[0])] = parse_identity(fields[1])
                 except ValueError as err:
-                    raise ValueError(f"{self.path}:{number}: {err}") from None
+                    if strict:
+                        raise ValueError(f"{self.path}:{number}: {err}") from None
+                    rejected.append(f"{self.path}:{number}: {err}")
+        for problem in rejected:
+            log.error("tokens file: line rejected, it grants nothing: %s", problem)
         self._by_digest = table
-        self._mtime = stat.st_mtime
-        log.info("tokens file %s: %d tokens", self.path, len(table))
+        self._signature = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        self.rejected_lines = len(rejected)
+        log.info("tokens file %s: %d tokens, %d lines rejected", self.path, len(table), len(rejected))
 
     def _maybe_reload(self) -> None:
         now = time.monotonic()
@@ -118,10 +139,15 @@ class TokenTable:
             return
         self._checked = now
         try:
-            if os.stat(self.path).st_mtime != self._mtime:
+            stat = os.stat(self.path)
+            if (stat.st_mtime_ns, stat.st_size, stat.st_ino) != self._signature:
                 self.load()
-        except (OSError, ValueError) as err:
-            log.warning("tokens file not reloaded, keeping the previous tokens: %s", err)
+        except OSError as err:
+            if self._signature is not None or self._by_digest:
+                self.failed_reloads += 1
+                log.error("tokens file cannot be read, EVERY token is revoked until it is back: %s", err)
+            self._by_digest = {}
+            self._signature = None
 
     def lookup(self, token: str) -> Identity | None:
         self._maybe_reload()

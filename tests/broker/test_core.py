@@ -135,7 +135,7 @@ def test_resolve_acquire_claims_covering_hold():
     hold = core.hold("P", ns, Tier.GPU, H[:8], list(range(8)))
     res = core.resolve(d, ns, H, acquire=True)
     assert not res.pending and res.lease is hold
-    assert hold.state is LeaseState.ACTIVE and hold.reader == "D" and hold.block_ids == tuple(range(8))
+    assert hold.state is LeaseState.ACTIVE and hold.reader == "D" and list(hold.block_ids) == list(range(8))
     assert res.holder is not None and res.holder.engine_id == "P"
     assert notes.to(p.session_id, "pin") == []
 
@@ -165,7 +165,7 @@ def test_resolve_acquire_pin_flow_ok_refused_and_timeout():
     res = core.resolve(d, ns, H, acquire=True, min_blocks=4)
     assert res.pending and res.lease is not None and res.lease.state is LeaseState.PENDING
     pin = notes.to(p.session_id, "pin")[0].lease
-    assert pin is res.lease and pin.block_hashes == tuple(H[:8])
+    assert pin is res.lease and list(pin.block_hashes) == H[:8]
     with pytest.raises(InvalidArgument, match="parallel"):
         core.pin_result(p, pin.lease_id, True, [1], "")
     core.pin_result(p, pin.lease_id, True, list(range(8)), "")

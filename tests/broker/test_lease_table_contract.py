@@ -192,7 +192,7 @@ def test_activate_pending(table: LeaseTable) -> None:
     table.activate(lease.lease_id, "P", [7, 8], now=0.1)
     assert (
         lease.state is LeaseState.ACTIVE
-        and lease.block_ids == (7, 8)
+        and list(lease.block_ids) == [7, 8]
         and lease.deadline == pytest.approx(30.1)
     )
 

@@ -85,6 +85,18 @@ end
 return gone
 """
 
+# ARGV: prefix, floor.  -> the next generation: one counter for every replica, never below the floor.
+_NEXT_GENERATION = """
+local k = ARGV[1] .. 'gen'
+local g = redis.call('INCR', k)
+local floor = tonumber(ARGV[2])
+if g < floor then
+  redis.call('SET', k, ARGV[2])
+  g = floor
+end
+return g
+"""
+
 PUSH_EVERY_S = 0.25  # how often an owner writes its sessions' deadlines and loads to the store
 # Another replica's engine record is reused for as long as its owner takes to push a new load; a
 # registration, a new rank or a session's end is announced on the fleet's channel and drops it.
@@ -105,6 +117,7 @@ class FleetRegistry(EngineRegistry):
         self._remove = state.script(_REMOVE)
         self._claim = state.script(_CLAIM_EXPIRED)
         self._push_script = state.script(_PUSH)
+        self._next_generation = state.script(_NEXT_GENERATION)
         self._claimed: set[str] = set()  # remote sessions this replica claimed to end
         self._pushed = 0.0
         self._swept = 0.0  # when this replica last looked for other replicas' expired sessions
@@ -158,6 +171,7 @@ class FleetRegistry(EngineRegistry):
             draining=fields.get(b"drain", b"0") == b"1" or info.draining,
             ranks_version=int(fields[b"rv"]),
             peer_host=fields.get(b"host", b"").decode(),  # a unary call from the engine's host acts as it
+            generation=info.generation,
         )
 
     def _remote(self, engine_id: str) -> EngineRecord | None:
@@ -254,6 +268,11 @@ class FleetRegistry(EngineRegistry):
         self._publish(rec, new=True)
         self.on_changed(rec.engine_id)
         return rec
+
+    def next_generation(self) -> int:
+        """From the store: a restarted engine id is a new generation whichever replica it reaches."""
+        floor = str(self._generation_floor())
+        return int(self._state.call(self._next_generation, keys=self._route, args=[self._p, floor]))
 
     def add_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
         if super().find(engine_id) is None:

@@ -396,6 +396,7 @@ class EngineInfo(_message.Message):
     ACTIVE_LEASES_READ_FIELD_NUMBER: _builtins.int
     SESSION_TTL_MS_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     layout_id: _builtins.str
     """set by the broker"""
@@ -408,6 +409,16 @@ class EngineInfo(_message.Message):
     session_ttl_ms: _builtins.int
     load: _builtins.float
     """last load figure from heartbeat (see Heartbeat.load)"""
+    generation: _builtins.int
+    """Set by the broker: which registration of this engine id this is. A new
+    session of the id (a restart, or a re-registration that could not resume)
+    gets a larger generation than every earlier one the broker (or the fleet's
+    store) issued; a resumed session keeps its own. A reader that cached a
+    rank's NIXL agent metadata drops it when the generation it is handed is
+    larger, and refuses to read under a smaller one (a replaced engine is
+    never read as its old self). 0: a broker that predates the field; compare
+    the agent metadata instead.
+    """
     @_builtins.property
     def layout(self) -> Global___LayoutFingerprint: ...
     @_builtins.property
@@ -431,10 +442,11 @@ class EngineInfo(_message.Message):
         active_leases_read: _builtins.int = ...,
         session_ttl_ms: _builtins.int = ...,
         load: _builtins.float = ...,
+        generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases_held", b"active_leases_held", "active_leases_read", b"active_leases_read", "blocks_cpu", b"blocks_cpu", "blocks_gpu", b"blocks_gpu", "draining", b"draining", "engine_id", b"engine_id", "labels", b"labels", "layout", b"layout", "layout_id", b"layout_id", "load", b"load", "ranks", b"ranks", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases_held", b"active_leases_held", "active_leases_read", b"active_leases_read", "blocks_cpu", b"blocks_cpu", "blocks_gpu", b"blocks_gpu", "draining", b"draining", "engine_id", b"engine_id", "generation", b"generation", "labels", b"labels", "layout", b"layout", "layout_id", b"layout_id", "load", b"load", "ranks", b"ranks", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,126 @@
+"""Registration generations (broker/registry.py): every new session of an engine id is told
+apart from the ones before it, on every registry backend and over real gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvbroker.broker.fleet.registry import FleetRegistry
+from kvbroker.broker.registry import EngineRegistry
+from kvbroker.v1 import broker_pb2 as pb
+from kvbroker.v1 import broker_pb2_grpc
+from testkit.builders import engine_info
+from tests.broker.helpers import make_core, redis_state
+from tests.broker.session_util import RawSession
+
+Stub = broker_pb2_grpc.KVBrokerStub
+H = list(range(8100, 8108))
+
+
+class Floor:
+    """A settable wall clock in microseconds."""
+
+    def __init__(self, us: int) -> None:
+        self.us = us
+
+    def __call__(self) -> int:
+        return self.us
+
+
+def _in_memory(request: pytest.FixtureRequest, floor: Floor) -> Callable[[], EngineRegistry]:
+    return lambda: EngineRegistry(floor)
+
+
+def _fleet(fixture: str) -> Callable[[pytest.FixtureRequest, Floor], Callable[[], EngineRegistry]]:
+    def make(request: pytest.FixtureRequest, floor: Floor) -> Callable[[], EngineRegistry]:
+        state = redis_state(request.getfixturevalue(fixture))
+        replicas = iter(range(1000))
+
+        def replica() -> EngineRegistry:
+            registry = FleetRegistry(state, f"r{next(replicas)}")
+            registry._generation_floor = floor  # the same fake wall clock on every replica
+            return registry
+
+        return replica
+
+    return make
+
+
+BACKENDS = {
+    "in-memory": _in_memory,
+    "redis": _fleet("redis_server"),
+    "redis-cluster": _fleet("redis_cluster"),
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_every_registration_gets_a_larger_generation(request: pytest.FixtureRequest, backend: str) -> None:
+    floor = Floor(1_000)
+    new_registry = BACKENDS[backend](request, floor)
+    registry = new_registry()
+    first = registry.add(engine_info("P"), 5.0, 1, now=0.0)
+    assert first.generation >= 1_000 and first.snapshot().generation == first.generation
+    registry.remove(first)
+    again = registry.add(engine_info("P"), 5.0, 1, now=1.0)
+    other = registry.add(engine_info("D"), 5.0, 1, now=1.0)
+    assert first.generation < again.generation < other.generation
+    # The wall clock moved on (e.g. a broker restarted with an empty registry): never below it.
+    floor.us = again.generation + 10_000
+    restarted = new_registry()
+    assert restarted.add(engine_info("Q"), 5.0, 1, now=2.0).generation >= floor.us
+    # A clock that went back gives no smaller number than one already issued.
+    floor.us = 5
+    assert restarted.add(engine_info("R"), 5.0, 1, now=3.0).generation > other.generation
+
+
+def test_fleet_replicas_share_one_generation_counter(request: pytest.FixtureRequest) -> None:
+    floor = Floor(0)
+    new_registry = _fleet("redis_server")(request, floor)
+    a, b = new_registry(), new_registry()
+    on_a = a.add(engine_info("P"), 5.0, 1, now=0.0)
+    a.remove(on_a)
+    on_b = b.add(engine_info("P"), 5.0, 1, now=0.0)  # the engine restarted and reached replica b
+    assert on_b.generation > on_a.generation
+    seen = a.find("P")
+    assert seen is not None and seen.generation == on_b.generation, "other replicas read it from the store"
+
+
+def test_core_reregistration_is_a_new_generation() -> None:
+    core, _clock, _notes = make_core()
+    p = core.register(engine_info("P"), 3000)
+    p2 = core.register(engine_info("P"), 3000)
+    assert p2.generation > p.generation
+    assert [e.generation for e in core.mirror_engines(p2.layout_id)] == [p2.generation]
+
+
+async def test_the_holder_details_a_reader_gets_name_the_holders_generation(stub: Stub) -> None:
+    """Real gRPC, on every backend: a restarted holder is a new generation in ListEngines and in
+    the transfer details of a lease on its blocks."""
+    p, d = RawSession(stub), RawSession(stub)
+    reg = await p.register(engine_info("P"), 5000)
+    await d.register(engine_info("D"), 5000)
+    ns = pb.Namespace(layout_id=reg.layout_id)
+    old = {e.engine_id: e.generation for e in (await stub.ListEngines(pb.ListEnginesRequest())).engines}
+    assert old["P"] > 0 and old["D"] > 0
+    # P restarts under the same engine id: a new session supersedes the old one.
+    restarted = RawSession(stub)
+    await restarted.register(engine_info("P", agent_metadata=b"new agent"), 5000)
+    now = {e.engine_id: e.generation for e in (await stub.ListEngines(pb.ListEnginesRequest())).engines}
+    assert now["P"] > old["P"] and now["D"] == old["D"]
+    held = await stub.Hold(
+        pb.HoldRequest(
+            holder_engine_id="P",
+            namespace=ns,
+            tier=pb.TIER_GPU,
+            block_hashes=H[:2],
+            block_ids=[1, 2],
+            reader_engine_id="D",
+        )
+    )
+    acq = await stub.Acquire(pb.AcquireRequest(lease_id=held.lease.lease_id, reader_engine_id="D"))
+    assert acq.holder.generation == now["P"]
+    assert acq.holder.ranks[0].agent_metadata == b"new agent"
+    for s in (p, d, restarted):
+        await s.close()

@@ -49,6 +49,7 @@ def match_pb(m: HolderMatch) -> pb.HolderMatch:
         hold_lease_id=m.hold_lease_id,
         load=m.load,
         reads_in_flight=m.reads,
+        exactness=m.exactness,  # type: ignore[arg-type]
     )
 
 
@@ -73,6 +74,7 @@ def score_pb(result: ScoreResult) -> pb.ScoreResponse:
                 cpu_blocks=s.cpu_blocks,
                 load=s.load,
                 draining=s.draining,
+                exactness=s.exactness,  # type: ignore[arg-type]
             )
             for s in result.scores
         ],

@@ -51,6 +51,8 @@ class EngineRecord:
     ranks_version: int = 0
     peer_host: str = ""  # host of the Session stream's connection (see broker/security/callers.py)
     generation: int = 0  # which registration of the engine id this session is (see the module doc)
+    exactness: int = 1  # broker/exactness.py's Exactness as recorded (a KV-event feed's gaps); 1 = exact
+    exactness_reason: str = ""
 
     @property
     def ready(self) -> bool:
@@ -68,6 +70,8 @@ class EngineRecord:
         out.load = self.load
         out.session_ttl_ms = int(self.ttl_s * 1000)
         out.generation = self.generation
+        out.exactness = self.exactness  # type: ignore[assignment]
+        out.exactness_reason = self.exactness_reason
         return out
 
 
@@ -199,6 +203,10 @@ class EngineRegistry:
         rec.ranks_version += 1
         self._compat.clear()
         return rec
+
+    def set_exactness(self, rec: EngineRecord, exactness: int, reason: str) -> None:
+        """Record how exact this engine's entries are (broker/exactness.py)."""
+        rec.exactness, rec.exactness_reason = exactness, reason
 
     def remove(self, rec: EngineRecord) -> None:
         if self._engines.get(rec.engine_id) is rec:

@@ -234,6 +234,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             lease_ttl_ms=req.lease_ttl_ms,
             min_blocks=req.min_blocks,
             request_id=req.request_id,
+            require_exact=req.require_exact,
         )
         if result.pending and result.lease is not None:
             observer = self.stream_observer
@@ -341,6 +342,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 lease_ttl_ms=request.lease_ttl_ms,
                 min_blocks=request.min_blocks,
                 request_id=request.request_id,
+                require_exact=request.require_exact,
             )
         except BrokerError as err:
             await _abort(context, err)
@@ -365,6 +367,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 request.block_hashes,
                 request.token_ids,
                 request.candidates,
+                request.require_exact,
             )
         except BrokerError as err:
             await _abort(context, err)

@@ -172,6 +172,8 @@ class FleetRegistry(EngineRegistry):
             ranks_version=int(fields[b"rv"]),
             peer_host=fields.get(b"host", b"").decode(),  # a unary call from the engine's host acts as it
             generation=info.generation,
+            exactness=int(info.exactness) or 1,
+            exactness_reason=info.exactness_reason,
         )
 
     def _remote(self, engine_id: str) -> EngineRecord | None:
@@ -286,6 +288,13 @@ class FleetRegistry(EngineRegistry):
         self._publish(rec, new=False)
         self.on_changed(engine_id)
         return rec
+
+    def set_exactness(self, rec: EngineRecord, exactness: int, reason: str) -> None:
+        changed = (rec.exactness, rec.exactness_reason) != (exactness, reason)
+        super().set_exactness(rec, exactness, reason)
+        if changed and super().find(rec.engine_id) is rec:  # the replica that follows it tells the others
+            self._publish(rec, new=False)
+            self.on_changed(rec.engine_id)
 
     def remove(self, rec: EngineRecord) -> None:
         super().remove(rec)

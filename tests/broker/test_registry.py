@@ -124,3 +124,21 @@ async def test_the_holder_details_a_reader_gets_name_the_holders_generation(stub
     assert acq.holder.ranks[0].agent_metadata == b"new agent"
     for s in (p, d, restarted):
         await s.close()
+
+
+def test_a_replica_that_records_an_engines_exactness_tells_the_others(request: pytest.FixtureRequest) -> None:
+    """A KV-event feed runs on one replica; every replica must answer with its state."""
+    new_registry = _fleet("redis_server")(request, Floor(0))
+    a, b = new_registry(), new_registry()
+    rec = a.add(engine_info("ev"), 5.0, 1, now=0.0)
+    a.set_exactness(rec, 3, "KV event batches 4..6 were lost")
+    b.changed("ev")  # what the fleet's channel does on the other replicas
+    seen = b.find("ev")
+    assert seen is not None and (seen.exactness, seen.exactness_reason) == (
+        3,
+        "KV event batches 4..6 were lost",
+    )
+    a.set_exactness(rec, 1, "")
+    b.changed("ev")
+    seen = b.find("ev")
+    assert seen is not None and (seen.exactness, seen.exactness_reason) == (1, "")

@@ -32,6 +32,7 @@ from typing import Any
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.exactness import exactness_of
 from kvbroker.broker.indexer.kv_events import KvEventsFeed, KvEventsSource, parse_source
 from kvbroker.broker.indexer.query import IndexerError, query
 from kvbroker.broker.security.config import SecurityConfig, is_loopback
@@ -248,6 +249,7 @@ class IndexerHttp:
             if hidden and self.engine_tenant(rec.engine_id) != who.tenant:  # type: ignore[misc, union-attr]
                 continue
             labels = rec.info.labels
+            state, reason = exactness_of(rec, self.core.clock.now())
             event_fed = labels.get(SOURCE_LABEL) == EVENT_FED
             endpoints = {"0": labels.get("kv_events", "")} if event_fed else {}
             out.append(
@@ -257,6 +259,8 @@ class IndexerHttp:
                     "block_size": rec.info.layout.block_size,
                     "source": EVENT_FED if event_fed else "connector",
                     "endpoints": endpoints,
+                    "exactness": state.label,  # exact, lagging or degraded (broker/exactness.py)
+                    "exactness_reason": reason,
                 }
             )
         return out

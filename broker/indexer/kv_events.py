@@ -36,6 +36,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
+from kvbroker.broker.exactness import Exactness
 from kvbroker.broker.indexer.kv_chain import BlockChain, ChainStats, event_fields
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL, Namespace
@@ -154,6 +155,8 @@ class KvEventsFeed:
     seq_gaps: int = 0
     replayed: int = 0  # batches applied from the publisher's replay socket
     _last_seq: int = -1
+    _lost: str = ""  # why events were lost for good (the index is degraded until a clear or a reconnect)
+    _replaying: bool = False
     _task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
@@ -203,6 +206,8 @@ class KvEventsFeed:
         )
         self.chain.clear()
         self._last_seq = -1
+        self._lost, self._replaying = "", False
+        self._show()
         log.info("kv-events %s: publisher %s connected", self.source.engine_id, self.source.endpoint)
 
     def disconnected(self, why: str) -> None:
@@ -221,6 +226,8 @@ class KvEventsFeed:
             return
         if self._last_seq >= 0 and seq != self._last_seq + 1:
             self.seq_gaps += 1  # missed events: children of what we missed are skipped, not misfiled
+            self._lost = f"KV event batches {self._last_seq + 1}..{seq - 1} were lost"
+            self._show()
         self._last_seq = seq
         if not isinstance(batch, list | tuple) or len(batch) < 2 or not isinstance(batch[1], list | tuple):
             self.chain.stats.unsupported += 1
@@ -249,6 +256,20 @@ class KvEventsFeed:
         elif kind == "AllBlocksCleared":
             self.chain.clear()
             self.core.index.drop_holder(rec.engine_id)
+            self._lost = ""  # the picture starts again from nothing: exact
+            self._show()
+
+    def _show(self) -> None:
+        """Tell the registry how exact this engine's entries are (broker/exactness.py)."""
+        rec = self.record
+        if rec is None or self.core.registry.find(rec.engine_id) is not rec:
+            return
+        if self._lost:
+            self.core.registry.set_exactness(rec, Exactness.DEGRADED, self._lost)
+        elif self._replaying:
+            self.core.registry.set_exactness(rec, Exactness.LAGGING, "replaying missed KV event batches")
+        else:
+            self.core.registry.set_exactness(rec, Exactness.EXACT, "")
 
     def _needs_replay(self, seq: int) -> bool:
         return bool(self.source.replay) and self.record is not None and seq > self._last_seq + 1
@@ -328,11 +349,16 @@ class KvEventsFeed:
                         continue
                     seq = int.from_bytes(frames[1], "big", signed=True)
                     if self._needs_replay(seq):
+                        self._replaying = True
+                        self._show()
                         try:
                             await self._replay(ctx, self._last_seq + 1, seq, decoder.decode)
                         except (zmq.ZMQError, msgspec.DecodeError) as err:
                             log.warning("kv-events %s: replay failed: %s", self.source.engine_id, err)
-                    self.apply_batch(seq, batch)
+                        finally:
+                            self._replaying = False
+                    self.apply_batch(seq, batch)  # a gap the replay did not fill degrades the entries
+                    self._show()
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)

@@ -49,7 +49,7 @@ class EngineRecord:
     mirrored_at: float = float("-inf")
     draining: bool = False
     ranks_version: int = 0
-    peer_host: str = ""  # host of the Session stream's connection (see broker/security/callers.py)
+    peer_host: str = ""  # host of the Session stream's connection (see broker/security/engine_identity.py)
     generation: int = 0  # which registration of the engine id this session is (see the module doc)
     exactness: int = 1  # broker/exactness.py's Exactness as recorded (a KV-event feed's gaps); 1 = exact
     exactness_reason: str = ""

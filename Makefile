@@ -36,16 +36,17 @@ protos: $(STAMP)  ## regenerate proto/ Python code and type stubs
 protos-check: $(STAMP)  ## fail if generated code is stale
 	$(BIN)/python scripts/gen_protos.py --check
 
-lint: $(STAMP)  ## ruff (lint + format check) and mypy
+lint: $(STAMP)  ## ruff (lint + format check), mypy and pyright
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/pyright --pythonpath $(BIN)/python
 
 test: $(STAMP) protos-check lint redis-server  ## the full test suite (what CI runs)
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra -n 2 --dist loadgroup
 
 test-fast: $(STAMP) redis-server  ## tests that need no vLLM engine
-	$(BIN)/python -m pytest -ra -m "not vllm"
+	$(BIN)/python -m pytest -ra -n 2 --dist loadgroup -m "not vllm"
 
 redis-server:  ## Debian's redis-server for the shared-state tests (as root with apt-get; else they skip, saying why)
 	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null \

@@ -47,7 +47,8 @@ import redis
 
 from bench.common import cpu_seconds, format_table, load_note, log, rss_bytes, write_json
 from bench.scale_chains import CHAIN, chains_for
-from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
 from testkit.processes import SERVE, BrokerProcess

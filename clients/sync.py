@@ -1,7 +1,7 @@
 """Blocking client for the broker: the same methods as ``kvbroker.clients.aio.AsyncBrokerClient``.
 
 For scripts, the CLI and routers without an event loop. Do not call it from
-vLLM's scheduler thread: use ``kvbroker.clients.session.ThreadedEngineSession`` there,
+vLLM's scheduler thread: use ``kvbroker.clients.threaded_session.ThreadedEngineSession`` there,
 whose calls return futures instead of blocking.
 """
 

@@ -21,6 +21,21 @@ from testkit.redis_server import RedisServer, missing_reason, running_redis
 _exit_status: list[int] = []
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist (`make test` runs two workers with --dist loadgroup).
+
+    Every module that starts vLLM engines runs on one worker, one module after
+    another, exactly as in a plain run: engines never compete with engines for
+    the two cores. The rest (brokers, Redis, NIXL, fakes: mostly waiting on
+    sockets and timers) runs beside them on the other worker, one whole module
+    at a time so module-scoped fixtures are built once.
+    """
+    engine_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("vllm")}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("engines" if path in engine_files else path))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _exit_status.append(int(exitstatus))
 

@@ -12,10 +12,11 @@ the broker's event loop next to gRPC:
 
 A small HTTP/1.1 server on asyncio streams (keep-alive, bounded heads and
 bodies, a read timeout), so the broker needs no web framework. Security
-follows the broker's (docs/security.md): with ``--tls-cert`` it serves HTTPS
-with the same certificate; with identities on (``--tls-ca``, ``--tokens-file``)
-every call needs a client certificate or ``Authorization: Bearer TOKEN``:
-queries and ``/workers`` are for routers and operators of the tenant asked,
+follows the broker's (docs/security.md), through the gate it is given
+(broker/security/http_gate.py): with ``--tls-cert`` it serves HTTPS with the
+same certificate; with identities on (``--tls-ca``, ``--tokens-file``) every
+call needs a client certificate or ``Authorization: Bearer TOKEN``: queries
+and ``/workers`` are for routers and operators of the tenant asked,
 ``/register`` and ``/unregister`` (which make the broker connect out) for
 operators. Plaintext on a non-loopback address needs ``--insecure``.
 """
@@ -28,17 +29,15 @@ import json
 import logging
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from kvbroker.broker.core import BrokerCore
-from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.errors import InvalidArgument, Unauthenticated
 from kvbroker.broker.exactness import exactness_of
 from kvbroker.broker.indexer.kv_events import KvEventsFeed, KvEventsSource, parse_source
 from kvbroker.broker.indexer.query import IndexerError, query
-from kvbroker.broker.security.config import SecurityConfig, is_loopback
-from kvbroker.broker.security.identity import ALL_TENANTS, SCHEME, Identity, Role, TokenTable, parse_identity
-from kvbroker.broker.security.tenancy import DEFAULT_TENANT
+from kvbroker.broker.namespaces import ALL_TENANTS, DEFAULT_TENANT
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL
 
 log = logging.getLogger("kvbroker.indexer")
@@ -60,19 +59,55 @@ REASONS = {
 }
 
 
+OPERATOR, ROUTER = "operator", "router"  # the roles of identities (broker/security/identity.py)
+
+
+class Caller(Protocol):
+    """Who sent a request (an identity: broker/security/identity.py)."""
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def uri(self) -> str: ...
+
+    def owns_tenant(self, tenant: str) -> bool: ...
+
+
+class Gate(Protocol):
+    """How the API listens and who calls it (broker/security/http_gate.py)."""
+
+    def check_address(self, address: str) -> None:
+        """InvalidArgument if the API may not be served on `address` this way."""
+        ...
+
+    def ssl_context(self) -> ssl.SSLContext | None: ...
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether callers are identified (a KV-event feed then files no bare salts)."""
+        ...
+
+    def identify(self, headers: dict[str, str], ssl_object: Any) -> Caller | None:
+        """The caller (None: identities are off); Unauthenticated if it shows none accepted."""
+        ...
+
+
 class IndexerHttp:
     def __init__(
         self,
         core: BrokerCore,
-        security: SecurityConfig,
+        gate: Gate,
         feeds: dict[str, KvEventsFeed],
         engine_tenant: Callable[[str], str | None] | None = None,
     ) -> None:
         self.core = core
-        self.security = security
+        self.gate = gate
         self.feeds = feeds  # engine id -> feed; shared with --kv-events
         self.engine_tenant = engine_tenant
-        self.tokens = TokenTable(security.tokens_file) if security.tokens_file else None
         self.max_body = core.config.max_message_bytes
         self.server: asyncio.Server | None = None
         self.port = 0
@@ -83,23 +118,11 @@ class IndexerHttp:
         host = host.strip("[]")
         if not port.isdigit() or not host:
             raise InvalidArgument(f"--indexer-http {address!r}: need HOST:PORT")
-        if not self.security.tls and not self.security.insecure and not is_loopback(address):
-            raise InvalidArgument(
-                f"--indexer-http {address!r} is not a loopback address: serve it with TLS (--tls-cert) "
-                "or pass --insecure"
-            )
-        context = self._ssl_context() if self.security.tls else None
+        self.gate.check_address(address)
+        context = self.gate.ssl_context()
         self.server = await asyncio.start_server(self._connection, host, int(port), ssl=context)
         self.port = int(self.server.sockets[0].getsockname()[1])
         return self.port
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.security.tls_cert, self.security.tls_key)
-        if self.security.tls_ca:
-            context.load_verify_locations(self.security.tls_ca)
-            context.verify_mode = ssl.CERT_OPTIONAL if self.tokens is not None else ssl.CERT_REQUIRED
-        return context
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -195,7 +218,7 @@ class IndexerHttp:
         if target == "/health":
             return 200, {"status": "ok"}
         try:
-            who = self._identify(headers, writer)
+            who = self.gate.identify(headers, writer.get_extra_info("ssl_object"))
             body: Any = {}
             if method == "POST":
                 try:
@@ -205,47 +228,28 @@ class IndexerHttp:
                 if not isinstance(body, dict):
                     raise IndexerError(400, "the body must be a JSON object")
             if target in ("/register", "/unregister"):
-                self._allow(who, (Role.OPERATOR,), target)
+                self._allow(who, (OPERATOR,), target)
                 return 200, self._register(body, who) if target == "/register" else self._unregister(
                     body, who
                 )
-            self._allow(who, (Role.ROUTER, Role.OPERATOR), target)
+            self._allow(who, (ROUTER, OPERATOR), target)
             if target == "/workers":
                 return 200, self._workers(who)
             return 200, query(self.core, body, by_hash=target == "/query_by_hash", who=who)
         except IndexerError as err:
             return err.status, _error(err.status, err.message)
+        except Unauthenticated as err:
+            return 401, _error(401, err.message)
         except InvalidArgument as err:
             return 400, _error(400, err.message)
 
-    def _identify(self, headers: dict[str, str], writer: asyncio.StreamWriter) -> Identity | None:
-        if not self.security.authenticates:
-            return None
-        ssl_object = writer.get_extra_info("ssl_object")
-        cert = ssl_object.getpeercert() if ssl_object is not None else None
-        for kind, value in (cert or {}).get("subjectAltName", ()):
-            if kind == "URI" and value.startswith(SCHEME):
-                try:
-                    return parse_identity(value)
-                except ValueError as err:
-                    raise IndexerError(
-                        401, f"the client certificate's identity is not valid: {err}"
-                    ) from None
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if self.tokens is not None and scheme.lower() == "bearer" and token.strip():
-            found = self.tokens.lookup(token.strip())
-            if found is None:
-                raise IndexerError(401, "the bearer token is not in the broker's tokens file")
-            return found
-        raise IndexerError(401, "identify yourself: a client certificate or 'Authorization: Bearer TOKEN'")
-
     @staticmethod
-    def _allow(who: Identity | None, roles: tuple[Role, ...], target: str) -> None:
+    def _allow(who: Caller | None, roles: tuple[str, ...], target: str) -> None:
         if who is not None and who.role not in roles:
-            allowed = " or ".join(r.value for r in roles)
+            allowed = " or ".join(roles)
             raise IndexerError(403, f"{who} may not call {target}: rule '{target} is for {allowed}'")
 
-    def _workers(self, who: Identity | None) -> list[dict[str, Any]]:
+    def _workers(self, who: Caller | None) -> list[dict[str, Any]]:
         out = []
         for rec in self.core.registry.all():
             hidden = who is not None and who.tenant != "*" and self.engine_tenant is not None
@@ -268,7 +272,7 @@ class IndexerHttp:
             )
         return out
 
-    def _feed_tenant(self, who: Identity | None, tenant_id: str) -> str:
+    def _feed_tenant(self, who: Caller | None, tenant_id: str) -> str:
         """The tenant a feed registered by `who` files its blocks in: the operator's own (tenant ``*``
         and brokers without identities: the one named; ``default`` is the empty tenant)."""
         if who is not None and who.tenant != ALL_TENANTS:
@@ -281,7 +285,7 @@ class IndexerHttp:
             return who.tenant
         return "" if tenant_id == DEFAULT_TENANT else tenant_id
 
-    def _register(self, body: dict[str, Any], who: Identity | None) -> dict[str, Any]:
+    def _register(self, body: dict[str, Any], who: Caller | None) -> dict[str, Any]:
         kind = str(body.get("type", "vLLM"))
         if kind.lower() != "vllm":
             raise IndexerError(400, f"type {kind[:40]!r}: only vLLM publishers are supported")
@@ -312,12 +316,12 @@ class IndexerHttp:
             tenant=tenant,
             replay=str(body.get("replay_endpoint") or ""),
         )
-        feed = KvEventsFeed(self.core, source, bare_salts=not self.security.authenticates)
+        feed = KvEventsFeed(self.core, source, bare_salts=not self.gate.authenticates)
         self.feeds[instance] = feed
         feed.start()
         return {"status": "registered successfully", "instance_id": instance}
 
-    def _unregister(self, body: dict[str, Any], who: Identity | None) -> dict[str, Any]:
+    def _unregister(self, body: dict[str, Any], who: Caller | None) -> dict[str, Any]:
         instance = str(body.get("instance_id") or "")
         feed = self.feeds.get(instance)
         foreign = feed is not None and who is not None and who.tenant not in (ALL_TENANTS, feed.source.tenant)

@@ -365,10 +365,3 @@ class KvEventsFeed:
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
-
-
-async def start_feeds(core: BrokerCore, specs: str) -> list[KvEventsFeed]:
-    feeds = [KvEventsFeed(core, source) for source in parse_sources(specs)]
-    for feed in feeds:
-        feed.start()
-    return feeds

@@ -22,7 +22,7 @@ instance, how many leading tokens of the prompt each holds::
   block hashes, ``cache_salt`` in block 0); ``/query_by_hash`` takes those
   hashes in our wire form (``seq_hashes``, or ``block_hash`` as in early drafts).
 - Tenancy: ``tenant_id`` plus ``cache_salt`` become the namespace tenant
-  through broker/security/tenancy.namespace_tenant, the rule gRPC uses too:
+  through broker/namespaces.namespace_tenant, the rule gRPC uses too:
   with identities on, the caller's own tenant (``TENANT/SALT``, the salt never
   naming another tenant); without, ``default`` is our empty tenant and its
   salted namespace is the salt alone.
@@ -35,8 +35,7 @@ from typing import Any
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import PermissionDenied
-from kvbroker.broker.security.identity import ALL_TENANTS, Identity
-from kvbroker.broker.security.tenancy import DEFAULT_TENANT, namespace_tenant
+from kvbroker.broker.namespaces import ALL_TENANTS, DEFAULT_TENANT, Tenanted, namespace_tenant
 from kvbroker.common.hashing import wire_chain
 from kvbroker.common.model import Namespace, Tier
 
@@ -86,7 +85,7 @@ def _ints(body: Mapping[str, Any], name: str, top: int, most: int) -> list[int]:
 
 
 def query(
-    core: BrokerCore, body: Mapping[str, Any], *, by_hash: bool, who: Identity | None = None
+    core: BrokerCore, body: Mapping[str, Any], *, by_hash: bool, who: Tenanted | None = None
 ) -> dict[str, Any]:
     """Answer ``/query`` (token ids) or ``/query_by_hash`` (seq_hashes).
 

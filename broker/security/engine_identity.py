@@ -134,6 +134,28 @@ class EngineIdentity:
     def engines_of(self, tenant: str) -> list[str]:
         return [e for e, owner in self.owners.items() if owner.tenant == tenant]
 
+    def visible_engines(self) -> Callable[[str], bool] | None:
+        """Which engine ids the call being served may see (None: every one, no identities)."""
+        who = CURRENT.get()
+        return None if who is None else (lambda engine_id: self.sees(who, engine_id))
+
+    def owned_tenants(self) -> Callable[[str], bool] | None:
+        """Which tenants' leases the call being served may see (None: every one, no identities)."""
+        who = CURRENT.get()
+        return None if who is None else who.owns_tenant
+
+    # -- callers (the servicer asks through these, never importing this wing) -------------------
+
+    @staticmethod
+    def caller_of(context: grpc.aio.ServicerContext) -> Caller:
+        return Caller.of_call(context)
+
+    @staticmethod
+    def session_caller(rec: EngineRecord) -> Caller:
+        return Caller(session=rec)
+
+    call_metadata = staticmethod(call_metadata)
+
     # -- the check ------------------------------------------------------------------------
 
     def acting_as(self, caller: Caller, engine_id: str, what: str) -> EngineRecord | None:

@@ -4,7 +4,7 @@
 servicer sees it, then filters what goes back, so that no prefix, lease,
 engine or NIXL agent metadata of one tenant reaches another:
 
-- a namespace's tenant is the caller's: `namespace_tenant` below is the one
+- a namespace's tenant is the caller's: `namespace_tenant` (broker/namespaces.py) is the one
   rule that turns (identity, tenant_id, cache_salt) into a namespace tenant,
   for gRPC and the indexer HTTP API alike;
 - a lease, engine or hold of another tenant is refused (PERMISSION_DENIED,
@@ -20,8 +20,9 @@ from __future__ import annotations
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import NotFound, PermissionDenied
 from kvbroker.broker.events import EVENTS_MISSED
+from kvbroker.broker.namespaces import ALL_TENANTS, namespace_tenant
 from kvbroker.broker.security.engine_identity import EngineIdentity
-from kvbroker.broker.security.identity import ALL_TENANTS, Identity, Role
+from kvbroker.broker.security.identity import Identity, Role
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import Namespace
@@ -32,54 +33,9 @@ def _short(value: str) -> str:
     return value if len(value) <= 80 else value[:77] + "..."
 
 
-DEFAULT_TENANT = "default"  # the indexer API's name for the empty tenant (callers without a tenant)
 # Session messages that keep an engine's own state true: never refused by a rate quota, since
 # refusing them leaves evicted blocks named and live engines looking dead.
 HOUSEKEEPING = frozenset({"heartbeat", "inventory", "pin_result", "renew", "release", "decline"})
-
-
-def namespace_tenant(
-    who: Identity | None, tenant_id: str, cache_salt: str | None = None, *, what: str = ""
-) -> str:
-    """The namespace tenant a caller may use: the one rule of every surface (gRPC, indexer HTTP).
-
-    gRPC sends the namespace tenant whole (``TENANT`` or ``TENANT/SALT``, as
-    the connector files blocks): `cache_salt` None. The indexer HTTP API sends
-    Mooncake's ``tenant_id`` and ``cache_salt`` apart:
-
-    - a caller with a tenant (an identity of tenant T): ``tenant_id`` is T or
-      empty, and the namespace is ``T/SALT`` (or ``T``): the salt subdivides
-      T and never names another tenant, whatever T is called (``default``
-      included);
-    - a caller without one (no identities, or an operator of tenant ``*``):
-      ``tenant_id`` ``default`` or empty is the empty tenant, whose salted
-      namespace is the salt alone (as an adapter without a tenant files it).
-
-    Either way the result must be the caller's (``TENANT`` or ``TENANT/...``),
-    else PermissionDenied (other_tenant).
-    """
-    if cache_salt is None:
-        tenant = tenant_id
-    elif who is not None and who.tenant != ALL_TENANTS:
-        if tenant_id not in ("", who.tenant):
-            raise _other_tenant(who, tenant_id, what)
-        tenant = f"{who.tenant}/{cache_salt}" if cache_salt else who.tenant
-    else:
-        base = "" if tenant_id == DEFAULT_TENANT else tenant_id
-        tenant = f"{base}/{cache_salt}" if base and cache_salt else base or cache_salt
-    if who is not None and not who.owns_tenant(tenant):
-        raise _other_tenant(who, tenant, what)
-    return tenant
-
-
-def _other_tenant(who: Identity, tenant: str, what: str) -> PermissionDenied:
-    return PermissionDenied(
-        f"{who} may not use {what or 'the'} namespace tenant {_short(tenant)!r}: rule 'a namespace's tenant "
-        f"is the caller's': name {who.tenant!r} or {who.tenant + '/SALT'!r} (an engine: set the "
-        f"adapter's tenant key to {who.tenant!r}; a cache_salt subdivides the caller's tenant)",
-        Cause.OTHER_TENANT,
-        {"identity": who.uri, "tenant": _short(tenant)},
-    )
 
 
 class TenantGuard:

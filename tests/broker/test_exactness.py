@@ -29,7 +29,7 @@ def test_a_silent_engine_is_degraded_until_it_speaks_and_require_exact_leaves_it
     clock.advance(1.0)  # one heartbeat interval: not silent yet
     assert core.resolve(d, ns, H, require_exact=True).matches
     clock.advance(1.1)  # over two thirds of the TTL without a word from P
-    core.touch(d)
+    core.heartbeat(d, 0.0)
     (match,) = core.resolve(d, ns, H).matches
     assert match.exactness == Exactness.DEGRADED
     assert core.resolve(d, ns, H, require_exact=True).matches == []

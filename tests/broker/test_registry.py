@@ -1,17 +1,17 @@
-"""Registration generations (broker/registry.py): every new session of an engine id is told
-apart from the ones before it, on every registry backend and over real gRPC."""
+"""Registration generations and exactness in the registry (broker/registry.py) beyond the
+contract suite (test_registry_contract.py): two replicas on one store, the core, real gRPC."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 
-from kvbroker.broker.fleet.registry import FleetRegistry
-from kvbroker.broker.registry import EngineRegistry
+from kvbroker.broker.fleet.leases import RedisLeaseTable
+from kvbroker.broker.fleet.notify import FleetNotifier
+from kvbroker.broker.fleet.registry import FleetRegistry, SeenRecords
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.builders import engine_info
+from testkit.clock import FakeClock
 from tests.broker.helpers import make_core, redis_state
 from tests.broker.session_util import RawSession
 
@@ -29,62 +29,44 @@ class Floor:
         return self.us
 
 
-def _in_memory(request: pytest.FixtureRequest, floor: Floor) -> Callable[[], EngineRegistry]:
-    return lambda: EngineRegistry(floor)
-
-
-def _fleet(fixture: str) -> Callable[[pytest.FixtureRequest, Floor], Callable[[], EngineRegistry]]:
-    def make(request: pytest.FixtureRequest, floor: Floor) -> Callable[[], EngineRegistry]:
-        state = redis_state(request.getfixturevalue(fixture))
-        replicas = iter(range(1000))
-
-        def replica() -> EngineRegistry:
-            registry = FleetRegistry(state, f"r{next(replicas)}")
-            registry._generation_floor = floor  # the same fake wall clock on every replica
-            return registry
-
-        return replica
-
-    return make
-
-
-BACKENDS = {
-    "in-memory": _in_memory,
-    "redis": _fleet("redis_server"),
-    "redis-cluster": _fleet("redis_cluster"),
-}
-
-
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_every_registration_gets_a_larger_generation(request: pytest.FixtureRequest, backend: str) -> None:
-    floor = Floor(1_000)
-    new_registry = BACKENDS[backend](request, floor)
-    registry = new_registry()
-    first = registry.add(engine_info("P"), 5.0, 1, now=0.0)
-    assert first.generation >= 1_000 and first.snapshot().generation == first.generation
-    registry.remove(first)
-    again = registry.add(engine_info("P"), 5.0, 1, now=1.0)
-    other = registry.add(engine_info("D"), 5.0, 1, now=1.0)
-    assert first.generation < again.generation < other.generation
-    # The wall clock moved on (e.g. a broker restarted with an empty registry): never below it.
-    floor.us = again.generation + 10_000
-    restarted = new_registry()
-    assert restarted.add(engine_info("Q"), 5.0, 1, now=2.0).generation >= floor.us
-    # A clock that went back gives no smaller number than one already issued.
-    floor.us = 5
-    assert restarted.add(engine_info("R"), 5.0, 1, now=3.0).generation > other.generation
+def _replicas(request: pytest.FixtureRequest, floor: Floor) -> tuple[FleetRegistry, FleetRegistry]:
+    """Two replicas on one real redis-server, each with its own cache of the other's records."""
+    state = redis_state(request.getfixturevalue("redis_server"))
+    out = []
+    for name in ("r1", "r2"):
+        seen = SeenRecords()
+        news = FleetNotifier(FakeClock(), state, name, seen, RedisLeaseTable(state, history=4))
+        registry = FleetRegistry(state, name, seen, news)
+        registry._generation_floor = floor  # the same fake wall clock on every replica
+        out.append(registry)
+    return out[0], out[1]
 
 
 def test_fleet_replicas_share_one_generation_counter(request: pytest.FixtureRequest) -> None:
-    floor = Floor(0)
-    new_registry = _fleet("redis_server")(request, floor)
-    a, b = new_registry(), new_registry()
+    a, b = _replicas(request, Floor(0))
     on_a = a.add(engine_info("P"), 5.0, 1, now=0.0)
     a.remove(on_a)
     on_b = b.add(engine_info("P"), 5.0, 1, now=0.0)  # the engine restarted and reached replica b
     assert on_b.generation > on_a.generation
     seen = a.find("P")
     assert seen is not None and seen.generation == on_b.generation, "other replicas read it from the store"
+
+
+def test_a_replica_that_records_an_engines_exactness_tells_the_others(request: pytest.FixtureRequest) -> None:
+    """A KV-event feed runs on one replica; every replica must answer with its state."""
+    a, b = _replicas(request, Floor(0))
+    rec = a.add(engine_info("ev"), 5.0, 1, now=0.0)
+    a.set_exactness(rec, 3, "KV event batches 4..6 were lost")
+    b._seen.changed("ev")  # what the fleet's channel does on the other replicas
+    seen = b.find("ev")
+    assert seen is not None and (seen.exactness, seen.exactness_reason) == (
+        3,
+        "KV event batches 4..6 were lost",
+    )
+    a.set_exactness(rec, 1, "")
+    b._seen.changed("ev")
+    seen = b.find("ev")
+    assert seen is not None and (seen.exactness, seen.exactness_reason) == (1, "")
 
 
 def test_core_reregistration_is_a_new_generation() -> None:
@@ -124,21 +106,3 @@ async def test_the_holder_details_a_reader_gets_name_the_holders_generation(stub
     assert acq.holder.ranks[0].agent_metadata == b"new agent"
     for s in (p, d, restarted):
         await s.close()
-
-
-def test_a_replica_that_records_an_engines_exactness_tells_the_others(request: pytest.FixtureRequest) -> None:
-    """A KV-event feed runs on one replica; every replica must answer with its state."""
-    new_registry = _fleet("redis_server")(request, Floor(0))
-    a, b = new_registry(), new_registry()
-    rec = a.add(engine_info("ev"), 5.0, 1, now=0.0)
-    a.set_exactness(rec, 3, "KV event batches 4..6 were lost")
-    b.changed("ev")  # what the fleet's channel does on the other replicas
-    seen = b.find("ev")
-    assert seen is not None and (seen.exactness, seen.exactness_reason) == (
-        3,
-        "KV event batches 4..6 were lost",
-    )
-    a.set_exactness(rec, 1, "")
-    b.changed("ev")
-    seen = b.find("ev")
-    assert seen is not None and (seen.exactness, seen.exactness_reason) == (1, "")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit import builders
 from testkit.broker import RunningServer, running_broker

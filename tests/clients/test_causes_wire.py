@@ -23,7 +23,7 @@ import pytest
 from kvbroker.broker.security.config import SecurityConfig
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.causes import CAUSES, Cause
 from kvbroker.v1 import broker_pb2 as pb

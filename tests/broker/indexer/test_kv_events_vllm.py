@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("zmq")
 
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
 from kvbroker.tools.launch import EngineProcess

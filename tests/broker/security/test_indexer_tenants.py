@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import hash_block, none_hash, wire_chain
 from kvbroker.v1 import broker_pb2 as pb

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.registry import EngineRecord
@@ -13,6 +15,17 @@ from kvbroker.v1 import broker_pb2 as pb
 
 def namespace(msg: pb.Namespace) -> Namespace:
     return Namespace(msg.layout_id, msg.tenant)
+
+
+def resolve_options(req: pb.ResolveRequest) -> dict[str, Any]:
+    """A ResolveRequest's options, as BrokerCore.resolve takes them (the same on the stream and unary)."""
+    return {
+        "acquire": req.acquire,
+        "lease_ttl_ms": req.lease_ttl_ms,
+        "min_blocks": req.min_blocks,
+        "request_id": req.request_id,
+        "require_exact": req.require_exact,
+    }
 
 
 def lease_pb(lease: Lease, now: float) -> pb.Lease:
@@ -49,6 +62,7 @@ def match_pb(m: HolderMatch) -> pb.HolderMatch:
         hold_lease_id=m.hold_lease_id,
         load=m.load,
         reads_in_flight=m.reads,
+        exactness=m.exactness,  # type: ignore[arg-type]
     )
 
 
@@ -73,6 +87,7 @@ def score_pb(result: ScoreResult) -> pb.ScoreResponse:
                 cpu_blocks=s.cpu_blocks,
                 load=s.load,
                 draining=s.draining,
+                exactness=s.exactness,  # type: ignore[arg-type]
             )
             for s in result.scores
         ],

@@ -17,6 +17,7 @@ from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.declines import DeclineBook
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, shown
 from kvbroker.broker.events import Notifier, NullNotifier
+from kvbroker.broker.exactness import exact_only, score_candidates
 from kvbroker.broker.holders import find_holders
 from kvbroker.broker.lease_stats import LeaseStats
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
@@ -170,6 +171,7 @@ class BrokerCore:
         lease_ttl_ms: int = 0,
         min_blocks: int = 0,
         request_id: str = "",
+        require_exact: bool = False,
     ) -> ResolveResult:
         self.check.namespace(ns)
         self.check.hashes(len(hashes), "block_hashes")
@@ -182,7 +184,8 @@ class BrokerCore:
                 "kvbroker-engine-id metadata on the unary call"
             )
         ttl_s = self.check.lease_ttl_s(lease_ttl_ms) if acquire else 0.0
-        matches = find_holders(self.index, self.registry, self.leases, asker, ns, hashes)
+        now = self.clock.now()
+        matches = find_holders(self.index, self.registry, self.leases, asker, ns, hashes, now, require_exact)
         if not matches:
             return ResolveResult(matches, skipped_reason="no_holder")
         if not acquire:
@@ -406,6 +409,7 @@ class BrokerCore:
         hashes: Sequence[int],
         token_ids: Sequence[int],
         candidates: Sequence[str],
+        require_exact: bool = False,
     ) -> ScoreResult:
         self.check.namespace(ns)
         if hashes and token_ids:
@@ -425,18 +429,17 @@ class BrokerCore:
             from kvbroker.common.hashing import wire_chain  # imported late: written by the clients area
 
             hashes = wire_chain(token_ids, block_size, fp.hash_algo or "sha256", ns.tenant or None)
-        engines: dict[str, tuple[float, bool]] = {}
         if candidates:
             self.check.hashes(len(candidates), "candidates")
-            for engine_id in candidates:
-                rec = self.registry.get(engine_id)
-                engines[engine_id] = (rec.load, rec.draining)
+            records = [self.registry.get(engine_id) for engine_id in candidates]
         else:
-            for rec in self.registry.all():
-                if rec.layout_id == ns.layout_id:
-                    engines[rec.engine_id] = (rec.load, rec.draining)
-        prefixes = self.index.longest_prefixes(ns, hashes)
-        return ScoreResult(score_engines(prefixes, engines), len(hashes), block_size)
+            records = [rec for rec in self.registry.all() if rec.layout_id == ns.layout_id]
+        engines, states = score_candidates(records, self.clock.now())
+        prefixes = exact_only(self.index.longest_prefixes(ns, hashes), states, require_exact)
+        scores = score_engines(prefixes, engines)  # type: ignore[arg-type]
+        for s in scores:
+            s.exactness = int(states[s.engine_id])
+        return ScoreResult(scores, len(hashes), block_size)
 
     def drain(self, engine_id: str, reason: str = "") -> int:
         """Stop naming the engine, tell it, revoke its unclaimed holds. Active reads finish."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvbroker.broker.exactness import Exactness, exactness_of
 from kvbroker.broker.leases import Lease, LeaseTable
 from kvbroker.broker.observed import ObservedIndex, ObservedRegistry
 from kvbroker.broker.registry import EngineRecord
@@ -31,9 +32,12 @@ def find_holders(
     asker: EngineRecord | None,
     ns: Namespace,
     hashes: Sequence[int],
+    now: float = 0.0,
+    require_exact: bool = False,
 ) -> list[HolderMatch]:
     """Ready, serving engines whose blocks `asker` can read, ranked; never `asker` itself, never an
-    event-fed engine (broker/indexer/kv_events.py)."""
+    event-fed engine (broker/indexer/kv_events.py); with `require_exact` only those whose entries
+    are exact as of `now` (broker/exactness.py)."""
     matches: list[HolderMatch] = []
     for engine_id, tier, n in index.longest_prefixes(ns, hashes):
         rec = registry.find(engine_id)
@@ -43,7 +47,10 @@ def find_holders(
             continue  # known from its KV events only: it holds no leases, nobody pulls from it
         if asker is not None and registry.incompatibility(asker, rec) is not None:
             continue
-        matches.append(HolderMatch(engine_id, tier, n, rec.load))
+        exactness = exactness_of(rec, now)[0]
+        if require_exact and exactness is not Exactness.EXACT:
+            continue
+        matches.append(HolderMatch(engine_id, tier, n, rec.load, exactness=int(exactness)))
     if len(matches) > 1:
         matches = rank_holders(matches)
     reader = asker.engine_id if asker is not None else ""

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 from kvbroker.broker import codec
 from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.exactness import exactness_of
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.model import LeaseState
@@ -83,7 +84,10 @@ def list_leases(
 def _engine_pb(core: BrokerCore, rec: EngineRecord) -> pb.EngineInfo:
     held = sum(1 for lease in core.leases.by_holder(rec.engine_id) if lease.state is LeaseState.ACTIVE)
     read = sum(1 for lease in core.leases.by_reader(rec.engine_id) if lease.state is LeaseState.ACTIVE)
-    return codec.engine_pb(rec, core.engine_blocks(rec), held, read)
+    info = codec.engine_pb(rec, core.engine_blocks(rec), held, read)
+    state, info.exactness_reason = exactness_of(rec, core.clock.now())  # silence counts as of now
+    info.exactness = int(state)  # type: ignore[assignment]
+    return info
 
 
 def list_engines(

@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError
+from kvbroker.broker.exactness import census
 from kvbroker.broker.results import Stats
 
 log = logging.getLogger("kvbroker.metrics")
@@ -66,6 +67,14 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily(
             "kvbroker_mirrors", "Connected Mirror streams", value=self._core.mirrors.subscriber_count()
         )
+        exactness = GaugeMetricFamily(
+            "kvbroker_engines_by_exactness",
+            "Engines by how exact the index's picture of their blocks is (exact, lagging, degraded)",
+            labels=["exactness"],
+        )
+        for state, n in census(self._core.registry.all(), self._core.clock.now()).items():
+            exactness.add_metric([state], n)
+        yield exactness
         live = GaugeMetricFamily("kvbroker_leases", "Live leases by state", labels=["state"])
         ended = CounterMetricFamily("kvbroker_leases_ended", "Ended leases by final state", labels=["state"])
         for state, n in stats.leases_by_state.items():

@@ -276,6 +276,16 @@ class ObservedRegistry:
         self._publish.watch(ENGINE, "engine_draining", engine_id=rec.engine_id, detail=why)
         self._publish.mirror_engine(rec)
 
+    def set_exactness(self, rec: EngineRecord, exactness: int, reason: str) -> None:
+        """How exact the engine's entries are (broker/exactness.py); watchers and mirrors hear of a change."""
+        if (rec.exactness, rec.exactness_reason) == (exactness, reason):
+            return
+        self._registry.set_exactness(rec, exactness, reason)
+        label = {1: "exact", 2: "lagging", 3: "degraded"}.get(exactness, str(exactness))
+        detail = f"{label}: {reason}" if reason else label
+        self._publish.watch(ENGINE, "engine_exactness", engine_id=rec.engine_id, detail=detail)
+        self._publish.mirror_engine(rec)
+
     def __len__(self) -> int:
         return len(self._registry)
 

@@ -6,11 +6,22 @@ holds what the engine registered (its EngineInfo: layout, ranks, NIXL agent
 metadata), the negotiated session TTL and deadline, its load and whether it
 is draining. Session deadlines sit in an expiry queue; heartbeats only move
 the deadline on the record (the queue reschedules lazily).
+
+Every new session gets a *generation* (EngineInfo.generation): larger than
+every generation this registry issued before, for any engine id, so a
+restarted engine id is told apart from its old self by readers that cached
+its NIXL agent. The counter starts from the wall clock in microseconds, so a
+restarted broker keeps issuing larger numbers than the one before it did
+(readers keep their caches across a broker restart); a resumed session keeps
+its generation. Shared state (broker/fleet/registry.py) draws it from the
+store instead, one counter for every replica.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,6 +52,9 @@ class EngineRecord:
     draining: bool = False
     ranks_version: int = 0
     peer_host: str = ""  # host of the Session stream's connection (see broker/security/engine_identity.py)
+    generation: int = 0  # which registration of the engine id this session is (see the module doc)
+    exactness: int = 1  # broker/exactness.py's Exactness as recorded (a KV-event feed's gaps); 1 = exact
+    exactness_reason: str = ""
 
     @property
     def ready(self) -> bool:
@@ -57,6 +71,9 @@ class EngineRecord:
         out.draining = self.draining
         out.load = self.load
         out.session_ttl_ms = int(self.ttl_s * 1000)
+        out.generation = self.generation
+        out.exactness = self.exactness  # type: ignore[assignment]
+        out.exactness_reason = self.exactness_reason
         return out
 
 
@@ -146,11 +163,26 @@ class Registry(Protocol):
         """Why `reader` cannot read `holder`'s blocks (None = it can)."""
         ...
 
+    def next_generation(self) -> int:
+        """A registration generation larger than every one issued before (see the module doc)."""
+        ...
+
+    def set_exactness(self, rec: EngineRecord, exactness: int, reason: str) -> None:
+        """Record how exact this engine's entries are (broker/exactness.py), for every replica."""
+        ...
+
+
+def wall_clock_us() -> int:
+    return time.time_ns() // 1000
+
 
 class EngineRegistry:
     """The in-memory Registry: one broker owns every session."""
 
-    def __init__(self) -> None:
+    def __init__(self, generation_floor: Callable[[], int] = wall_clock_us) -> None:
+        # The smallest next generation (a wall clock in microseconds by default; tests pass a fake).
+        self._generation_floor = generation_floor
+        self._last_generation = 0
         self._engines: dict[str, EngineRecord] = {}
         self._by_session: dict[str, EngineRecord] = {}
         self._expiry = ExpiryQueue()
@@ -219,6 +251,7 @@ class EngineRegistry:
             expected_ranks=expected_ranks,
             ranks=ranks,
             load=info.load,
+            generation=self.next_generation(),
         )
         self._engines[rec.engine_id] = rec
         self._by_session[rec.session_id] = rec
@@ -227,6 +260,11 @@ class EngineRegistry:
         self._compat.clear()
         return rec
 
+    def next_generation(self) -> int:
+        """A generation larger than every one issued before (see the module doc)."""
+        self._last_generation = max(self._last_generation + 1, self._generation_floor())
+        return self._last_generation
+
     def add_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
         rec = self.get(engine_id)
         validate_rank(rec.info.layout, rank)
@@ -234,6 +272,10 @@ class EngineRegistry:
         rec.ranks_version += 1
         self._compat.clear()
         return rec
+
+    def set_exactness(self, rec: EngineRecord, exactness: int, reason: str) -> None:
+        """Record how exact this engine's entries are (broker/exactness.py)."""
+        rec.exactness, rec.exactness_reason = exactness, reason
 
     def remove(self, rec: EngineRecord) -> None:
         if self._engines.get(rec.engine_id) is rec:

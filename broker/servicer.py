@@ -231,13 +231,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     ) -> pb.SessionDown | None:
         core = self.core
         result = core.resolve(
-            rec,
-            Namespace(req.namespace.layout_id, req.namespace.tenant),
-            req.block_hashes,
-            acquire=req.acquire,
-            lease_ttl_ms=req.lease_ttl_ms,
-            min_blocks=req.min_blocks,
-            request_id=req.request_id,
+            rec, codec.namespace(req.namespace), req.block_hashes, **codec.resolve_options(req)
         )
         if result.pending and result.lease is not None:
             observer = self.stream_observer
@@ -334,15 +328,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
         core = self.core
         try:
             asker = self._asker(context)
-            result = core.resolve(
-                asker,
-                codec.namespace(request.namespace),
-                request.block_hashes,
-                acquire=request.acquire,
-                lease_ttl_ms=request.lease_ttl_ms,
-                min_blocks=request.min_blocks,
-                request_id=request.request_id,
-            )
+            options = codec.resolve_options(request)
+            result = core.resolve(asker, codec.namespace(request.namespace), request.block_hashes, **options)
         except BrokerError as err:
             await _abort(context, err)
         if result.pending and result.lease is not None:
@@ -366,6 +353,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 request.block_hashes,
                 request.token_ids,
                 request.candidates,
+                request.require_exact,
             )
         except BrokerError as err:
             await _abort(context, err)

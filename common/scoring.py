@@ -26,6 +26,7 @@ class HolderMatch:
     load: float
     hold_lease_id: str = ""
     reads: int = 0  # leases on the holder's blocks of this tier being read now (ACTIVE)
+    exactness: int = 1  # IndexExactness of the broker's picture of this holder (1: exact)
 
 
 def rank_holders(matches: list[HolderMatch]) -> list[HolderMatch]:
@@ -40,6 +41,7 @@ class EngineScore:
     cpu_blocks: int
     load: float
     draining: bool
+    exactness: int = 1  # IndexExactness of the counts above (1: exact)
 
 
 def score_engines(

@@ -158,6 +158,8 @@ class Loads:
 
     def on_outcomes(self, outcomes: ReadOutcomes) -> None:
         """The worker ranks' read results; a load's reads are done when every rank reported."""
+        self._ctx.stats.count("reads_refused_replaced_holder", outcomes.stale_refused)  # 0: not counted
+        self._ctx.stats.count("holder_agents_replaced", outcomes.peers_replaced)
         for req_id, reason in outcomes.failed.items():
             load = self.active.get(req_id)
             if load is not None and not load.failure:
@@ -298,6 +300,7 @@ class Loads:
             )
             load.span.set_attribute("kvbroker.destination_ranks", ctx.tp_size * ctx.pp_size)
             load.span.set_attribute("kvbroker.lease_id", lease.lease_id)
+            load.span.set_attribute("kvbroker.holder_generation", int(holder.generation))
         self._pending_specs.append(
             LoadSpec(
                 request_id=load.request_id,
@@ -307,6 +310,7 @@ class Loads:
                 remote_block_ids=tuple(remote_ids),
                 local_block_ids=load.local_block_ids,
                 holder_ranks=tuple(ranks),
+                holder_generation=int(holder.generation),
             )
         )
 

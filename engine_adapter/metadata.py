@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 #   2: the CPU tier: StoreSpec, ReadOutcomes.stores_done / stores_failed and
 #      HolderRank.mem_type. (HolderRank.num_blocks came later with a default:
 #      both sides are one install, so an added defaulted field needs no bump.)
-VERSION = 2
+VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,9 @@ class LoadSpec:
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     holder_ranks: tuple[HolderRank, ...]
+    # EngineInfo.generation of the holder the lease was granted on (0: unknown). A worker never
+    # reads under a generation older than one it has loaded the agent of (docs/engine_adapter.md).
+    holder_generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,10 @@ class ReadOutcomes(KVConnectorWorkerMetadata):
     stores_failed: dict[int, str] = field(default_factory=dict)
     # Per request: seconds this rank's reads took, as the worker timed them (the slowest rank wins).
     read_s: dict[str, float] = field(default_factory=dict)
+    # Reads refused because their holder was replaced (an older generation than the one loaded),
+    # and peers whose cached agent was dropped for a newer generation, on every rank together.
+    stale_refused: int = 0
+    peers_replaced: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ReadOutcomes)
@@ -127,6 +134,8 @@ class ReadOutcomes(KVConnectorWorkerMetadata):
             dict(self.stores_done),
             dict(self.stores_failed),
             dict(self.read_s),
+            self.stale_refused + other.stale_refused,
+            self.peers_replaced + other.peers_replaced,
         )
         for req_id, count in other.done.items():
             merged.done[req_id] = merged.done.get(req_id, 0) + count

@@ -56,6 +56,8 @@ class SchedulerStats:
     _unreported: bool = True
 
     def count(self, name: str, n: int = 1) -> None:
+        if not n:
+            return  # nothing happened: the counters (and the stats file) stay as they are
         self.counters[name] += n
         self.dirty = self._unreported = True
 

@@ -27,6 +27,7 @@ from kvbroker.engine_adapter.metadata import (
     RegionSpec,
     StoreSpec,
 )
+from kvbroker.engine_adapter.peer_agents import PeerAgents
 from kvbroker.engine_adapter.topology import TopologyError, plan_layer_reads
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -42,6 +43,7 @@ class MoverLike(Protocol):
     def register_tier(self, tier: int, mem_type: str, regions: list[Any], num_blocks: int) -> None: ...
     def agent_metadata(self) -> bytes: ...
     def add_peer(self, agent_name: str, metadata: bytes) -> Any: ...
+    def remove_peer(self, agent_name: str) -> None: ...
     def start_read(
         self,
         peer_agent: str,
@@ -113,7 +115,7 @@ class AdapterWorker:
         self._load_errors: set[int] = set()
         self._frees: set[str] = set()
         self._seen_finished: set[str] = set()
-        self._peers: dict[str, bytes] = {}
+        self._peers = PeerAgents()  # holder agents loaded into NIXL, by registration generation
         self._stop = threading.Event()
         self._registrar_thread: threading.Thread | None = None
         self.rank_info: pb.RankInfo | None = None
@@ -275,9 +277,12 @@ class AdapterWorker:
         for read in reads:
             holder = read.holder
             try:
-                if self._peers.get(holder.agent_name) != holder.agent_metadata:
-                    self.mover.add_peer(holder.agent_name, holder.agent_metadata)
-                    self._peers[holder.agent_name] = holder.agent_metadata
+                refused = self._peers.prepare(
+                    self.mover, holder.agent_name, spec.holder_generation, holder.agent_metadata
+                )
+                if refused:
+                    reading.failure = refused
+                    return
                 handle = self.mover.start_read(
                     holder.agent_name,
                     [self._region_factory(r) for r in holder.regions if r.layer in read.layers],
@@ -387,6 +392,9 @@ class AdapterWorker:
         if not (o.done or o.failed or o.stores_done or o.stores_failed):
             return None
         outcomes, self._outcomes = self._outcomes, ReadOutcomes()
+        # A replacement is counted with the read that caused it (always an outcome of its own).
+        outcomes.stale_refused, outcomes.peers_replaced = self._peers.refused, self._peers.replaced
+        self._peers.refused = self._peers.replaced = 0
         return outcomes
 
     def shutdown(self) -> None:

@@ -23,6 +23,11 @@ from kvbroker.tools.cli_render import (
 from kvbroker.v1 import broker_pb2 as pb
 
 
+def exactness_name(value: int) -> str:
+    """exact, lagging or degraded ("-": a broker that does not say)."""
+    return pb.IndexExactness.Name(value).removeprefix("INDEX_").lower() if value else "-"  # type: ignore[arg-type]
+
+
 def cmd_engines(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> int:
     response = client.list_engines(layout_id=args.layout_id)
     if args.json:
@@ -41,6 +46,7 @@ def cmd_engines(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> 
                 ranks,
                 e.blocks_gpu,
                 e.blocks_cpu,
+                exactness_name(e.exactness),
                 e.active_leases_held,
                 e.active_leases_read,
                 f"{e.load:g}",
@@ -49,7 +55,7 @@ def cmd_engines(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> 
                 labels,
             ]
         )
-    headers = ["ENGINE", "STATE", "LAYOUT", "MODEL", "RANKS", "GPU_BLOCKS", "CPU_BLOCKS"]
+    headers = ["ENGINE", "STATE", "LAYOUT", "MODEL", "RANKS", "GPU_BLOCKS", "CPU_BLOCKS", "INDEX"]
     headers += ["HOLDS", "READS", "LOAD", "TTL", "SOURCE", "LABELS"]
     print(format_table(headers, rows), file=out)
     print(f"{len(rows)} engine(s)", file=out)
@@ -181,6 +187,7 @@ def cmd_score(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> in
     request = pb.ScoreRequest(
         namespace=pb.Namespace(layout_id=args.layout_id, tenant=args.tenant),
         candidates=args.candidate or [],
+        require_exact=args.require_exact,
     )
     if args.tokens is not None:
         request.token_ids.extend(_int_list(args.tokens, "--tokens"))
@@ -202,10 +209,11 @@ def cmd_score(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> in
             f"{s.load:g}",
             "yes" if s.draining else "no",
             EVENT_FED if s.engine_id in event_fed else "connector",
+            exactness_name(s.exactness),
         ]
         for s in response.scores
     ]
-    headers = ["ENGINE", "GPU_BLOCKS", "CPU_BLOCKS", "PREFIX", "LOAD", "DRAINING", "SOURCE"]
+    headers = ["ENGINE", "GPU_BLOCKS", "CPU_BLOCKS", "PREFIX", "LOAD", "DRAINING", "SOURCE", "INDEX"]
     print(format_table(headers, rows), file=out)
     print(f"{total} full block(s) of {response.block_size} tokens in the prompt", file=out)
     return 0

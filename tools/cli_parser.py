@@ -123,7 +123,8 @@ def build_parser(
         "engines",
         parents=[common],
         help="list registered engines",
-        description="Registered engines: state, layout, ranks, indexed blocks per tier, leases held "
+        description="Registered engines: state, layout, ranks, indexed blocks per tier, how exact "
+        "the index is for each (INDEX: exact, lagging, degraded), leases held "
         "and read, last load and session TTL.",
     )
     engines.add_argument("--layout-id", default="", help="only engines with this layout id")
@@ -201,6 +202,11 @@ def build_parser(
     what.add_argument("--hashes", help="wire block hashes (fixed64, decimal or 0x hex), in chain order")
     score.add_argument(
         "--candidate", action="append", metavar="ENGINE_ID", help="score only these engines (repeatable)"
+    )
+    score.add_argument(
+        "--require-exact",
+        action="store_true",
+        help="count only blocks of engines whose index entries are exact (not lagging or degraded)",
     )
     score.set_defaults(handler=cmd_score)
     return parser

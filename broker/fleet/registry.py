@@ -84,6 +84,18 @@ end
 return gone
 """
 
+# ARGV: prefix, floor.  -> the next generation: one counter for every replica, never below the floor.
+_NEXT_GENERATION = """
+local k = ARGV[1] .. 'gen'
+local g = redis.call('INCR', k)
+local floor = tonumber(ARGV[2])
+if g < floor then
+  redis.call('SET', k, ARGV[2])
+  g = floor
+end
+return g
+"""
+
 PUSH_EVERY_S = 0.25  # how often an owner writes its sessions' deadlines and loads to the store
 # Another replica's engine record is reused for as long as its owner takes to push a new load; a
 # registration, a new rank or a session's end is announced on the fleet's channel and drops it.
@@ -160,6 +172,7 @@ class FleetRegistry(EngineRegistry):
         self._remove = state.script(_REMOVE)
         self._claim = state.script(_CLAIM_EXPIRED)
         self._push_script = state.script(_PUSH)
+        self._next_generation = state.script(_NEXT_GENERATION)
         self._claimed: set[str] = set()  # remote sessions this replica claimed to end
         self._pushed = 0.0
         self._swept = 0.0  # when this replica last looked for other replicas' expired sessions
@@ -208,6 +221,9 @@ class FleetRegistry(EngineRegistry):
             draining=fields.get(b"drain", b"0") == b"1" or info.draining,
             ranks_version=int(fields[b"rv"]),
             peer_host=fields.get(b"host", b"").decode(),  # a unary call from the engine's host acts as it
+            generation=info.generation,
+            exactness=int(info.exactness) or 1,
+            exactness_reason=info.exactness_reason,
         )
 
     def _remote(self, engine_id: str) -> EngineRecord | None:
@@ -287,6 +303,11 @@ class FleetRegistry(EngineRegistry):
         self._news.engine_changed(rec.engine_id)
         return rec
 
+    def next_generation(self) -> int:
+        """From the store: a restarted engine id is a new generation whichever replica it reaches."""
+        floor = str(self._generation_floor())
+        return int(self._state.call(self._next_generation, keys=self._route, args=[self._p, floor]))
+
     def add_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
         if super().find(engine_id) is None:
             raise NotFound(
@@ -299,6 +320,13 @@ class FleetRegistry(EngineRegistry):
         self._publish(rec, new=False)
         self._news.engine_changed(engine_id)
         return rec
+
+    def set_exactness(self, rec: EngineRecord, exactness: int, reason: str) -> None:
+        changed = (rec.exactness, rec.exactness_reason) != (exactness, reason)
+        super().set_exactness(rec, exactness, reason)
+        if changed and super().find(rec.engine_id) is rec:  # the replica that follows it tells the others
+            self._publish(rec, new=False)
+            self._news.engine_changed(rec.engine_id)
 
     def remove(self, rec: EngineRecord) -> None:
         super().remove(rec)

@@ -34,6 +34,7 @@ from urllib.parse import urlencode
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import InvalidArgument, Unauthenticated
+from kvbroker.broker.exactness import exactness_of
 from kvbroker.broker.indexer.kv_events import KvEventsFeed, KvEventsSource, parse_source
 from kvbroker.broker.indexer.query import IndexerError, query
 from kvbroker.broker.namespaces import ALL_TENANTS, DEFAULT_TENANT
@@ -307,6 +308,7 @@ class IndexerHttp:
             if hidden and self.engine_tenant(rec.engine_id) != who.tenant:  # type: ignore[misc, union-attr]
                 continue
             labels = rec.info.labels
+            state, reason = exactness_of(rec, self.core.clock.now())
             event_fed = labels.get(SOURCE_LABEL) == EVENT_FED
             endpoints = {"0": labels.get("kv_events", "")} if event_fed else {}
             out.append(
@@ -316,6 +318,8 @@ class IndexerHttp:
                     "block_size": rec.info.layout.block_size,
                     "source": EVENT_FED if event_fed else "connector",
                     "endpoints": endpoints,
+                    "exactness": state.label,  # exact, lagging or degraded (broker/exactness.py)
+                    "exactness_reason": reason,
                 }
             )
         return out

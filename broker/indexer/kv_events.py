@@ -37,6 +37,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
+from kvbroker.broker.exactness import Exactness
 from kvbroker.broker.indexer.kv_chain import BlockChain, ChainStats, event_fields
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL, Namespace
@@ -163,6 +164,8 @@ class KvEventsFeed:
     bad_frames: int = 0  # frames skipped: wrong shape, undecodable, too deeply nested
     _last_seq: int = -1
     _bad_logged: float = float("-inf")
+    _lost: str = ""  # why events were lost for good (the index is degraded until a clear or a reconnect)
+    _replaying: bool = False
     _task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
@@ -212,6 +215,8 @@ class KvEventsFeed:
         )
         self.chain.clear()
         self._last_seq = -1
+        self._lost, self._replaying = "", False
+        self._show()
         log.info("kv-events %s: publisher %s connected", self.source.engine_id, self.source.endpoint)
 
     def disconnected(self, why: str) -> None:
@@ -244,6 +249,8 @@ class KvEventsFeed:
             return
         if self._last_seq >= 0 and seq != self._last_seq + 1:
             self.seq_gaps += 1  # missed events: children of what we missed are skipped, not misfiled
+            self._lost = f"KV event batches {self._last_seq + 1}..{seq - 1} were lost"
+            self._show()
         self._last_seq = seq
         self.batches += 1
         clock = time.perf_counter
@@ -275,6 +282,20 @@ class KvEventsFeed:
         elif kind == "AllBlocksCleared":
             self.chain.clear()
             self.core.index.drop_holder(rec.engine_id)
+            self._lost = ""  # the picture starts again from nothing: exact
+            self._show()
+
+    def _show(self) -> None:
+        """Tell the registry how exact this engine's entries are (broker/exactness.py)."""
+        rec = self.record
+        if rec is None or self.core.registry.find(rec.engine_id) is not rec:
+            return
+        if self._lost:
+            self.core.registry.set_exactness(rec, Exactness.DEGRADED, self._lost)
+        elif self._replaying:
+            self.core.registry.set_exactness(rec, Exactness.LAGGING, "replaying missed KV event batches")
+        else:
+            self.core.registry.set_exactness(rec, Exactness.EXACT, "")
 
     def _splitter(self, msgspec: Any) -> Callable[[bytes], list[Any] | None]:
         return _batch_splitter(msgspec, self)
@@ -368,11 +389,16 @@ class KvEventsFeed:
                         continue
                     seq = int.from_bytes(frames[1], "big", signed=True)
                     if self._needs_replay(seq):
+                        self._replaying = True
+                        self._show()
                         try:
                             await self._replay(ctx, self._last_seq + 1, seq, split, decoder.decode)
                         except zmq.ZMQError as err:
                             log.warning("kv-events %s: replay failed: %s", self.source.engine_id, err)
+                        finally:
+                            self._replaying = False
                     await self.apply_batch(seq, events, decoder.decode)
+                    self._show()  # a gap the replay did not fill degrades the entries
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)

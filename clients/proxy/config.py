@@ -74,6 +74,11 @@ class ProxyConfig:
     tenant: str = setting(
         "", "tenant configured in the engines' adapters; the namespace tenant is TENANT/cache_salt"
     )
+    require_exact_index: bool = setting(
+        False,
+        "count only prefixes of engines whose index entries the broker says are exact (a lagging or "
+        "degraded engine, e.g. one gone silent, scores 0 blocks; docs/broker.md, Exactness)",
+    )
     connect_timeout_s: float = setting(5.0, "time to connect to an engine before trying the next")
     prefill_timeout_s: float = setting(300.0, "longest a prefill request may take")
     read_timeout_s: float = setting(300.0, "longest silence while reading an engine's answer")

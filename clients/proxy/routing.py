@@ -190,12 +190,16 @@ class Router:
         *,
         tenant: str = "",
         score_timeout_s: float = 0.5,
+        require_exact: bool = False,
     ) -> None:
         self.pool = pool
         self.broker = broker
         self.http = http
         self.tenant = tenant
         self.score_timeout_s = score_timeout_s
+        self.require_exact = (
+            require_exact  # Score's require_exact: ignore engines the index may be wrong about
+        )
         self._rotation = 0
 
     async def route(self, endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> Route:
@@ -257,6 +261,7 @@ class Router:
             ),
             block_hashes=hashes,
             candidates=same_layout,
+            require_exact=self.require_exact,
             timeout=self.score_timeout_s,
         )
         return list(response.scores)

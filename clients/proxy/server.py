@@ -303,7 +303,14 @@ def build_app(
         config=config,
         pool=pool,
         http=http,
-        router=Router(pool, broker, http, tenant=config.tenant, score_timeout_s=config.score_timeout_s),
+        router=Router(
+            pool,
+            broker,
+            http,
+            tenant=config.tenant,
+            score_timeout_s=config.score_timeout_s,
+            require_exact=config.require_exact_index,
+        ),
         forwarder=Forwarder(
             http,
             pool,

@@ -125,3 +125,33 @@ def test_incompatibility_says_why_a_reader_cannot_read_a_holder(registry: Regist
     other = registry.add(engine_info("X", num_layers=4), 10.0, 1, 0.0)
     assert registry.incompatibility(d, p) is None
     assert "layout ids differ" in (registry.incompatibility(other, p) or "")
+
+
+def test_every_registration_gets_a_larger_generation_never_below_the_wall_clock(registry: Registry) -> None:
+    """Generations tell a restarted engine id from its old self (docs/broker.md, Sessions)."""
+    floor = [1_000]
+    registry._generation_floor = lambda: floor[0]  # type: ignore[attr-defined]
+    first = registry.add(engine_info("P"), 5.0, 1, now=0.0)
+    assert first.generation >= 1_000 and first.snapshot().generation == first.generation
+    registry.remove(first)
+    again = registry.add(engine_info("P"), 5.0, 1, now=1.0)
+    other = registry.add(engine_info("D"), 5.0, 1, now=1.0)
+    assert first.generation < again.generation < other.generation
+    floor[0] = other.generation + 10_000  # the wall clock moved on (a restarted broker starts there)
+    assert registry.next_generation() >= floor[0]
+    floor[0] = 5  # a clock that went back gives no smaller number than one already issued
+    assert registry.next_generation() > other.generation + 10_000
+
+
+def test_an_engines_recorded_exactness_is_read_back_and_carried_by_its_snapshot(registry: Registry) -> None:
+    rec = registry.add(engine_info("ev"), 5.0, 1, now=0.0)
+    assert (rec.exactness, rec.snapshot().exactness) == (1, pb.INDEX_EXACT)
+    registry.set_exactness(rec, 2, "replaying missed KV event batches")
+    found = registry.find("ev")
+    assert found is not None and (found.exactness, found.exactness_reason) == (
+        2,
+        "replaying missed KV event batches",
+    )
+    assert found.snapshot().exactness == pb.INDEX_LAGGING
+    registry.set_exactness(rec, 1, "")
+    assert registry.get("ev").snapshot().exactness_reason == ""

@@ -190,6 +190,7 @@ class FakeMover:
         self.polls_to_finish = polls_to_finish
         self.fail_peers: set[str] = set()
         self.peers: dict[str, bytes] = {}
+        self.peer_log: list[tuple[str, str, bytes]] = []
         self.reads: dict[int, dict[str, Any]] = {}
         self._polls_left: dict[int, int] = {}
         self._next = 1
@@ -204,6 +205,11 @@ class FakeMover:
 
     def add_peer(self, agent_name: str, metadata: bytes) -> None:
         self.peers[agent_name] = metadata
+        self.peer_log.append(("add", agent_name, metadata))
+
+    def remove_peer(self, agent_name: str) -> None:
+        self.peers.pop(agent_name, None)
+        self.peer_log.append(("remove", agent_name, b""))
 
     def start_read(
         self,

@@ -178,3 +178,57 @@ def test_wrong_metadata_version_is_refused() -> None:
     worker, _ = make_worker()
     with pytest.raises(RuntimeError, match="version"):
         worker.start_load_kv(AdapterMetadata(version=999))
+
+
+# --- a replaced holder (engine restarted under the same id) ----------------
+
+
+def generation_spec(req: str, generation: int, metadata: bytes) -> LoadSpec:
+    holder = HolderRank(0, 0, "h-pp0-tp0", metadata, 0, 4, tuple(RegionSpec(x, 0, 64, 64) for x in range(4)))
+    return LoadSpec(req, "l-" + req, "h", pb.TIER_GPU, (100,), (7,), (holder,), holder_generation=generation)
+
+
+def test_a_newer_generation_drops_the_old_agent_before_loading_the_new_one() -> None:
+    worker, mover = make_worker()
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("r1", 5, b"old")]))
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("r2", 9, b"new")]))
+    assert mover.peer_log == [
+        ("add", "h-pp0-tp0", b"old"),
+        ("remove", "h-pp0-tp0", b""),
+        ("add", "h-pp0-tp0", b"new"),
+    ]
+    assert [r["peer"] for r in mover.reads.values()] == ["h-pp0-tp0", "h-pp0-tp0"]
+    worker.get_finished(set())
+    outcomes = worker.take_outcomes()
+    assert outcomes is not None and outcomes.peers_replaced == 1 and outcomes.stale_refused == 0
+    assert outcomes.done == {"r1": 1, "r2": 1}
+
+
+def test_a_load_planned_against_the_replaced_engine_is_refused_not_read() -> None:
+    """A lease granted just before the holder restarted reaches the worker after the new
+    agent was loaded: no read starts, the old agent is not put back, the blocks recompute."""
+    worker, mover = make_worker()
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("new", 9, b"new")]))
+    reads_before = len(mover.reads)
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("stale", 5, b"old")]))
+    assert len(mover.reads) == reads_before, "a read was issued against the replaced agent"
+    assert mover.peers == {"h-pp0-tp0": b"new"}
+    worker.get_finished(set())
+    outcomes = worker.take_outcomes()
+    assert outcomes is not None and "was replaced" in outcomes.failed["stale"]
+    assert outcomes.stale_refused == 1 and "new" not in outcomes.failed
+    # The new generation keeps reading from the agent it loaded, without loading it again.
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("again", 9, b"new")]))
+    assert mover.peer_log.count(("add", "h-pp0-tp0", b"new")) == 1
+
+
+def test_without_generations_new_metadata_replaces_the_agent() -> None:
+    worker, mover = make_worker()
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("r1", 0, b"a")]))
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("r2", 0, b"a")]))
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("r3", 0, b"b")]))
+    assert [e for e in mover.peer_log if e[0] == "add"] == [
+        ("add", "h-pp0-tp0", b"a"),
+        ("add", "h-pp0-tp0", b"b"),
+    ]
+    assert len(mover.reads) == 3

@@ -100,6 +100,7 @@ async def test_engines_table_and_json(broker: Any, engines: dict[str, EngineSess
     assert header[:7] == ["ENGINE", "STATE", "LAYOUT", "MODEL", "RANKS", "GPU_BLOCKS", "CPU_BLOCKS"]
     rows = {line.split()[0]: line.split() for line in lines[1:3]}
     assert rows["p0"][1] == "serving" and rows["p0"][5] == "3" and rows["d0"][5] == "0"
+    assert header[7] == "INDEX" and rows["p0"][7] == "exact" and rows["d0"][7] == "exact"
     assert lines[-1] == "2 engine(s)"
     code, text = await run_cli("--broker", broker.address, "engines", "--json")  # --json after the command
     assert code == 0

@@ -82,6 +82,34 @@ TIER_CPU: Tier.ValueType  # 2
 """the engine's pinned CPU offload tier"""
 Global___Tier: _TypeAlias = Tier  # noqa: Y015
 
+class _IndexExactness:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _IndexExactnessEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_IndexExactness.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    INDEX_EXACTNESS_UNSPECIFIED: _IndexExactness.ValueType  # 0
+    """a broker that predates the field"""
+    INDEX_EXACT: _IndexExactness.ValueType  # 1
+    """every store and eviction applied in order (connector engines; a KV-event feed without gaps)"""
+    INDEX_LAGGING: _IndexExactness.ValueType  # 2
+    """a KV-event feed missed batches and is replaying them: entries may be missing or stale"""
+    INDEX_DEGRADED: _IndexExactness.ValueType  # 3
+    """events were lost for good, or the engine is silent: entries may name blocks it no longer has"""
+
+class IndexExactness(_IndexExactness, metaclass=_IndexExactnessEnumTypeWrapper):
+    """How exact the broker's picture of one engine's blocks is (docs/broker.md, "Exactness")."""
+
+INDEX_EXACTNESS_UNSPECIFIED: IndexExactness.ValueType  # 0
+"""a broker that predates the field"""
+INDEX_EXACT: IndexExactness.ValueType  # 1
+"""every store and eviction applied in order (connector engines; a KV-event feed without gaps)"""
+INDEX_LAGGING: IndexExactness.ValueType  # 2
+"""a KV-event feed missed batches and is replaying them: entries may be missing or stale"""
+INDEX_DEGRADED: IndexExactness.ValueType  # 3
+"""events were lost for good, or the engine is silent: entries may name blocks it no longer has"""
+Global___IndexExactness: _TypeAlias = IndexExactness  # noqa: Y015
+
 class _LeaseState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -396,6 +424,9 @@ class EngineInfo(_message.Message):
     ACTIVE_LEASES_READ_FIELD_NUMBER: _builtins.int
     SESSION_TTL_MS_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    EXACTNESS_FIELD_NUMBER: _builtins.int
+    EXACTNESS_REASON_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     layout_id: _builtins.str
     """set by the broker"""
@@ -408,6 +439,20 @@ class EngineInfo(_message.Message):
     session_ttl_ms: _builtins.int
     load: _builtins.float
     """last load figure from heartbeat (see Heartbeat.load)"""
+    generation: _builtins.int
+    """Set by the broker: which registration of this engine id this is. A new
+    session of the id (a restart, or a re-registration that could not resume)
+    gets a larger generation than every earlier one the broker (or the fleet's
+    store) issued; a resumed session keeps its own. A reader that cached a
+    rank's NIXL agent metadata drops it when the generation it is handed is
+    larger, and refuses to read under a smaller one (a replaced engine is
+    never read as its old self). 0: a broker that predates the field; compare
+    the agent metadata instead.
+    """
+    exactness: Global___IndexExactness.ValueType
+    """set by the broker: how exact its picture of this engine's blocks is"""
+    exactness_reason: _builtins.str
+    """why it is not exact (empty when exact)"""
     @_builtins.property
     def layout(self) -> Global___LayoutFingerprint: ...
     @_builtins.property
@@ -431,10 +476,13 @@ class EngineInfo(_message.Message):
         active_leases_read: _builtins.int = ...,
         session_ttl_ms: _builtins.int = ...,
         load: _builtins.float = ...,
+        generation: _builtins.int = ...,
+        exactness: Global___IndexExactness.ValueType = ...,
+        exactness_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases_held", b"active_leases_held", "active_leases_read", b"active_leases_read", "blocks_cpu", b"blocks_cpu", "blocks_gpu", b"blocks_gpu", "draining", b"draining", "engine_id", b"engine_id", "labels", b"labels", "layout", b"layout", "layout_id", b"layout_id", "load", b"load", "ranks", b"ranks", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases_held", b"active_leases_held", "active_leases_read", b"active_leases_read", "blocks_cpu", b"blocks_cpu", "blocks_gpu", b"blocks_gpu", "draining", b"draining", "engine_id", b"engine_id", "exactness", b"exactness", "exactness_reason", b"exactness_reason", "generation", b"generation", "labels", b"labels", "layout", b"layout", "layout_id", b"layout_id", "load", b"load", "ranks", b"ranks", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -555,6 +603,7 @@ class ResolveRequest(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
     MIN_BLOCKS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REQUIRE_EXACT_FIELD_NUMBER: _builtins.int
     acquire: _builtins.bool
     """also lease the best holder's matched blocks"""
     lease_ttl_ms: _builtins.int
@@ -562,6 +611,10 @@ class ResolveRequest(_message.Message):
     """acquire only if at least this many match"""
     request_id: _builtins.str
     """free-form, for traces and leases"""
+    require_exact: _builtins.bool
+    """Name (and lease) only holders whose index entries are INDEX_EXACT; lagging or
+    degraded ones are left out as if they held nothing.
+    """
     @_builtins.property
     def namespace(self) -> Global___Namespace: ...
     @_builtins.property
@@ -575,10 +628,11 @@ class ResolveRequest(_message.Message):
         lease_ttl_ms: _builtins.int = ...,
         min_blocks: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        require_exact: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "block_hashes", b"block_hashes", "lease_ttl_ms", b"lease_ttl_ms", "min_blocks", b"min_blocks", "namespace", b"namespace", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "block_hashes", b"block_hashes", "lease_ttl_ms", b"lease_ttl_ms", "min_blocks", b"min_blocks", "namespace", b"namespace", "request_id", b"request_id", "require_exact", b"require_exact"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -594,6 +648,7 @@ class HolderMatch(_message.Message):
     HOLD_LEASE_ID_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     READS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    EXACTNESS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     tier: Global___Tier.ValueType
     matched_blocks: _builtins.int
@@ -607,6 +662,8 @@ class HolderMatch(_message.Message):
     by any reader: pulls that would share its bandwidth. Index mirrors do not
     see leases and answer 0 here.
     """
+    exactness: Global___IndexExactness.ValueType
+    """how exact the broker's picture of this holder is"""
     def __init__(
         self,
         *,
@@ -616,10 +673,11 @@ class HolderMatch(_message.Message):
         hold_lease_id: _builtins.str = ...,
         load: _builtins.float = ...,
         reads_in_flight: _builtins.int = ...,
+        exactness: Global___IndexExactness.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "hold_lease_id", b"hold_lease_id", "load", b"load", "matched_blocks", b"matched_blocks", "reads_in_flight", b"reads_in_flight", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "exactness", b"exactness", "hold_lease_id", b"hold_lease_id", "load", b"load", "matched_blocks", b"matched_blocks", "reads_in_flight", b"reads_in_flight", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1394,6 +1452,9 @@ class ScoreRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
+    REQUIRE_EXACT_FIELD_NUMBER: _builtins.int
+    require_exact: _builtins.bool
+    """count only blocks of engines whose entries are INDEX_EXACT"""
     @_builtins.property
     def namespace(self) -> Global___Namespace: ...
     @_builtins.property
@@ -1415,10 +1476,11 @@ class ScoreRequest(_message.Message):
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         candidates: _abc.Iterable[_builtins.str] | None = ...,
+        require_exact: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "candidates", b"candidates", "namespace", b"namespace", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "candidates", b"candidates", "namespace", b"namespace", "require_exact", b"require_exact", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1433,11 +1495,14 @@ class EngineScore(_message.Message):
     CPU_BLOCKS_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    EXACTNESS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     gpu_blocks: _builtins.int
     cpu_blocks: _builtins.int
     load: _builtins.float
     draining: _builtins.bool
+    exactness: Global___IndexExactness.ValueType
+    """how exact the counts above are for this engine"""
     def __init__(
         self,
         *,
@@ -1446,10 +1511,11 @@ class EngineScore(_message.Message):
         cpu_blocks: _builtins.int = ...,
         load: _builtins.float = ...,
         draining: _builtins.bool = ...,
+        exactness: Global___IndexExactness.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_blocks", b"cpu_blocks", "draining", b"draining", "engine_id", b"engine_id", "gpu_blocks", b"gpu_blocks", "load", b"load"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_blocks", b"cpu_blocks", "draining", b"draining", "engine_id", b"engine_id", "exactness", b"exactness", "gpu_blocks", b"gpu_blocks", "load", b"load"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -295,3 +295,98 @@ async def test_an_index_mirror_scores_the_engine_but_never_resolves_it(tmp_path:
             await channel.close()
             await conn.close()
             publisher.close()
+
+
+# --------------------------------------------------------------------------- exactness (broker/exactness.py)
+
+
+def _workers(port: int) -> dict[str, Any]:
+    import json
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/workers", timeout=5) as response:
+        return {w["instance_id"]: w for w in json.loads(response.read())}
+
+
+def test_lost_batches_degrade_the_engine_everywhere_until_a_clear(tmp_path: Path) -> None:
+    events_port, metrics_port, http_port = free_port(), free_port(), free_port()
+    publisher = Publisher(events_port)  # no replay endpoint: a gap is lost for good
+    hashes = vllm_int_hashes(PROMPT)
+    spec = f"ev=tcp://127.0.0.1:{events_port}?model=tiny-llama&block_size={BLOCK}"
+    args = [
+        "--kv-events",
+        spec,
+        "--metrics-port",
+        str(metrics_port),
+        "--indexer-http",
+        f"127.0.0.1:{http_port}",
+    ]
+    try:
+        with BrokerProcess(tmp_path, args, command=SERVE) as broker, BrokerClient(broker.address) as client:
+            assert wait_for(lambda: bool(client.list_engines().engines), 10)
+            time.sleep(0.3)  # the subscription is live (ZMQ's slow joiner)
+            ns = pb.Namespace(layout_id=client.list_engines().engines[0].layout_id, tenant="")
+
+            def score(**kw: Any) -> pb.EngineScore:
+                return client.score(namespace=ns, token_ids=PROMPT, **kw).scores[0]
+
+            publisher.send(_stored(PROMPT, hashes, 0, 2))
+            assert wait_for(lambda: score().gpu_blocks == 2, 10)
+            assert score().exactness == pb.INDEX_EXACT and _workers(http_port)["ev"]["exactness"] == "exact"
+            publisher.seq += 1  # batch 1 never reaches the broker
+            publisher.send(_stored(PROMPT, hashes, 2, 1))
+            (engine,) = client.list_engines().engines
+            assert wait_for(lambda: client.list_engines().engines[0].exactness == pb.INDEX_DEGRADED, 10)
+            (engine,) = client.list_engines().engines
+            assert "batches 1..1 were lost" in engine.exactness_reason
+            assert score().exactness == pb.INDEX_DEGRADED
+            assert score(require_exact=True).gpu_blocks == 0, "a router that requires exact counts nothing"
+            worker = _workers(http_port)["ev"]
+            assert worker["exactness"] == "degraded" and "lost" in worker["exactness_reason"]
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            )
+            assert 'kvbroker_engines_by_exactness{exactness="degraded"} 1.0' in text
+            assert 'kvbroker_engines_by_exactness{exactness="exact"} 0.0' in text
+            assert _cli(broker.address, "engines").splitlines()[1].split()[7] == "degraded"
+            # The engine starts its picture again from nothing: exact.
+            publisher.send({"type": "AllBlocksCleared"})
+            publisher.send(_stored(PROMPT, hashes, 0, 1))
+            assert wait_for(lambda: score().exactness == pb.INDEX_EXACT, 10)
+            assert score(require_exact=True).gpu_blocks == 1
+    finally:
+        publisher.close()
+
+
+def test_an_engine_is_lagging_while_its_missed_batches_are_replayed(tmp_path: Path) -> None:
+    """The replay socket answers only once the test saw the engine lagging."""
+    events_port, replay_port = free_port(), free_port()
+    publisher = Publisher(events_port)
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    hashes = vllm_int_hashes(PROMPT)
+    spec = f"ev=tcp://127.0.0.1:{events_port}?model=tiny-llama&block_size={BLOCK}&replay=tcp://127.0.0.1:{replay_port}"
+    try:
+        with (
+            BrokerProcess(tmp_path, ["--kv-events", spec, "--metrics-port", "0"], command=SERVE) as broker,
+            BrokerClient(broker.address) as client,
+        ):
+            assert wait_for(lambda: bool(client.list_engines().engines), 10)
+            time.sleep(0.3)
+            publisher.send(_stored(PROMPT, hashes, 0, 1))
+            assert wait_for(lambda: client.list_engines().engines[0].blocks_gpu == 1, 10)
+            missed = msgspec.msgpack.encode([time.time(), [_stored(PROMPT, hashes, 1, 1)], None])
+            publisher.seq += 1  # batch 1 is lost on the PUB socket; the replay socket has it
+            publisher.send(_stored(PROMPT, hashes, 2, 1))
+            assert router.poll(10_000), "the broker did not ask for a replay"
+            peer, _, start = router.recv_multipart()
+            assert int.from_bytes(start, "big") == 1
+            (engine,) = client.list_engines().engines
+            assert engine.exactness == pb.INDEX_LAGGING, engine
+            router.send_multipart([peer, b"", b"", (1).to_bytes(8, "big"), missed])
+            router.send_multipart([peer, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+            assert wait_for(lambda: client.list_engines().engines[0].blocks_gpu == 3, 10)
+            (engine,) = client.list_engines().engines
+            assert (engine.exactness, engine.exactness_reason) == (pb.INDEX_EXACT, "")
+    finally:
+        router.close(linger=0)
+        publisher.close()

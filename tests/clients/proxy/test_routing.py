@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -226,3 +227,49 @@ def test_tokenize_request_and_tenant() -> None:
     }
     assert tokenize_body("/v1/completions", {"prompt": ["a", "b"]}) is None
     assert namespace_tenant("", "salt") == "salt" and namespace_tenant("t", None) == "t/"
+
+
+async def test_a_router_that_requires_exact_stops_following_a_silent_holder(broker: RunningServer) -> None:
+    """--require-exact-index: D3 holds the history, then goes silent (its evictions would not
+    arrive either): the broker calls it degraded, and the proxy no longer counts its prefix."""
+    import grpc
+
+    from kvbroker.v1 import broker_pb2_grpc
+    from tests.broker.session_util import RawSession
+
+    async with _stack(broker, local_prefill_tokens=0, require_exact_index=True) as s:
+        d3 = await FakeEngine("D3").start()
+        try:
+            async with grpc.aio.insecure_channel(broker.address) as channel:
+                stub = broker_pb2_grpc.KVBrokerStub(channel)
+                silent = RawSession(stub)  # registers and announces, then never speaks again
+                reg = await silent.register(engine_info("D3", "decode", d3.url), 6_000)
+                turn1 = [{"role": "user", "content": "a conversation only D3 holds " * 3}]
+                history = [*turn1, {"role": "assistant", "content": "held by D3 " * 3}]
+                hashes = wire_chain(fake_tokens(chat_text(history)), BLOCK)
+                await silent.announce(pb.Namespace(layout_id=reg.layout_id), pb.TIER_GPU, hashes)
+                await silent.applied()
+                turn2 = [*history, {"role": "user", "content": "more"}]
+                seen: set[str] = set()
+
+                async def routed_to_d3() -> bool:
+                    _, decode, _ = await chat(s, turn2)
+                    seen.add(decode)
+                    return decode == "D3"
+
+                # Once the proxy has discovered D3 (it re-reads the engine list every 0.2 s), the
+                # exact holder of the longest prefix wins.
+                found_by = asyncio.get_running_loop().time() + 3.0
+                while not await routed_to_d3():
+                    assert asyncio.get_running_loop().time() < found_by, f"D3 never won: {seen}"
+                    await asyncio.sleep(0.2)
+                deadline = asyncio.get_running_loop().time() + 5.5  # degraded after 4 s, gone at 6 s
+                while await routed_to_d3():
+                    assert asyncio.get_running_loop().time() < deadline, "the silent D3 kept winning"
+                    await asyncio.sleep(0.2)
+                engines = {e.engine_id: e for e in (await stub.ListEngines(pb.ListEnginesRequest())).engines}
+                assert engines["D3"].exactness == pb.INDEX_DEGRADED, "D3 lost for being degraded, not gone"
+                assert seen - {"D3"} <= {"D1", "D2"}
+                await silent.close()
+        finally:
+            await d3.stop()

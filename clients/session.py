@@ -3,13 +3,14 @@
 ``EngineSession`` (asyncio) keeps one bidirectional ``Session`` stream open:
 
 - registers the engine, then heartbeats every third of the session TTL (or
-  the interval the broker asks for). The broker decides whether the session
-  lives; this side gives the stream up only when nothing at all came back for
-  ``SILENCE_TTLS`` TTLs (a dead broker breaks the stream, and a frozen one
-  fails the channel's keepalive pings, long before that). A reconnect
-  supersedes the old session and ends its leases, so waiting out a broker that
-  was only starved is the cheaper mistake. Time this process itself did not
-  run (a timer firing late) is not counted as the broker's silence;
+  the interval the broker asks for), and gives the stream up by the silence
+  rules of ``kvbroker.clients.liveness``: with one broker address only after
+  ``SILENCE_TTLS`` TTLs without a word (the broker decides whether the session
+  lives); with several replicas (``KVBROKER_ADDR=a,b``) after a heartbeat went
+  unanswered for a quarter of the TTL, moving to the next replica, which
+  resumes the session before its TTL ends (a frozen replica or a dark link
+  costs no session and no lease). Time this process itself did not run (a
+  timer firing late) is not counted as the broker's silence;
 - reconnects with exponential back-off and jitter; after a reconnect (a
   broken stream, a broker restart) it registers again and re-announces its
   whole inventory from a local mirror, so the broker's soft state comes back
@@ -59,12 +60,8 @@ from kvbroker.clients.inventory import (
     NamespaceLike,
     namespace_key,
 )
-from kvbroker.clients.session_stream import (
-    DEFAULT_SESSION_TTL_MS,
-    SILENCE_TTLS,
-    STALL_S,
-    PinReply,
-)
+from kvbroker.clients.liveness import SILENCE_TTLS, STALL_S
+from kvbroker.clients.session_stream import DEFAULT_SESSION_TTL_MS, PinReply
 from kvbroker.clients.threaded_session import ThreadedEngineSession
 
 __all__ = [

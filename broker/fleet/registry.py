@@ -67,15 +67,18 @@ end
 return out
 """
 
-# ARGV: prefix, then per session: engine id, session id, deadline, load, draining (0/1), peer host.
+# ARGV: prefix, replica, then per session: engine id, session id, deadline, load, draining (0/1), peer host.
 # Never revives a session another replica claimed, nor one that moved to another replica.
 # -> the session ids the store no longer has as ours (ended elsewhere, moved, or lost by the store)
 _PUSH = """
 local p = ARGV[1]
 local gone = {}
-for i = 2, #ARGV, 6 do
+for i = 3, #ARGV, 6 do
   local key = p .. 'e:' .. ARGV[i]
-  if redis.call('HGET', key, 'sid') == ARGV[i + 1] and redis.call('ZSCORE', p .. 'dl', ARGV[i + 1]) then
+  local rec = redis.call('HMGET', key, 'sid', 'rep')
+  -- only the owner moves a deadline: a replica the session left (frozen, cut off) must not
+  -- write back the older deadline it still holds
+  if rec[1] == ARGV[i + 1] and rec[2] == ARGV[2] and redis.call('ZSCORE', p .. 'dl', ARGV[i + 1]) then
     redis.call('ZADD', p .. 'dl', ARGV[i + 2], ARGV[i + 1])
     redis.call('HSET', key, 'load', ARGV[i + 3], 'drain', ARGV[i + 4], 'host', ARGV[i + 5])
   else
@@ -336,7 +339,7 @@ class FleetRegistry(EngineRegistry):
         if wall - self._pushed < PUSH_EVERY_S or not self._by_session:
             return
         self._pushed = wall
-        argv: list[Any] = [self._p]
+        argv: list[Any] = [self._p, self.replica]
         for rec in self._by_session.values():
             argv += [rec.engine_id, rec.session_id, repr(rec.deadline), repr(rec.load), int(rec.draining)]
             argv.append(rec.peer_host)

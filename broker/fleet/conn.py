@@ -6,6 +6,14 @@ few milliseconds a request may hold the event loop. A store that does not
 answer turns into `Unavailable` (gRPC UNAVAILABLE, cause `state_unavailable`):
 the broker refuses what it cannot record instead of guessing.
 
+A store that hangs (paused, overloaded, partitioned: no reset) must not freeze
+the replica: every call waits at most ``CALL_TIMEOUT_S`` and is never retried
+by the client library behind our back; on a single Redis, the first call that
+times out marks the store away (``kvbroker.broker.fleet.health``) and every
+later call fails at once with Unavailable until a probe off the event loop
+finds it answering again. The loop therefore waits on a hung store once per
+outage, for one call's timeout, not once per call.
+
 A Redis Cluster is named by its seed nodes (`redis+cluster://H1:P1,H2:P2`).
 Every script and transaction touches the keys of one hash slot (their keys
 share a hash tag), and on a Cluster each script starts with `#!lua`, which
@@ -39,8 +47,11 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvbroker.broker.errors import InvalidArgument, Unavailable
+from kvbroker.broker.fleet.health import StoreHealth
 
 T = TypeVar("T")
+# The longest a call to the store may hold the event loop (a socket timeout; nothing retried).
+CALL_TIMEOUT_S = 0.25
 _NO_RETRY = redis.asyncio.retry.Retry(NoBackoff(), retries=0)
 
 SCHEMES = ("redis://", "rediss://", "unix://")
@@ -111,7 +122,7 @@ class RedisState:
     """A Redis (or Cluster) client, the fleet's key prefix, and the one place Redis errors become broker
     errors."""
 
-    def __init__(self, url: str, prefix: str = "kvb", timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, prefix: str = "kvb", timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.url = url
         self.shown = _shown(url)
         self.prefix = prefix
@@ -127,11 +138,29 @@ class RedisState:
             self.seeds, self._options = parse_cluster_url(url)
             self.client = self._connect_cluster()
         elif url.startswith(SCHEMES):
-            self.client = redis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=10
-            )
+            self.client = self._standalone(url)
         else:
             raise InvalidArgument(f"--state {self.shown!r} is not a Redis URL: {_USAGE}")
+        # On a Cluster a node away is one slot range away, not the store: calls there rely on the
+        # socket timeout alone (see Limits in docs/scale.md).
+        self.health = StoreHealth(self.shown, self._probe)
+        self._prober: Any = None
+
+    def _standalone(self, url: str) -> redis.Redis:
+        # No retries in the client: each would hold the event loop another timeout and back-off.
+        return redis.Redis.from_url(
+            url,
+            socket_timeout=self._timeout_s,
+            socket_connect_timeout=self._timeout_s,
+            health_check_interval=10,
+            retry=Retry(NoBackoff(), retries=0),
+        )
+
+    def _probe(self) -> None:
+        """One ping on the probe thread's own connection (never the loop's)."""
+        if self._prober is None:
+            self._prober = self._standalone(self.url)
+        self._prober.ping()
 
     def _connect_cluster(self) -> RedisCluster:
         try:
@@ -148,9 +177,13 @@ class RedisState:
             raise Unavailable(f"the Redis Cluster {self.shown} does not answer: {err}") from None
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if not self.cluster:
+            self.health.check()
         try:
             return fn(*args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as err:
+            if not self.cluster:
+                self.health.failed(f"{type(err).__name__}: {err}")
             raise Unavailable(f"the shared state store {self.shown} does not answer: {err}") from None
         except (ClusterError, TryAgainError, AskError, SlotNotCoveredError) as err:
             # A Cluster resharding or failing over: what the call touches has no primary to answer now.
@@ -300,6 +333,7 @@ class RedisState:
         )
 
     def close(self) -> None:
+        self.health.close()
         for conn in [self._conn, *self._node_conns.values()]:
             if conn is not None:
                 conn.disconnect()

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvbroker.broker.errors import NotFound, shown
+from kvbroker.broker.errors import NotFound, Unavailable, shown
 from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
 from kvbroker.common.causes import Cause
@@ -92,6 +92,8 @@ PUSH_EVERY_S = 0.25  # how often an owner writes its sessions' deadlines and loa
 # Another replica's engine record is reused for as long as its owner takes to push a new load; a
 # registration, a new rank or a session's end is announced on the fleet's channel and drops it.
 SEEN_FOR_S = PUSH_EVERY_S
+# After the store was away, other replicas' sessions are not swept until owners pushed anew.
+BACK_GRACE_S = 4 * PUSH_EVERY_S
 SEEN_MAX = 4096
 
 
@@ -112,6 +114,7 @@ class FleetRegistry(EngineRegistry):
         self._pushed = 0.0
         self._swept = 0.0  # when this replica last looked for other replicas' expired sessions
         self.on_resumed: Callable[[str], None] = lambda session_id: None
+        self._handed: list[EngineRecord] = []  # what the last expiry pass handed out to end
         self.on_changed: Callable[[str], None] = lambda engine_id: None  # tells the other replicas
         self._seen: dict[str, tuple[EngineRecord, float]] = {}  # other replicas' engines, when read
         self._serving: dict[str, tuple[str, float]] = {}  # session id -> its replica, when read
@@ -308,16 +311,33 @@ class FleetRegistry(EngineRegistry):
         super().remove(rec)
 
     def expired(self, now: float, limit: int) -> list[EngineRecord]:
-        self._push(now)
-        out: list[EngineRecord] = []
-        for rec in super().expired(now, limit):
-            if self.owns(rec):
+        self._push(now)  # with the store away: Unavailable, and no session of ours ends meanwhile
+        # Handed out last time and still here: ending it failed (the store went away mid-pass).
+        out = [
+            r
+            for r in self._handed
+            if self._by_session.get(r.session_id) is r or r.session_id in self._claimed
+        ]
+        self._handed = out
+        due = super().expired(now, limit)
+        for i, rec in enumerate(due):
+            try:
+                mine = self.owns(rec)
+            except Unavailable:
+                for later in due[i:]:  # not lost from the queue: checked again once the store is back
+                    self._expiry.schedule(later.session_id, now)
+                raise
+            if mine:
                 out.append(rec)
             else:
                 self.forget(rec)
         wall = time.monotonic()
         if wall - self._swept < PUSH_EVERY_S:
-            return out  # the store's deadlines move only as often as owners push them
+            return self._hand(out)  # the store's deadlines move only as often as owners push them
+        if self._state.health.back_for() < BACK_GRACE_S:
+            # The store just came back: every owner's deadlines in it are as old as the outage.
+            # Sweep only once the owners have pushed theirs again.
+            return self._hand(out)
         self._swept = wall
         local = set(self._by_session)
         # Another replica's deadlines reach the store up to PUSH_EVERY_S late: wait that out twice.
@@ -327,6 +347,10 @@ class FleetRegistry(EngineRegistry):
                 continue  # ours: our own deadline decides (pushed again next time)
             self._claimed.add(rec.session_id)
             out.append(rec)
+        return self._hand(out)
+
+    def _hand(self, out: list[EngineRecord]) -> list[EngineRecord]:
+        self._handed = out
         return out
 
     def extend_sessions(self, seconds: float) -> None:

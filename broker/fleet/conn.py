@@ -25,6 +25,8 @@ down or a Cluster that is down is `Unavailable` like a standalone store away.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +36,8 @@ from urllib.parse import unquote
 import redis
 import redis.asyncio
 import redis.asyncio.retry
+import redis.asyncio.sentinel
+import redis.sentinel
 from redis.backoff import ConstantBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
@@ -50,15 +54,20 @@ from kvbroker.broker.errors import InvalidArgument, Unavailable
 from kvbroker.broker.fleet.health import StoreHealth
 
 T = TypeVar("T")
+log = logging.getLogger("kvbroker.broker.fleet")
 # The longest a call to the store may hold the event loop (a socket timeout; nothing retried).
 CALL_TIMEOUT_S = 0.25
+# Under Sentinel: how long the end of a lease waits for a replica to have it before its notice goes.
+DURABLE_WAIT_MS = 50
 _NO_RETRY = redis.asyncio.retry.Retry(NoBackoff(), retries=0)
 
 SCHEMES = ("redis://", "rediss://", "unix://")
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+SENTINEL_SCHEME = "redis+sentinel://"
 _USAGE = (
     "use redis://HOST:PORT[/DB], rediss://HOST:PORT (TLS), "
     "redis+cluster://HOST:PORT[,HOST:PORT...] (a Redis Cluster's seed nodes; rediss+cluster:// for TLS), "
+    "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE (Sentinels and the primary's service name), "
     "or leave it empty for the in-memory broker"
 )
 # Answers that mean "not now" rather than "never": a replica or a loading store, and a Cluster
@@ -109,6 +118,20 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     return nodes, options
 
 
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
+    """Sentinels, the service name and connection options from
+    `redis+sentinel://[USER:PASSWORD@]H1:P1,H2:P2/SERVICE` (the options go to the primary)."""
+    rest = url.partition("://")[2]
+    hosts, slash, service = rest.partition("/")
+    if not slash or not service or "/" in service or "?" in service:
+        raise InvalidArgument(
+            f"--state {_shown(url)}: name the primary's service after the Sentinels (.../SERVICE); {_USAGE}"
+        )
+    nodes, options = parse_cluster_url("redis+cluster://" + hosts)
+    options.pop("ssl")
+    return nodes, service, options
+
+
 def _shown(url: str) -> str:
     """The URL without its password, for messages and logs."""
     scheme, sep, rest = url.partition("://")
@@ -134,9 +157,19 @@ class RedisState:
         # Those connections carry one command at a time: only the thread that made this state
         # (the event loop's) uses them; any other goes through the client's pool.
         self._thread = threading.get_ident()
+        self._sentinel: Any = None
+        self._undurable_logged = -math.inf
         if self.cluster:
             self.seeds, self._options = parse_cluster_url(url)
             self.client = self._connect_cluster()
+        elif url.startswith(SENTINEL_SCHEME):
+            self.sentinels, self.service, self._options = parse_sentinel_url(url)
+            # A primary that fails over is found again through the Sentinels at each new connection.
+            self._sentinel = redis.sentinel.Sentinel(
+                self.sentinels,
+                sentinel_kwargs={"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s},
+            )
+            self.client = self._standalone(url)
         elif url.startswith(SCHEMES):
             self.client = self._standalone(url)
         else:
@@ -148,13 +181,25 @@ class RedisState:
 
     def _standalone(self, url: str) -> redis.Redis:
         # No retries in the client: each would hold the event loop another timeout and back-off.
-        return redis.Redis.from_url(
-            url,
-            socket_timeout=self._timeout_s,
-            socket_connect_timeout=self._timeout_s,
-            health_check_interval=10,
-            retry=Retry(NoBackoff(), retries=0),
+        options: dict[str, Any] = {
+            "socket_timeout": self._timeout_s,
+            "socket_connect_timeout": self._timeout_s,
+            "health_check_interval": 10,
+            "retry": Retry(NoBackoff(), retries=0),
+        }
+        if url.startswith(SENTINEL_SCHEME):
+            return self._sentinel.master_for(self.service, **options, **self._options)
+        return redis.Redis.from_url(url, **options)
+
+    def _async_client(self, **options: Any) -> redis.asyncio.Redis:
+        """An asyncio client to the (current) primary of a single Redis or a Sentinel's service."""
+        if not self.url.startswith(SENTINEL_SCHEME):
+            return redis.asyncio.Redis.from_url(self.url, **options)
+        sentinel = redis.asyncio.sentinel.Sentinel(
+            self.sentinels,
+            sentinel_kwargs={"socket_timeout": self._timeout_s, "socket_connect_timeout": self._timeout_s},
         )
+        return sentinel.master_for(self.service, **options, **self._options)
 
     def _probe(self) -> None:
         """One ping on the probe thread's own connection (never the loop's)."""
@@ -258,6 +303,10 @@ class RedisState:
         loaded = reconnected = False
         while True:
             try:
+                if self._sentinel is not None and conn._sock is None:
+                    # Only connect() asks the Sentinels for the primary (send_command would dial
+                    # the default address): after a failover this finds the new primary.
+                    conn.connect()
                 conn.send_command(*command)
                 return conn.read_response()
             except NoScriptError:  # first use, or a store restarted empty
@@ -277,6 +326,24 @@ class RedisState:
                 conn.disconnect()  # a half-read answer must not be read as the next one's
                 raise
 
+    def durable(self) -> bool:
+        """Under Sentinel, wait (at most DURABLE_WAIT_MS) until a replica has every write made so far
+        over this replica's own connection; whether one has. A holder frees a lease's blocks when
+        told the lease ended, so that end must survive a failover: a promoted replica that missed
+        it would let the reader's release commit a read of freed blocks. Elsewhere: True at once."""
+        if self._sentinel is None or threading.get_ident() != self._thread or self._conn is None:
+            return True
+        acked = self.call(self._command, "WAIT", 1, DURABLE_WAIT_MS)
+        if int(acked) < 1:
+            now = time.monotonic()
+            if now - self._undurable_logged > 5.0:
+                self._undurable_logged = now
+                log.warning(
+                    "no replica of %s confirmed a lease's end within %d ms", self.shown, DURABLE_WAIT_MS
+                )
+            return False
+        return True
+
     def script(self, text: str) -> Any:
         """A Lua script; on a Cluster, one the server confines to the hash slot of its first key."""
         return self.client.register_script(("#!lua\n" + text) if self.cluster else text)
@@ -293,7 +360,7 @@ class RedisState:
         any live primary will do: the first that answers a ping, from the current slot map, then the
         seeds."""
         if not self.cluster:
-            return redis.asyncio.Redis.from_url(self.url)
+            return self._async_client()
         candidates = [(n.host, n.port) for n in self.client.get_primaries()]  # the cached slot map
         candidates += [s for s in self.seeds if s not in candidates]
         for host, port in candidates:
@@ -316,9 +383,7 @@ class RedisState:
         that serves the key's slot in the current slot map."""
         timeout = self._timeout_s + block_ms / 1000
         if not self.cluster:
-            return redis.asyncio.Redis.from_url(
-                self.url, socket_timeout=timeout, client_name=name, retry=_NO_RETRY
-            )
+            return self._async_client(socket_timeout=timeout, client_name=name, retry=_NO_RETRY)
         if node is None:
             owner = self.client.get_node_from_key(key)
             node = (owner.host, owner.port)

@@ -1,6 +1,7 @@
-"""The store fails over: two `kvbroker serve --state redis+sentinel://...` replicas over a
-Sentinel-managed primary and replica (real redis-servers, a real Sentinel), engine sessions on
-both replicas, and router callers; kill -9 of the primary, and the Sentinel promotes the replica.
+"""The store fails over: two `kvbroker serve --state ...` replicas over a Sentinel-managed primary
+and replica (real redis-servers, a real Sentinel), or over a real 3-primary Redis Cluster with a
+replica per primary; engine sessions on both broker replicas, and router callers; kill -9 of the
+primary (on the Cluster, the one serving the `{leases}` slot), and the replica is promoted.
 
 Asserts: every caller was answered within its deadline throughout (UNAVAILABLE while no primary
 answers), the fleet grants again after the promotion, the sessions are connected again, and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.redis_cluster import RedisCluster
 from testkit.redis_sentinel import RedisSentinel, running_sentinel
 from testkit.redis_server import missing_reason
 from testkit.waiting import until
@@ -37,19 +40,52 @@ BLOCKS = [601, 602, 603]
 TTL_MS = 3_000
 
 
-@pytest.fixture
-def sentinel(tmp_path: Path):  # type: ignore[no-untyped-def]
+LEASES_SLOT = 14949  # the hash slot of the `{leases}` tag
+
+
+class _Store:
+    """The store under test: its URL, how to kill its primary, whether the replica took over."""
+
+    def __init__(self, setup: RedisSentinel | RedisCluster) -> None:
+        self.setup = setup
+        self.url = setup.url
+        self._victim = setup.node_for_slot(LEASES_SLOT) if isinstance(setup, RedisCluster) else setup.primary
+
+    def kill_primary(self) -> None:
+        self._victim.stop()  # kill -9
+
+    def promoted(self) -> bool:
+        if isinstance(self.setup, RedisSentinel):
+            return self.setup.primary_port() == self.setup.replica.port
+        index = self.setup.nodes.index(self._victim)  # type: ignore[arg-type]
+        client = self.setup.replicas[index].client()
+        try:
+            return bool(client.info("replication").get("role") == "master")
+        finally:
+            client.close()
+
+
+@pytest.fixture(params=["sentinel", "cluster"])
+def ha_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Store]:
     reason = missing_reason()
     if reason:
         pytest.skip(reason)
-    with running_sentinel(tmp_path / "sentinel") as setup:
-        yield setup
+    if request.param == "sentinel":
+        with running_sentinel(tmp_path / "sentinel") as setup:
+            yield _Store(setup)
+    else:
+        cluster = RedisCluster(tmp_path / "cluster", with_replicas=True)
+        try:
+            cluster.start(timeout=40.0)
+            yield _Store(cluster)
+        finally:
+            cluster.stop()
 
 
-async def test_a_sentinel_failover_keeps_fencing_and_answers_every_caller(
-    tmp_path: Path, sentinel: RedisSentinel
+async def test_a_store_failover_keeps_fencing_and_answers_every_caller(
+    tmp_path: Path, ha_store: _Store
 ) -> None:
-    a, b = replica(tmp_path, sentinel, "a").start(), replica(tmp_path, sentinel, "b").start()  # type: ignore[arg-type]
+    a, b = replica(tmp_path, ha_store, "a").start(), replica(tmp_path, ha_store, "b").start()  # type: ignore[arg-type]
     fast = Backoff(initial_s=0.05, max_s=0.5)
     p_events, d_events = Timeline(), Timeline()
     p = EngineSession(
@@ -80,7 +116,7 @@ async def test_a_sentinel_failover_keeps_fencing_and_answers_every_caller(
                 timeout=5.0,
             )
             killed = time.monotonic()
-            sentinel.primary.stop()  # kill -9
+            ha_store.kill_primary()
             granted: list[pb.Lease] = []
 
             async def grants() -> bool:
@@ -93,8 +129,8 @@ async def test_a_sentinel_failover_keeps_fencing_and_answers_every_caller(
             await until(grants, timeout=30.0, interval=0.1, message="the fleet never granted again")
             back_s = time.monotonic() - killed
             await asyncio.sleep(0.5)
-        print(f"\nstore primary killed: granting again after {back_s:.2f} s (Sentinel down-after 1 s)")
-        assert sentinel.primary_port() == sentinel.replica.port
+        print(f"\nstore primary killed: granting again after {back_s:.2f} s")
+        assert ha_store.promoted()
 
         late = callers.late()
         assert not late, f"callers not answered within their deadline: {late}"

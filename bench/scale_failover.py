@@ -18,6 +18,7 @@ import signal
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ GPU = pb.TIER_GPU
 def _replica(folder: Path, name: str, url: str) -> BrokerProcess:
     args = ["--state", url, "--metrics-port", "0", "--log-level", "WARNING", "--session-ttl-min-ms", "100"]
     return BrokerProcess(folder, args, command=SERVE, log_name=f"{name}.log", log_level=None, priority=None)
+
+
+def _recorder(log: list[tuple[float, bool]]) -> Callable[[pb.Registered], None]:
+    return lambda registered: log.append((time.monotonic(), registered.resumed))
 
 
 async def one_fault(fault: str, holders: int, folder: Path) -> dict[str, Any]:
@@ -62,7 +67,7 @@ async def one_fault(fault: str, holders: int, folder: Path) -> dict[str, Any]:
                 engine_info(engine_id),
                 ttl_ms=TTL_MS,
                 backoff=fast,
-                on_connected=lambda r, log=moved[engine_id]: log.append((time.monotonic(), r.resumed)),
+                on_connected=_recorder(moved[engine_id]),
             )
             sessions.append(holder)
             await holder.start(wait_connected_s=20.0)

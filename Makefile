@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_INDEX_ARG = $(if $(TORCH_INDEX),$(shell $(PY) -c "import urllib.request; urllib.request.urlopen('$(TORCH_INDEX)/', timeout=3)" >/dev/null 2>&1 && echo --extra-index-url $(TORCH_INDEX)))
 
-.PHONY: help venv protos protos-check lint test test-fast redis-server run up bench clean
+.PHONY: help venv protos protos-check lint test test-fast redis-server run up bench gpu-carry clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -36,10 +36,11 @@ protos: $(STAMP)  ## regenerate proto/ Python code and type stubs
 protos-check: $(STAMP)  ## fail if generated code is stale
 	$(BIN)/python scripts/gen_protos.py --check
 
-lint: $(STAMP)  ## ruff (lint + format check) and mypy
+lint: $(STAMP)  ## ruff (lint + format check), mypy and pyright
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/pyright --pythonpath $(BIN)/python
 
 test: $(STAMP) protos-check lint redis-server  ## the full test suite (what CI runs)
 	$(BIN)/python -m pytest -ra
@@ -78,6 +79,9 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 	$(BIN)/python -m bench.chat_compare
 	$(BIN)/python -m bench.chat_load
 	$(BIN)/python -m bench.summary --write-readme
+
+gpu-carry:  ## download the wheels a lent GPU machine needs into .whl/ and check the 64 MiB carry (docs/data_path.md#gpu-check)
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) scripts/gpu_check.sh prepare
 
 clean:  ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info

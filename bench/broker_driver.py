@@ -14,6 +14,7 @@ import contextlib
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import grpc
 
@@ -75,7 +76,7 @@ class BrokerProcess(testing_processes.BrokerProcess):
 class RawSession:
     """One engine's session stream, driven directly with the generated stubs."""
 
-    def __init__(self, stub: broker_pb2_grpc.KVBrokerStub, engine_id: str, ttl_ms: int = 30_000):
+    def __init__(self, stub: broker_pb2_grpc.KVBrokerAsyncStub, engine_id: str, ttl_ms: int = 30_000):
         self.stub = stub
         self.engine_id = engine_id
         self.ttl_ms = ttl_ms
@@ -107,7 +108,7 @@ class RawSession:
         assert self._call is not None
         while True:
             down = await self._call.read()
-            if down is grpc.aio.EOF:
+            if not isinstance(down, pb.SessionDown):  # grpc.aio.EOF: the stream ended
                 break
             kind = down.WhichOneof("msg")
             fut = self._pending.pop(down.seq, None) if down.seq else None
@@ -172,7 +173,7 @@ class RawSession:
 
 
 async def open_sessions(
-    stubs: Sequence[broker_pb2_grpc.KVBrokerStub], engine_ids: Sequence[str], parallel: int = 32
+    stubs: Sequence[broker_pb2_grpc.KVBrokerAsyncStub], engine_ids: Sequence[str], parallel: int = 32
 ) -> list[RawSession]:
     """Register one session per engine id, spread round-robin over the given channels."""
     sessions = [RawSession(stubs[i % len(stubs)], e) for i, e in enumerate(engine_ids)]
@@ -184,6 +185,12 @@ async def open_sessions(
 
     await asyncio.gather(*(one(s) for s in sessions))
     return sessions
+
+
+def async_stub(channel: grpc.aio.Channel) -> broker_pb2_grpc.KVBrokerAsyncStub:
+    """The stub of an asyncio channel, typed as the generated stubs' __new__ overload says (mypy,
+    which reads grpc as untyped here, picks the blocking overload)."""
+    return cast("broker_pb2_grpc.KVBrokerAsyncStub", broker_pb2_grpc.KVBrokerStub(channel))
 
 
 def make_channels(address: str, n: int) -> list[grpc.aio.Channel]:

@@ -270,11 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     # In the order given (the machine's load drifts; a run can put the setup it cares about first).
     # The results are written after every setup, so an interrupted run keeps the setups it finished.
     setups: dict[str, Any] = {}
+    text, identical = "", True
     for name in args.setups:
         setups[name] = run_setup(name, args, model, convs, profile_conv)
         doc, text = write_results(setups, settings, args, final=name == args.setups[-1])
+        identical = doc["identical"]["all"]
     print(text)
-    return 0 if doc["identical"]["all"] else 1
+    return 0 if identical else 1
 
 
 def write_results(

@@ -83,7 +83,9 @@ def _totals(runs: list[ConversationRun], wall_s: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.chat_load", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.chat_load", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64, help="answer length cap (greedy, stops at EOS)")

@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> Samples:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", default=str(OUT), help="the PNG to write")
     parser.add_argument("--samples", default=str(SAMPLES_OUT), help="where the run's samples go (JSON)")
     parser.add_argument("--from-samples", default="", help="draw from saved samples instead of running")

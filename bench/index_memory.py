@@ -71,6 +71,7 @@ def measure(sizes: list[int], engines: int, batch: int = 8192) -> dict[str, obje
     chain = [rng.getrandbits(64) for _ in range(64)]
     index.add("bench-e0000", Tier.GPU, namespaces[0], chain)
     lat = []
+    r: list[tuple[str, Tier, int]] = []
     for _ in range(20_000):
         t = time.perf_counter()
         r = index.longest_prefixes(namespaces[0], chain)

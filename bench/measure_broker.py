@@ -13,18 +13,18 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench.broker_driver import BrokerProcess, RawSession, make_channels, open_sessions
+from bench.broker_driver import BrokerProcess, RawSession, async_stub, make_channels, open_sessions
 from bench.common import CHAIN_LEN, RunResult, aggregate, closed_loop_async, log, make_chains
 from bench.measure import Settings, lookup_namespaces, run_async
 from bench.measure_inventory import measure_inventory, measure_inventory_engine_sessions
 from bench.measure_mirror import measure_mirror, start_mirror
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.clients.mirror import IndexMirror, follow
-from kvbroker.clients.session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
 
-async def _stats(stub: broker_pb2_grpc.KVBrokerStub) -> pb.StatsResponse:
+async def _stats(stub: broker_pb2_grpc.KVBrokerAsyncStub) -> pb.StatsResponse:
     return await stub.Stats(pb.StatsRequest())
 
 
@@ -41,7 +41,7 @@ def measure_broker(s: Settings, log_dir: Path, with_memory: bool = True) -> dict
 async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"available": True, "address": proc.address}
     channels = make_channels(proc.address, s.session_channels)
-    stubs = [broker_pb2_grpc.KVBrokerStub(ch) for ch in channels]
+    stubs = [async_stub(ch) for ch in channels]
     rss_start = proc.rss()
     t = time.perf_counter()
     engine_ids = [f"bench-e{i:04d}" for i in range(s.engines)]
@@ -145,9 +145,9 @@ async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -
             )
 
             unary_channels = make_channels(proc.address, c)
-            ustubs = [broker_pb2_grpc.KVBrokerStub(ch) for ch in unary_channels]
+            ustubs = [async_stub(ch) for ch in unary_channels]
 
-            def unary_op(stub: broker_pb2_grpc.KVBrokerStub) -> Callable[[int], Awaitable[Any]]:
+            def unary_op(stub: broker_pb2_grpc.KVBrokerAsyncStub) -> Callable[[int], Awaitable[Any]]:
                 async def op(i: int) -> None:
                     n, h = reqs[i % len(reqs)]
                     await stub.Resolve(pb.ResolveRequest(namespace=n, block_hashes=h))
@@ -220,7 +220,7 @@ async def _measure_broker(s: Settings, proc: BrokerProcess, with_memory: bool) -
 
 
 async def _memory_point(
-    proc: BrokerProcess, stub: broker_pb2_grpc.KVBrokerStub, rss_base: int, load_rate: float
+    proc: BrokerProcess, stub: broker_pb2_grpc.KVBrokerAsyncStub, rss_base: int, load_rate: float
 ) -> dict[str, Any]:
     gc.collect()  # our side only; the broker's RSS is what it is
     await asyncio.sleep(0.5)

@@ -11,7 +11,7 @@ from typing import Any
 from bench.broker_driver import BrokerProcess, RawSession, bench_engine
 from bench.common import BLOCK_WIRE_BYTES, CHAIN_LEN, cpu_seconds, log, make_chains
 from bench.measure import Settings
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 
 

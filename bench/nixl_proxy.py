@@ -206,7 +206,7 @@ def build_app(prefill_url: str, decode_url: str, decode_stream: bool) -> Any:
 def main(argv: list[str] | None = None) -> int:
     from aiohttp import web
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--prefill", required=True, help="P's base URL")
     ap.add_argument("--decode", required=True, help="D's base URL")
     ap.add_argument("--host", default="127.0.0.1")

@@ -78,8 +78,8 @@ class QuietNixlAgent(_Agent):  # type: ignore[misc,valid-type]
 
 
 # base_worker bound these names at import; the connector's worker reads them there.
-base_worker.NixlWrapper = QuietNixlAgent
-base_worker.nixl_agent_config = _quiet_config
+base_worker.NixlWrapper = QuietNixlAgent  # pyright: ignore[reportPrivateImportUsage]
+base_worker.nixl_agent_config = _quiet_config  # pyright: ignore[reportPrivateImportUsage]
 
 
 class NixlConnector(_VllmNixlConnector):  # type: ignore[misc]

@@ -18,7 +18,7 @@ import asyncio
 import sys
 
 from kvbroker.clients.aio import AsyncBrokerClient
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 
 

@@ -53,7 +53,8 @@ from bench.common import cpu_seconds, format_table, load_note, log, rss_bytes, w
 from bench.scale_chains import CHAIN, chains_for
 from bench.scale_failover import failover_side_by_side
 from bench.scale_failover import rows as failover_rows
-from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
 from testkit.processes import SERVE, BrokerProcess

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbroker.clients import errors
-from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
 from testkit.processes import SERVE, BrokerProcess

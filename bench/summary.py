@@ -135,7 +135,7 @@ def summary(results: Path) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--write-readme", action="store_true", help="rewrite the README section in place")
     args = parser.parse_args()

@@ -42,7 +42,7 @@ from bench.broker_driver import bench_engine
 from bench.common import CHAIN_LEN, cpu_seconds, log, make_chains
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.credentials import ClientSecurity
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.certs import CertificateAuthority
 from testkit.processes import BrokerProcess

@@ -11,11 +11,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvbroker.broker import codec
 from kvbroker.broker.clock import Clock
-from kvbroker.broker.events import WatchEvent
+from kvbroker.broker.events import Notifier, WatchEvent
 from kvbroker.broker.leases import Lease
+from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -50,6 +52,7 @@ class SessionChannel:
     closed: Close | None = None
     max_bytes: int = 64 * 1024 * 1024
     pending_bytes: int = 0
+    record: EngineRecord | None = None  # the session's engine (a fleet's drain notice marks it)
 
     def put(self, msg: pb.SessionDown) -> None:
         if self.closed is not None:
@@ -89,7 +92,38 @@ class Watcher:
             self.pending_bytes -= item.ByteSize()
 
 
+class SessionNotifier(Notifier, Protocol):
+    """The Notifier the servicer's streams attach to (one test body runs over every implementation:
+    tests/broker/test_notifier_contract.py)."""
+
+    def attach(
+        self, session_id: str, max_bytes: int = 64 * 1024 * 1024, record: EngineRecord | None = None
+    ) -> SessionChannel:
+        """The session's outbound queue, from now until `detach`."""
+        ...
+
+    def detach(self, session_id: str) -> None: ...
+
+    def close_session(self, session_id: str, code: str, message: str, cause: Cause | None = None) -> None: ...
+
+    def close_all(self, code: str, message: str, cause: Cause | None = None) -> None:
+        """End every session stream and Watch (the broker shuts down)."""
+        ...
+
+    def wait_pin(self, lease_id: str, waiter: PinWaiter) -> None:
+        """Call `waiter` once the PENDING lease settles (pin_settled)."""
+        ...
+
+    def add_watcher(self, categories: frozenset[str], max_bytes: int = 16 * 1024 * 1024) -> Watcher: ...
+
+    def remove_watcher(self, watcher: Watcher) -> None: ...
+
+    def watcher_count(self) -> int: ...
+
+
 class StreamNotifier:
+    """The in-memory SessionNotifier: every session's stream is on this broker."""
+
     def __init__(self, clock: Clock, watch_queue: int = 10_000) -> None:
         self._clock = clock
         self._channels: dict[str, SessionChannel] = {}
@@ -100,8 +134,10 @@ class StreamNotifier:
 
     # -- sessions ---------------------------------------------------------------
 
-    def attach(self, session_id: str, max_bytes: int = 64 * 1024 * 1024) -> SessionChannel:
-        channel = SessionChannel(session_id, max_bytes=max_bytes)
+    def attach(
+        self, session_id: str, max_bytes: int = 64 * 1024 * 1024, record: EngineRecord | None = None
+    ) -> SessionChannel:
+        channel = SessionChannel(session_id, max_bytes=max_bytes, record=record)
         self._channels[session_id] = channel
         return channel
 

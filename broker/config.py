@@ -17,13 +17,12 @@ from kvbroker.common.settings import setting
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
-    # Not KVBROKER_ADDRESS any more: one letter from KVBROKER_ADDR, the clients' broker address.
+    # KVBROKER_LISTEN, not KVBROKER_ADDRESS: one letter from KVBROKER_ADDR, the clients' broker address.
     address: str = setting(
         "127.0.0.1:50051",
         "host:port to listen on (port 0 picks a free one); on a non-loopback address such as [::]:50051 "
         "the broker needs TLS (--tls-cert) or --insecure",
         env="KVBROKER_LISTEN",
-        old_env="KVBROKER_ADDRESS",
     )
     session_ttl_ms: int = setting(
         10_000, "session TTL granted when an engine asks for 0; heartbeats come every TTL/3"

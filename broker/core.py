@@ -20,9 +20,9 @@ from kvbroker.broker.events import Notifier, NullNotifier
 from kvbroker.broker.holders import find_holders
 from kvbroker.broker.lease_stats import LeaseStats
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
-from kvbroker.broker.mirror import MirrorHub
+from kvbroker.broker.mirror import MirrorHub, Mirrors
 from kvbroker.broker.observed import ObservedIndex, ObservedLeaseTable, ObservedRegistry, Publisher
-from kvbroker.broker.registry import EngineRecord, EngineRegistry
+from kvbroker.broker.registry import EngineRecord, EngineRegistry, Registry
 from kvbroker.broker.results import ResolveResult, ScoreResult, Stats
 from kvbroker.common.causes import Cause
 from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
@@ -42,14 +42,15 @@ class BrokerCore:
         notifier: Notifier | None = None,
         index: PrefixIndex | None = None,
         leases: LeaseTable | None = None,
-        registry: EngineRegistry | None = None,
-        mirrors: MirrorHub | None = None,
+        registry: Registry | None = None,
+        mirrors: Mirrors | None = None,
+        declines: DeclineBook | None = None,
     ) -> None:
         self.config = config or BrokerConfig()
         self.check = Checks(self.config)
         self.clock = clock or MonotonicClock()
         self.notifier: Notifier = notifier or NullNotifier()
-        self.mirrors = mirrors or MirrorHub()
+        self.mirrors: Mirrors = mirrors or MirrorHub()
         # Watch and mirror events come from these wrappers as they change (see observed.py).
         publish = Publisher(self.notifier, self.mirrors)
         self.index = ObservedIndex(index or CompactPrefixIndex(), publish)
@@ -62,7 +63,7 @@ class BrokerCore:
         self.leases.stats = LeaseStats(self.clock.now, self.registry.find_fingerprint)  # for /metrics
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total, self.stalls_forgiven, self.stalled_s_forgiven = 0, 0, 0.0
-        self.declines = DeclineBook()
+        self.declines = DeclineBook() if declines is None else declines
 
     # -- sessions ------------------------------------------------------------------
 
@@ -104,13 +105,6 @@ class BrokerCore:
                 self._revoke(lease, RevokeCause.READER_GONE, f"reader {rec.engine_id!r} session ended")
             if code:
                 self.notifier.close_session(session_id, code, message)
-
-    def session_engine(self, session_id: str) -> EngineRecord:
-        return self.registry.by_session(session_id)
-
-    def touch(self, rec: EngineRecord) -> None:
-        """Any message on the session proves liveness: move the deadline (the queue catches up lazily)."""
-        rec.deadline = self.clock.now() + rec.ttl_s
 
     def heartbeat(self, rec: EngineRecord, load: float) -> None:
         rec.deadline = self.clock.now() + rec.ttl_s

@@ -26,14 +26,6 @@ class ExpiryQueue:
     def remove(self, key: str) -> None:
         self._scheduled.pop(key, None)
 
-    def next_deadline(self) -> float | None:
-        while self._heap:
-            deadline, key = self._heap[0]
-            if self._scheduled.get(key) == deadline:
-                return deadline
-            heapq.heappop(self._heap)
-        return None
-
     def pop_due(self, now: float, limit: int) -> list[str]:
         """Keys whose scheduled deadline is <= now, at most `limit`, removed from the queue."""
         due: list[str] = []

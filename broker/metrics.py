@@ -21,7 +21,7 @@ import errno
 import logging
 import platform
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -39,7 +39,6 @@ from prometheus_client.registry import Collector
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError
-from kvbroker.broker.indexer.kv_events import KvEventsFeed
 from kvbroker.broker.results import Stats
 
 log = logging.getLogger("kvbroker.metrics")
@@ -150,47 +149,6 @@ class BrokerCollector(Collector):
         yield from (reads, blocks, moved)
 
 
-class KvEventsCollector(Collector):
-    """Engines followed by their vLLM KV events (kv_events.py): connection, batches, blocks by outcome."""
-
-    def __init__(self, feeds: Mapping[str, KvEventsFeed]) -> None:
-        self._feeds = feeds
-
-    def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily(
-            "kvbroker_kv_events_connected",
-            "1 while the broker is connected to the engine's publisher",
-            labels=["engine"],
-        )
-        batches = CounterMetricFamily(
-            "kvbroker_kv_events_batches", "KV event batches received", labels=["engine"]
-        )
-        gaps = CounterMetricFamily(
-            "kvbroker_kv_events_seq_gaps",
-            "Gaps in the publisher's sequence numbers (missed batches)",
-            labels=["engine"],
-        )
-        replayed = CounterMetricFamily(
-            "kvbroker_kv_events_replayed",
-            "Batches filled in from the publisher's replay socket",
-            labels=["engine"],
-        )
-        blocks = CounterMetricFamily(
-            "kvbroker_kv_events_blocks",
-            "Blocks in KV events by outcome (stored, removed, unknown_parent, mismatched, unsupported)",
-            labels=["engine", "outcome"],
-        )
-        for engine_id, feed in list(self._feeds.items()):
-            up.add_metric([engine_id], 1 if feed.record is not None else 0)
-            batches.add_metric([engine_id], feed.batches)
-            gaps.add_metric([engine_id], feed.seq_gaps)
-            replayed.add_metric([engine_id], feed.replayed)
-            for outcome, n in feed.stats.as_dict().items():
-                if outcome != "cleared":
-                    blocks.add_metric([engine_id, outcome], n)
-        yield from (up, batches, gaps, replayed, blocks)
-
-
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, registry: CollectorRegistry) -> None:
         self.latency = Histogram(
@@ -290,14 +248,15 @@ def start_metrics_http(
     registry: CollectorRegistry,
     host: str,
     port: int,
-    feeds: Mapping[str, KvEventsFeed] | None = None,
+    collectors: Sequence[Collector] = (),
     fleet: Callable[[Stats], Stats] | None = None,
 ) -> Any:
     """Serve /metrics on a background thread; returns the server (call .shutdown() to stop),
-    or None when the port is taken: the broker then runs without metrics, and says so."""
+    or None when the port is taken: the broker then runs without metrics, and says so.
+    `collectors`: more, from the broker's wings (the KV-event feeds': indexer/feed_metrics.py)."""
     registry.register(BrokerCollector(core, fleet))
-    if feeds is not None:
-        registry.register(KvEventsCollector(feeds))
+    for collector in collectors:
+        registry.register(collector)
     ProcessCollector(registry=registry)
     build_info(registry)
     try:

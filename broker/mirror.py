@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -100,8 +101,50 @@ class MirrorSubscriber:
         self.wake()
 
 
+class Mirrors(Protocol):
+    """The core's side of the mirrors (one test body runs over every implementation:
+    tests/broker/test_mirror_hub_contract.py)."""
+
+    def subscribe(
+        self, layout_id: str, wake: Callable[[], None], max_pending: int = DEFAULT_MAX_PENDING_BYTES
+    ) -> MirrorSubscriber:
+        """A new Mirror stream's buffer: it holds every change of the layout from now on."""
+        ...
+
+    def unsubscribe(self, sub: MirrorSubscriber) -> None: ...
+
+    def close_all(self, why: str) -> None:
+        """End every Mirror stream (the broker shuts down)."""
+        ...
+
+    def lag(self) -> tuple[float, int]:
+        """The age in seconds of the oldest change no stream has sent yet, and the bytes waiting."""
+        ...
+
+    def subscriber_count(self) -> int: ...
+
+    def watching(self, layout_id: str) -> bool:
+        """Cheap check so the core builds a change only when a mirror may want it."""
+        ...
+
+    def blocks(
+        self,
+        engine_id: str,
+        namespace: Namespace,
+        tier: Tier,
+        stored: Sequence[int] = (),
+        removed: Sequence[int] = (),
+    ) -> None: ...
+
+    def clear_tier(self, engine_id: str, layout_id: str, tier: Tier) -> None: ...
+
+    def engine(self, layout_id: str, info: pb.EngineInfo | None, engine_id: str = "") -> None:
+        """An engine became ready or changed (info), or is gone (info None, engine_id given)."""
+        ...
+
+
 class MirrorHub:
-    """The core's side of the mirrors: fan each index change out to the layout's subscribers."""
+    """The in-memory Mirrors: fan each index change out to the layout's subscribers."""
 
     def __init__(self) -> None:
         self._by_layout: dict[str, set[MirrorSubscriber]] = {}

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from kvbroker.broker.events import ENGINE, INDEX, LEASE, Notifier, WatchEvent
 from kvbroker.broker.lease_stats import LeaseStats
 from kvbroker.broker.leases import Lease, LeaseTable, Vet
-from kvbroker.broker.mirror import MirrorHub
-from kvbroker.broker.registry import EngineRecord, EngineRegistry
+from kvbroker.broker.mirror import Mirrors
+from kvbroker.broker.registry import EngineRecord, Registry
 from kvbroker.common.index import PrefixIndex
 from kvbroker.common.model import EVENT_FED, LeaseState, Namespace, RevokeCause, Tier, is_event_fed
 from kvbroker.common.scoring import load_changed
@@ -36,7 +36,7 @@ LOAD_REPUBLISH_S = 0.15
 class Publisher:
     """Where the wrappers publish: watchers through the Notifier, mirrors through the hub."""
 
-    def __init__(self, notifier: Notifier, mirrors: MirrorHub) -> None:
+    def __init__(self, notifier: Notifier, mirrors: Mirrors) -> None:
         self.notifier = notifier
         self.mirrors = mirrors
 
@@ -234,7 +234,7 @@ class ObservedLeaseTable:
 class ObservedRegistry:
     """The engine registry; engines coming, changing, draining and going reach watchers and mirrors."""
 
-    def __init__(self, registry: EngineRegistry, publish: Publisher) -> None:
+    def __init__(self, registry: Registry, publish: Publisher) -> None:
         self._registry = registry
         self._publish = publish
 

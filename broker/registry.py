@@ -1,4 +1,5 @@
-"""Engine registry: one record per engine with a live session.
+"""Engine registry: one record per engine with a live session; the Registry protocol and its
+in-memory implementation (EngineRegistry; the fleet's is broker/fleet/registry.py).
 
 An engine exists for the broker exactly while its session lives; a record
 holds what the engine registered (its EngineInfo: layout, ranks, NIXL agent
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvbroker.broker.errors import InvalidArgument, NotFound, shown
 from kvbroker.broker.expiry import ExpiryQueue
@@ -38,7 +40,7 @@ class EngineRecord:
     mirrored_at: float = float("-inf")
     draining: bool = False
     ranks_version: int = 0
-    peer_host: str = ""  # host of the Session stream's connection (see broker/security/callers.py)
+    peer_host: str = ""  # host of the Session stream's connection (see broker/security/engine_identity.py)
 
     @property
     def ready(self) -> bool:
@@ -88,7 +90,66 @@ def validate_rank(fp: pb.LayoutFingerprint, rank: pb.RankInfo) -> None:
             raise InvalidArgument(f"{where}: tier {tier.tier} is not TIER_GPU or TIER_CPU")
 
 
+class Registry(Protocol):
+    """The engines with a live session, as the core reads and changes them (one test body runs
+    over every implementation: tests/broker/test_registry_contract.py)."""
+
+    def __len__(self) -> int: ...
+
+    def get(self, engine_id: str) -> EngineRecord:
+        """The engine's record; NotFound (unknown_engine) if it has no live session."""
+        ...
+
+    def find(self, engine_id: str) -> EngineRecord | None: ...
+
+    def by_session(self, session_id: str) -> EngineRecord:
+        """The record of a live session; NotFound (unknown_engine) otherwise."""
+        ...
+
+    def all(self) -> list[EngineRecord]: ...
+
+    def find_fingerprint(self, lid: str) -> pb.LayoutFingerprint | None:
+        """A fingerprint of a layout some live engine has (None: none has it)."""
+        ...
+
+    def add(self, info: pb.EngineInfo, ttl_s: float, expected_ranks: int, now: float) -> EngineRecord:
+        """Validate and add an engine with a new session (the caller ends an old one first)."""
+        ...
+
+    def add_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord: ...
+
+    def remove(self, rec: EngineRecord) -> None: ...
+
+    def resume(
+        self, info: pb.EngineInfo, session_id: str, ttl_s: float, expected_ranks: int, now: float
+    ) -> EngineRecord | None:
+        """Take over `session_id` of `info.engine_id` from another replica; None: cannot (register anew)."""
+        ...
+
+    def owns(self, rec: EngineRecord) -> bool:
+        """Whether ending this session here is this broker's call (False: it moved away)."""
+        ...
+
+    def forget(self, rec: EngineRecord) -> None:
+        """Drop the local record of a session that moved away, leaving its state alone."""
+        ...
+
+    def expired(self, now: float, limit: int) -> list[EngineRecord]:
+        """Records whose session deadline passed (they stay registered until the caller removes them)."""
+        ...
+
+    def extend_sessions(self, seconds: float) -> None:
+        """Move every session deadline later (a stall of the broker is not the engines' fault)."""
+        ...
+
+    def incompatibility(self, reader: EngineRecord, holder: EngineRecord) -> str | None:
+        """Why `reader` cannot read `holder`'s blocks (None = it can)."""
+        ...
+
+
 class EngineRegistry:
+    """The in-memory Registry: one broker owns every session."""
+
     def __init__(self) -> None:
         self._engines: dict[str, EngineRecord] = {}
         self._by_session: dict[str, EngineRecord] = {}

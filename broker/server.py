@@ -10,10 +10,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import secrets
 import signal
 import sys
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,19 +21,21 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from kvbroker.broker.channels import StreamNotifier
+from kvbroker.broker.channels import SessionNotifier, StreamNotifier
 from kvbroker.broker.clock import Clock, MonotonicClock, WallClock
 from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
-from kvbroker.broker.errors import BrokerError, InvalidArgument, Unavailable
+from kvbroker.broker.errors import InvalidArgument, Unavailable
+from kvbroker.broker.indexer.feed_metrics import KvEventsCollector
 from kvbroker.broker.indexer.http import IndexerHttp
 from kvbroker.broker.indexer.kv_events import KvEventsFeed, parse_sources
 from kvbroker.broker.metrics import MetricsInterceptor, SessionStreamMetrics, start_metrics_http
-from kvbroker.broker.registry import EngineRegistry
 from kvbroker.broker.security.auth import AuthInterceptor
 from kvbroker.broker.security.config import SecurityConfig, is_loopback
 from kvbroker.broker.security.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.security.decode_guard import DecodeGuardInterceptor
+from kvbroker.broker.security.engine_identity import EngineIdentity
+from kvbroker.broker.security.http_gate import IndexerGate
 from kvbroker.broker.security.identity import Authenticator, TokenTable
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.broker.security.tenancy import TenantGuard
@@ -49,8 +49,7 @@ from kvbroker.v1 import broker_pb2, broker_pb2_grpc
 
 if TYPE_CHECKING:
     from kvbroker.broker.fleet.conn import RedisState
-    from kvbroker.broker.fleet.counters import FleetCounters
-    from kvbroker.broker.fleet.declines import FleetDeclineBook
+    from kvbroker.broker.fleet.replica import Replica
 
 log = logging.getLogger("kvbroker")
 
@@ -62,7 +61,7 @@ class RunningServer:
     server: grpc.aio.Server
     core: BrokerCore
     servicer: BrokerServicer
-    notifier: StreamNotifier
+    notifier: SessionNotifier
     health: health.aio.HealthServicer
     port: int
     address: str
@@ -138,15 +137,18 @@ def _public_address(address: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def _auth_interceptor(core: BrokerCore, security: SecurityConfig) -> AuthInterceptor | None:
+def _auth_interceptor(
+    core: BrokerCore, security: SecurityConfig, engines: EngineIdentity
+) -> AuthInterceptor | None:
     if not security.authenticates:
         return None
     try:
         tokens = TokenTable(security.tokens_file) if security.tokens_file else None
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"cannot use --tokens-file: {err}") from None
-    quotas = Quotas(security)
-    return AuthInterceptor(Authenticator(tokens, security.mutual), TenantGuard(core, quotas), quotas)
+    slots = {"Mirror": core.config.max_mirrors, "Watch": core.config.max_watchers}
+    quotas = Quotas(security, stream_slots=slots)
+    return AuthInterceptor(Authenticator(tokens, security.mutual), TenantGuard(core, quotas, engines), quotas)
 
 
 def _listen(
@@ -192,77 +194,6 @@ def _shared_state(config: BrokerConfig) -> RedisState | None:
     return state
 
 
-def _fleet_core(
-    config: BrokerConfig, clock: Clock, shared: RedisState
-) -> tuple[BrokerCore, StreamNotifier, Coroutine[Any, Any, None], FleetCounters]:
-    """A core whose registry, leases and index live in the shared store, as one replica of a fleet."""
-    from kvbroker.broker.fleet.counters import FleetCounters, core_counts
-    from kvbroker.broker.fleet.declines import FleetDeclineBook
-    from kvbroker.broker.fleet.index import RedisPrefixIndex
-    from kvbroker.broker.fleet.leases import RedisLeaseTable
-    from kvbroker.broker.fleet.notify import FleetMirrorHub, FleetNotifier
-    from kvbroker.broker.fleet.registry import FleetRegistry
-
-    replica = secrets.token_hex(6)
-    registry = FleetRegistry(shared, replica)
-    notifier = FleetNotifier(clock, shared, replica)
-    registry.on_resumed = notifier.session_resumed
-    registry.on_changed = notifier.engine_changed
-    notifier.on_engine_changed = registry.changed
-    notifier.on_moved = registry.moved
-    notifier.replica_of = registry.replica_of
-    registry.on_lost = lambda session_id: notifier.close_session(
-        session_id,
-        "UNAVAILABLE",
-        "the shared state store lost this session; register again",
-        Cause.STATE_UNAVAILABLE,
-    )
-    leases = RedisLeaseTable(shared, config.ended_lease_history)
-    index = RedisPrefixIndex(shared)
-    notifier.mirrors = FleetMirrorHub(notifier)
-    core = BrokerCore(
-        config,
-        clock=clock,
-        notifier=notifier,
-        index=index,
-        leases=leases,
-        registry=registry,
-        mirrors=notifier.mirrors,
-    )
-    notifier.lease_of = core.leases.get
-    notifier.on_drain = lambda session_id: _mark_draining(core, session_id)
-    counters = FleetCounters(shared, replica, core_counts(core.revocations, lambda: core.released_total))
-    declines = core.declines = FleetDeclineBook(shared, replica, clock.now)
-    declines.on_heard = lambda holder, request_id: _declined_elsewhere(core, registry, holder, request_id)
-    log.info("broker replica %s", replica)
-    return core, notifier, _follow_fleet(notifier, counters, declines), counters
-
-
-def _mark_draining(core: BrokerCore, session_id: str) -> None:
-    with contextlib.suppress(BrokerError):  # the session ended meanwhile: nothing left to mark
-        core.registry.by_session(session_id).draining = True
-
-
-def _declined_elsewhere(core: BrokerCore, registry: EngineRegistry, holder: str, request_id: str) -> None:
-    """Another replica had an early decline: if the holder's stream is here, end a hold of it that
-    arrived meanwhile (the base class's find: this replica's own sessions, no store read)."""
-    if EngineRegistry.find(registry, holder) is not None:
-        with contextlib.suppress(BrokerError):  # claimed by its reader already, or the holder left
-            core.decline(holder, request_id, "declined (through another broker replica) before its hold")
-
-
-async def _follow_fleet(notifier: Any, counters: FleetCounters, declines: FleetDeclineBook) -> None:
-    """The fleet's notices (pub/sub), its watchers' record, the counters' flushes and the early
-    declines until cancelled; then the mirror, watch and declines streams' readers stop too."""
-    declines.follow()
-    try:
-        await asyncio.gather(notifier.follow(), notifier.watch.run(), counters.run())
-    finally:
-        await notifier.streams.stop()
-        await notifier.watch.stop()
-        await declines.stream.stop()
-
-
 async def start_server(
     config: BrokerConfig,
     clock: Clock | None = None,
@@ -281,16 +212,23 @@ async def start_server(
     shared = _shared_state(config)
     clock = clock or (WallClock() if shared is not None else MonotonicClock())
     tasks: list[asyncio.Task[None]] = []
-    counters: FleetCounters | None = None
+    replica: Replica | None = None
     if shared is None:
         notifier = StreamNotifier(clock)
         core = BrokerCore(config, clock=clock, notifier=notifier)
     else:
-        core, notifier, follow, counters = _fleet_core(config, clock, shared)
-        tasks.append(asyncio.create_task(follow, name="kvbroker-fleet-channel"))
-    servicer = BrokerServicer(core, notifier)
-    if counters is not None:
-        servicer.stats = lambda: counters.stats(core.stats())  # the fleet's counts, not this replica's
+        from kvbroker.broker.fleet.replica import Replica
+
+        replica = Replica(config, clock, shared)
+        core, notifier = replica.core, replica.notifier
+        tasks.append(asyncio.create_task(replica.follow(), name="kvbroker-fleet-channel"))
+    feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
+
+    def feed_tenant(engine_id: str) -> str | None:
+        feed = feeds.get(engine_id)
+        return feed.source.tenant if feed is not None else None
+
+    engines = EngineIdentity(core.registry, feed_tenant)
 
     # Outermost first: metrics and spans see the INVALID_ARGUMENT of a malformed request too.
     interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -299,18 +237,40 @@ async def start_server(
     if config.metrics_port:
         metrics_registry = CollectorRegistry()
         interceptors.append(MetricsInterceptor(metrics_registry))
-        servicer.stream_observer = SessionStreamMetrics(metrics_registry)
     provider = tracer_provider or make_tracer_provider(config.otlp_endpoint)
     if provider is not None:
         interceptors.append(TracingInterceptor(provider))
-        servicer.tracer = provider.get_tracer("kvbroker.server")
         extras.append(provider)
-    auth = _auth_interceptor(core, security)
+    auth = _auth_interceptor(core, security, engines)
     if auth is not None:
         # Before the decode guard: a caller without rights learns nothing, not even "malformed".
         interceptors.append(auth)
-        servicer.session_guard = auth.session_guard
     interceptors.append(DecodeGuardInterceptor())
+
+    metrics_port = 0
+    if metrics_registry is not None:
+        http = start_metrics_http(
+            core,
+            metrics_registry,
+            config.metrics_host,
+            config.metrics_port,
+            [KvEventsCollector(feeds)],
+            replica.counters.stats if replica is not None else None,
+        )
+        if http is not None:
+            extras.append(http)
+            metrics_port = http.server_port
+        else:  # the port is taken: count nothing nobody can read
+            metrics_registry = None
+    servicer = BrokerServicer(
+        core,
+        notifier,
+        engines,
+        stats=replica.stats if replica is not None else None,
+        stream_observer=SessionStreamMetrics(metrics_registry) if metrics_registry is not None else None,
+        tracer=provider.get_tracer("kvbroker.server") if provider is not None else None,
+        session_guard=auth.session_guard if auth is not None else None,
+    )
 
     limit = config.max_message_bytes
     server = grpc.aio.server(
@@ -330,29 +290,20 @@ async def start_server(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port, certificates = _listen(server, config.address, security)
-    if port == 0:
-        raise InvalidArgument(f"cannot listen on {config.address!r} (address in use or invalid)")
+    try:
+        port, certificates = _listen(server, config.address, security)
+        if port == 0:
+            raise InvalidArgument(f"cannot listen on {config.address!r} (address in use or invalid)")
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        for extra in extras:
+            extra.shutdown()
+        raise
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
-    metrics_port = 0
-    feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
-    if metrics_registry is not None:
-        http = start_metrics_http(
-            core,
-            metrics_registry,
-            config.metrics_host,
-            config.metrics_port,
-            feeds,
-            counters.stats if counters is not None else None,
-        )
-        if http is not None:
-            extras.append(http)
-            metrics_port = http.server_port
-        else:  # the port is taken: count nothing nobody can read
-            servicer.stream_observer = None
     running = RunningServer(
         server=server,
         core=core,
@@ -366,10 +317,10 @@ async def start_server(
         certificates=certificates,
         guard=auth.guard if auth is not None else None,
         feeds=feeds,
+        _expiry_task=asyncio.create_task(_expiry_loop(core), name="kvbroker-expiry"),
         _extras=extras,
+        _tasks=tasks,
     )
-    running._expiry_task = asyncio.create_task(_expiry_loop(core), name="kvbroker-expiry")
-    running._tasks = tasks
     try:
         await _start_indexer(running, config, security, auth.guard if auth is not None else None)
     except BaseException:
@@ -383,11 +334,12 @@ async def _start_indexer(
 ) -> None:
     """The engines followed by KV events (--kv-events) and the indexer HTTP API (--indexer-http)."""
     for source in parse_sources(config.kv_events):
-        feed = running.feeds[source.engine_id] = KvEventsFeed(running.core, source)
+        feed = KvEventsFeed(running.core, source, bare_salts=not security.authenticates)
+        running.feeds[source.engine_id] = feed
         feed.start()
     if config.indexer_http:
         tenant_of = guard.tenant_of_engine if guard is not None else None
-        indexer = IndexerHttp(running.core, security, running.feeds, tenant_of)
+        indexer = IndexerHttp(running.core, IndexerGate(security), running.feeds, tenant_of)
         try:
             running.indexer_port = await indexer.start(config.indexer_http)
         except OSError as err:

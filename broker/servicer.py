@@ -15,30 +15,25 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
 import grpc
 from opentelemetry.trace import Tracer
 
 from kvbroker.broker import codec, lease_calls, listing
 from kvbroker.broker import events as ev
-from kvbroker.broker.channels import Close, SessionChannel, StreamNotifier
+from kvbroker.broker.channels import Close, SessionChannel, SessionNotifier
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult, Stats
-from kvbroker.broker.security.callers import (
-    ENGINE_ID_METADATA,
-    SESSION_ID_METADATA,
-    call_metadata,
-    check_owner,
-    peer_host,
-)
+from kvbroker.broker.servicer_parts import EngineCheck, StreamObserver
 from kvbroker.broker.status import abort, answer, status_of, trailers
 from kvbroker.broker.tracing import command_span
 from kvbroker.common.causes import Cause
+from kvbroker.common.metadata import ENGINE_ID_METADATA
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
@@ -59,26 +54,30 @@ def _session_error(seq: int, err: BrokerError) -> pb.SessionDown:
     )
 
 
-class StreamObserver(Protocol):
-    """Told about each Session-stream message the broker handled (broker/metrics.py)."""
-
-    def message(self, kind: str, code: str, seconds: float) -> None: ...
-
-    def pin(self, outcome: str, seconds: float) -> None: ...
-
-
 class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
-    def __init__(self, core: BrokerCore, notifier: StreamNotifier) -> None:
+    def __init__(
+        self,
+        core: BrokerCore,
+        notifier: SessionNotifier,
+        engines: EngineCheck,
+        *,
+        stats: Callable[[], Stats] | None = None,
+        stream_observer: StreamObserver | None = None,
+        tracer: Tracer | None = None,
+        session_guard: Callable[[EngineRecord, pb.SessionUp], None] | None = None,
+    ) -> None:
         self.core = core
         self.notifier = notifier
+        # Who may act as which engine: every path that acts as one asks it (one rule, one cause).
+        self.engines = engines
         self.shutting_down = False
-        self.stats: Callable[[], Stats] = core.stats  # a replica of a fleet answers the fleet's counts
+        self.stats: Callable[[], Stats] = stats or core.stats  # a fleet replica: the fleet's counts
         # Session-stream metrics (None: off); the unary calls are timed by an interceptor.
-        self.stream_observer: StreamObserver | None = None
-        # Spans for the lease commands on Session streams (set when tracing is on).
-        self.tracer: Tracer | None = None
-        # Checks each Session message as the caller's identity (broker.auth; set when it authenticates).
-        self.session_guard: Callable[[EngineRecord, pb.SessionUp], None] | None = None
+        self.stream_observer = stream_observer
+        # Spans for the lease commands on Session streams (None: tracing is off).
+        self.tracer = tracer
+        # Checks each Session message as the caller's identity (broker.auth; None: no authentication).
+        self.session_guard = session_guard
 
     # -- Session stream ------------------------------------------------------------
 
@@ -106,15 +105,17 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 Cause.BAD_REQUEST,
             )
         reg = first.register
+        caller = self.engines.caller_of(context)
         try:
+            self.engines.admit(caller, reg.engine.engine_id, reg.resume_session_id)
             rec = self.core.register(
                 reg.engine, reg.session_ttl_ms, reg.expected_ranks, reg.resume_session_id
             )
         except BrokerError as err:
             await _abort(context, err)
             return
-        rec.peer_host = peer_host(context.peer() or "")
-        channel = self.notifier.attach(rec.session_id, self.core.config.session_buffer_bytes)
+        self.engines.registered(rec, caller)
+        channel = self.notifier.attach(rec.session_id, self.core.config.session_buffer_bytes, rec)
         lock = asyncio.Lock()
         ttl_ms = int(rec.ttl_s * 1000)
         await context.write(
@@ -184,6 +185,9 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 if self.session_guard is not None:
                     self.session_guard(rec, msg)
                 if kind in lease_calls.SESSION_COMMANDS:
+                    self.engines.acting_as(
+                        self.engines.session_caller(rec), lease_calls.acting_engine(msg), kind
+                    )
                     with command_span(self.tracer, kind.capitalize(), msg.trace_context):
                         reply = lease_calls.session_command(core, rec, msg)
                 elif kind == "resolve":
@@ -259,23 +263,20 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     # -- unary: engine side ---------------------------------------------------------
 
     def _acting_as(self, engine_id: str, context: grpc.aio.ServicerContext, what: str) -> None:
-        """A unary call acting as `engine_id` must come from its session (broker/security/callers.py)."""
-        rec = self.core.registry.find(engine_id)
-        if rec is not None:  # an unknown or empty id is the core's to refuse, precisely
-            check_owner(rec, context, what)
+        """A unary call acting as `engine_id` must come from that engine (broker/security/engine_identity.py)."""
+        self.engines.acting_as(self.engines.caller_of(context), engine_id, what)
 
     def _asker(self, context: grpc.aio.ServicerContext) -> EngineRecord | None:
-        """The engine a unary Resolve asks for: named by its session id, or by its engine id
-        from its own session's host; None for a router."""
-        session_id = call_metadata(context, SESSION_ID_METADATA)
-        if session_id:
-            return self.core.registry.by_session(session_id)
-        engine_id = call_metadata(context, ENGINE_ID_METADATA)
+        """The engine a unary Resolve asks as (its engine id in the metadata, or its session id); None for
+        a router. The caller must be that engine, as for every call that acts as one."""
+        caller = self.engines.caller_of(context)
+        engine_id = self.engines.call_metadata(context, ENGINE_ID_METADATA)
+        if not engine_id and caller.session_id:
+            engine_id = self.core.registry.by_session(caller.session_id).engine_id
         if not engine_id:
             return None
-        rec = self.core.registry.get(engine_id)
-        check_owner(rec, context, f"Resolve with {ENGINE_ID_METADATA}")
-        return rec
+        rec = self.engines.acting_as(caller, engine_id, f"Resolve with {ENGINE_ID_METADATA}")
+        return rec if rec is not None else self.core.registry.get(engine_id)
 
     async def RegisterRank(
         self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext
@@ -373,12 +374,14 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
-        return await answer(context, lambda: listing.list_engines(self.core, request))
+        sees = self.engines.visible_engines()
+        return await answer(context, lambda: listing.list_engines(self.core, request, sees))
 
     async def ListLeases(
         self, request: pb.ListLeasesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListLeasesResponse:
-        return await answer(context, lambda: listing.list_leases(self.core, request))
+        owns = self.engines.owned_tenants()
+        return await answer(context, lambda: listing.list_leases(self.core, request, owns))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return await answer(context, lambda: codec.stats_pb(self.stats()))

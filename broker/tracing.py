@@ -127,7 +127,3 @@ def command_span(tracer: trace.Tracer | None, method: str, carrier: Mapping[str,
             set_rpc_status(span, status_of(err), err.message)
             raise
         set_rpc_status(span, grpc.StatusCode.OK)
-
-
-def current_trace_id() -> int:
-    return trace.get_current_span().get_span_context().trace_id

@@ -31,8 +31,7 @@ from typing import Any
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import DEFAULT_ADDRESS, AsyncBrokerClient, trace_metadata
-from kvbroker.clients.backoff import Backoff
-from kvbroker.clients.clock import SessionClock
+from kvbroker.clients.clock import Backoff, SessionClock
 from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.inventory import (
     DEFAULT_MAX_HASHES_PER_UPDATE,

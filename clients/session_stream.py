@@ -36,8 +36,7 @@ import grpc.aio
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient, trace_metadata
-from kvbroker.clients.backoff import Backoff
-from kvbroker.clients.clock import MonotonicClock, SessionClock
+from kvbroker.clients.clock import AsyncioClock, Backoff, SessionClock
 from kvbroker.clients.liveness import STALL_S, GaveUp, Liveness, Silent, register_timeout_s
 from kvbroker.clients.pins import pin_result
 from kvbroker.v1 import broker_pb2 as pb
@@ -95,7 +94,7 @@ class SessionStream:
         self.backoff = backoff
         self.register_timeout_s = register_timeout_s
         # Heartbeats, the silence limit, stall forgiveness and back-off all go by this clock.
-        self.clock: SessionClock = clock if clock is not None else MonotonicClock()
+        self.clock: SessionClock = clock if clock is not None else AsyncioClock()
 
         self.registered: pb.Registered | None = None
         self.registrations = 0  # successful registrations so far (1 + reconnects)

@@ -1,7 +1,7 @@
 """Blocking client for the broker: the same methods as ``kvbroker.clients.aio.AsyncBrokerClient``.
 
 For scripts, the CLI and routers without an event loop. Do not call it from
-vLLM's scheduler thread: use ``kvbroker.clients.session.ThreadedEngineSession`` there,
+vLLM's scheduler thread: use ``kvbroker.clients.threaded_session.ThreadedEngineSession`` there,
 whose calls return futures instead of blocking.
 """
 
@@ -18,9 +18,7 @@ from kvbroker.clients import errors
 from kvbroker.clients.aio import (
     DEFAULT_ADDRESS,
     DEFAULT_TIMEOUT_S,
-    ENGINE_ID_METADATA,
     FAILOVER_CODES,
-    SESSION_ID_METADATA,
     build_request,
     channel_options,
     retries_elsewhere,
@@ -28,6 +26,7 @@ from kvbroker.clients.aio import (
 )
 from kvbroker.clients.credentials import ClientSecurity, FileStamp, replica_options, sync_channel
 from kvbroker.clients.endpoints import Endpoints, split_addresses
+from kvbroker.common.metadata import ENGINE_ID_METADATA, SESSION_ID_METADATA
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 

@@ -11,8 +11,7 @@ Every configuration (the broker's flags, the proxy's flags, the adapter's
   (underscores become dashes), whose default comes from the environment
   variable ``<env_prefix><FIELD>`` (or the field's own ``env=``), else the
   field's default. The flag wins over the variable, the variable over the
-  default. Help names the variable and the default. A field renamed its
-  variable keeps reading the old one (``old_env=``), with a warning.
+  default. Help names the variable and the default.
 - `from_args(cls, args, **others)`: the dataclass from parsed flags.
 - `from_mapping(cls, mapping, what=...)`: the dataclass from a dict (vLLM's
   extra config, JSON), refusing unknown keys and coercing ``"64"``/``"true"``.
@@ -29,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -49,16 +47,11 @@ def setting(
     choices: Sequence[str] | None = None,
     metavar: str | None = None,
     flag: bool = True,
-    old_env: str | None = None,
 ) -> Any:
-    """A dataclass field with its help text (and, optionally, its own environment variable).
-
-    `old_env`: a former name of the variable, still read (with a warning on stderr) when the new one is unset.
-    """
+    """A dataclass field with its help text (and, optionally, its own environment variable)."""
     metadata = {
         "help": help,
         "env": env,
-        "old_env": old_env,
         "choices": tuple(choices) if choices else None,
         "metavar": metavar,
         "flag": flag,
@@ -134,7 +127,7 @@ def add_arguments(
     for f in _fields(cls):
         kind = _kind(f)
         env = env_name(f, env_prefix)
-        raw = _environment_value(f, env)
+        raw = os.environ.get(env)
         default = f.default
         if raw is not None:
             try:
@@ -171,16 +164,6 @@ def add_arguments(
             metavar=None if f.metadata.get("choices") else f.metadata.get("metavar") or kind.__name__.upper(),
             help=help_text,
         )
-
-
-def _environment_value(f: dataclasses.Field[Any], env: str) -> str | None:
-    """The variable's value; else its former name's, with a warning that names the new one."""
-    raw = os.environ.get(env)
-    old = f.metadata.get("old_env")
-    if raw is None and old and old in os.environ:
-        print(f"warning: {old} is deprecated and will be removed; set {env} instead", file=sys.stderr)
-        raw = os.environ[old]
-    return raw
 
 
 def from_args(cls: type, args: argparse.Namespace, **others: Any) -> Any:

@@ -75,11 +75,6 @@ def regions_from_proto(msgs: Iterable[pb.MemoryRegion]) -> list[Region]:
     return [Region.from_proto(m) for m in msgs]
 
 
-def layers_of(regions: list[Region]) -> list[int]:
-    """Sorted distinct layer indices covered by `regions`."""
-    return sorted({r.layer for r in regions})
-
-
 _INT_COMPONENT = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
 
 

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from kvbroker.engine_adapter.decisions import PullPlan
@@ -35,6 +36,15 @@ logger = logging.getLogger("vllm.kvbroker.scheduler")
 LOCAL_PIN_PREFIX = "local:"
 
 
+class LoadState(StrEnum):
+    """Where a load is: acquiring -> reading -> releasing -> done (a str: logs print the word)."""
+
+    ACQUIRING = "acquiring"
+    READING = "reading"
+    RELEASING = "releasing"
+    DONE = "done"
+
+
 @dataclass
 class Load:
     request_id: str
@@ -44,7 +54,7 @@ class Load:
     local_block_ids: tuple[int, ...]
     started: float
     budget: Budget
-    state: str = "acquiring"  # acquiring -> reading -> releasing -> done
+    state: LoadState = LoadState.ACQUIRING
     future: Future[Any] | None = None
     lease: pb.Lease | None = None
     ranks_done: int = 0
@@ -154,7 +164,7 @@ class Loads:
                 load.failure = reason
         for req_id, count in outcomes.done.items():
             load = self.active.get(req_id)
-            if load is None or load.state != "reading":
+            if load is None or load.state != LoadState.READING:
                 continue
             load.ranks_done += count
             load.bytes_read += outcomes.bytes_read.get(req_id, 0)
@@ -231,7 +241,7 @@ class Loads:
     # ------------------------------------------------------------------
 
     def _advance(self, load: Load, now: float) -> None:
-        if load.state == "acquiring":
+        if load.state == LoadState.ACQUIRING:
             future = load.future
             if future is None or not future.done():
                 if load.budget.left(now) < 0:
@@ -246,7 +256,7 @@ class Loads:
                 self._fail(load, f"lease refused: {error}")
                 return
             self._start_reads(load, future.result())
-        elif load.state == "releasing":
+        elif load.state == LoadState.RELEASING:
             future = load.future
             if future is None or not future.done():
                 return
@@ -278,7 +288,7 @@ class Loads:
         if reason is not None:
             self._fail(load, f"holder {holder.engine_id or lease.holder_engine_id} incompatible: {reason}")
             return
-        load.state = "reading"
+        load.state = LoadState.READING
         self._mark(load, "lease_granted")
         if load.span is not None:
             # Which holder rank serves which layers, for the trace: "pp0/tp0:[0,2)".
@@ -312,7 +322,7 @@ class Loads:
             self._fail(load, "the blocks left the CPU tier before they could be copied back")
             return
         load.local_pin = pin
-        load.state = "reading"
+        load.state = LoadState.READING
         self._pending_specs.append(
             LoadSpec(
                 request_id=load.request_id,
@@ -342,14 +352,14 @@ class Loads:
         if load.failure:
             self._fail(load, f"NIXL read failed: {load.failure}")
             return
-        load.state = "releasing"
+        load.state = LoadState.RELEASING
         with current(load.span):
             load.future = link.release(load.lease.lease_id, load.lease.epoch)
         self._time_answer(load, "release_answer", "read_done")
 
     def _fail(self, load: Load, reason: str) -> None:
         link = self._ctx.link
-        if load.lease is not None and load.state != "releasing" and link is not None:
+        if load.lease is not None and load.state != LoadState.RELEASING and link is not None:
             # End the lease at once so the holder frees; the bytes are not used either way.
             link.release(load.lease.lease_id, load.lease.epoch)
         self._ctx.stats.count("pulls_failed")
@@ -364,7 +374,7 @@ class Loads:
 
     def _commit(self, load: Load, *, ok: bool, reason: str) -> None:
         stats = self._ctx.stats
-        load.state = "done"
+        load.state = LoadState.DONE
         load.committed = ok
         ctx = self._ctx
         ctx.pulls_in_flight[load.plan.holder_engine_id] -= 1

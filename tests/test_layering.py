@@ -9,6 +9,9 @@
     testkit (not in the wheel)        test and bench scaffolding: may use anything; no part of
                                       kvbroker imports it
 
+Inside kvbroker.broker, three wings (fleet, security, indexer) import the broker's top level,
+never each other; only broker/server.py, which builds the broker, imports a wing.
+
 docs/architecture.md draws the same picture.
 """
 
@@ -114,6 +117,29 @@ def test_imports_only_run_down_the_layers() -> None:
             if target_layer != layer and target_layer not in ALLOWED[layer]:
                 wrong.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {target} ({target_layer})")
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+WINGS = ("kvbroker.broker.fleet", "kvbroker.broker.security", "kvbroker.broker.indexer")
+BUILDER = "kvbroker.broker.server"  # the one module outside a wing that imports the wings
+
+
+def _wing(module: str) -> str | None:
+    return next((w for w in WINGS if module == w or module.startswith(w + ".")), None)
+
+
+def test_the_broker_wings_import_only_the_top_level_and_only_the_server_imports_them() -> None:
+    wrong = []
+    for module, path in _modules().items():
+        own = _wing(module)
+        for line, target in _imports(path):
+            wing = _wing(target)
+            if wing is None or wing == own or module == BUILDER:
+                continue
+            who = f"the wing {own}" if own else module
+            wrong.append(
+                f"{path.relative_to(ROOT)}:{line}: {who} imports {target} (pass it in from server.py)"
+            )
+    assert not wrong, "imports of the broker's wings:\n" + "\n".join(wrong)
 
 
 def test_tests_and_bench_use_the_namespace() -> None:

@@ -1,5 +1,6 @@
 """The Redis/Valkey fleet: broker state in a shared store, served by any number of replicas.
 
-Only `broker.server` imports this wing; it builds on the broker's top level
-(core, registry, leases, channels) and never on the other wings.
+Only `broker.server` imports this wing, and builds a replica with one constructor
+(`replica.Replica`); it builds on the broker's top level (core, registry, leases,
+channels) and never on the other wings.
 """

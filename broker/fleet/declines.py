@@ -5,7 +5,7 @@ decline can come first, and through another replica than the hold. Each
 replica keeps its book of early declines in memory (declines.py; a hold looks
 only there, so holds cost the store nothing more) and appends each early
 decline it receives to the fleet's declines stream (the mirror streams'
-machinery, state_redis_mirror.MirrorStreams: kept a minute, read on from the
+machinery, fleet/mirror.py's MirrorStreams: kept a minute, read on from the
 last entry after a lost connection). Every replica reads that stream and
 puts the other replicas' early declines in its own book, so a hold arriving
 after that is refused wherever it arrives. The replica that serves the
@@ -40,18 +40,20 @@ class DeclineStreams(MirrorStreams):
 
 
 class FleetDeclineBook(DeclineBook):
-    def __init__(self, state: RedisState, replica: str, now: Callable[[], float]) -> None:
+    def __init__(
+        self, state: RedisState, replica: str, now: Callable[[], float], heard: Callable[[str, str], None]
+    ) -> None:
+        """`heard(holder, request_id)`: another replica's early decline, heard here; the holder's
+        replica ends a hold of it that arrived meanwhile (BrokerCore.decline)."""
         super().__init__()
         self._now = now
-        self._heard = False  # adding what another replica said: do not send it back
+        self._adding_heard = False  # adding what another replica said: do not send it back
+        self._on_heard = heard
         self.stream = DeclineStreams(state, replica, self._apply, self._missed)
-        # Another replica's early decline, heard here (holder, request id): the holder's replica
-        # ends a hold of it that arrived meanwhile (BrokerCore.decline).
-        self.on_heard: Callable[[str, str], None] = lambda holder, request_id: None
 
     def add(self, holder: str, request_id: str, now: float) -> None:
         super().add(holder, request_id, now)
-        if not self._heard:
+        if not self._adding_heard:
             self.stream.append(FLEET, "decline", json.dumps([holder, request_id]).encode())
 
     def follow(self) -> None:
@@ -60,12 +62,12 @@ class FleetDeclineBook(DeclineBook):
 
     def _apply(self, layout_id: str, kind: str, body: bytes) -> None:
         holder, request_id = (str(part) for part in json.loads(body))
-        self._heard = True
+        self._adding_heard = True
         try:
             super().add(holder, request_id, self._now())
-            self.on_heard(holder, request_id)
+            self._on_heard(holder, request_id)
         finally:
-            self._heard = False
+            self._adding_heard = False
 
     def _missed(self, layout_id: str) -> None:
         log.warning(

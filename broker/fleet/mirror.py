@@ -1,4 +1,5 @@
-"""Index changes for Mirror streams across broker replicas: one Redis Stream per layout.
+"""Index changes for Mirror streams across broker replicas: one Redis Stream per layout, and the
+fleet's mirror hub (FleetMirrorHub) that appends to and reads from them.
 
 A mirror must not miss a change, so these do not go over pub/sub (at most
 once). Each replica applies its own changes to its local mirrors and appends
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,9 @@ from redis.exceptions import MovedError
 
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.mirror import DEFAULT_MAX_PENDING_BYTES, MirrorHub, MirrorSubscriber, mirror_engine_info
+from kvbroker.common.model import Namespace, Tier
+from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
 
@@ -64,8 +68,8 @@ class LayoutReader:
 
 
 class MirrorStreams:
-    """The per-layout mirror streams; the fleet's Watch and early-declines streams (state_redis_watch,
-    state_redis_declines) are two more, with their own keys and readers' names."""
+    """The per-layout mirror streams; the fleet's Watch and early-declines streams (fleet/watch.py,
+    fleet/declines.py) are two more, with their own keys and readers' names."""
 
     reader_name = "kvbroker-mirror"  # readers' Redis client names: `<reader_name>-<replica>`
     apply_own = False  # mirrors apply their own replica's changes at once, not from the stream
@@ -183,3 +187,93 @@ class MirrorStreams:
                 await asyncio.sleep(0.5)
             finally:
                 await client.aclose()
+
+
+class FleetMirrorHub(MirrorHub):
+    """Mirrors that follow every replica's index changes, not only this one's: each change made here
+    is appended to its layout's stream, and the layouts this replica has mirrors of are read back."""
+
+    def __init__(self, state: RedisState, replica: str) -> None:
+        super().__init__()
+        self.streams = MirrorStreams(state, replica, self._apply, self._missed)
+
+    def _publish(self, layout_id: str, change: pb.MirrorBlocks | pb.MirrorEngine) -> None:
+        kind = "blocks" if isinstance(change, pb.MirrorBlocks) else "engine"
+        self.streams.append(layout_id, kind, change.SerializeToString())
+
+    def _apply(self, layout_id: str, kind: str, body: bytes) -> None:
+        if kind == "blocks":
+            self.apply_blocks(layout_id, pb.MirrorBlocks.FromString(body))
+        else:
+            self.apply_engine(layout_id, pb.MirrorEngine.FromString(body))
+
+    def _missed(self, layout_id: str) -> None:
+        log.warning("index changes of layout %s were missed: resyncing its mirrors", layout_id[:12])
+        self.resync(layout_id)
+
+    def watching(self, layout_id: str) -> bool:
+        return True  # a mirror on another replica may be watching
+
+    def subscribe(
+        self, layout_id: str, wake: Callable[[], None], max_pending: int = DEFAULT_MAX_PENDING_BYTES
+    ) -> MirrorSubscriber:
+        sub = super().subscribe(layout_id, wake, max_pending)
+        self.streams.follow(layout_id)  # from the stream's end now, before the snapshot
+        return sub
+
+    def unsubscribe(self, sub: MirrorSubscriber) -> None:
+        super().unsubscribe(sub)
+        if sub.layout_id not in self._by_layout:  # its last mirror here: stop reading the layout
+            self.streams.unfollow(sub.layout_id)
+
+    def blocks(
+        self,
+        engine_id: str,
+        namespace: Namespace,
+        tier: Tier,
+        stored: Sequence[int] = (),
+        removed: Sequence[int] = (),
+    ) -> None:
+        super().blocks(engine_id, namespace, tier, stored, removed)
+        change = pb.MirrorBlocks(
+            engine_id=engine_id,
+            tenant=namespace.tenant,
+            tier=pb.Tier.ValueType(tier),
+            stored=stored,
+            removed=removed,
+        )
+        self._publish(namespace.layout_id, change)
+
+    def clear_tier(self, engine_id: str, layout_id: str, tier: Tier) -> None:
+        super().clear_tier(engine_id, layout_id, tier)
+        change = pb.MirrorBlocks(engine_id=engine_id, tier=pb.Tier.ValueType(tier), clear_tier=True)
+        self._publish(layout_id, change)
+
+    def engine(self, layout_id: str, info: pb.EngineInfo | None, engine_id: str = "") -> None:
+        super().engine(layout_id, info, engine_id)
+        if info is None:
+            change = pb.MirrorEngine(engine=pb.EngineInfo(engine_id=engine_id), gone=True)
+        else:
+            change = pb.MirrorEngine(engine=mirror_engine_info(info))
+        self._publish(layout_id, change)
+
+    # -- another replica's changes: to the local mirrors only -----------------------
+
+    def resync(self, layout_id: str) -> None:
+        """Changes were missed: the layout's local mirrors start over from a fresh snapshot."""
+        for sub in self._by_layout.get(layout_id, ()):
+            sub.overflowed, sub.segments, sub.pending = True, [], 0
+            sub.wake()
+
+    def apply_blocks(self, layout_id: str, change: pb.MirrorBlocks) -> None:
+        if change.clear_tier:
+            super().clear_tier(change.engine_id, layout_id, Tier(change.tier))
+        else:
+            ns = Namespace(layout_id, change.tenant)
+            super().blocks(change.engine_id, ns, Tier(change.tier), list(change.stored), list(change.removed))
+
+    def apply_engine(self, layout_id: str, change: pb.MirrorEngine) -> None:
+        if change.gone:
+            super().engine(layout_id, None, change.engine.engine_id)
+        else:
+            super().engine(layout_id, change.engine)

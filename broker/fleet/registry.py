@@ -21,8 +21,7 @@ elsewhere) forgets it without touching the shared state.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvbroker.broker.errors import NotFound, Unavailable, shown
 from kvbroker.broker.fleet.conn import RedisState
@@ -97,8 +96,64 @@ BACK_GRACE_S = 4 * PUSH_EVERY_S
 SEEN_MAX = 4096
 
 
+class SeenRecords:
+    """Other replicas' engine records as this replica last read them, and the replica serving each
+    session: the registry fills it, the notifier addresses notices with it, and the fleet's notices
+    (an engine changed, a session moved) drop what they make stale."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[EngineRecord, float]] = {}  # engine id -> record, when read
+        self._serving: dict[str, tuple[str, float]] = {}  # session id -> its replica, when read
+
+    def get(self, engine_id: str) -> EngineRecord | None:
+        """The engine's record as read within SEEN_FOR_S (else None: read it again)."""
+        seen = self._seen.get(engine_id)
+        if seen is not None and time.monotonic() - seen[1] < SEEN_FOR_S:
+            return seen[0]
+        return None
+
+    def remember(self, rec: EngineRecord, replica: str) -> None:
+        now = time.monotonic()
+        if len(self._seen) >= SEEN_MAX:
+            self._seen.clear()
+            self._serving.clear()
+        self._seen[rec.engine_id] = (rec, now)
+        self._serving[rec.session_id] = (replica, now)
+
+    def forget(self, engine_id: str) -> None:
+        self._seen.pop(engine_id, None)
+
+    def replica_of(self, session_id: str) -> str | None:
+        """The replica serving another replica's session, as read within SEEN_FOR_S (else None)."""
+        serving = self._serving.get(session_id)
+        if serving is None or time.monotonic() - serving[1] >= SEEN_FOR_S:
+            return None
+        return serving[0] or None
+
+    def changed(self, engine_id: str) -> None:
+        """Another replica changed this engine's record: read it again when next needed."""
+        seen = self._seen.pop(engine_id, None)
+        if seen is not None:
+            self._serving.pop(seen[0].session_id, None)
+
+    def moved(self, session_id: str) -> None:
+        """A session resumed on another replica: it is not where this one last read it."""
+        self._serving.pop(session_id, None)
+
+
+class FleetNews(Protocol):
+    """What the registry tells: the other replicas (through the fleet's channel), and this replica's
+    own stream of a session the store lost (broker/fleet/notify.py's FleetNotifier)."""
+
+    def session_resumed(self, session_id: str) -> None: ...
+
+    def engine_changed(self, engine_id: str) -> None: ...
+
+    def session_lost(self, session_id: str) -> None: ...
+
+
 class FleetRegistry(EngineRegistry):
-    def __init__(self, state: RedisState, replica: str) -> None:
+    def __init__(self, state: RedisState, replica: str, seen: SeenRecords, news: FleetNews) -> None:
         super().__init__()
         self._state = state
         self._r: Any = state.client
@@ -113,14 +168,9 @@ class FleetRegistry(EngineRegistry):
         self._claimed: set[str] = set()  # remote sessions this replica claimed to end
         self._pushed = 0.0
         self._swept = 0.0  # when this replica last looked for other replicas' expired sessions
-        self.on_resumed: Callable[[str], None] = lambda session_id: None
         self._handed: list[EngineRecord] = []  # what the last expiry pass handed out to end
-        self.on_changed: Callable[[str], None] = lambda engine_id: None  # tells the other replicas
-        self._seen: dict[str, tuple[EngineRecord, float]] = {}  # other replicas' engines, when read
-        self._serving: dict[str, tuple[str, float]] = {}  # session id -> its replica, when read
-        # A local session the store does not have (a store restarted empty): end its stream so the
-        # engine registers again and re-announces, rebuilding the shared index.
-        self.on_lost: Callable[[str], None] = lambda session_id: None
+        self._seen = seen  # other replicas' engines, as read
+        self._news = news
 
     # -- the store's records ------------------------------------------------------
 
@@ -188,38 +238,20 @@ class FleetRegistry(EngineRegistry):
         rec = super().find(engine_id)
         if rec is not None:
             return rec
-        now = time.monotonic()
-        seen = self._seen.get(engine_id)
-        if seen is not None and now - seen[1] < SEEN_FOR_S:
-            return seen[0]
+        rec = self._seen.get(engine_id)
+        if rec is not None:
+            return rec
         fields = self._remote_fields(engine_id)
         if not fields:
-            self._seen.pop(engine_id, None)
+            self._seen.forget(engine_id)
             return None
         rec = self._record(fields)
-        if len(self._seen) >= SEEN_MAX:
-            self._seen.clear()
-            self._serving.clear()
-        self._seen[engine_id] = (rec, now)
-        self._serving[rec.session_id] = (fields.get(b"rep", b"").decode(), now)
+        self._seen.remember(rec, fields.get(b"rep", b"").decode())
         return rec
 
-    def replica_of(self, session_id: str) -> str | None:
-        """The replica serving another replica's session, as read within SEEN_FOR_S (else None)."""
-        serving = self._serving.get(session_id)
-        if serving is None or time.monotonic() - serving[1] >= SEEN_FOR_S:
-            return None
-        return serving[0] or None
-
-    def changed(self, engine_id: str) -> None:
-        """Another replica changed this engine's record: read it again when next needed."""
-        seen = self._seen.pop(engine_id, None)
-        if seen is not None:
-            self._serving.pop(seen[0].session_id, None)
-
-    def moved(self, session_id: str) -> None:
-        """A session resumed on another replica: it is not where this one last read it."""
-        self._serving.pop(session_id, None)
+    def local(self, engine_id: str) -> EngineRecord | None:
+        """The engine's record if its session is on this replica (no store read)."""
+        return super().find(engine_id)
 
     def get(self, engine_id: str) -> EngineRecord:
         rec = self.find(engine_id)
@@ -258,7 +290,7 @@ class FleetRegistry(EngineRegistry):
     def add(self, info: pb.EngineInfo, ttl_s: float, expected_ranks: int, now: float) -> EngineRecord:
         rec = super().add(info, ttl_s, expected_ranks, now)
         self._publish(rec, new=True)
-        self.on_changed(rec.engine_id)
+        self._news.engine_changed(rec.engine_id)
         return rec
 
     def add_rank(self, engine_id: str, rank: pb.RankInfo) -> EngineRecord:
@@ -271,15 +303,15 @@ class FleetRegistry(EngineRegistry):
             )
         rec = super().add_rank(engine_id, rank)
         self._publish(rec, new=False)
-        self.on_changed(engine_id)
+        self._news.engine_changed(engine_id)
         return rec
 
     def remove(self, rec: EngineRecord) -> None:
         super().remove(rec)
         self._claimed.discard(rec.session_id)
         self._state.call(self._remove, keys=self._route, args=[self._p, rec.engine_id, rec.session_id])
-        self._seen.pop(rec.engine_id, None)
-        self.on_changed(rec.engine_id)
+        self._seen.forget(rec.engine_id)
+        self._news.engine_changed(rec.engine_id)
 
     # -- shared state --------------------------------------------------------------------
 
@@ -292,13 +324,13 @@ class FleetRegistry(EngineRegistry):
             return None
         rec = self._record(self._pairs(flat), now + ttl_s)
         rec.ttl_s = ttl_s
-        self._seen.pop(rec.engine_id, None)
+        self._seen.forget(rec.engine_id)
         self._engines[rec.engine_id] = rec
         self._by_session[rec.session_id] = rec
         self._fingerprints.setdefault(rec.layout_id, rec.info.layout)
         self._expiry.schedule(rec.session_id, rec.deadline)
         self._compat.clear()
-        self.on_resumed(rec.session_id)
+        self._news.session_resumed(rec.session_id)
         return rec
 
     def owns(self, rec: EngineRecord) -> bool:
@@ -371,5 +403,7 @@ class FleetRegistry(EngineRegistry):
             session_id = raw.decode()
             mine = self._by_session.get(session_id)
             # A record of another session (moved, superseded): that replica tells us itself.
+            # A local session the store does not have (a store restarted empty): end its stream so the
+            # engine registers again and re-announces, rebuilding the shared index.
             if mine is not None and self._state.call(self._r.exists, self._p + "e:" + mine.engine_id) == 0:
-                self.on_lost(session_id)
+                self._news.session_lost(session_id)

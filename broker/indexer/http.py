@@ -12,10 +12,11 @@ the broker's event loop next to gRPC:
 
 A small HTTP/1.1 server on asyncio streams (keep-alive, bounded heads and
 bodies, a read timeout), so the broker needs no web framework. Security
-follows the broker's (docs/security.md): with ``--tls-cert`` it serves HTTPS
-with the same certificate; with identities on (``--tls-ca``, ``--tokens-file``)
-every call needs a client certificate or ``Authorization: Bearer TOKEN``:
-queries and ``/workers`` are for routers and operators of the tenant asked,
+follows the broker's (docs/security.md), through the gate it is given
+(broker/security/http_gate.py): with ``--tls-cert`` it serves HTTPS with the
+same certificate; with identities on (``--tls-ca``, ``--tokens-file``) every
+call needs a client certificate or ``Authorization: Bearer TOKEN``: queries
+and ``/workers`` are for routers and operators of the tenant asked,
 ``/register`` and ``/unregister`` (which make the broker connect out) for
 operators. Plaintext on a non-loopback address needs ``--insecure``.
 """
@@ -28,14 +29,14 @@ import json
 import logging
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import urlencode
 
 from kvbroker.broker.core import BrokerCore
-from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.errors import InvalidArgument, Unauthenticated
 from kvbroker.broker.indexer.kv_events import KvEventsFeed, KvEventsSource, parse_source
 from kvbroker.broker.indexer.query import IndexerError, query
-from kvbroker.broker.security.config import SecurityConfig, is_loopback
-from kvbroker.broker.security.identity import SCHEME, Identity, Role, TokenTable, parse_identity
+from kvbroker.broker.namespaces import ALL_TENANTS, DEFAULT_TENANT
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL
 
 log = logging.getLogger("kvbroker.indexer")
@@ -57,19 +58,55 @@ REASONS = {
 }
 
 
+OPERATOR, ROUTER = "operator", "router"  # the roles of identities (broker/security/identity.py)
+
+
+class Caller(Protocol):
+    """Who sent a request (an identity: broker/security/identity.py)."""
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def uri(self) -> str: ...
+
+    def owns_tenant(self, tenant: str) -> bool: ...
+
+
+class Gate(Protocol):
+    """How the API listens and who calls it (broker/security/http_gate.py)."""
+
+    def check_address(self, address: str) -> None:
+        """InvalidArgument if the API may not be served on `address` this way."""
+        ...
+
+    def ssl_context(self) -> ssl.SSLContext | None: ...
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether callers are identified (a KV-event feed then files no bare salts)."""
+        ...
+
+    def identify(self, headers: dict[str, str], ssl_object: Any) -> Caller | None:
+        """The caller (None: identities are off); Unauthenticated if it shows none accepted."""
+        ...
+
+
 class IndexerHttp:
     def __init__(
         self,
         core: BrokerCore,
-        security: SecurityConfig,
+        gate: Gate,
         feeds: dict[str, KvEventsFeed],
         engine_tenant: Callable[[str], str | None] | None = None,
     ) -> None:
         self.core = core
-        self.security = security
+        self.gate = gate
         self.feeds = feeds  # engine id -> feed; shared with --kv-events
         self.engine_tenant = engine_tenant
-        self.tokens = TokenTable(security.tokens_file) if security.tokens_file else None
         self.max_body = core.config.max_message_bytes
         self.server: asyncio.Server | None = None
         self.port = 0
@@ -80,23 +117,11 @@ class IndexerHttp:
         host = host.strip("[]")
         if not port.isdigit() or not host:
             raise InvalidArgument(f"--indexer-http {address!r}: need HOST:PORT")
-        if not self.security.tls and not self.security.insecure and not is_loopback(address):
-            raise InvalidArgument(
-                f"--indexer-http {address!r} is not a loopback address: serve it with TLS (--tls-cert) "
-                "or pass --insecure"
-            )
-        context = self._ssl_context() if self.security.tls else None
+        self.gate.check_address(address)
+        context = self.gate.ssl_context()
         self.server = await asyncio.start_server(self._connection, host, int(port), ssl=context)
         self.port = int(self.server.sockets[0].getsockname()[1])
         return self.port
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.security.tls_cert, self.security.tls_key)
-        if self.security.tls_ca:
-            context.load_verify_locations(self.security.tls_ca)
-            context.verify_mode = ssl.CERT_OPTIONAL if self.tokens is not None else ssl.CERT_REQUIRED
-        return context
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -192,7 +217,7 @@ class IndexerHttp:
         if target == "/health":
             return 200, {"status": "ok"}
         try:
-            who = self._identify(headers, writer)
+            who = self.gate.identify(headers, writer.get_extra_info("ssl_object"))
             body: Any = {}
             if method == "POST":
                 try:
@@ -202,46 +227,28 @@ class IndexerHttp:
                 if not isinstance(body, dict):
                     raise IndexerError(400, "the body must be a JSON object")
             if target in ("/register", "/unregister"):
-                self._allow(who, (Role.OPERATOR,), target)
-                return 200, self._register(body) if target == "/register" else self._unregister(body)
-            self._allow(who, (Role.ROUTER, Role.OPERATOR), target)
+                self._allow(who, (OPERATOR,), target)
+                return 200, self._register(body, who) if target == "/register" else self._unregister(
+                    body, who
+                )
+            self._allow(who, (ROUTER, OPERATOR), target)
             if target == "/workers":
                 return 200, self._workers(who)
-            tenant = who.tenant if who is not None else None
-            return 200, query(self.core, body, by_hash=target == "/query_by_hash", caller_tenant=tenant)
+            return 200, query(self.core, body, by_hash=target == "/query_by_hash", who=who)
         except IndexerError as err:
             return err.status, _error(err.status, err.message)
+        except Unauthenticated as err:
+            return 401, _error(401, err.message)
         except InvalidArgument as err:
             return 400, _error(400, err.message)
 
-    def _identify(self, headers: dict[str, str], writer: asyncio.StreamWriter) -> Identity | None:
-        if not self.security.authenticates:
-            return None
-        ssl_object = writer.get_extra_info("ssl_object")
-        cert = ssl_object.getpeercert() if ssl_object is not None else None
-        for kind, value in (cert or {}).get("subjectAltName", ()):
-            if kind == "URI" and value.startswith(SCHEME):
-                try:
-                    return parse_identity(value)
-                except ValueError as err:
-                    raise IndexerError(
-                        401, f"the client certificate's identity is not valid: {err}"
-                    ) from None
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if self.tokens is not None and scheme.lower() == "bearer" and token.strip():
-            found = self.tokens.lookup(token.strip())
-            if found is None:
-                raise IndexerError(401, "the bearer token is not in the broker's tokens file")
-            return found
-        raise IndexerError(401, "identify yourself: a client certificate or 'Authorization: Bearer TOKEN'")
-
     @staticmethod
-    def _allow(who: Identity | None, roles: tuple[Role, ...], target: str) -> None:
+    def _allow(who: Caller | None, roles: tuple[str, ...], target: str) -> None:
         if who is not None and who.role not in roles:
-            allowed = " or ".join(r.value for r in roles)
+            allowed = " or ".join(roles)
             raise IndexerError(403, f"{who} may not call {target}: rule '{target} is for {allowed}'")
 
-    def _workers(self, who: Identity | None) -> list[dict[str, Any]]:
+    def _workers(self, who: Caller | None) -> list[dict[str, Any]]:
         out = []
         for rec in self.core.registry.all():
             hidden = who is not None and who.tenant != "*" and self.engine_tenant is not None
@@ -261,7 +268,20 @@ class IndexerHttp:
             )
         return out
 
-    def _register(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _feed_tenant(self, who: Caller | None, tenant_id: str) -> str:
+        """The tenant a feed registered by `who` files its blocks in: the operator's own (tenant ``*``
+        and brokers without identities: the one named; ``default`` is the empty tenant)."""
+        if who is not None and who.tenant != ALL_TENANTS:
+            if tenant_id not in ("", who.tenant):
+                raise IndexerError(
+                    403,
+                    f"{who} may not register a KV event feed into tenant {tenant_id[:80]!r}: rule 'an operator "
+                    f"files feeds into its own tenant' (omit tenant_id, or send {who.tenant!r})",
+                )
+            return who.tenant
+        return "" if tenant_id == DEFAULT_TENANT else tenant_id
+
+    def _register(self, body: dict[str, Any], who: Caller | None) -> dict[str, Any]:
         kind = str(body.get("type", "vLLM"))
         if kind.lower() != "vllm":
             raise IndexerError(400, f"type {kind[:40]!r}: only vLLM publishers are supported")
@@ -276,29 +296,36 @@ class IndexerHttp:
                 raise IndexerError(400, f"'{name}' is longer than {self.core.config.max_id_bytes} bytes")
         if instance in self.feeds or self.core.registry.find(instance) is not None:
             raise IndexerError(409, f"instance_id {instance[:80]!r} is already known; unregister it first")
-        tenant = str(body.get("tenant_id") or "")
-        source = parse_source(f"{instance}={body['endpoint']}")
+        tenant = self._feed_tenant(who, str(body.get("tenant_id") or ""))
         size = body["block_size"]
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise IndexerError(400, "'block_size' must be a positive integer")
+        endpoint = str(body["endpoint"])
+        # The endpoint alone (model and block size come as their own fields, as the RFC sends them).
+        options = urlencode({"model": str(body["modelname"]), "block_size": size})
+        parsed = parse_source(f"{instance}={endpoint}{'&' if '?' in endpoint else '?'}{options}")
         source = KvEventsSource(
             engine_id=instance,
-            endpoint=source.endpoint,
+            endpoint=parsed.endpoint,
             model=str(body["modelname"]),
             block_size=size,
-            tenant="" if tenant == "default" else tenant,
+            tenant=tenant,
             replay=str(body.get("replay_endpoint") or ""),
         )
-        feed = KvEventsFeed(self.core, source)
+        feed = KvEventsFeed(self.core, source, bare_salts=not self.gate.authenticates)
         self.feeds[instance] = feed
         feed.start()
         return {"status": "registered successfully", "instance_id": instance}
 
-    def _unregister(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _unregister(self, body: dict[str, Any], who: Caller | None) -> dict[str, Any]:
         instance = str(body.get("instance_id") or "")
-        feed = self.feeds.pop(instance, None)
-        if feed is None:
-            raise IndexerError(404, f"instance_id {instance[:80]!r} is not a registered KV event publisher")
+        feed = self.feeds.get(instance)
+        foreign = feed is not None and who is not None and who.tenant not in (ALL_TENANTS, feed.source.tenant)
+        if feed is None or foreign:  # another tenant's feed is as unknown as no feed (nothing leaks)
+            raise IndexerError(
+                404, f"instance_id {instance[:80]!r} is not a registered KV event publisher of your tenant"
+            )
+        del self.feeds[instance]
         asyncio.get_running_loop().create_task(feed.stop())
         tenant = str(body.get("tenant_id") or "default")
         return {"status": "unregistered successfully", "removed_instances": [f"{instance}|{tenant}|0"]}

@@ -23,10 +23,12 @@ from enum import StrEnum
 
 import grpc
 
+from kvbroker.broker.namespaces import ALL_TENANTS
+
 log = logging.getLogger("kvbroker.identity")
 
 SCHEME = "kvbroker://"
-ALL_TENANTS = "*"
+
 AUTHORIZATION = "authorization"
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 

@@ -118,9 +118,6 @@ class ProxyConfig:
         flag=False,
     )
 
-    def engines_for(self, role: str) -> list[EngineSpec]:
-        return [e for e in self.engines if e.serves(role)]
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

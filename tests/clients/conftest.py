@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit import builders
 from testkit.broker import RunningServer, running_broker
+
+# Every client takes its credentials (test_credentials.py): the security tests' certificates and TLS brokers.
+from tests.broker.security.conftest import mtls_broker, pki, token_broker  # noqa: F401
 
 
 def make_engine_info(engine_id: str, **layout: Any) -> pb.EngineInfo:

@@ -14,13 +14,15 @@ import pytest
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
-from kvbroker.clients.clock import ManualClock
-from kvbroker.clients.session import Backoff, EngineSession, ThreadedEngineSession
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.clients.sync import BrokerClient
+from kvbroker.clients.threaded_session import ThreadedEngineSession
 from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.broker import running_broker
+from testkit.clock import ManualClock
 from testkit.waiting import until
 
 GPU = pb.TIER_GPU

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import build_request, trace_metadata
-from kvbroker.clients.session import Backoff, InventoryMirror
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.inventory import InventoryMirror
 from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 

@@ -19,7 +19,7 @@ import pytest
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.clients import errors
 from kvbroker.clients.aio import CHANNEL_OPTIONS, AsyncBrokerClient
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.common import keepalive
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.broker import running_broker

@@ -12,8 +12,9 @@ import grpc.aio
 import pytest
 
 from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.clients.mirror import IndexMirror, follow
-from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc

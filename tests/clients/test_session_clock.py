@@ -14,10 +14,13 @@ import grpc.aio
 import pytest
 
 from kvbroker.clients import errors
-from kvbroker.clients.clock import ManualClock, MonotonicClock
-from kvbroker.clients.session import SILENCE_TTLS, Backoff, EngineSession, ThreadedEngineSession
+from kvbroker.clients.clock import AsyncioClock, Backoff
+from kvbroker.clients.engine_session import EngineSession
+from kvbroker.clients.liveness import SILENCE_TTLS
+from kvbroker.clients.threaded_session import ThreadedEngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.clock import ManualClock
 from testkit.waiting import until
 
 TTL_S = 0.4
@@ -177,7 +180,7 @@ async def test_the_threaded_session_heartbeats_on_its_clock(
 async def test_the_default_clock_is_monotonic(engine_info: Callable[..., pb.EngineInfo]) -> None:
     session = EngineSession("127.0.0.1:1", engine_info("p0"))
     try:
-        assert isinstance(session.clock, MonotonicClock)
+        assert isinstance(session.clock, AsyncioClock)
     finally:
         await session.close()
 

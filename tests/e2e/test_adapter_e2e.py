@@ -24,8 +24,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from kvbroker.clients.session import ThreadedEngineSession
 from kvbroker.clients.sync import BrokerClient
+from kvbroker.clients.threaded_session import ThreadedEngineSession
 from kvbroker.common.hashing import wire_chain
 from kvbroker.common.layout import KV_PROTOCOL_VERSION
 from kvbroker.tools.launch import EngineProcess

@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit import builders
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from process_engine_client import engine_info
 from process_harness import child_env
 
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from testkit.processes import SERVE, BrokerProcess
 
 PING_MS = 1_000  # gRPC clients send at most about one ping a second

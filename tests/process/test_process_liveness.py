@@ -24,7 +24,8 @@ from process_engine_client import engine_info
 from process_harness import EngineProcess
 
 from kvbroker.clients.aio import AsyncBrokerClient
-from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.processes import BrokerProcess
 

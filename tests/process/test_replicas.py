@@ -30,8 +30,9 @@ from test_process_liveness import Timeline
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.clients.mirror import IndexMirror, follow
-from kvbroker.clients.session import Backoff, EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.redis_cluster import RedisCluster
 from testkit.redis_server import RedisServer

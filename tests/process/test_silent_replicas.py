@@ -27,7 +27,8 @@ from process_harness import replica
 from test_process_liveness import Timeline
 
 from kvbroker.clients.aio import AsyncBrokerClient
-from kvbroker.clients.session import Backoff, EngineSession
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.redis_server import RedisServer
 from testkit.tcp_proxy import TcpProxy

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvbroker.clients.session import EngineSession
+from kvbroker.clients.engine_session import EngineSession
 from kvbroker.common.hashing import wire_chain
 from kvbroker.tools import cli
 from kvbroker.v1 import broker_pb2 as pb

@@ -27,10 +27,9 @@ def store(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
 
 async def test_an_early_decline_reaches_every_replicas_book_once(store: RedisServer | RedisCluster) -> None:
     state = redis_state(store)
-    a, b = FleetDeclineBook(state, "a", time.time), FleetDeclineBook(state, "b", time.time)
     heard: dict[str, list[tuple[str, str]]] = {"a": [], "b": []}
-    a.on_heard = lambda *said: heard["a"].append(said)
-    b.on_heard = lambda *said: heard["b"].append(said)
+    a = FleetDeclineBook(state, "a", time.time, lambda *said: heard["a"].append(said))
+    b = FleetDeclineBook(state, "b", time.time, lambda *said: heard["b"].append(said))
     a.follow()
     b.follow()
     try:

@@ -14,10 +14,9 @@ import pytest
 import redis
 
 from kvbroker.broker.fleet.conn import RedisState
-from kvbroker.broker.fleet.notify import FleetMirrorHub, FleetNotifier
+from kvbroker.broker.fleet.mirror import FleetMirrorHub
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
-from testkit.clock import FakeClock
 from testkit.redis_cluster import RedisCluster
 from testkit.redis_server import RedisServer
 from testkit.waiting import until
@@ -53,10 +52,8 @@ def cut_connections(store: RedisServer | RedisCluster, name: str) -> int:
     return killed
 
 
-def replica(state: RedisState, name: str) -> FleetNotifier:
-    notifier = FleetNotifier(FakeClock(), state, name)
-    notifier.mirrors = FleetMirrorHub(notifier)
-    return notifier
+def replica(state: RedisState, name: str) -> FleetMirrorHub:
+    return FleetMirrorHub(state, name)
 
 
 def blocks_of(updates: list[pb.MirrorUpdate]) -> list[tuple[list[int], list[int]]]:
@@ -68,18 +65,17 @@ async def test_a_change_made_while_a_replica_was_cut_off_reaches_its_mirror(
 ) -> None:
     state = redis_state(store)
     a, b = replica(state, "a"), replica(state, "b")
-    assert a.mirrors is not None and b.mirrors is not None
-    sub = b.mirrors.subscribe(NS.layout_id, lambda: None)
+    sub = b.subscribe(NS.layout_id, lambda: None)
     try:
-        a.mirrors.blocks("P", NS, Tier.GPU, stored=[1, 2])
+        a.blocks("P", NS, Tier.GPU, stored=[1, 2])
         await until(lambda: sub.segments, message="b's mirror never heard of a's change")
         assert blocks_of(sub.take()) == [([1, 2], [])]
 
         # b's connection is cut; a changes the index before b is back. Pub/sub would have
         # dropped these; the stream keeps them for b.
         await until(lambda: cut_connections(store, "kvbroker-mirror-b") == 1)
-        a.mirrors.blocks("P", NS, Tier.GPU, stored=[3], removed=[1])
-        a.mirrors.engine(NS.layout_id, None, "Q")
+        a.blocks("P", NS, Tier.GPU, stored=[3], removed=[1])
+        a.engine(NS.layout_id, None, "Q")
         await until(lambda: len(sub.segments) == 2, message="b did not read on from its last entry")
         assert b.streams.readers[NS.layout_id].reconnects >= 1  # it really was cut off
         updates = sub.take()
@@ -89,9 +85,9 @@ async def test_a_change_made_while_a_replica_was_cut_off_reaches_its_mirror(
 
         # Cut off while the changes it missed were trimmed away: it resyncs instead of replaying.
         await until(lambda: cut_connections(store, "kvbroker-mirror-b") == 1)
-        a.mirrors.blocks("P", NS, Tier.GPU, stored=[4])
+        a.blocks("P", NS, Tier.GPU, stored=[4])
         state.call(state.client.xtrim, a.streams.keys(NS.layout_id)[0], maxlen=0)
-        a.mirrors.blocks("P", NS, Tier.GPU, stored=[5])
+        a.blocks("P", NS, Tier.GPU, stored=[5])
         await until(lambda: sub.overflowed, message="b missed trimmed changes without resyncing")
         assert sub.segments == []
     finally:
@@ -103,26 +99,25 @@ async def test_a_replica_reads_only_its_mirrors_layouts_and_skips_its_own_change
 ) -> None:
     state = redis_state(store)
     a, b = replica(state, "a"), replica(state, "b")
-    assert a.mirrors is not None and b.mirrors is not None
-    sub = a.mirrors.subscribe(NS.layout_id, lambda: None)
+    sub = a.subscribe(NS.layout_id, lambda: None)
     try:
-        a.mirrors.blocks("P", NS, Tier.GPU, stored=[7])
-        a.mirrors.blocks("P", OTHER, Tier.GPU, stored=[8])
+        a.blocks("P", NS, Tier.GPU, stored=[7])
+        a.blocks("P", OTHER, Tier.GPU, stored=[8])
         assert blocks_of(sub.take()) == [([7], [])]  # its own change, at once
         reader = a.streams.readers[NS.layout_id]
         await until(lambda: reader.last_n > 0)  # read back from the stream ...
         await asyncio.sleep(0.2)
         assert sub.segments == []  # ... and not applied twice
         assert list(a.streams.readers) == [NS.layout_id]
-        a.mirrors.unsubscribe(sub)
+        a.unsubscribe(sub)
         assert a.streams.readers == {}
         await until(lambda: reader.task is not None and reader.task.done())
 
         # A mirror that leaves and one that comes right after: the new one has a reader of its own.
-        again = a.mirrors.subscribe(NS.layout_id, lambda: None)
-        a.mirrors.unsubscribe(again)
-        again = a.mirrors.subscribe(NS.layout_id, lambda: None)
-        b.mirrors.blocks("P", NS, Tier.GPU, stored=[9])
+        again = a.subscribe(NS.layout_id, lambda: None)
+        a.unsubscribe(again)
+        again = a.subscribe(NS.layout_id, lambda: None)
+        b.blocks("P", NS, Tier.GPU, stored=[9])
         await until(lambda: again.segments, message="the new mirror missed another replica's change")
         assert blocks_of(again.take()) == [([9], [])]
     finally:

@@ -15,8 +15,12 @@ from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, Watcher
 from kvbroker.broker.events import EVENTS_MISSED as MISSED
 from kvbroker.broker.events import WatchEvent
+from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.fleet.leases import RedisLeaseTable
 from kvbroker.broker.fleet.notify import FleetNotifier
+from kvbroker.broker.fleet.registry import SeenRecords
 from kvbroker.broker.security.config import SecurityConfig
+from kvbroker.broker.security.engine_identity import EngineIdentity
 from kvbroker.broker.security.identity import Identity, Role
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.broker.security.tenancy import TenantGuard
@@ -35,6 +39,10 @@ def store(request: pytest.FixtureRequest) -> RedisServer | RedisCluster:
         "redis_server" if request.param == "redis" else "redis_cluster"
     )
     return found
+
+
+def replica(state: RedisState, name: str) -> FleetNotifier:
+    return FleetNotifier(FakeClock(), state, name, SeenRecords(), RedisLeaseTable(state, history=4))
 
 
 def engine_event(kind: str, engine_id: str) -> WatchEvent:
@@ -59,7 +67,7 @@ async def test_a_watch_on_one_replica_sees_every_replicas_events_once_in_one_ord
     store: RedisServer | RedisCluster,
 ) -> None:
     state = redis_state(store)
-    a, b = FleetNotifier(FakeClock(), state, "a"), FleetNotifier(FakeClock(), state, "b")
+    a, b = replica(state, "a"), replica(state, "b")
     stream_key = b.watch.stream.keys("")[0]
     # Nobody watches: nothing goes into the stream.
     a.event(engine_event("engine_registered", "X"))
@@ -115,7 +123,7 @@ async def test_a_watch_on_one_replica_sees_every_replicas_events_once_in_one_ord
 async def test_a_new_watch_is_heard_on_the_fleet_channel(store: RedisServer | RedisCluster) -> None:
     """The notice a replica publishes when it starts watching a category, as another replica reads it."""
     state = redis_state(store)
-    a, b = FleetNotifier(FakeClock(), state, "a"), FleetNotifier(FakeClock(), state, "b")
+    a, b = replica(state, "a"), replica(state, "b")
     following = asyncio.create_task(a.follow())
     try:
         channel = f"{state.prefix}:{{fleet}}:notify"
@@ -133,7 +141,7 @@ def test_every_watcher_hears_of_missed_events_whatever_its_tenant() -> None:
     """`events_missed` names no engine and no lease: a tenant's operator gets it too (its stream has a
     hole as well), while another tenant's engine event stays hidden."""
     core, _clock, _notifier = make_core()
-    guard = TenantGuard(core, Quotas(SecurityConfig()))
+    guard = TenantGuard(core, Quotas(SecurityConfig()), EngineIdentity(core.registry))
     globex = Identity("globex", Role.OPERATOR, "ops")
     missed = pb.WatchEvent(kind=MISSED, detail="events of the broker fleet were missed")
     assert guard.stream_item(globex, missed) is missed

@@ -258,8 +258,8 @@ async def test_an_index_mirror_scores_the_engine_but_never_resolves_it(tmp_path:
 
     import grpc
 
+    from kvbroker.clients.engine_session import EngineSession
     from kvbroker.clients.mirror import IndexMirror, follow
-    from kvbroker.clients.session import EngineSession
     from testkit import builders
 
     events_port = free_port()

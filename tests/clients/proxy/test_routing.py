@@ -67,7 +67,7 @@ async def local_stack(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
 @contextlib.asynccontextmanager
 async def _stack(broker: RunningServer, **config: Any) -> AsyncIterator[dict[str, Any]]:
     from kvbroker.clients.aio import AsyncBrokerClient
-    from kvbroker.clients.session import EngineSession
+    from kvbroker.clients.engine_session import EngineSession
 
     fakes = {name: await FakeEngine(name).start() for name in ("P", "D1", "D2")}
     sessions = {}

@@ -132,6 +132,7 @@ class AsyncBrokerClient:
         self._files = FileStamp(self._security) if channel is None and self._security.tls else None
         self._retired: list[grpc.aio.Channel] = []
         self._stubs: dict[int, broker_pb2_grpc.KVBrokerStub] = {}
+        self._endpoints.channel()  # the first one now: bad credentials are refused at construction
 
     def _make_channel(self, address: str) -> grpc.aio.Channel:
         return aio_channel(

@@ -92,6 +92,8 @@ class RedisCluster:
                 client.close()
 
     def _add_replicas(self, seed: Any, deadline: float) -> None:
+        if not self.replicas:
+            return
         for replica in self.replicas:
             replica.start()
             seed.execute_command("CLUSTER", "MEET", "127.0.0.1", replica.port, replica.bus_port)

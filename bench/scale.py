@@ -18,7 +18,10 @@ workload, through real engine sessions (Python clients):
   cycles/s, and CPU seconds per cycle in the broker processes and in Redis
   (from /proc; on a Cluster summed over its primaries, and per primary);
 - failover (2 or more replicas): kill -9 the holder's replica; time until its
-  session is resumed on the next one.
+  session is resumed on the next one;
+- failover side by side (bench/scale_failover.py): kill -9, SIGSTOP and a
+  blackholed link of a replica serving FAILOVER_ENGINES holders (session TTL
+  2 s), each on a fresh fleet: per-engine time to resumed, leases lost.
 
 With several replicas the holder and the reader are on different replicas, so
 every lease crosses them. This machine's cores are shared by clients and
@@ -27,6 +30,7 @@ servers: capacity beyond it is projected from CPU per operation, and the JSON's
 
     python -m bench.scale            # BLOCKS=200000
     python -m bench.scale --quick    # smaller, ~1 minute
+    python -m bench.scale --failover-only   # only the three failovers side by side
 
 Writes bench/results/scale.json (scale-quick.json with --quick).
 """
@@ -47,6 +51,8 @@ import redis
 
 from bench.common import cpu_seconds, format_table, load_note, log, rss_bytes, write_json
 from bench.scale_chains import CHAIN, chains_for
+from bench.scale_failover import failover_side_by_side
+from bench.scale_failover import rows as failover_rows
 from kvbroker.clients.clock import Backoff
 from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
@@ -258,10 +264,20 @@ async def main_async(args: argparse.Namespace) -> int:
             ("redis, 4 replicas", 4, False),
             ("cluster (3 primaries), 2 replicas", 2, True),
         ]
+    if args.failover_only:
+        setups = []
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, replicas, cluster in setups:
             results.append(await _setup(name, Path(tmp), replicas, cluster, args))
+    failovers = [] if reason else await failover_side_by_side(args.failover_engines)
+    if failovers:
+        print(format_table(*failover_rows(failovers)))
+        print(f"failovers: session TTL 2 s, two replicas over one Redis; load average: {load_note()}")
+    if not results:
+        path = write_json("scale-failover", {"load": load_note(), "failovers": failovers})
+        log(f"wrote {path}")
+        return 0
     base = results[0]
     rows = []
     for r in results:
@@ -299,6 +315,11 @@ async def main_async(args: argparse.Namespace) -> int:
     print(
         f"load average: {load_note()}; bytes/block: broker RSS growth in memory, Redis used_memory growth else"
     )
+    ratios = ", ".join(
+        f"{r['setup']} {r['broker_cpu_us_per_lease_cycle'] / base['broker_cpu_us_per_lease_cycle']:.2f}x"
+        for r in results[1:]
+    )
+    print(f"broker CPU per lease cycle against the in-memory broker: {ratios} (load average: {load_note()})")
     projections = _projections(results)
     for line in projections["lines"]:
         print(line)
@@ -310,6 +331,7 @@ async def main_async(args: argparse.Namespace) -> int:
             "settings": vars(args),
             "setups": results,
             "projections": projections,
+            "failovers": failovers,
             "skipped": reason,
         },
     )
@@ -358,6 +380,10 @@ def main() -> int:
     ap.add_argument(
         "--lease-seconds", type=float, default=None, help="seconds of lease cycles (default 10; quick 3)"
     )
+    ap.add_argument(
+        "--failover-only", action="store_true", help="only kill -9, SIGSTOP and blackhole side by side"
+    )
+    ap.add_argument("--failover-engines", type=int, default=8, help="holder sessions on the failing replica")
     args = ap.parse_args()
     args.blocks = args.blocks or (50_000 if args.quick else 200_000)
     args.resolves = args.resolves or (500 if args.quick else 3_000)

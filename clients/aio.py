@@ -26,7 +26,8 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvbroker.clients import errors
-from kvbroker.clients.credentials import ClientSecurity, FileStamp, aio_channel
+from kvbroker.clients.credentials import ClientSecurity, FileStamp, aio_channel, replica_options
+from kvbroker.clients.endpoints import Endpoints, split_addresses
 from kvbroker.common import keepalive
 from kvbroker.common.metadata import ENGINE_ID_METADATA, SESSION_ID_METADATA
 from kvbroker.v1 import broker_pb2 as pb
@@ -53,6 +54,17 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 RequestT = TypeVar("RequestT", bound=Message)
+
+# Calls that only read: with several replicas, one that did not answer in its share of the
+# caller's deadline is tried on the next replica (a Resolve that acquires is not a read).
+READS = frozenset({"Score", "Resolve", "ListEngines", "ListLeases", "Stats"})
+# What a replica that is away, frozen or cut off answers: the next call goes to another one.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def retries_elsewhere(method: str, request: Message) -> bool:
+    """Whether ``method`` may be sent again to another replica after no answer came."""
+    return method in READS and not getattr(request, "acquire", False)
 
 
 def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
@@ -112,18 +124,46 @@ class AsyncBrokerClient:
         self._owns_channel = channel is None
         self._security = security if security is not None else ClientSecurity.from_env()
         self._options = channel_options(options)
-        self.channel = channel or aio_channel(address, self._security, self._options)
+        self._endpoints: Endpoints[grpc.aio.Channel] = (
+            Endpoints(split_addresses(address), self._make_channel)
+            if channel is None
+            else Endpoints([address], lambda _: channel)
+        )
         self._files = FileStamp(self._security) if channel is None and self._security.tls else None
         self._retired: list[grpc.aio.Channel] = []
-        self._stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+        self._stubs: dict[int, broker_pb2_grpc.KVBrokerStub] = {}
+        self._endpoints.channel()  # the first one now: bad credentials are refused at construction
+
+    def _make_channel(self, address: str) -> grpc.aio.Channel:
+        return aio_channel(
+            address, self._security, [*self._options, *replica_options(self.address, self._security)]
+        )
+
+    @property
+    def endpoints(self) -> Endpoints[grpc.aio.Channel]:
+        """The replicas' addresses, the current one, and ``fail_over``."""
+        return self._endpoints
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to the current replica."""
+        return self.stub_for()[1]
 
     @property
     def stub(self) -> broker_pb2_grpc.KVBrokerStub:
+        """The stub over the current replica's channel."""
+        return self.stub_for()[0]
+
+    def stub_for(self, address: str | None = None) -> tuple[broker_pb2_grpc.KVBrokerStub, grpc.aio.Channel]:
+        """The stub and channel to ``address`` (default: the current replica)."""
         if self._files is not None and self._files.changed():
-            self._retired.append(self.channel)
-            self.channel = aio_channel(self.address, self._security, self._options)
-            self._stub = broker_pb2_grpc.KVBrokerStub(self.channel)
-        return self._stub
+            self._retired += self._endpoints.take_all()  # calls in flight finish on the old channels
+            self._stubs.clear()
+        channel = self._endpoints.channel(address)
+        stub = self._stubs.get(id(channel))
+        if stub is None:
+            stub = self._stubs[id(channel)] = broker_pb2_grpc.KVBrokerStub(channel)
+        return stub, channel
 
     async def __aenter__(self) -> AsyncBrokerClient:
         return self
@@ -133,34 +173,54 @@ class AsyncBrokerClient:
 
     async def close(self) -> None:
         if self._owns_channel:
-            for old in self._retired:
+            for old in [*self._retired, *self._endpoints.take_all()]:
                 await old.close()
-            await self.channel.close()
+            self._retired.clear()
 
     async def wait_ready(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        """Wait until the channel is connected; Unavailable if not within ``timeout``."""
-        try:
-            await asyncio.wait_for(self.channel.channel_ready(), timeout)
-        except TimeoutError:
-            raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s") from None
+        """Wait until a replica's channel is connected (it becomes current); Unavailable if
+        none is within ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        endpoints = self._endpoints
+        for tries_left in range(len(endpoints), 0, -1):
+            address = endpoints.current
+            try:
+                await asyncio.wait_for(
+                    self.stub_for(address)[1].channel_ready(), (deadline - loop.time()) / tries_left
+                )
+                return
+            except TimeoutError:
+                endpoints.fail_over(address)
+        raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s")
 
     async def _unary(
         self, method: str, request: Message, timeout: float | None, engine_id: str = "", session_id: str = ""
     ) -> Any:
-        call = getattr(self.stub, method)
         metadata = trace_metadata()
         if engine_id:
             metadata = (*(metadata or ()), (ENGINE_ID_METADATA, engine_id))
         if session_id:  # proves the call comes from that engine's session (acts as the engine)
             metadata = (*(metadata or ()), (SESSION_ID_METADATA, session_id))
-        try:
-            return await call(
-                request,
-                timeout=self.timeout if timeout is None else timeout,
-                metadata=metadata,
-            )
-        except grpc.RpcError as err:
-            raise errors.from_rpc_error(err) from None
+        endpoints = self._endpoints
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.timeout if timeout is None else timeout)
+        tries = len(endpoints) if retries_elsewhere(method, request) else 1
+        for tries_left in range(tries, 0, -1):
+            address = endpoints.current
+            call = getattr(self.stub_for(address)[0], method)
+            try:
+                # A read gets its share of the deadline here, the rest on the next replica.
+                return await call(
+                    request, timeout=max(0.0, deadline - loop.time()) / tries_left, metadata=metadata
+                )
+            except grpc.RpcError as err:
+                if err.code() not in FAILOVER_CODES or len(endpoints) < 2:
+                    raise errors.from_rpc_error(err) from None
+                endpoints.fail_over(address)  # later calls go elsewhere, whatever this one does
+                if tries_left == 1 or deadline <= loop.time():
+                    raise errors.from_rpc_error(err) from None
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     # Engine side.
     async def register_rank(

@@ -166,7 +166,9 @@ def channel_target(address: str) -> str:
     """The gRPC target for `address`: `host:port` as it is; several, comma separated
     (`host1:port1,host2:port2`: replicas of a broker fleet sharing state), one target over
     all of them, resolved to IPv4 addresses now. The channel uses the first that answers and
-    moves on when it goes away. (One DNS name with a record per replica works too, as is.)
+    moves on only when its connection breaks, which a frozen replica never does: the broker
+    clients keep one channel per address instead (`kvbroker.clients.endpoints`). (One DNS name
+    with a record per replica works too, as is.)
     """
     parts = [part.strip() for part in address.split(",") if part.strip()]
     if len(parts) < 2:
@@ -192,6 +194,12 @@ def _authority(address: str, tls: bool = False) -> list[tuple[str, str]]:
     host = address.split(",")[0].strip().rpartition(":")[0].strip("[]")
     options = [("grpc.default_authority", host)]
     return [*options, ("grpc.ssl_target_name_override", host)] if tls else options
+
+
+def replica_options(address: str, security: ClientSecurity) -> list[tuple[str, str]]:
+    """Options for the channel to one of several replicas named in `address`: each names (and
+    with TLS verifies) the first host's name, as one channel over all of them would."""
+    return _authority(address, tls=security.tls)
 
 
 def aio_channel(

@@ -157,6 +157,7 @@ class EngineSession(SessionStream):
         # from the first registration on, over the session's channel.
         self.mirror_index = mirror_index
         self.mirror: IndexMirror | None = None
+        self._mirror_follow: tuple[str, asyncio.Task[None]] | None = None  # (replica, task)
 
         self.inventory = InventoryMirror()
         self._flush_handle: asyncio.TimerHandle | None = None
@@ -427,7 +428,15 @@ class EngineSession(SessionStream):
         self._reported_load = self.engine.load  # the registration carried it
         if self.mirror_index and self.mirror is None:
             self.mirror = IndexMirror(registered.layout_id)
-            self._spawn(follow(self.mirror, self.client.channel))
+        address = self.client.endpoints.current
+        if self.mirror is not None and (self._mirror_follow is None or self._mirror_follow[0] != address):
+            # On the session's replica: a silent one's Mirror stream breaks nothing either.
+            if self._mirror_follow is not None:
+                self._mirror_follow[1].cancel()
+            task = asyncio.ensure_future(follow(self.mirror, self.client.channel))
+            self._mirror_follow = (address, task)
+            self._background.add(task)
+            task.add_done_callback(self._background_done)
 
     def _cancel_flush(self) -> None:
         if self._flush_handle is not None:

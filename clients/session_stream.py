@@ -2,17 +2,13 @@
 
 ``SessionStream`` keeps one bidirectional ``Session`` stream open for an engine:
 
-- registers the engine, then heartbeats every third of the session TTL (or
-  the interval the broker asks for). The broker decides whether the session
-  lives; this side gives the stream up only when nothing at all came back for
-  ``SILENCE_TTLS`` TTLs (a dead broker breaks the stream, and a frozen one
-  fails the channel's keepalive pings, long before that). A reconnect
-  supersedes the old session and ends its leases, so waiting out a broker that
-  was only starved is the cheaper mistake. Time this process itself did not
-  run (a timer firing late) is not counted as the broker's silence;
-- reconnects with back-off and jitter (``Backoff``) and registers again, asking
-  to resume the session (replicas of a shared-state broker fleet do); one
-  injected clock (``kvbroker.clients.clock``) times all of it;
+- registers the engine, heartbeats every third of the session TTL (or as the
+  broker asks) and gives the stream up by ``kvbroker.clients.liveness``'s
+  silence rules; reconnects with back-off and jitter (``Backoff``), asking to
+  resume the session; with several replicas, moves to the next at once
+  (``kvbroker.clients.endpoints``), cancelling a silent one's stream only once
+  the next answered (a replica that was only slow then has no session to end);
+  one injected clock (``kvbroker.clients.clock``) times all of it;
 - matches replies to requests by sequence number (``_request``), and offers
   a barrier (``_barrier``): the broker handles one session's stream in order,
   so the acknowledgement of a heartbeat proves every earlier message handled;
@@ -41,6 +37,8 @@ import grpc.aio
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient, trace_metadata
 from kvbroker.clients.clock import AsyncioClock, Backoff, SessionClock
+from kvbroker.clients.liveness import STALL_S, GaveUp, Liveness, Silent, register_timeout_s
+from kvbroker.clients.pins import pin_result
 from kvbroker.v1 import broker_pb2 as pb
 
 # One logger for the whole session, named as before the session module was split.
@@ -51,14 +49,6 @@ PinReply: TypeAlias = "pb.PinResult | Awaitable[pb.PinResult] | concurrent.futur
 Settle: TypeAlias = Callable[[Any, "errors.BrokerError | None"], None]
 
 DEFAULT_SESSION_TTL_MS = 10_000
-# A timer firing later than this past its time means this process did not run.
-STALL_S = 0.25
-# Give the stream up after this many session TTLs without a word from the broker.
-SILENCE_TTLS = 3
-
-
-class _GaveUp(Exception):
-    """The broker answered nothing for SILENCE_TTLS session TTLs."""
 
 
 class SessionStream:
@@ -120,7 +110,10 @@ class SessionStream:
         self._run_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
-        self._last_heard = 0.0
+        self.liveness = Liveness()
+        # A silent replica's stream, cancelled once the next replica has registered the session.
+        self._abandoned: Any = None
+        self.moves = 0  # how often the session moved to another replica on silence
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -140,6 +133,11 @@ class SessionStream:
     def session_ttl_s(self) -> float:
         ttl_ms = self.registered.session_ttl_ms if self.registered and self.registered.session_ttl_ms else 0
         return (ttl_ms or self.ttl_ms or DEFAULT_SESSION_TTL_MS) / 1000.0
+
+    @property
+    def several(self) -> bool:
+        """Whether the client names several replicas (a move resumes the session)."""
+        return len(self.client.endpoints) > 1
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -182,6 +180,7 @@ class SessionStream:
                 await self._run_task
         for task in list(self._background):
             task.cancel()
+        self._drop_abandoned()
         if self._owns_client:
             await self.client.close()
 
@@ -225,8 +224,9 @@ class SessionStream:
         attempt = 0
         while not self._closing:
             error: errors.BrokerError | None = None
+            address = self.client.endpoints.current
             try:
-                await self._connect_and_serve()
+                await self._connect_and_serve(address)
             except errors.BrokerError as err:
                 error = err
             except grpc.RpcError as err:
@@ -250,9 +250,14 @@ class SessionStream:
                     log.error("broker refused engine %s: %s", self.engine_id, error)
                     return
                 log.warning("session of %s: %s", self.engine_id, error)
-            delay = self.backoff.delay(attempt)
+            self.client.endpoints.fail_over(address)  # the next replica, if there are several
             attempt += 1
-            await self.clock.sleep(delay)
+            await self.clock.sleep(self.client.endpoints.retry_delay(attempt, self.backoff.delay))
+
+    def _drop_abandoned(self) -> None:
+        if self._abandoned is not None:
+            self._abandoned.cancel()
+            self._abandoned = None
 
     def _mark_disconnected(self) -> bool:
         was_connected = self.connected
@@ -263,15 +268,19 @@ class SessionStream:
             self._settle(seq, error=errors.Unavailable("broker session lost before the answer came"))
         return was_connected
 
-    async def _connect_and_serve(self) -> None:
-        call = self.client.stub.Session(metadata=trace_metadata())
+    async def _connect_and_serve(self, address: str) -> None:
+        call = self.client.stub_for(address)[0].Session(metadata=trace_metadata())
+        silent = False
         try:
-            registered = await self._register(call)
+            try:
+                registered = await self._register(call)
+            finally:
+                self._drop_abandoned()  # this replica owns the session now (or refused it)
             outbox: asyncio.Queue[pb.SessionUp] = asyncio.Queue()
             self._outbox = outbox
             self.registered = registered
             self.registrations += 1
-            self._last_heard = self.clock.now()
+            self.liveness.connected(self.clock.now())
             self._resync(registered, outbox)
             self._connected.set()
             log.info(
@@ -296,12 +305,21 @@ class SessionStream:
                 await asyncio.gather(*tasks, return_exceptions=True)
             for task in done:
                 exc = task.exception()
-                if isinstance(exc, _GaveUp):
+                if isinstance(exc, Silent):
+                    silent = True
+                    self.moves += 1
+                    log.warning(
+                        "session of %s: replica %s silent: %s; moving on", self.engine_id, address, exc
+                    )
+                if isinstance(exc, GaveUp):
                     raise errors.Unavailable(str(exc))
                 if exc is not None:
                     raise exc
         finally:
-            call.cancel()
+            if silent:
+                self._abandoned = call  # cancelled once the next replica took the session over
+            else:
+                call.cancel()
 
     async def _register(self, call: Any) -> pb.Registered:
         self._seq += 1
@@ -309,12 +327,13 @@ class SessionStream:
             engine=self.engine, session_ttl_ms=self.ttl_ms, expected_ranks=self.expected_ranks
         )
         register.resume_session_id = self.registered.session_id if self.registered else ""  # shared state
+        timeout_s = register_timeout_s(self.register_timeout_s, self.session_ttl_s, self.several)
         try:
             await call.write(pb.SessionUp(seq=self._seq, register=register))
-            reply = await asyncio.wait_for(call.read(), self.register_timeout_s)
+            reply = await asyncio.wait_for(call.read(), timeout_s)
         except TimeoutError:
             raise errors.Unavailable(
-                f"broker did not answer the registration within {self.register_timeout_s:g} s"
+                f"broker did not answer the registration within {timeout_s:g} s"
             ) from None
         except grpc.RpcError as err:
             raise errors.from_rpc_error(err) from None
@@ -335,7 +354,7 @@ class SessionStream:
                 raise errors.from_rpc_error(err) from None
             if message is grpc.aio.EOF:
                 raise errors.Unavailable("broker ended the session stream")
-            self._last_heard = self.clock.now()
+            self.liveness.heard(self.clock.now())
             self._dispatch(message)
 
     async def _write_loop(self, call: Any, outbox: asyncio.Queue[pb.SessionUp]) -> None:
@@ -368,19 +387,17 @@ class SessionStream:
                     self.engine_id,
                     stalled,
                 )
-                self._last_heard = min(now, self._last_heard + stalled)
+                self.liveness.stalled(now, stalled)
                 # Due now whatever the interval (now - (now - interval) may round below it).
                 last_sent = -math.inf
-            if now - self._last_heard > SILENCE_TTLS * ttl_s:
-                raise _GaveUp(
-                    f"broker answered nothing for {SILENCE_TTLS * ttl_s:g} s ({SILENCE_TTLS} session TTLs)"
-                )
+            self.liveness.check(now, ttl_s, self.several)
             if now - last_sent >= interval_s:
                 self._seq += 1
                 outbox.put_nowait(
                     pb.SessionUp(seq=self._seq, heartbeat=pb.Heartbeat(load=self._current_load()))
                 )
                 last_sent = now
+                self.liveness.asked(now)
 
     def _current_load(self) -> float:
         return self._load() if self._load is not None else self._load_value
@@ -412,6 +429,7 @@ class SessionStream:
         late = errors.DeadlineExceeded(f"{what} got no answer within {timeout:g} s")
         timer = asyncio.get_running_loop().call_later(timeout, lambda: self._settle(seq, error=late))
         self._replies[seq] = (settle, timer)
+        self.liveness.asked(self.clock.now())
         outbox.put_nowait(message)
         return seq
 
@@ -477,25 +495,7 @@ class SessionStream:
         return True
 
     async def _answer_pin(self, command: pb.PinCommand) -> None:
-        lease_id = command.lease.lease_id
-        if self.on_pin is None:
-            result = pb.PinResult(lease_id=lease_id, ok=False, error="engine has no pin handler")
-        else:
-            try:
-                reply = self.on_pin(command)
-                if isinstance(reply, concurrent.futures.Future):
-                    reply = await asyncio.wrap_future(reply)
-                elif inspect.isawaitable(reply):
-                    reply = await reply
-                result = reply
-                if not isinstance(result, pb.PinResult):
-                    raise TypeError(f"on_pin returned {type(result).__name__}, not PinResult")
-                if not result.lease_id:
-                    result.lease_id = lease_id
-            except Exception as exc:
-                log.exception("pin handler failed for lease %s", lease_id)
-                result = pb.PinResult(lease_id=lease_id, ok=False, error=f"pin handler failed: {exc}")
-        self._send(pb.SessionUp(pin_result=result))
+        self._send(pb.SessionUp(pin_result=await pin_result(self.on_pin, command)))
 
     def _callback(self, callback: Callable[[Any], Any] | None, argument: Any) -> None:
         if callback is None:

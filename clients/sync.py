@@ -7,6 +7,7 @@ whose calls return futures instead of blocking.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -17,11 +18,14 @@ from kvbroker.clients import errors
 from kvbroker.clients.aio import (
     DEFAULT_ADDRESS,
     DEFAULT_TIMEOUT_S,
+    FAILOVER_CODES,
     build_request,
     channel_options,
+    retries_elsewhere,
     trace_metadata,
 )
-from kvbroker.clients.credentials import ClientSecurity, FileStamp, sync_channel
+from kvbroker.clients.credentials import ClientSecurity, FileStamp, replica_options, sync_channel
+from kvbroker.clients.endpoints import Endpoints, split_addresses
 from kvbroker.common.metadata import ENGINE_ID_METADATA, SESSION_ID_METADATA
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
@@ -48,18 +52,46 @@ class BrokerClient:
         self._owns_channel = channel is None
         self._security = security if security is not None else ClientSecurity.from_env()
         self._options = channel_options(options)
-        self.channel = channel or sync_channel(address, self._security, self._options)
+        self._endpoints: Endpoints[grpc.Channel] = (
+            Endpoints(split_addresses(address), self._make_channel)
+            if channel is None
+            else Endpoints([address], lambda _: channel)
+        )
         self._files = FileStamp(self._security) if channel is None and self._security.tls else None
         self._retired: list[grpc.Channel] = []
-        self._stub = broker_pb2_grpc.KVBrokerStub(self.channel)
+        self._stubs: dict[int, broker_pb2_grpc.KVBrokerStub] = {}
+        self._endpoints.channel()  # the first one now: bad credentials are refused at construction
+
+    def _make_channel(self, address: str) -> grpc.Channel:
+        return sync_channel(
+            address, self._security, [*self._options, *replica_options(self.address, self._security)]
+        )
+
+    @property
+    def endpoints(self) -> Endpoints[grpc.Channel]:
+        """The replicas' addresses, the current one, and ``fail_over``."""
+        return self._endpoints
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel to the current replica."""
+        return self.stub_for()[1]
 
     @property
     def stub(self) -> broker_pb2_grpc.KVBrokerStub:
+        """The stub over the current replica's channel."""
+        return self.stub_for()[0]
+
+    def stub_for(self, address: str | None = None) -> tuple[broker_pb2_grpc.KVBrokerStub, grpc.Channel]:
+        """The stub and channel to ``address`` (default: the current replica)."""
         if self._files is not None and self._files.changed():
-            self._retired.append(self.channel)
-            self.channel = sync_channel(self.address, self._security, self._options)
-            self._stub = broker_pb2_grpc.KVBrokerStub(self.channel)
-        return self._stub
+            self._retired += self._endpoints.take_all()  # calls in flight finish on the old channels
+            self._stubs.clear()
+        channel = self._endpoints.channel(address)
+        stub = self._stubs.get(id(channel))
+        if stub is None:
+            stub = self._stubs[id(channel)] = broker_pb2_grpc.KVBrokerStub(channel)
+        return stub, channel
 
     def __enter__(self) -> BrokerClient:
         return self
@@ -69,30 +101,51 @@ class BrokerClient:
 
     def close(self) -> None:
         if self._owns_channel:
-            for old in self._retired:
+            for old in [*self._retired, *self._endpoints.take_all()]:
                 old.close()
-            self.channel.close()
+            self._retired.clear()
 
     def wait_ready(self, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        """Block until the channel is connected; Unavailable if not within ``timeout``."""
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s") from None
+        """Block until a replica's channel is connected (it becomes current); Unavailable if
+        none is within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        endpoints = self._endpoints
+        for tries_left in range(len(endpoints), 0, -1):
+            address = endpoints.current
+            try:
+                share = max(0.0, deadline - time.monotonic()) / tries_left
+                grpc.channel_ready_future(self.stub_for(address)[1]).result(timeout=share)
+                return
+            except grpc.FutureTimeoutError:
+                endpoints.fail_over(address)
+        raise errors.Unavailable(f"broker at {self.address} not reachable within {timeout:g} s")
 
     def _unary(
         self, method: str, request: Message, timeout: float | None, engine_id: str = "", session_id: str = ""
     ) -> Any:
-        call = getattr(self.stub, method)
         metadata = trace_metadata()
         if engine_id:
             metadata = (*(metadata or ()), (ENGINE_ID_METADATA, engine_id))
         if session_id:  # proves the call comes from that engine's session (acts as the engine)
             metadata = (*(metadata or ()), (SESSION_ID_METADATA, session_id))
-        try:
-            return call(request, timeout=self.timeout if timeout is None else timeout, metadata=metadata)
-        except grpc.RpcError as err:
-            raise errors.from_rpc_error(err) from None
+        endpoints = self._endpoints
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        tries = len(endpoints) if retries_elsewhere(method, request) else 1
+        for tries_left in range(tries, 0, -1):
+            address = endpoints.current
+            call = getattr(self.stub_for(address)[0], method)
+            try:
+                # A read gets its share of the deadline here, the rest on the next replica.
+                share = max(0.0, deadline - time.monotonic()) / tries_left
+                return call(request, timeout=share, metadata=metadata)
+            except grpc.RpcError as err:
+                code = err.code()  # type: ignore[attr-defined]
+                if code not in FAILOVER_CODES or len(endpoints) < 2:
+                    raise errors.from_rpc_error(err) from None
+                endpoints.fail_over(address)  # later calls go elsewhere, whatever this one does
+                if tries_left == 1 or deadline <= time.monotonic():
+                    raise errors.from_rpc_error(err) from None
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     # Engine side.
     def register_rank(

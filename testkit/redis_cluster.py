@@ -51,9 +51,14 @@ class ClusterNode(RedisServer):
 
 
 class RedisCluster:
-    def __init__(self, workdir: Path, starts: tuple[int, ...] = STARTS) -> None:
+    def __init__(self, workdir: Path, starts: tuple[int, ...] = STARTS, with_replicas: bool = False) -> None:
+        """`with_replicas`: one replica per primary (`CLUSTER REPLICATE`), so a primary that dies
+        fails over to it after the node timeout (2 s) instead of leaving its slots down."""
         self.starts = starts
         self.nodes = [ClusterNode(workdir / f"node{i}") for i in range(len(starts))]
+        self.replicas = (
+            [ClusterNode(workdir / f"replica{i}") for i in range(len(starts))] if with_replicas else []
+        )
 
     @property
     def url(self) -> str:
@@ -81,8 +86,34 @@ class RedisCluster:
                     if time.monotonic() > deadline:
                         raise RuntimeError("the Redis Cluster's nodes did not learn each other's slots")
                     time.sleep(0.05)
+            self._add_replicas(clients[0], deadline)
         finally:
             for client in clients:
+                client.close()
+
+    def _add_replicas(self, seed: Any, deadline: float) -> None:
+        if not self.replicas:
+            return
+        for replica in self.replicas:
+            replica.start()
+            seed.execute_command("CLUSTER", "MEET", "127.0.0.1", replica.port, replica.bus_port)
+        for primary, replica in zip(self.nodes, self.replicas, strict=True):
+            primary_id = primary.client().execute_command("CLUSTER", "MYID")
+            client = replica.client()
+            try:
+                while True:  # the replica must know the primary before it can follow it
+                    try:
+                        client.execute_command("CLUSTER", "REPLICATE", primary_id)
+                        break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.1)
+                while client.info("replication").get("master_link_status") != "up":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("a Cluster replica did not sync with its primary")
+                    time.sleep(0.05)
+            finally:
                 client.close()
 
     def node_for_slot(self, slot: int) -> ClusterNode:
@@ -92,7 +123,7 @@ class RedisCluster:
         )
 
     def stop(self) -> None:
-        for node in self.nodes:
+        for node in [*self.nodes, *self.replicas]:
             node.kill()
 
 

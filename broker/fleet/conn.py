@@ -6,6 +6,14 @@ few milliseconds a request may hold the event loop. A store that does not
 answer turns into `Unavailable` (gRPC UNAVAILABLE, cause `state_unavailable`):
 the broker refuses what it cannot record instead of guessing.
 
+A store that hangs (paused, overloaded, partitioned: no reset) must not freeze
+the replica: every call waits at most ``CALL_TIMEOUT_S`` and is never retried
+by the client library behind our back; on a single Redis, the first call that
+times out marks the store away (``kvbroker.broker.fleet.health``) and every
+later call fails at once with Unavailable until a probe off the event loop
+finds it answering again. The loop therefore waits on a hung store once per
+outage, for one call's timeout, not once per call.
+
 A Redis Cluster is named by its seed nodes (`redis+cluster://H1:P1,H2:P2`).
 Every script and transaction touches the keys of one hash slot (their keys
 share a hash tag), and on a Cluster each script starts with `#!lua`, which
@@ -17,6 +25,8 @@ down or a Cluster that is down is `Unavailable` like a standalone store away.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +36,8 @@ from urllib.parse import unquote
 import redis
 import redis.asyncio
 import redis.asyncio.retry
+import redis.asyncio.sentinel
+import redis.sentinel
 from redis.backoff import ConstantBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
@@ -39,15 +51,23 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvbroker.broker.errors import InvalidArgument, Unavailable
+from kvbroker.broker.fleet.health import StoreHealth
 
 T = TypeVar("T")
+log = logging.getLogger("kvbroker.broker.fleet")
+# The longest a call to the store may hold the event loop (a socket timeout; nothing retried).
+CALL_TIMEOUT_S = 0.25
+# Under Sentinel: how long the end of a lease waits for a replica to have it before its notice goes.
+DURABLE_WAIT_MS = 50
 _NO_RETRY = redis.asyncio.retry.Retry(NoBackoff(), retries=0)
 
 SCHEMES = ("redis://", "rediss://", "unix://")
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+SENTINEL_SCHEME = "redis+sentinel://"
 _USAGE = (
     "use redis://HOST:PORT[/DB], rediss://HOST:PORT (TLS), "
     "redis+cluster://HOST:PORT[,HOST:PORT...] (a Redis Cluster's seed nodes; rediss+cluster:// for TLS), "
+    "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE (Sentinels and the primary's service name), "
     "or leave it empty for the in-memory broker"
 )
 # Answers that mean "not now" rather than "never": a replica or a loading store, and a Cluster
@@ -98,6 +118,20 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     return nodes, options
 
 
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
+    """Sentinels, the service name and connection options from
+    `redis+sentinel://[USER:PASSWORD@]H1:P1,H2:P2/SERVICE` (the options go to the primary)."""
+    rest = url.partition("://")[2]
+    hosts, slash, service = rest.partition("/")
+    if not slash or not service or "/" in service or "?" in service:
+        raise InvalidArgument(
+            f"--state {_shown(url)}: name the primary's service after the Sentinels (.../SERVICE); {_USAGE}"
+        )
+    nodes, options = parse_cluster_url("redis+cluster://" + hosts)
+    options.pop("ssl")
+    return nodes, service, options
+
+
 def _shown(url: str) -> str:
     """The URL without its password, for messages and logs."""
     scheme, sep, rest = url.partition("://")
@@ -111,7 +145,7 @@ class RedisState:
     """A Redis (or Cluster) client, the fleet's key prefix, and the one place Redis errors become broker
     errors."""
 
-    def __init__(self, url: str, prefix: str = "kvb", timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, prefix: str = "kvb", timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.url = url
         self.shown = _shown(url)
         self.prefix = prefix
@@ -123,15 +157,55 @@ class RedisState:
         # Those connections carry one command at a time: only the thread that made this state
         # (the event loop's) uses them; any other goes through the client's pool.
         self._thread = threading.get_ident()
+        self._sentinel: Any = None
+        self._undurable_logged = -math.inf
         if self.cluster:
             self.seeds, self._options = parse_cluster_url(url)
             self.client = self._connect_cluster()
-        elif url.startswith(SCHEMES):
-            self.client = redis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=10
+        elif url.startswith(SENTINEL_SCHEME):
+            self.sentinels, self.service, self._options = parse_sentinel_url(url)
+            # A primary that fails over is found again through the Sentinels at each new connection.
+            self._sentinel = redis.sentinel.Sentinel(
+                self.sentinels,
+                sentinel_kwargs={"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s},
             )
+            self.client = self._standalone(url)
+        elif url.startswith(SCHEMES):
+            self.client = self._standalone(url)
         else:
             raise InvalidArgument(f"--state {self.shown!r} is not a Redis URL: {_USAGE}")
+        # On a Cluster a node away is one slot range away, not the store: calls there rely on the
+        # socket timeout alone (see Limits in docs/scale.md).
+        self.health = StoreHealth(self.shown, self._probe)
+        self._prober: Any = None
+
+    def _standalone(self, url: str) -> redis.Redis:
+        # No retries in the client: each would hold the event loop another timeout and back-off.
+        options: dict[str, Any] = {
+            "socket_timeout": self._timeout_s,
+            "socket_connect_timeout": self._timeout_s,
+            "health_check_interval": 10,
+            "retry": Retry(NoBackoff(), retries=0),
+        }
+        if url.startswith(SENTINEL_SCHEME):
+            return self._sentinel.master_for(self.service, **options, **self._options)
+        return redis.Redis.from_url(url, **options)
+
+    def _async_client(self, **options: Any) -> redis.asyncio.Redis:
+        """An asyncio client to the (current) primary of a single Redis or a Sentinel's service."""
+        if not self.url.startswith(SENTINEL_SCHEME):
+            return redis.asyncio.Redis.from_url(self.url, **options)
+        sentinel = redis.asyncio.sentinel.Sentinel(
+            self.sentinels,
+            sentinel_kwargs={"socket_timeout": self._timeout_s, "socket_connect_timeout": self._timeout_s},
+        )
+        return sentinel.master_for(self.service, **options, **self._options)
+
+    def _probe(self) -> None:
+        """One ping on the probe thread's own connection (never the loop's)."""
+        if self._prober is None:
+            self._prober = self._standalone(self.url)
+        self._prober.ping()
 
     def _connect_cluster(self) -> RedisCluster:
         try:
@@ -148,9 +222,13 @@ class RedisState:
             raise Unavailable(f"the Redis Cluster {self.shown} does not answer: {err}") from None
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if not self.cluster:
+            self.health.check()
         try:
             return fn(*args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as err:
+            if not self.cluster:
+                self.health.failed(f"{type(err).__name__}: {err}")
             raise Unavailable(f"the shared state store {self.shown} does not answer: {err}") from None
         except (ClusterError, TryAgainError, AskError, SlotNotCoveredError) as err:
             # A Cluster resharding or failing over: what the call touches has no primary to answer now.
@@ -225,6 +303,10 @@ class RedisState:
         loaded = reconnected = False
         while True:
             try:
+                if self._sentinel is not None and conn._sock is None:
+                    # Only connect() asks the Sentinels for the primary (send_command would dial
+                    # the default address): after a failover this finds the new primary.
+                    conn.connect()
                 conn.send_command(*command)
                 return conn.read_response()
             except NoScriptError:  # first use, or a store restarted empty
@@ -244,6 +326,24 @@ class RedisState:
                 conn.disconnect()  # a half-read answer must not be read as the next one's
                 raise
 
+    def durable(self) -> bool:
+        """Under Sentinel, wait (at most DURABLE_WAIT_MS) until a replica has every write made so far
+        over this replica's own connection; whether one has. A holder frees a lease's blocks when
+        told the lease ended, so that end must survive a failover: a promoted replica that missed
+        it would let the reader's release commit a read of freed blocks. Elsewhere: True at once."""
+        if self._sentinel is None or threading.get_ident() != self._thread or self._conn is None:
+            return True
+        acked = self.call(self._command, "WAIT", 1, DURABLE_WAIT_MS)
+        if int(acked) < 1:
+            now = time.monotonic()
+            if now - self._undurable_logged > 5.0:
+                self._undurable_logged = now
+                log.warning(
+                    "no replica of %s confirmed a lease's end within %d ms", self.shown, DURABLE_WAIT_MS
+                )
+            return False
+        return True
+
     def script(self, text: str) -> Any:
         """A Lua script; on a Cluster, one the server confines to the hash slot of its first key."""
         return self.client.register_script(("#!lua\n" + text) if self.cluster else text)
@@ -260,7 +360,7 @@ class RedisState:
         any live primary will do: the first that answers a ping, from the current slot map, then the
         seeds."""
         if not self.cluster:
-            return redis.asyncio.Redis.from_url(self.url)
+            return self._async_client()
         candidates = [(n.host, n.port) for n in self.client.get_primaries()]  # the cached slot map
         candidates += [s for s in self.seeds if s not in candidates]
         for host, port in candidates:
@@ -283,9 +383,7 @@ class RedisState:
         that serves the key's slot in the current slot map."""
         timeout = self._timeout_s + block_ms / 1000
         if not self.cluster:
-            return redis.asyncio.Redis.from_url(
-                self.url, socket_timeout=timeout, client_name=name, retry=_NO_RETRY
-            )
+            return self._async_client(socket_timeout=timeout, client_name=name, retry=_NO_RETRY)
         if node is None:
             owner = self.client.get_node_from_key(key)
             node = (owner.host, owner.port)
@@ -300,6 +398,7 @@ class RedisState:
         )
 
     def close(self) -> None:
+        self.health.close()
         for conn in [self._conn, *self._node_conns.values()]:
             if conn is not None:
                 conn.disconnect()

@@ -380,7 +380,10 @@ class RedisLeaseTable:
 
     def revoke(self, lease_id: str, cause: RevokeCause, detail: str) -> Lease | None:
         answer = self._run("revoke", lease_id, int(cause), detail)
-        return self._lease(answer[1:]) if answer else None
+        if not answer:
+            return None
+        self._state.durable()  # its parties are told next: the end must outlive a store failover
+        return self._lease(answer[1:])
 
     def expire_if_due(self, lease_id: str, now: float) -> Lease | None:
         cached = self._cache.get(lease_id)
@@ -390,12 +393,18 @@ class RedisLeaseTable:
             # have shortened it); what they expire, revoke_expired reports at the next pass.
             return None
         answer = self._run("expire_if_due", lease_id, repr(now))
-        return self._lease(answer[1:]) if answer else None
+        if not answer:
+            return None
+        self._state.durable()
+        return self._lease(answer[1:])
 
     def revoke_expired(self, now: float, limit: int) -> list[Lease]:
         argv = [self._p, repr(now), limit, self._history, self._keep_ms]
         ended, self._expired_here = self._expired_here, []
-        return ended + [self._lease(flat) for flat in self._state.run(self._expire_due, self._route, argv)]
+        ended += [self._lease(flat) for flat in self._state.run(self._expire_due, self._route, argv)]
+        if ended:
+            self._state.durable()
+        return ended
 
     def _many(self, ids: Iterable[bytes | str]) -> list[Lease]:
         pipe = self._r.pipeline(transaction=False)

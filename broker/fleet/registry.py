@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from kvbroker.broker.errors import NotFound, shown
+from kvbroker.broker.errors import NotFound, Unavailable, shown
 from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.registry import EngineRecord, EngineRegistry
 from kvbroker.common.causes import Cause
@@ -66,15 +66,18 @@ end
 return out
 """
 
-# ARGV: prefix, then per session: engine id, session id, deadline, load, draining (0/1), peer host.
+# ARGV: prefix, replica, then per session: engine id, session id, deadline, load, draining (0/1), peer host.
 # Never revives a session another replica claimed, nor one that moved to another replica.
 # -> the session ids the store no longer has as ours (ended elsewhere, moved, or lost by the store)
 _PUSH = """
 local p = ARGV[1]
 local gone = {}
-for i = 2, #ARGV, 6 do
+for i = 3, #ARGV, 6 do
   local key = p .. 'e:' .. ARGV[i]
-  if redis.call('HGET', key, 'sid') == ARGV[i + 1] and redis.call('ZSCORE', p .. 'dl', ARGV[i + 1]) then
+  local rec = redis.call('HMGET', key, 'sid', 'rep')
+  -- only the owner moves a deadline: a replica the session left (frozen, cut off) must not
+  -- write back the older deadline it still holds
+  if rec[1] == ARGV[i + 1] and rec[2] == ARGV[2] and redis.call('ZSCORE', p .. 'dl', ARGV[i + 1]) then
     redis.call('ZADD', p .. 'dl', ARGV[i + 2], ARGV[i + 1])
     redis.call('HSET', key, 'load', ARGV[i + 3], 'drain', ARGV[i + 4], 'host', ARGV[i + 5])
   else
@@ -100,6 +103,8 @@ PUSH_EVERY_S = 0.25  # how often an owner writes its sessions' deadlines and loa
 # Another replica's engine record is reused for as long as its owner takes to push a new load; a
 # registration, a new rank or a session's end is announced on the fleet's channel and drops it.
 SEEN_FOR_S = PUSH_EVERY_S
+# After the store was away, other replicas' sessions are not swept until owners pushed anew.
+BACK_GRACE_S = 4 * PUSH_EVERY_S
 SEEN_MAX = 4096
 
 
@@ -176,6 +181,7 @@ class FleetRegistry(EngineRegistry):
         self._claimed: set[str] = set()  # remote sessions this replica claimed to end
         self._pushed = 0.0
         self._swept = 0.0  # when this replica last looked for other replicas' expired sessions
+        self._handed: list[EngineRecord] = []  # what the last expiry pass handed out to end
         self._seen = seen  # other replicas' engines, as read
         self._news = news
 
@@ -365,16 +371,33 @@ class FleetRegistry(EngineRegistry):
         super().remove(rec)
 
     def expired(self, now: float, limit: int) -> list[EngineRecord]:
-        self._push(now)
-        out: list[EngineRecord] = []
-        for rec in super().expired(now, limit):
-            if self.owns(rec):
+        self._push(now)  # with the store away: Unavailable, and no session of ours ends meanwhile
+        # Handed out last time and still here: ending it failed (the store went away mid-pass).
+        out = [
+            r
+            for r in self._handed
+            if self._by_session.get(r.session_id) is r or r.session_id in self._claimed
+        ]
+        self._handed = out
+        due = super().expired(now, limit)
+        for i, rec in enumerate(due):
+            try:
+                mine = self.owns(rec)
+            except Unavailable:
+                for later in due[i:]:  # not lost from the queue: checked again once the store is back
+                    self._expiry.schedule(later.session_id, now)
+                raise
+            if mine:
                 out.append(rec)
             else:
                 self.forget(rec)
         wall = time.monotonic()
         if wall - self._swept < PUSH_EVERY_S:
-            return out  # the store's deadlines move only as often as owners push them
+            return self._hand(out)  # the store's deadlines move only as often as owners push them
+        if self._state.health.back_for() < BACK_GRACE_S:
+            # The store just came back: every owner's deadlines in it are as old as the outage.
+            # Sweep only once the owners have pushed theirs again.
+            return self._hand(out)
         self._swept = wall
         local = set(self._by_session)
         # Another replica's deadlines reach the store up to PUSH_EVERY_S late: wait that out twice.
@@ -384,6 +407,10 @@ class FleetRegistry(EngineRegistry):
                 continue  # ours: our own deadline decides (pushed again next time)
             self._claimed.add(rec.session_id)
             out.append(rec)
+        return self._hand(out)
+
+    def _hand(self, out: list[EngineRecord]) -> list[EngineRecord]:
+        self._handed = out
         return out
 
     def extend_sessions(self, seconds: float) -> None:
@@ -396,7 +423,7 @@ class FleetRegistry(EngineRegistry):
         if wall - self._pushed < PUSH_EVERY_S or not self._by_session:
             return
         self._pushed = wall
-        argv: list[Any] = [self._p]
+        argv: list[Any] = [self._p, self.replica]
         for rec in self._by_session.values():
             argv += [rec.engine_id, rec.session_id, repr(rec.deadline), repr(rec.load), int(rec.draining)]
             argv.append(rec.peer_host)

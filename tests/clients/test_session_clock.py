@@ -16,7 +16,7 @@ import pytest
 from kvbroker.clients import errors
 from kvbroker.clients.clock import AsyncioClock, Backoff
 from kvbroker.clients.engine_session import EngineSession
-from kvbroker.clients.session_stream import SILENCE_TTLS
+from kvbroker.clients.liveness import SILENCE_TTLS
 from kvbroker.clients.threaded_session import ThreadedEngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc

@@ -25,6 +25,7 @@ from testkit.broker import running_broker
 from testkit.builders import engine_info
 from testkit.ports import free_port
 from testkit.redis_server import RedisServer
+from testkit.waiting import wait_for
 from tests.broker.helpers import redis_state
 from tests.broker.session_util import RawSession
 
@@ -80,8 +81,13 @@ async def test_store_down_means_unavailable_then_back_to_work(redis_server: Redi
             # Same port, empty store (as after a failover that lost writes): the lease
             # Redis lost reads as unknown, never as live; new work goes through.
             store.start()
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await stub.Release(pb.ReleaseRequest(lease_id=held.lease.lease_id, reader_engine_id="D"))
+            # The replica fails fast until its probe (off the loop, every 50 ms) finds the store back.
+            for _ in range(100):
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await stub.Release(pb.ReleaseRequest(lease_id=held.lease.lease_id, reader_engine_id="D"))
+                if exc.value.code() != grpc.StatusCode.UNAVAILABLE:
+                    break
+                await asyncio.sleep(0.02)
             assert exc.value.code() == grpc.StatusCode.NOT_FOUND
             assert "recompute" in (exc.value.details() or "")
             # The store lost P's session too: the broker ends its stream so that P registers
@@ -176,6 +182,7 @@ def test_the_direct_connection_reconnects_and_reloads_scripts_after_a_restart(
         with pytest.raises(Unavailable, match="does not answer"):
             state.run(script, ["k"], ["x"])
         store.start()  # the same port, empty: the old connection is dead and the script unknown
+        assert wait_for(lambda: not state.health.away, 5.0), "the probe never found the store back"
         assert state.run(script, ["k"], ["y"]) == [b"y", 1]
         with pytest.raises(redis.ResponseError, match="WRONGTYPE"):  # an error answer keeps the connection
             state.run(state.script("return redis.call('LPUSH', KEYS[1], 1)"), ["k"], [])

@@ -1,0 +1,110 @@
+"""A hung store must not freeze the replicas: two `kvbroker serve --state redis://...` replicas
+over a real redis-server that is paused (SIGSTOP: its connections stay open, nothing answers) for
+1 s, 5 s and three session TTLs, with live engine sessions (each given both replicas) and router
+callers (the async and the blocking client, 1 s deadline) running through the pause.
+
+Each case asserts: every caller got an answer within its deadline (UNAVAILABLE is one: the
+replica fails fast once it found the store away), both engines' sessions lived through the pause
+without a reconnect (heartbeats are answered from what the replica knows), the reader's lease
+taken before the pause still commits after it (0 leases lost, no revocation: 0 stale reads),
+and the fleet grants again once the store is back (a new hold and its read commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from fault_harness import Callers, freeze, thaw
+from process_engine_client import engine_info
+from process_harness import replica
+from test_process_liveness import Timeline
+
+from kvbroker.clients import errors
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.redis_server import RedisServer
+from testkit.waiting import until
+
+pytestmark = pytest.mark.timeout(120)
+
+GPU = pb.TIER_GPU
+BLOCKS = [501, 502, 503]
+TTL_MS = 2_000
+
+
+@pytest.mark.parametrize("pause_s", [1.0, 5.0, 3 * TTL_MS / 1000], ids=["1s", "5s", "3xTTL"])
+async def test_a_paused_store_costs_answers_not_sessions(
+    tmp_path: Path, store: RedisServer, pause_s: float
+) -> None:
+    a, b = replica(tmp_path, store, "a").start(), replica(tmp_path, store, "b").start()
+    fast = Backoff(initial_s=0.05, max_s=0.5)
+    p_events, d_events = Timeline(), Timeline()
+    p = EngineSession(
+        f"{a.address},{b.address}", engine_info("P"), ttl_ms=TTL_MS, backoff=fast, **p_events.callbacks()
+    )
+    d = EngineSession(
+        f"{b.address},{a.address}", engine_info("D"), ttl_ms=TTL_MS, backoff=fast, **d_events.callbacks()
+    )
+    assert store.proc is not None
+    paused = False
+    try:
+        await p.start(wait_connected_s=10.0)
+        await d.start(wait_connected_s=10.0)
+        ns = (p.layout_id, "")
+        p.announce_stored(ns, GPU, BLOCKS)
+        await p.applied()
+        held = await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D")
+        acquired = await d.acquire(held.lease_id)
+        sessions = (p.registered.session_id, d.registered.session_id)
+
+        async with Callers(f"{a.address},{b.address}", p.layout_id, BLOCKS) as callers:
+            await asyncio.sleep(0.3)
+            frozen_at = freeze(store.proc.pid)
+            paused = True
+            await asyncio.sleep(pause_s)
+            thaw(store.proc.pid)
+            paused = False
+            back_at = time.monotonic()
+            await asyncio.sleep(1.5)
+
+        during = [c for c in callers.calls if frozen_at + 0.5 < c.started < back_at]
+        print(
+            f"\nstore paused {pause_s:g} s: {len(callers.calls)} calls, slowest {max(c.took_s for c in callers.calls):.2f} s, "
+            f"during the pause {sorted({c.outcome for c in during})}"
+        )
+        late = callers.late()
+        assert not late, f"callers not answered within their deadline: {late}"
+        assert during and all(c.outcome == "UNAVAILABLE" for c in during)  # fails fast, not late
+        assert min(callers.answered_after(back_at + 0.5).values()) > 0, callers.calls[-10:]
+        # The sessions lived through it: no reconnect, same sessions.
+        for events in (p_events, d_events):
+            assert [k for k, _, _ in events.events if k in ("connected", "disconnected")] == ["connected"]
+        assert (p.registered.session_id, d.registered.session_id) == sessions
+        released = await d.release(held.lease_id, acquired.lease.epoch)
+        assert released.state == pb.LEASE_RELEASED  # the read commits: no lease lost
+        assert [m for k, _, m in p_events.events + d_events.events if k == "revoked"] == []
+        # Granting again.
+        leases: list[pb.Lease] = []
+        await until(lambda: _hold_once(p, ns, leases), timeout=5.0, interval=0.1)
+        again = leases[0]
+        read = await d.acquire(again.lease_id)
+        assert (await d.release(again.lease_id, read.lease.epoch)).state == pb.LEASE_RELEASED
+    finally:
+        if paused:
+            thaw(store.proc.pid)
+        await p.close()
+        await d.close()
+        a.stop()
+        b.stop()
+
+
+async def _hold_once(p: EngineSession, ns: tuple[str, str], out: list[pb.Lease]) -> bool:
+    try:
+        out.append(await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D"))
+    except errors.Unavailable:
+        return False
+    return True

@@ -1,0 +1,157 @@
+"""The store fails over: two `kvbroker serve --state ...` replicas over a Sentinel-managed primary
+and replica (real redis-servers, a real Sentinel), or over a real 3-primary Redis Cluster with a
+replica per primary; engine sessions on both broker replicas, and router callers; kill -9 of the
+primary (on the Cluster, the one serving the `{leases}` slot), and the replica is promoted.
+
+Asserts: every caller was answered within its deadline throughout (UNAVAILABLE while no primary
+answers), the fleet grants again after the promotion, the sessions are connected again, and
+fencing holds across the failover: a lease revoked just before the kill (its holder told) is not
+released by its reader afterwards (the end reached the replica before the notice went out), and
+a lease taken before the kill either commits (it survived) or is refused: never a read on a lease
+the store lost that commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fault_harness import Callers
+from process_engine_client import engine_info
+from process_harness import replica
+from test_process_liveness import Timeline
+
+from kvbroker.clients import errors
+from kvbroker.clients.aio import AsyncBrokerClient
+from kvbroker.clients.clock import Backoff
+from kvbroker.clients.engine_session import EngineSession
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.redis_cluster import RedisCluster
+from testkit.redis_sentinel import RedisSentinel, running_sentinel
+from testkit.redis_server import missing_reason
+from testkit.waiting import until
+
+pytestmark = pytest.mark.timeout(150)
+
+GPU = pb.TIER_GPU
+BLOCKS = [601, 602, 603]
+TTL_MS = 3_000
+
+
+LEASES_SLOT = 14949  # the hash slot of the `{leases}` tag
+
+
+class _Store:
+    """The store under test: its URL, how to kill its primary, whether the replica took over."""
+
+    def __init__(self, setup: RedisSentinel | RedisCluster) -> None:
+        self.setup = setup
+        self.url = setup.url
+        self._victim = setup.node_for_slot(LEASES_SLOT) if isinstance(setup, RedisCluster) else setup.primary
+
+    def kill_primary(self) -> None:
+        self._victim.stop()  # kill -9
+
+    def promoted(self) -> bool:
+        if isinstance(self.setup, RedisSentinel):
+            return self.setup.primary_port() == self.setup.replica.port
+        index = self.setup.nodes.index(self._victim)  # type: ignore[arg-type]
+        client = self.setup.replicas[index].client()
+        try:
+            return bool(client.info("replication").get("role") == "master")
+        finally:
+            client.close()
+
+
+@pytest.fixture(params=["sentinel", "cluster"])
+def ha_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Store]:
+    reason = missing_reason()
+    if reason:
+        pytest.skip(reason)
+    if request.param == "sentinel":
+        with running_sentinel(tmp_path / "sentinel") as setup:
+            yield _Store(setup)
+    else:
+        cluster = RedisCluster(tmp_path / "cluster", with_replicas=True)
+        try:
+            cluster.start(timeout=40.0)
+            yield _Store(cluster)
+        finally:
+            cluster.stop()
+
+
+async def test_a_store_failover_keeps_fencing_and_answers_every_caller(
+    tmp_path: Path, ha_store: _Store
+) -> None:
+    a, b = replica(tmp_path, ha_store, "a").start(), replica(tmp_path, ha_store, "b").start()  # type: ignore[arg-type]
+    fast = Backoff(initial_s=0.05, max_s=0.5)
+    p_events, d_events = Timeline(), Timeline()
+    p = EngineSession(
+        f"{a.address},{b.address}", engine_info("P"), ttl_ms=TTL_MS, backoff=fast, **p_events.callbacks()
+    )
+    d = EngineSession(
+        f"{b.address},{a.address}", engine_info("D"), ttl_ms=TTL_MS, backoff=fast, **d_events.callbacks()
+    )
+    try:
+        await p.start(wait_connected_s=10.0)
+        await d.start(wait_connected_s=10.0)
+        ns = (p.layout_id, "")
+        p.announce_stored(ns, GPU, BLOCKS)
+        await p.applied()
+        kept = await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D")
+        kept_read = await d.acquire(kept.lease_id)
+        revoked = await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D")
+        revoked_read = await d.acquire(revoked.lease_id)
+
+        async with Callers(f"{a.address},{b.address}", p.layout_id, BLOCKS) as callers:
+            async with AsyncBrokerClient(a.address) as operator:
+                await operator.revoke(lease_id=revoked.lease_id, reason="test")
+            # The holder is told; from here it may reuse those blocks.
+            await until(
+                lambda: any(
+                    k == "lease_ended" and m.lease.lease_id == revoked.lease_id for k, _, m in p_events.events
+                ),
+                timeout=5.0,
+            )
+            killed = time.monotonic()
+            ha_store.kill_primary()
+            granted: list[pb.Lease] = []
+
+            async def grants() -> bool:
+                try:
+                    granted.append(await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D"))
+                except errors.BrokerError:
+                    return False
+                return True
+
+            await until(grants, timeout=30.0, interval=0.1, message="the fleet never granted again")
+            back_s = time.monotonic() - killed
+            await asyncio.sleep(0.5)
+        print(f"\nstore primary killed: granting again after {back_s:.2f} s")
+        assert ha_store.promoted()
+
+        late = callers.late()
+        assert not late, f"callers not answered within their deadline: {late}"
+        await until(lambda: p.connected and d.connected, timeout=10.0)
+
+        # Fencing across the failover: the revoked lease stays revoked.
+        with pytest.raises(errors.BrokerError) as refused:
+            await d.release(revoked.lease_id, revoked_read.lease.epoch)
+        assert refused.value.code.name in ("FAILED_PRECONDITION", "NOT_FOUND", "ABORTED"), refused.value
+        # The lease taken before: committed if the store kept it, refused (recompute) if not.
+        try:
+            outcome = (await d.release(kept.lease_id, kept_read.lease.epoch)).state
+            assert outcome == pb.LEASE_RELEASED
+        except errors.BrokerError as err:
+            assert err.code.name in ("FAILED_PRECONDITION", "NOT_FOUND", "ABORTED"), err
+        # And the lease granted after the failover reads and commits.
+        read = await d.acquire(granted[0].lease_id)
+        assert (await d.release(granted[0].lease_id, read.lease.epoch)).state == pb.LEASE_RELEASED
+    finally:
+        await p.close()
+        await d.close()
+        a.stop()
+        b.stop()

@@ -360,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--proxy-port", type=int, default=0, help="proxy port (default: a free port)")
     parser.add_argument("--broker-port", type=int, default=0, help="broker port (default: a free port)")
     parser.add_argument(
-        "--threshold", type=int, default=32, help="kv_recompute_threshold in tokens (default 32)"
+        "--threshold",
+        type=int,
+        default=None,
+        help="the fixed pull rule: pull when at least this many tokens are held elsewhere "
+        "(default: the adaptive policy, which times prefills and pulls)",
     )
     args = parser.parse_args(argv)
     max_tokens = args.max_tokens or (64 if args.model == "real" else 48)
@@ -369,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     stack_box: list[Stack] = []
     started = time.monotonic()
+    say(f"logs, stats and the model go to {workdir}")
 
     def on_signal(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -402,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         say("stopping everything ...")
         for stack in stack_box:
             stack.stop()
-    say(f"done in {time.monotonic() - started:.0f} s")
+    say(f"done in {time.monotonic() - started:.0f} s; logs and stats kept in {workdir}")
     return 0
 
 

@@ -1,0 +1,63 @@
+"""The adaptive pull policy where P/D runs: a prefill-only P and a decode-only D both decide by the model.
+
+One stack as `make run` starts it (the demo's start-up code: a real broker
+process, a prefill and a decode vLLM engine with our connector, real NIXL, the
+proxy prefilling every turn on P) and the adaptive policy. P's requests finish
+in the step that computes them and D never prefills a prompt of its own; after
+a short chat neither may have fallen back to the fixed rule for lack of timing:
+P times its prefill steps, D predicts with the fit P hands it (cost_model.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    pytest.importorskip("vllm")
+    from kvbroker.tools.demo import start_stack
+    from kvbroker.tools.launch import free_port
+
+    s = start_stack(
+        tmp_path_factory.mktemp("pd-roles"), proxy_port=free_port(), broker_port=free_port(), threshold=None
+    )
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def stats(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text())) if path.exists() else {}
+
+
+def test_p_and_d_decide_by_the_model_after_a_short_chat(stack: Any) -> None:
+    from kvbroker.tools.demo import SYSTEM_PROMPT, chat_turn
+
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "first question"}]
+    for turn in range(3):
+        answer = chat_turn(stack.proxy_url, messages, f"pd-roles-{turn}", max_tokens=40)
+        assert answer["headers"]["X-KVBroker-Mode"] == "pd"
+        messages += [
+            {"role": "assistant", "content": answer["answer"]},
+            {"role": "user", "content": f"follow-up number {turn} " * 12},
+        ]
+    p, d = stats(stack.stats["prefill-0"]), stats(stack.stats["decode-0"])
+    for name, s in (("P", p), ("D", d)):
+        assert s.get("fallback_no_prefill_timing", 0) == 0, (name, s)
+        assert s.get("decisions_by_model", 0) >= 1, (name, s)
+        assert s["cost_model"]["prefill_ready"] is True, (name, s["cost_model"])
+    # P learned from its own prefills (each finished in the step that computed it) ...
+    assert p["cost_model"]["prefill_source"] == "own" and p["cost_model"]["prefill_steps"] >= 3
+    # ... and D, which never prefilled a prompt, from P's.
+    assert d["cost_model"]["prefill_source"] == "holder:prefill-0", d["cost_model"]
+    assert d["cost_model"]["prefill_steps"] == 0 and d["cost_model"]["steps"] > 0
+    assert d.get("pulls", 0) >= 3

@@ -40,6 +40,7 @@ from kvbroker.clients.errors import BrokerError
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.liveness import EngineHung, FirstByteWatch
+from kvbroker.clients.proxy.p_queue import PrefillQueues
 from kvbroker.clients.proxy.pd_bodies import decode_body, prefill_body
 from kvbroker.clients.proxy.routing import Route
 from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
@@ -94,6 +95,8 @@ class Outcome:
     unretried: tuple[EngineSpec, str] | None = None
     turn: str = ""  # a chat's turn (its user messages: 1, 2, ... 5+); "" for other requests
     first_byte_at: float | None = None  # perf_counter() when the answer's first byte went out
+    route_reason: str = ""  # why local on D or P then pull (p_queue.py), with its detail
+    route_detail: str = ""
 
     def headers(self) -> dict[str, str]:
         h = {"X-Request-Id": self.request_id, "X-KVBroker-Mode": self.mode}
@@ -150,6 +153,8 @@ class Forwarder:
         # clients.aio.AsyncBrokerClient: to decline P's hold when no D will read it.
         self.broker = broker
         self._declines: set[asyncio.Task[None]] = set()
+        # P's prefill queues as this proxy sees them, and P's prefill timing (p_queue.py).
+        self.queues = PrefillQueues()
         self.max_attempts = max_attempts
         self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=connect_timeout_s)
         self._decode_timeout = aiohttp.ClientTimeout(
@@ -169,8 +174,12 @@ class Forwarder:
         headers = self._engine_headers(request, outcome.request_id)
         p_list, d_list = route.prefill, route.decode
         tried: list[EngineSpec] = []
-        local = route.local_prefill(d_list[0], local_prefill_tokens) if disaggregate and d_list else None
-        if local is not None:
+        local = (
+            self._choose_local(route, p_list, d_list, local_prefill_tokens, outcome)
+            if disaggregate
+            else False
+        )
+        if local:
             # D holds the conversation but for a few tokens: it computes them itself, no P hop.
             self._attempt(outcome)
             try:
@@ -180,7 +189,7 @@ class Forwarder:
                 d_list = d_list[1:]
         if disaggregate and p_list and d_list:
             params, p = await self._prefill_any(
-                endpoint, body, headers, p_list, outcome, tried, d_list[0].engine_id
+                endpoint, body, headers, p_list, outcome, tried, d_list[0].engine_id, route
             )
             if p is not None:
                 outcome.prefill = p
@@ -223,6 +232,32 @@ class Forwarder:
         hung = {f.url for f, kind in zip(tried, outcome.failure_kinds, strict=False) if kind == HUNG}
         order = [e for e in _single_order(single, tried) if e.url not in hung]
         return await self._serve_single(request, endpoint, body, order, outcome, tried)
+
+    def _choose_local(
+        self,
+        route: Route,
+        p_list: list[EngineSpec],
+        d_list: list[EngineSpec],
+        local_prefill_tokens: int,
+        outcome: Outcome,
+    ) -> bool:
+        """D alone, or P then D: weighs P's queue (p_queue.py); the reason goes on the outcome."""
+        if not d_list:
+            return False
+        if not p_list:
+            return route.local_prefill(d_list[0], local_prefill_tokens) is not None
+        d, p = d_list[0], p_list[0]
+        choice = self.queues.choose(
+            p_engine_id=p.engine_id,
+            p_load=self.pool.load_of(p),
+            num_tokens=route.num_tokens,
+            held_on_d=route.held_tokens(d),
+            held_on_p=route.held_tokens(p),
+            local_limit=local_prefill_tokens,
+            d_load=self.pool.load_of(d),
+        )
+        outcome.route_reason, outcome.route_detail = choice.reason, choice.detail
+        return choice.local
 
     async def serve_whole(
         self, request: web.Request, endpoint: str, body: dict[str, Any], outcome: Outcome
@@ -318,13 +353,21 @@ class Forwarder:
         outcome: Outcome,
         tried: list[EngineSpec],
         reader_engine_id: str,
+        route: Route | None = None,
     ) -> tuple[dict[str, Any] | None, EngineSpec | None]:
         for p in candidates[: self.max_attempts]:
             self._attempt(outcome)
+            held = route.held_tokens(p) if route is not None else 0
+            total = route.num_tokens if route is not None and route.num_tokens is not None else held
+            self.queues.started(p.engine_id, outcome.request_id, total - held, held)
             try:
-                return await self._prefill(p, endpoint, body, headers, reader_engine_id), p
+                params = await self._prefill(p, endpoint, body, headers, reader_engine_id)
+                self.queues.learn(p.engine_id, params)
+                return params, p
             except EngineFailure as e:
                 self._failed(e, outcome, tried, "prefill")
+            finally:
+                self.queues.finished(p.engine_id, outcome.request_id)
         return None, None
 
     async def _prefill(

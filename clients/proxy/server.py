@@ -146,6 +146,10 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
             span.set_attribute("kvbroker.decode_engine", outcome.decode.label)
         if outcome.fallback_reason:
             span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
+        if outcome.route_reason:
+            # Local on D or P then pull, and why (p_queue.py).
+            span.set_attribute("kvbroker.route_reason", outcome.route_reason)
+            span.set_attribute("kvbroker.route_detail", outcome.route_detail)
         if response.status >= 500:
             span.set_status(Status(StatusCode.ERROR, "; ".join(outcome.failures)[:500]))
         return response

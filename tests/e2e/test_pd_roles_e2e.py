@@ -61,3 +61,37 @@ def test_p_and_d_decide_by_the_model_after_a_short_chat(stack: Any) -> None:
     assert d["cost_model"]["prefill_source"] == "holder:prefill-0", d["cost_model"]
     assert d["cost_model"]["prefill_steps"] == 0 and d["cost_model"]["steps"] > 0
     assert d.get("pulls", 0) >= 3
+
+
+def test_per_pair_counters_equal_the_readers_own(stack: Any) -> None:
+    """The broker counts what each reader says it read (ReleaseRequest.read_blocks/read_bytes),
+    not the whole lease: its per-pair totals equal the readers' own counters within 1%."""
+    import re
+    import urllib.request
+
+    from kvbroker.tools.demo import SYSTEM_PROMPT, chat_turn
+
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "pairs " * 40}]
+    for turn in range(2):
+        answer = chat_turn(stack.proxy_url, messages, f"pd-pairs-{turn}", max_tokens=24)
+        messages += [
+            {"role": "assistant", "content": answer["answer"]},
+            {"role": "user", "content": "more " * 30},
+        ]
+    body = urllib.request.urlopen(stack.broker_metrics_url, timeout=10).read().decode()
+
+    def pair(metric: str, holder: str, reader: str) -> float:
+        pattern = rf'^{metric}_total\{{holder="{holder}",reader="{reader}",tier="gpu"\}} (\S+)$'
+        found = re.search(pattern, body, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    for holder, reader in (("prefill-0", "decode-0"), ("decode-0", "prefill-0")):
+        own = stats(stack.stats[reader])
+        own_gpu = own.get("pulled_blocks_tier_gpu", 0)
+        if reader == "decode-0":
+            assert own_gpu > 0, own
+        # Each reader pulls from one holder here: its own GPU-tier counters are that pair's.
+        assert pair("kvbroker_pair_blocks", holder, reader) == pytest.approx(own_gpu, rel=0.01, abs=0)
+        assert pair("kvbroker_pair_unreported_reads", holder, reader) == 0
+    d = stats(stack.stats["decode-0"])
+    assert pair("kvbroker_pair_bytes", "prefill-0", "decode-0") == pytest.approx(d["pulled_bytes"], rel=0.01)

@@ -493,6 +493,7 @@ class Forwarder:
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=200, headers=outcome.headers())
         out.content_type = resp.content_type or "text/event-stream"
+        out.charset = resp.charset or "utf-8"  # server-sent events are UTF-8; say so
         first = True
         try:
             async with self.watch.guard(engine) as progress:

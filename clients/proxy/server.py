@@ -30,6 +30,7 @@ from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
+from kvbroker.clients.proxy.validate import InvalidRequest, check_sampling
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -107,6 +108,10 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
     body = await _read_body(request, salted=True)
     if isinstance(body, web.Response):
         return body
+    try:
+        check_sampling(body)  # before P prefills it (validate.py)
+    except InvalidRequest as e:
+        return openai_error(400, str(e), "invalid_request_error", param=e.param)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     outcome = Outcome(request_id, turn=chat_turn(body) if endpoint == "/v1/chat/completions" else "")
     request[OUTCOME_KEY] = outcome  # for the metrics and the access log

@@ -66,7 +66,7 @@ DEMO_HOLD_TTL_MS = 120_000
 # A log line the adapter's worker writes per finished read (see engine_adapter/worker.py).
 _READ_LINE = re.compile(
     r"request (?P<req>\S+): read (?P<blocks>\d+) blocks \((?P<bytes>\d+) bytes\) from (?P<src>\S+) "
-    r"in (?P<ms>[\d.]+) ms \((?P<gbps>[\d.]+) GB/s\)"
+    r"in (?P<ms>[\d.]+) ms \((?:(?P<gbps>[\d.]+) GB/s|(?P<first>first read from this peer)[^)]*)\)"
 )
 _TIER = {1: "GPU", 2: "CPU"}
 
@@ -178,7 +178,12 @@ def _print_pulls(
             for r in reads:
                 say(
                     f"   {name}: pulled {r['blocks']} blocks ({int(r['bytes']) / 1e6:.2f} MB) from {r['src']} "
-                    f"in {float(r['ms']):.1f} ms = {float(r['gbps']):.3f} GB/s"
+                    f"in {float(r['ms']):.1f} ms "
+                    + (
+                        f"= {float(r['gbps']):.3f} GB/s"
+                        if r["gbps"]
+                        else "(the first read from this peer: NIXL's connection set-up, not a bandwidth)"
+                    )
                 )
             if not reads:
                 say(f"   {name}: pulled {pulled_blocks} blocks ({pulled_bytes / 1e6:.2f} MB)")

@@ -57,9 +57,10 @@ def test_p_and_d_decide_by_the_model_after_a_short_chat(stack: Any) -> None:
         assert s["cost_model"]["prefill_ready"] is True, (name, s["cost_model"])
     # P learned from its own prefills (each finished in the step that computed it) ...
     assert p["cost_model"]["prefill_source"] == "own" and p["cost_model"]["prefill_steps"] >= 3
-    # ... and D, which never prefilled a prompt, from P's.
-    assert d["cost_model"]["prefill_source"] == "holder:prefill-0", d["cost_model"]
-    assert d["cost_model"]["prefill_steps"] == 0 and d["cost_model"]["steps"] > 0
+    # ... and D from P's fit until it has timed a prefill of its own (the tokens it computes
+    # beyond a pull); its first decision came before any, and was the model's all the same.
+    assert d["cost_model"]["prefill_source"] in ("own", "holder:prefill-0"), d["cost_model"]
+    assert d["cost_model"]["steps"] > d["cost_model"]["prefill_steps"]
     assert d.get("pulls", 0) >= 3
 
 

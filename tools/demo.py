@@ -20,6 +20,7 @@ and on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -261,6 +262,7 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
                     "single_ttft_ms": (single.ttft_s or 0.0) * 1000 if single else None,
                     "history_pulled_tokens": pulled_by_p,
                     "identical": single.token_ids == result.token_ids if single else None,
+                    "answer_tokens": len(result.token_ids),
                 }
             )
     finally:
@@ -284,6 +286,22 @@ def _print_summary(rows: list[dict[str, Any]]) -> None:
     say(
         "(one engine: prefill-0 answering the same conversation alone, its own prefix cache warm from "
         "the earlier turns; the machine's 2 cores are shared by everything here)"
+    )
+    say(workload_line(rows, os.getloadavg()[0], os.cpu_count() or 1))
+
+
+def workload_line(rows: list[dict[str, Any]], load: float, cores: int) -> str:
+    """The workload every figure above was measured under: follow-up length, concurrency, cores, load."""
+    follow_ups = [
+        r["prompt_tokens"] - prev["prompt_tokens"] - prev.get("answer_tokens", 0)
+        for prev, r in itertools.pairwise(rows)
+    ]
+    follow = ", ".join(str(max(0, f)) for f in follow_ups) or "none"
+    loaded = " (measured under load: other work shares these cores)" if load > cores else ""
+    return (
+        f"workload: 1 chat, one request at a time; first prompt {rows[0]['prompt_tokens']} tokens, "
+        f"follow-ups of {follow} tokens (chat template included); P/D: P pinned to 1 core and D to another; "
+        f"one engine: prefill-0 on its 1 core; load average {load:.1f} on {cores} cores{loaded}"
     )
 
 

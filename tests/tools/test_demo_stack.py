@@ -69,3 +69,17 @@ def test_the_demo_names_its_log_folder_on_success_too(
     out = capsys.readouterr().out
     assert out.count(str(tmp_path / "w")) >= 2, out
     assert seen["threshold"] is None, "the demo runs the adaptive policy unless a threshold is named"
+
+
+def test_the_demo_prints_its_figures_with_their_workload() -> None:
+    from kvbroker.tools.demo import workload_line
+
+    rows = [
+        {"prompt_tokens": 500, "answer_tokens": 64},
+        {"prompt_tokens": 700, "answer_tokens": 64},
+        {"prompt_tokens": 900, "answer_tokens": 64},
+    ]
+    line = workload_line(rows, 5.0, 2)
+    assert "follow-ups of 136, 136 tokens" in line and "1 chat, one request at a time" in line
+    assert "1 core" in line and "load average 5.0 on 2 cores (measured under load" in line
+    assert "under load" not in workload_line(rows, 1.0, 2)

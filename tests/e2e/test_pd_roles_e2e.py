@@ -11,6 +11,7 @@ P times its prefill steps, D predicts with the fit P hands it (cost_model.py).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,43 @@ def test_per_pair_counters_equal_the_readers_own(stack: Any) -> None:
         assert pair("kvbroker_pair_unreported_reads", holder, reader) == 0
     d = stats(stack.stats["decode-0"])
     assert pair("kvbroker_pair_bytes", "prefill-0", "decode-0") == pytest.approx(d["pulled_bytes"], rel=0.01)
+
+
+def test_a_turn_held_on_d_does_not_wait_for_a_busy_p(stack: Any) -> None:
+    """`make run`'s proxy (--local-prefill-tokens 0) prefills every turn on an idle P; while P works
+    on another chat's prefill (here: P's engine core frozen with it in flight; its API server still
+    answers /tokenize and /health, as a busy P's does), a turn whose history D holds is served by D
+    alone, and the proxy's metrics say why."""
+    import signal
+    import threading
+    import urllib.request
+
+    import psutil
+
+    from kvbroker.tools.demo import SYSTEM_PROMPT, chat_turn
+
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "busy p " * 20}]
+    first = chat_turn(stack.proxy_url, messages, "pd-busy-1", max_tokens=24)
+    messages += [{"role": "assistant", "content": first["answer"]}, {"role": "user", "content": "and then?"}]
+    core = psutil.Process(stack.prefill.pid).children(recursive=True)  # the engine core and its worker
+    assert core, "P's API server has no engine core process"
+    for proc in core:
+        proc.send_signal(signal.SIGSTOP)
+    other: dict[str, Any] = {}
+    try:
+        other_chat = [{"role": "user", "content": "another conversation entirely " * 60}]
+        t = threading.Thread(
+            target=lambda: other.update(chat_turn(stack.proxy_url, other_chat, "pd-busy-other", max_tokens=4))
+        )
+        t.start()
+        time.sleep(0.5)  # the other chat's prefill is in flight on P
+        second = chat_turn(stack.proxy_url, messages, "pd-busy-2", max_tokens=8)
+    finally:
+        for proc in core:
+            proc.send_signal(signal.SIGCONT)
+    t.join(timeout=120)
+    assert second["headers"]["X-KVBroker-Mode"] == "local", second["headers"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # D's own history
+    body = urllib.request.urlopen(stack.proxy_url + "/metrics", timeout=10).read().decode()
+    assert 'kvbroker_proxy_route_choices_total{reason="local_p_busy"}' in body
+    assert 'kvbroker_proxy_route_choices_total{reason="pd_p_idle"}' in body

@@ -62,7 +62,10 @@ def test_p_and_d_decide_by_the_model_after_a_short_chat(stack: Any) -> None:
     # beyond a pull); its first decision came before any, and was the model's all the same.
     assert d["cost_model"]["prefill_source"] in ("own", "holder:prefill-0"), d["cost_model"]
     assert d["cost_model"]["steps"] > d["cost_model"]["prefill_steps"]
-    assert d.get("pulls", 0) >= 3
+    # Turn 1 is pulled; later turns the model may recompute (on the tiny model a few new tokens
+    # cost less than a pull), by its prediction, not for lack of one.
+    assert d.get("pulls", 0) >= 1
+    assert d.get("decided_pull_adaptive", 0) + d.get("decided_recompute_adaptive", 0) >= 3
 
 
 def test_per_pair_counters_equal_the_readers_own(stack: Any) -> None:

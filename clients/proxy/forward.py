@@ -79,6 +79,15 @@ class RequestRejected(Exception):
         self.body = body
         self.content_type = content_type
 
+    def as_client_sent(self, sent: Mapping[str, Any], client: Mapping[str, Any]) -> RequestRejected:
+        """The engine judged the body the proxy rewrote (P's one-token prefill, D's body with
+        kv_transfer_params); vLLM describes a rejected request as ``<dict of N items>``: say the
+        client's N, not ours."""
+        ours, theirs = f"<dict of {len(sent)} items>".encode(), f"<dict of {len(client)} items>".encode()
+        if ours != theirs and ours in self.body:
+            self.body = self.body.replace(ours, theirs)
+        return self
+
 
 @dataclass
 class Outcome:
@@ -188,9 +197,12 @@ class Forwarder:
                 self._failed(e, outcome, tried)
                 d_list = d_list[1:]
         if disaggregate and p_list and d_list:
-            params, p = await self._prefill_any(
-                endpoint, body, headers, p_list, outcome, tried, d_list[0].engine_id, route
-            )
+            try:
+                params, p = await self._prefill_any(
+                    endpoint, body, headers, p_list, outcome, tried, d_list[0].engine_id, route
+                )
+            except RequestRejected as e:
+                raise e.as_client_sent(prefill_body(body, {}, d_list[0].engine_id), body) from None
             if p is not None:
                 outcome.prefill = p
                 try:
@@ -210,7 +222,7 @@ class Forwarder:
                         e.body[:300].decode(errors="replace"),
                     )
                     self._decline_hold(params, f"the decode engine rejected the request (HTTP {e.status})")
-                    raise
+                    raise e.as_client_sent(decode_body(body, params, {}), body) from None
                 except asyncio.CancelledError:
                     self._decline_hold(params, "the client went away before decode")
                     raise

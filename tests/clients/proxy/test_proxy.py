@@ -247,6 +247,20 @@ async def test_an_invalid_request_is_refused_before_p_prefills_it(
     assert p.completions() == [] and d.completions() == []  # no prefill, no hold to decline
 
 
+@pytest.mark.parametrize("rejecting", ["P", "D"])
+async def test_an_engines_rejection_describes_the_clients_body_not_ours(
+    engines: Any, proxy: Any, rejecting: str
+) -> None:
+    p = await engines("P", mode="reject400_like_vllm" if rejecting == "P" else "ok")
+    d = await engines("D", mode="reject400_like_vllm" if rejecting == "D" else "ok")
+    px = await proxy([p.url], [d.url])
+    client = {"model": "tiny", "prompt": "two keys and a third " * 4}
+    status, _, raw = await px.post("/v1/completions", client)
+    assert status == 400
+    message = json.loads(raw)["error"]["message"]
+    assert "<dict of 2 items>" in message, message
+
+
 async def test_nothing_can_serve_gives_a_clean_503(proxy: Any) -> None:
     px = await proxy([dead_url()], [dead_url()])
     status, _, raw = await px.post("/v1/completions", COMPLETION)

@@ -53,7 +53,7 @@ from prometheus_client import (
 
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EnginePool
-from kvbroker.clients.proxy.forward import Outcome
+from kvbroker.clients.proxy.outcome import Outcome
 
 access_log = logging.getLogger("kvbroker.proxy.access")
 

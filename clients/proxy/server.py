@@ -25,8 +25,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from kvbroker.clients.proxy.config import ProxyConfig
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.errors import json_errors
-from kvbroker.clients.proxy.forward import EngineFailure, Forwarder, Outcome, RequestRejected, openai_error
+from kvbroker.clients.proxy.forward import Forwarder
 from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
+from kvbroker.clients.proxy.outcome import EngineFailure, Outcome, RequestRejected, openai_error
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer

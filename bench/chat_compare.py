@@ -174,8 +174,18 @@ def run_setup(
         run_chat(setup, warmup_conversation(args.turns), min(args.turns, 2), min(args.answer_tokens, 16))
         rows: list[dict[str, Any]] = []
         wall = time.perf_counter()
-        for conv in convs:
-            rows += run_chat(setup, conv, args.turns, args.answer_tokens)
+        if args.concurrency <= 1:
+            for conv in convs:
+                rows += run_chat(setup, conv, args.turns, args.answer_tokens)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            running = setup  # the chats share the setup; each its own conversation
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                for chat_rows in pool.map(
+                    lambda c: run_chat(running, c, args.turns, args.answer_tokens), convs
+                ):
+                    rows += chat_rows
         wall = time.perf_counter() - wall
         result: dict[str, Any] = {
             "available": True,
@@ -224,6 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--answer-tokens", type=int, default=None, help="tokens per answer (default 96; quick 32)"
     )
+    ap.add_argument(
+        "--follow-up-tokens",
+        default=None,
+        help="LO-HI: later turns' messages of LO..HI tokens (users' follow-ups quote text: 96-160); "
+        "default the short questions",
+    )
+    ap.add_argument(
+        "--concurrency", type=int, default=1, help="chats in flight at once per setup (default 1)"
+    )
     ap.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="which, in this order")
     ap.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache per engine (default 1024)")
     ap.add_argument("--no-profile", action="store_true", help="skip the broker setup's direct P/D chat")
@@ -247,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"work dir {args.workdir}; load {load_note()}")
 
     model = ensure_real_model(log=log)
-    every = build_conversations(model, args.conversations + 1, args.first_tokens, args.turns)
+    follow = None
+    if args.follow_up_tokens:
+        lo, _, hi = args.follow_up_tokens.partition("-")
+        follow = (int(lo), int(hi or lo))
+    every = build_conversations(model, args.conversations + 1, args.first_tokens, args.turns, follow)
     convs, profile_conv = every[:-1], every[-1]
     settings = {
         "mode": "quick" if q else "full",
@@ -258,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         "first_messages": [c.name for c in convs],
         "answer_tokens": args.answer_tokens,
         "follow_ups": convs[0].follow_ups,
+        "follow_up_tokens": args.follow_up_tokens or "short questions (10-15 tokens)",
+        "concurrency": args.concurrency,
+        "cores": "P/D setups: P pinned to 1 core, D to the other; one-engine setups: 2 cores",
         "ttft": "client-side, streamed /v1/chat/completions over loopback, first chunk with answer text",
         "nixl": "NixlConnector, kv_buffer_device cpu, bidirectional_kv_xfer true, NIXL progress thread off "
         "(bench.nixl_quiet), proxy bench.nixl_proxy: P non-streamed, D non-streamed relayed as one SSE chunk",
@@ -275,8 +301,17 @@ def main(argv: list[str] | None = None) -> int:
         setups[name] = run_setup(name, args, model, convs, profile_conv)
         doc, text = write_results(setups, settings, args, final=name == args.setups[-1])
         identical = doc["identical"]["all"]
-    print(text)
+    print(workload_line(settings) + "\n" + text)
     return 0 if identical else 1
+
+
+def workload_line(settings: dict[str, Any]) -> str:
+    """Every figure printed is for this workload."""
+    return (
+        f"workload: first prompt {settings['first_prompt_tokens'][0]} tokens, follow-ups "
+        f"{settings['follow_up_tokens']} tokens, answers {settings['answer_tokens']} tokens, "
+        f"{settings['concurrency']} chat(s) at once, {settings['cores']}; load {load_note()}"
+    )
 
 
 def write_results(
@@ -299,8 +334,6 @@ def write_results(
         png = plot_ttft(doc, path.with_suffix(".png"))
         log(f"PNG: {png}" if png else "PNG: skipped (matplotlib missing or nothing measured)")
     return doc, text
-
-    return 0 if doc["identical"]["all"] else 1
 
 
 if __name__ == "__main__":

@@ -65,8 +65,27 @@ def fit_message(tokenizer: Any, doc: str, target: int) -> tuple[str, int]:
     return text, _prompt_len(tokenizer, text)
 
 
-def build_conversations(model_dir: Path, count: int, first_tokens: int, turns: int) -> list[Conversation]:
-    """`count` conversations, each on its own docs/ file (cycled, with an offset if reused)."""
+def sized_follow_up(tokenizer: Any, question: str, excerpt: str, tokens: int) -> str:
+    """`question` then as much of `excerpt` as makes the message `tokens` tokens long (as users write:
+    a question that quotes what it asks about)."""
+    lo, hi = 0, len(excerpt)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        n = len(tokenizer.encode(f"{question}\n\n{excerpt[:mid]}", add_special_tokens=False))
+        lo, hi = (mid, hi) if n <= tokens else (lo, mid)
+    return f"{question}\n\n{excerpt[:lo]}"
+
+
+def build_conversations(
+    model_dir: Path,
+    count: int,
+    first_tokens: int,
+    turns: int,
+    follow_up_tokens: tuple[int, int] | None = None,
+) -> list[Conversation]:
+    """`count` conversations, each on its own docs/ file (cycled, with an offset if reused).
+    `follow_up_tokens` (lo, hi): later turns' messages of lo..hi tokens (spread evenly), not
+    the short default questions."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -85,6 +104,15 @@ def build_conversations(model_dir: Path, count: int, first_tokens: int, turns: i
                 follow_ups=list(FOLLOW_UPS[: max(0, turns - 1)]),
             )
         )
+    if follow_up_tokens is not None:
+        lo, hi = follow_up_tokens
+        quoted = (ROOT / "README.md").read_text()
+        for i, conv in enumerate(out):
+            for k, question in enumerate(conv.follow_ups):
+                step = i * len(conv.follow_ups) + k
+                size = lo + (hi - lo) * (step % 5) // 4  # lo, ..., hi, then again
+                excerpt = quoted[2000 * (step + 1) : 2000 * (step + 1) + 4000]
+                conv.follow_ups[k] = sized_follow_up(tokenizer, question, excerpt, size)
     return out
 
 

@@ -19,7 +19,7 @@ from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvbroker.broker.events import Notifier, NullNotifier
 from kvbroker.broker.exactness import exact_only, score_candidates
 from kvbroker.broker.holders import find_holders
-from kvbroker.broker.lease_stats import LeaseStats
+from kvbroker.broker.lease_stats import LeaseStats, ReadReport
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
 from kvbroker.broker.mirror import MirrorHub, Mirrors
 from kvbroker.broker.observed import ObservedIndex, ObservedLeaseTable, ObservedRegistry, Publisher
@@ -332,10 +332,11 @@ class BrokerCore:
         self._expire_now(lease_id)
         return self.leases.renew(lease_id, engine_id, ttl_s, self.clock.now())
 
-    def release(self, lease_id: str, reader_id: str, epoch: int = 0) -> Lease:
-        """Commit the read: succeeds only while the lease is ACTIVE, by its reader."""
+    def release(self, lease_id: str, reader_id: str, epoch: int = 0, read: ReadReport | None = None) -> Lease:
+        """Commit the read: succeeds only while the lease is ACTIVE, by its reader.
+        ``read``: what the reader says it read (lease_stats.py counts it)."""
         self._expire_now(lease_id)
-        lease = self.leases.release(lease_id, reader_id, epoch, self.clock.now())
+        lease = self.leases.release(lease_id, reader_id, epoch, self.clock.now(), read)
         self.released_total += 1
         holder = self.registry.find(lease.holder)
         if holder is not None:

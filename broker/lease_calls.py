@@ -16,6 +16,7 @@ from __future__ import annotations
 from kvbroker.broker import codec
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import InvalidArgument
+from kvbroker.broker.lease_stats import ReadReport
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.v1 import broker_pb2 as pb
@@ -62,7 +63,18 @@ def renew(core: BrokerCore, request: pb.RenewRequest) -> pb.LeaseResponse:
 
 
 def release(core: BrokerCore, request: pb.ReleaseRequest) -> pb.LeaseResponse:
-    return lease_response(core, core.release(request.lease_id, request.reader_engine_id, request.epoch))
+    read = read_report(request)
+    return lease_response(core, core.release(request.lease_id, request.reader_engine_id, request.epoch, read))
+
+
+def read_report(request: pb.ReleaseRequest) -> ReadReport | None:
+    """What the reader says it read (None: an older reader that does not say; the whole lease counts)."""
+    if not request.HasField("read_blocks") and not request.HasField("read_bytes"):
+        return None
+    return ReadReport(
+        blocks=request.read_blocks if request.HasField("read_blocks") else None,
+        nbytes=request.read_bytes if request.HasField("read_bytes") else None,
+    )
 
 
 def decline(core: BrokerCore, request: pb.DeclineRequest) -> pb.DeclineResponse:

@@ -8,10 +8,14 @@ core's decisions.
   end, by outcome: ``released`` or the revoke cause (``ttl_expired``,
   ``reader_gone``, ...), as histogram buckets.
 - Pairs: for every released lease (the reader committed its read), the reads,
-  blocks and bytes per (holder, reader, tier). Bytes are the layout's block size
-  in memory (K and V of every layer and KV head at its dtype), as the
-  fingerprint describes it; engines count their own bytes too
-  (``vllm:kvbroker_pulled_bytes_total``).
+  blocks and bytes per (holder, reader, tier), as the reader reports them on
+  its release (``ReleaseRequest.read_blocks`` / ``read_bytes``): a reader reads
+  the part of a hold beyond its own local hit, often much less than the lease
+  covers. A reader that does not report (an older one) is counted as before:
+  the whole lease, at the layout's block size in memory (K and V of every
+  layer and KV head at its dtype, as the fingerprint describes it); such
+  reads are counted in ``unreported`` too. Engines count their own bytes
+  (``vllm:kvbroker_pulled_bytes_total``); with reporting readers the two agree.
 """
 
 from __future__ import annotations
@@ -56,11 +60,20 @@ class DurationHistogram:
         return out
 
 
+@dataclass(frozen=True)
+class ReadReport:
+    """What a reader says it read under a lease (None: it did not say that part)."""
+
+    blocks: int | None = None
+    nbytes: int | None = None
+
+
 @dataclass
 class PairTotals:
     reads: int = 0
     blocks: int = 0
     bytes: int = 0
+    unreported: int = 0  # reads whose reader did not report what it read (counted as the whole lease)
 
 
 class LeaseStats:
@@ -78,14 +91,20 @@ class LeaseStats:
             self._born.pop(next(iter(self._born)))
         self._born.setdefault(lease.lease_id, self._now())
 
-    def ended(self, lease: Lease, outcome: str) -> None:
+    def ended(self, lease: Lease, outcome: str, read: ReadReport | None = None) -> None:
         born = self._born.pop(lease.lease_id, None)
         if born is not None:
             self.durations.setdefault(outcome, DurationHistogram()).observe(max(0.0, self._now() - born))
         if outcome == "released" and lease.reader:
             totals = self.pairs.setdefault((lease.holder, lease.reader, lease.tier), PairTotals())
             totals.reads += 1
-            totals.blocks += len(lease.block_hashes)
-            totals.bytes += len(lease.block_hashes) * block_bytes(
-                self._fingerprint(lease.namespace.layout_id)
-            )
+            blocks = len(lease.block_hashes)
+            if read is None or read.blocks is None:
+                totals.unreported += read is None
+            else:
+                blocks = min(read.blocks, blocks)  # a reader cannot read more than the lease holds
+            totals.blocks += blocks
+            if read is not None and read.nbytes is not None:
+                totals.bytes += read.nbytes
+            else:
+                totals.bytes += blocks * block_bytes(self._fingerprint(lease.namespace.layout_id))

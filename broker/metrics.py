@@ -147,7 +147,12 @@ class BrokerCollector(Collector):
         )
         moved = CounterMetricFamily(
             "kvbroker_pair_bytes",
-            "Bytes of committed reads per engine pair (the layout's block size)",
+            "Bytes of committed reads per engine pair, as the reader reports them (else the lease's)",
+            labels=labels,
+        )
+        unreported = CounterMetricFamily(
+            "kvbroker_pair_unreported_reads",
+            "Committed reads whose reader did not report what it read: counted as the whole lease",
             labels=labels,
         )
         for (holder, reader, tier), totals in list(stats.pairs.items()):
@@ -155,7 +160,8 @@ class BrokerCollector(Collector):
             reads.add_metric(values, totals.reads)
             blocks.add_metric(values, totals.blocks)
             moved.add_metric(values, totals.bytes)
-        yield from (reads, blocks, moved)
+            unreported.add_metric(values, totals.unreported)
+        yield from (reads, blocks, moved, unreported)
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):

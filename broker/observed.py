@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvbroker.broker.events import ENGINE, INDEX, LEASE, Notifier, WatchEvent
-from kvbroker.broker.lease_stats import LeaseStats
+from kvbroker.broker.lease_stats import LeaseStats, ReadReport
 from kvbroker.broker.leases import Lease, LeaseTable, Vet
 from kvbroker.broker.mirror import Mirrors
 from kvbroker.broker.registry import EngineRecord, Registry
@@ -177,11 +177,13 @@ class ObservedLeaseTable:
         self._publish.lease("lease_active", lease)
         return lease
 
-    def release(self, lease_id: str, reader: str, epoch: int, now: float) -> Lease:
+    def release(
+        self, lease_id: str, reader: str, epoch: int, now: float, read: ReadReport | None = None
+    ) -> Lease:
         lease = self._table.release(lease_id, reader, epoch, now)
         self._publish.lease("lease_released", lease)
         if self.stats is not None:
-            self.stats.ended(lease, "released")
+            self.stats.ended(lease, "released", read)
         return lease
 
     def revoke(self, lease_id: str, cause: RevokeCause, detail: str) -> Lease | None:

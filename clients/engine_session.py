@@ -328,9 +328,9 @@ class EngineSession(SessionStream):
         """This engine will not read the named hold: its holder frees the blocks now."""
         return await self._lease_call(self.decline_command(holder_engine_id, request_id, reason))
 
-    async def release(self, lease_id: str, epoch: int = 0) -> pb.Lease:
+    async def release(self, lease_id: str, epoch: int = 0, read: tuple[int, int] | None = None) -> pb.Lease:
         """Commit a read. FailedPrecondition means the lease ended first: discard what was read."""
-        return await self._lease_call(self.release_command(lease_id, epoch))
+        return await self._lease_call(self.release_command(lease_id, epoch, read))
 
     def hold_command(
         self,
@@ -363,8 +363,14 @@ class EngineSession(SessionStream):
         request = pb.RenewRequest(lease_id=lease_id, ttl_ms=ttl_ms)
         return LeaseCommand("renew", pb.SessionUp(renew=request), _lease_of)
 
-    def release_command(self, lease_id: str, epoch: int = 0) -> LeaseCommand:
+    def release_command(
+        self, lease_id: str, epoch: int = 0, read: tuple[int, int] | None = None
+    ) -> LeaseCommand:
+        """``read``: (blocks, bytes) this engine read under the lease; the broker's per-pair
+        counters count it (without it, the whole lease)."""
         request = pb.ReleaseRequest(lease_id=lease_id, epoch=epoch)
+        if read is not None:
+            request.read_blocks, request.read_bytes = read
         return LeaseCommand("release", pb.SessionUp(release=request), _lease_of)
 
     def decline_command(self, holder_engine_id: str, request_id: str, reason: str = "") -> LeaseCommand:

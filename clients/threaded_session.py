@@ -208,8 +208,11 @@ class ThreadedEngineSession:
     def renew(self, lease_id: str, ttl_ms: int = 0) -> concurrent.futures.Future[pb.Lease]:
         return self._lease(lambda s: s.renew_command(lease_id, ttl_ms))
 
-    def release(self, lease_id: str, epoch: int = 0) -> concurrent.futures.Future[pb.Lease]:
-        return self._lease(lambda s: s.release_command(lease_id, epoch))
+    def release(
+        self, lease_id: str, epoch: int = 0, read: tuple[int, int] | None = None
+    ) -> concurrent.futures.Future[pb.Lease]:
+        """``read``: (blocks, bytes) read under the lease (EngineSession.release_command)."""
+        return self._lease(lambda s: s.release_command(lease_id, epoch, read))
 
     def decline(
         self, holder_engine_id: str, request_id: str, reason: str = ""

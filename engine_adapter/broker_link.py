@@ -79,7 +79,10 @@ class BrokerLink(Protocol):
         reader_engine_id: str = "",
     ) -> Future[pb.Lease]: ...
 
-    def release(self, lease_id: str, epoch: int) -> Future[pb.Lease]: ...
+    def release(self, lease_id: str, epoch: int, read: tuple[int, int] | None = None) -> Future[pb.Lease]:
+        """Commit a read; ``read``: (blocks, bytes) this reader read under the lease, for the
+        broker's per-pair counters (None: not said; the broker counts the whole lease)."""
+        ...
 
     def decline(self, holder_engine_id: str, request_id: str, reason: str) -> Future[pb.DeclineResponse]:
         """This engine will not read that hold: the holder frees it now."""
@@ -227,8 +230,8 @@ class SessionBrokerLink:
             reader_engine_id=reader_engine_id,
         )
 
-    def release(self, lease_id: str, epoch: int) -> Future[pb.Lease]:
-        return self._session.release(lease_id, epoch)
+    def release(self, lease_id: str, epoch: int, read: tuple[int, int] | None = None) -> Future[pb.Lease]:
+        return self._session.release(lease_id, epoch, read)
 
     def decline(self, holder_engine_id: str, request_id: str, reason: str) -> Future[pb.DeclineResponse]:
         return self._session.decline(holder_engine_id, request_id, reason)

@@ -8,9 +8,14 @@ update and prediction is O(1); nothing blocks, nothing does I/O):
   step's requests of ``new * (context + new / 2)`` (the token pairs attention
   touches). Fitted by least squares over the engine's own steps, older steps
   weighing less (half-life ``STEP_HALF_LIFE_S``). A step's time is the gap
-  between two ``build_connector_meta`` calls (``StepTimer``), kept only when a
-  request of that step was still running at the next call, so that idle time
-  (the engine waiting for work) is never taken for compute.
+  between its ``build_connector_meta`` (the end of the schedule) and the
+  ``update_connector_output`` of its output (``StepTimer``): the forward pass
+  and sampling, never idle time, whatever the engine's role. A prefill-only
+  engine (P, whose requests finish in the step that computes them) learns from
+  every prefill; a decode-only engine (D) learns ``a`` and ``c`` from its decode
+  steps and, until it has timed a prefill of its own, predicts with the
+  coefficients the holder of the prompt timed on its prefills, handed over in
+  the holder's kv_transfer_params (``CostModel.seed_prefill``).
 - ``PullModel``: seconds of a pull as ``fixed + bytes / bandwidth``, per holder
   and tier, from this engine's own completed pulls (request allocated ->
   blocks received). The fit is pulled towards a prior (the tier-wide fit, and
@@ -29,13 +34,15 @@ update and prediction is O(1); nothing blocks, nothing does I/O):
   spell, a busy spell needs no fading to end: when the holder reports itself
   idle again, its estimate is the idle one at once.
 
-``ready`` says whether the prefill model has seen enough to be trusted; until
-then the policy (pull_policy.py) uses the fixed ``kv_recompute_threshold``.
+``ready`` says whether the prefill model has seen enough to be trusted (or a
+holder's timings seed it); until then the policy (pull_policy.py) falls back to
+the fixed ``kv_recompute_threshold`` and says so (``decided_by``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -57,8 +64,11 @@ PRIOR_LOAD_SLOPE = 0.1
 # The prior enters the slope fit as a pseudo-observation at this load, of weight PRIOR_WEIGHT.
 PRIOR_LOAD_REF = 4.0
 STEP_HALF_LIFE_S = 300.0
-# The prefill model is trusted after this many steps, one of them a prefill of
-# at least PREFILL_MIN_TOKENS tokens (decode steps alone say nothing of b and c).
+# The prefill model is trusted once it has timed one prefill of at least
+# PREFILL_MIN_TOKENS tokens (decode steps alone say nothing of b and c): a
+# prefill-only engine times one step per request, and the reader it hands its
+# fit to decides on the first turn. Until MIN_STEPS steps are timed the fit is
+# proportional (b alone); from then on all three terms.
 MIN_STEPS = 4
 PREFILL_MIN_TOKENS = 16
 # Feature scales keep the normal equations well conditioned.
@@ -101,6 +111,7 @@ class PrefillModel:
     """Step seconds ~ a + b * tokens + c * attention pairs (decayed least squares)."""
 
     steps: int = 0
+    # Steps of at least PREFILL_MIN_TOKENS tokens: those that teach b and c (decode steps do not).
     prefill_steps: int = 0
     _xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     _xty: list[float] = field(default_factory=lambda: [0.0] * 3)
@@ -133,7 +144,7 @@ class PrefillModel:
 
     @property
     def ready(self) -> bool:
-        return self.steps >= MIN_STEPS and self.prefill_steps >= 1
+        return self.prefill_steps >= 1
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a seconds, b seconds per 1k tokens, c seconds per 1M pairs), each >= 0."""
@@ -145,7 +156,7 @@ class PrefillModel:
         # Fit all three; a negative term (too few kinds of step to tell them
         # apart) is dropped and the rest refitted, so predictions never shrink
         # as a prompt grows.
-        for keep in ((0, 1, 2), (0, 1), (1,)):
+        for keep in ((0, 1, 2), (0, 1), (1,)) if self.steps >= MIN_STEPS else ((1,),):
             m = [[self._xtx[i][j] + (_RIDGE if i == j else 0.0) for j in keep] for i in keep]
             sol = _solve(m, [self._xty[i] for i in keep])
             if sol is not None and all(s >= 0 for s in sol):
@@ -156,17 +167,20 @@ class PrefillModel:
         return 0.0, 0.0, 0.0
 
     def predict(self, new_tokens: int, context_tokens: int, chunk_tokens: int = 0) -> float:
-        """Seconds to compute ``new_tokens`` after ``context_tokens``, in chunks of ``chunk_tokens``.
+        """Seconds to compute ``new_tokens`` after ``context_tokens``, in chunks of ``chunk_tokens``."""
+        return predict_with(self.coefficients(), new_tokens, context_tokens, chunk_tokens)
 
-        One step per chunk; the chunks' attention pairs add up to those of one
-        step over all the new tokens, so this is O(1) however many chunks."""
-        if new_tokens <= 0:
-            return 0.0
-        a, b, c = self.coefficients()
-        chunks = -(-new_tokens // chunk_tokens) if chunk_tokens > 0 else 1
-        return (
-            chunks * a + b * new_tokens / _TOKENS + c * attention_pairs(new_tokens, context_tokens) / _PAIRS
-        )
+
+def predict_with(
+    coef: tuple[float, float, float], new_tokens: int, context_tokens: int, chunk_tokens: int = 0
+) -> float:
+    """One step per chunk; the chunks' attention pairs add up to those of one
+    step over all the new tokens, so this is O(1) however many chunks."""
+    if new_tokens <= 0:
+        return 0.0
+    a, b, c = coef
+    chunks = -(-new_tokens // chunk_tokens) if chunk_tokens > 0 else 1
+    return chunks * a + b * new_tokens / _TOKENS + c * attention_pairs(new_tokens, context_tokens) / _PAIRS
 
 
 @dataclass
@@ -319,31 +333,54 @@ class PullModel:
 
 
 class StepTimer:
-    """Times engine steps from the scheduler side: the gap between two build_connector_meta calls.
+    """Times engine steps from the scheduler side: from a step's build_connector_meta (its
+    schedule is done) to the update_connector_output of its output (its forward pass and
+    sampling are done).
 
-    In vLLM's synchronous loop that gap is the previous step's forward pass plus
-    one schedule. It is kept only when some request of the previous step was
-    still unfinished at the next call: then the engine went straight on to the
-    next step, and the gap holds no idle time. (With async scheduling the gap
-    is still one step in steady state.)"""
+    vLLM calls the two in that order for every step that ran the model, so the
+    gap holds the step's compute and no idle time, whether the step's requests
+    finished in it (a prefill-only engine) or not. Steps are matched first in,
+    first out (with async scheduling the next step is scheduled before the
+    previous one's output arrives); at most ``MAX_PENDING`` wait, so a step
+    whose output never came (vLLM skips the call when a step had nothing for
+    the connector) is dropped, never timed against a later output."""
+
+    MAX_PENDING = 2
 
     def __init__(self, model: PrefillModel) -> None:
         self._model = model
-        self._started: float | None = None
-        self._work: list[tuple[int, int]] = []
-        self._running: set[str] = set()
+        # (scheduled at, (new, context) per request, request ids) per step awaiting its output.
+        self._pending: deque[tuple[float, list[tuple[int, int]], set[str]]] = deque()
+        self._timed_early = False  # the output under way was timed at a request's finish
 
     def on_step(self, now: float, scheduled: Iterable[tuple[str, int, int]]) -> None:
-        """A new step is scheduled: ``(request id, new tokens, context tokens)`` per request."""
-        if self._started is not None and self._running:
-            self._model.observe(now, now - self._started, self._work)
-        work = [(req, new, ctx) for req, new, ctx in scheduled if new > 0]
-        self._work = [(new, ctx) for _, new, ctx in work]
-        self._running = {req for req, _, _ in work}
-        self._started = now if work else None
+        """A step is scheduled: ``(request id, new tokens, context tokens)`` per request."""
+        scheduled = [(req, new, ctx) for req, new, ctx in scheduled if new > 0]
+        if not scheduled:
+            return
+        if len(self._pending) >= self.MAX_PENDING:
+            self._pending.popleft()
+        work = [(new, ctx) for _, new, ctx in scheduled]
+        self._pending.append((now, work, {req for req, _, _ in scheduled}))
 
-    def on_finished(self, req_id: str) -> None:
-        self._running.discard(req_id)
+    def on_finished(self, now: float, req_id: str) -> None:
+        """A request finished while vLLM handles a step's output: if it was in the oldest
+        pending step, that step's forward pass is done, and it is timed now, before the
+        request's kv_transfer_params are built (holds.py hands the fit to the reader)."""
+        if self._pending and not self._timed_early and req_id in self._pending[0][2]:
+            self._observe(now)
+            self._timed_early = True
+
+    def on_output(self, now: float) -> None:
+        """The output of the oldest pending step arrived (unless on_finished timed it already)."""
+        if self._timed_early:
+            self._timed_early = False
+        elif self._pending:
+            self._observe(now)
+
+    def _observe(self, now: float) -> None:
+        started, work, _ = self._pending.popleft()
+        self._model.observe(now, now - started, work)
 
 
 class CostModel:
@@ -358,10 +395,37 @@ class CostModel:
         self.chunk_tokens = chunk_tokens  # vLLM's max_num_batched_tokens (0: one chunk)
         # Per holder, the load the last pull decided from it weighed (pull_started).
         self._pull_loads: dict[str, float] = {}
+        # A holder's prefill coefficients (seed_prefill), used until this engine's own are ready.
+        self._seed: tuple[float, float, float] | None = None
+        self.seed_source = ""
 
     @property
     def ready(self) -> bool:
-        return self.prefill.ready
+        return self.prefill.ready or self._seed is not None
+
+    @property
+    def prefill_source(self) -> str:
+        """Whose timings predict prefills: "own", "holder:<engine id>", or "" (none yet)."""
+        if self.prefill.ready:
+            return "own"
+        return f"holder:{self.seed_source}" if self._seed is not None else ""
+
+    def seed_prefill(self, holder: str, coef: tuple[float, float, float]) -> None:
+        """A holder's fitted (a s, b s per 1k tokens, c s per 1M pairs), from its kv_transfer_params.
+
+        The holder runs the same model (a reader refuses another layout) and timed
+        the prefills this engine would otherwise recompute; a decode-only engine
+        never times one of its own. The latest holder's figures win; this
+        engine's own fit wins as soon as it is ready."""
+        if all(math.isfinite(x) and x >= 0 for x in coef) and any(x > 0 for x in coef):
+            self._seed = coef
+            self.seed_source = holder
+
+    def prefill_coefficients(self) -> tuple[float, float, float] | None:
+        """This engine's own fit once ready, else a holder's seed, else None."""
+        if self.prefill.ready:
+            return self.prefill.coefficients()
+        return self._seed
 
     def pull_started(self, holder: str, load: float) -> None:
         """A pull from ``holder`` starts, decided at this holder load: its observation is made at it.
@@ -376,16 +440,21 @@ class CostModel:
         self.pulls.observe(now, holder, tier, nbytes, seconds, self._pull_loads.get(holder, 0.0))
 
     def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
-        return self.prefill.predict(new_tokens, context_tokens, self.chunk_tokens)
+        coef = self.prefill_coefficients()
+        if coef is None:
+            return self.prefill.predict(new_tokens, context_tokens, self.chunk_tokens)
+        return predict_with(coef, new_tokens, context_tokens, self.chunk_tokens)
 
     def pull(self, now: float, holder: str, tier: int, blocks: int, load: float = 0.0) -> PullEstimate:
         return self.pulls.estimate(now, holder, tier, blocks * self.block_bytes, load)
 
     def snapshot(self, now: float) -> dict[str, object]:
-        a, b, c = self.prefill.coefficients()
+        a, b, c = self.prefill_coefficients() or self.prefill.coefficients()
         return {
             "prefill_ready": self.ready,
-            "prefill_steps": self.prefill.steps,
+            "prefill_source": self.prefill_source,
+            "prefill_steps": self.prefill.prefill_steps,
+            "steps": self.prefill.steps,
             "step_ms": round(a * 1000.0, 3),
             "ms_per_1k_tokens": round(b * 1000.0, 3),
             "ms_per_1m_pairs": round(c * 1000.0, 3),

@@ -123,6 +123,8 @@ class TransferParams:
     # This request's pull-or-recompute rule, when the caller names one ("" / None: the engine's).
     pull_policy: str = ""
     recompute_threshold: int | None = None
+    # The holder's fitted prefill (a s, b s per 1k tokens, c s per 1M pairs), if it sent one.
+    holder_prefill: tuple[float, float, float] | None = None
 
 
 class BadTransferParams(ValueError):
@@ -179,6 +181,7 @@ def parse_transfer_params(params: Any) -> TransferParams:
         )
     if threshold is not None and not policy:
         policy = "threshold"  # a threshold named alone is the fixed rule, as in the extra config
+    holder_prefill = _prefill_model(broker_part.get("prefill_model"))
     trace = params.get("trace_context")
     if trace is not None and not (
         isinstance(trace, Mapping)
@@ -197,7 +200,28 @@ def parse_transfer_params(params: Any) -> TransferParams:
         holder_pp_size=sizes["pp_size"],
         pull_policy=policy,
         recompute_threshold=threshold,
+        holder_prefill=holder_prefill,
     )
+
+
+PREFILL_MODEL_KEYS = ("step_ms", "ms_per_1k_tokens", "ms_per_1m_pairs")
+
+
+def _prefill_model(value: Any) -> tuple[float, float, float] | None:
+    """kvbroker.prefill_model: the holder's prefill fit in ms, as holds.py sends it (seconds out)."""
+    if value is None:
+        return None
+    numbers = [value.get(k) for k in PREFILL_MODEL_KEYS] if isinstance(value, Mapping) else []
+    if len(numbers) != 3 or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in numbers
+    ):
+        raise BadTransferParams(
+            "kv_transfer_params.kvbroker.prefill_model must map "
+            + ", ".join(PREFILL_MODEL_KEYS)
+            + f" to numbers >= 0, got {value!r}"
+        )
+    a, b, c = (float(x) / 1000.0 for x in numbers)  # type: ignore[arg-type]
+    return a, b, c
 
 
 def wire_hashes(block_hashes: Sequence[bytes]) -> list[int]:

@@ -310,6 +310,15 @@ class Holds:
         if hold_request_id:
             # Names the hold, so a reader (or the router) that will not read it declines it.
             broker_part["hold_request_id"] = hold_request_id
+        if ctx.costs.prefill.ready:
+            # What a prefill costs here, timed on this engine's steps: a decode-only reader
+            # never times one and predicts its recompute with these (cost_model.py).
+            a, b, c = ctx.costs.prefill.coefficients()
+            broker_part["prefill_model"] = {
+                "step_ms": round(a * 1000.0, 4),
+                "ms_per_1k_tokens": round(b * 1000.0, 4),
+                "ms_per_1m_pairs": round(c * 1000.0, 4),
+            }
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -358,14 +358,17 @@ class Loads:
             return
         load.state = LoadState.RELEASING
         with current(load.span):
-            load.future = link.release(load.lease.lease_id, load.lease.epoch)
+            # What was read, for the broker's per-pair counters (the lease may cover more).
+            read = (load.plan.num_blocks, load.bytes_read)
+            load.future = link.release(load.lease.lease_id, load.lease.epoch, read)
         self._time_answer(load, "release_answer", "read_done")
 
     def _fail(self, load: Load, reason: str) -> None:
         link = self._ctx.link
         if load.lease is not None and load.state != LoadState.RELEASING and link is not None:
-            # End the lease at once so the holder frees; the bytes are not used either way.
-            link.release(load.lease.lease_id, load.lease.epoch)
+            # End the lease at once so the holder frees; the bytes are not used either way
+            # (nothing counts as read).
+            link.release(load.lease.lease_id, load.lease.epoch, (0, 0))
         self._ctx.stats.count("pulls_failed")
         logger.warning(
             "kvbroker: request %s: pull of %d blocks from %s failed, recomputing them: %s",
@@ -468,7 +471,7 @@ class Loads:
             return
         lease = future.result().lease
         if lease.lease_id:
-            link.release(lease.lease_id, lease.epoch)
+            link.release(lease.lease_id, lease.epoch, (0, 0))  # nothing was read under it
 
 
 def _remote_block_ids(lease: pb.Lease, hashes: list[int], plan: PullPlan) -> tuple[list[int], str | None]:

@@ -125,6 +125,9 @@ class Lookups:
         if lookup.response is not None or local_cpu:
             ctx = self._ctx
             params = lookup.params
+            if params.holder_prefill is not None and params.holder_engine_id:
+                # The holder timed the prefill this engine would recompute (cost_model.py).
+                ctx.costs.seed_prefill(params.holder_engine_id, params.holder_prefill)
             choice = choose(
                 policy=params.pull_policy or ctx.config.pull_policy,
                 model=ctx.costs,
@@ -383,6 +386,10 @@ class Lookups:
         """The decision's inputs in the stats: a count per policy and outcome, the latest figures."""
         stats = self._ctx.stats
         stats.count(f"decided_{'pull' if pulled else 'recompute'}_{costs.policy}")
+        # Which decisions the cost model made and which the fixed rule made, and why.
+        stats.count(f"decisions_by_{costs.decided_by}")
+        if costs.fallback_reason:
+            stats.count(f"fallback_{costs.fallback_reason}")
         for key, value in costs.attributes().items():
             stats.figure("last_" + key.removeprefix("kvbroker."), value)
 

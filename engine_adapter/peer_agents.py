@@ -49,6 +49,11 @@ class PeerAgents:
         known = self._loaded.get(agent_name)
         return None if known is None else known.generation
 
+    def is_loaded(self, agent_name: str, metadata: bytes) -> bool:
+        """Whether this very agent (same metadata) is loaded already (its first read sets up the link)."""
+        known = self._loaded.get(agent_name)
+        return known is not None and known.metadata == metadata
+
     def prepare(self, mover: PeerLoader, agent_name: str, generation: int, metadata: bytes) -> str | None:
         """Make `agent_name` at `generation` the loaded agent; the reason not to read, or None.
 

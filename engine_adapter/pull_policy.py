@@ -42,6 +42,14 @@ POLICIES = (POLICY_ADAPTIVE, POLICY_THRESHOLD)
 # Skip reason when the predicted recompute is quicker than any pull.
 SKIP_COST = "recompute_cheaper"
 
+DECIDED_BY_MODEL = "model"
+DECIDED_BY_FALLBACK = "fallback"
+# Why the fixed rule decided: the engine is configured (or the request asks) for it; the
+# model had no prefill timing yet while a pull was possible; nothing to weigh (no pull possible).
+FALLBACK_POLICY = "threshold_policy"
+FALLBACK_NO_TIMING = "no_prefill_timing"
+FALLBACK_NOTHING = "nothing_to_weigh"
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -55,10 +63,17 @@ class Costs:
     holder_load: float = 0.0  # the load named for the chosen (or best) holder
     pull_load_factor: float = 1.0  # what that load multiplied its predicted pull by
     holder_reads: int = 0  # reads of that holder in flight, its bandwidth shared with them
+    # Who decided: "model" (predicted times) or "fallback" (the fixed rule), and why the fallback.
+    decided_by: str = DECIDED_BY_MODEL
+    fallback_reason: str = ""  # FALLBACK_* ("" when the model decided)
+    prefill_source: str = ""  # whose timings predicted the prefill (CostModel.prefill_source)
 
     def attributes(self) -> dict[str, float | str | int]:
         return {
             "kvbroker.pull_policy": self.policy,
+            "kvbroker.decided_by": self.decided_by,
+            "kvbroker.fallback_reason": self.fallback_reason,
+            "kvbroker.prefill_source": self.prefill_source,
             "kvbroker.predicted_pull_ms": round(self.predicted_pull_ms, 3),
             "kvbroker.predicted_recompute_ms": round(self.predicted_recompute_ms, 3),
             "kvbroker.pull_bandwidth_gbps": round(self.pull_bandwidth_gbps, 3),
@@ -102,13 +117,26 @@ def choose(
     )
     fixed = rule(threshold_tokens=threshold_tokens)
     if policy != POLICY_ADAPTIVE or not model.ready:
-        name = POLICY_THRESHOLD if policy != POLICY_ADAPTIVE else "threshold_until_observed"
-        return Choice(fixed, Costs(name, holder_load=_load_of(matches, fixed.plan)))
+        if policy != POLICY_ADAPTIVE:
+            name, why = POLICY_THRESHOLD, FALLBACK_POLICY
+        else:
+            possible = rule(threshold_tokens=0).plan is not None
+            name, why = "threshold_until_observed", FALLBACK_NO_TIMING if possible else FALLBACK_NOTHING
+        costs = Costs(
+            name,
+            holder_load=_load_of(matches, fixed.plan),
+            decided_by=DECIDED_BY_FALLBACK,
+            fallback_reason=why,
+        )
+        return Choice(fixed, costs)
     # The threshold rule has already settled the cases with nothing to weigh.
     plain = rule(threshold_tokens=0)
     recompute_s = model.prefill_s(num_prompt_tokens - num_local_tokens, num_local_tokens)
     if plain.plan is None:
-        return Choice(plain, Costs(POLICY_ADAPTIVE, predicted_recompute_ms=recompute_s * 1000.0))
+        costs = Costs(
+            POLICY_ADAPTIVE, predicted_recompute_ms=recompute_s * 1000.0, prefill_source=model.prefill_source
+        )
+        return Choice(plain, costs)
     return _cheapest(
         model=model,
         now=now,
@@ -215,7 +243,11 @@ def _cheapest(
     if best is None:
         return Choice(
             Decision(None, SKIP_NO_HOLDER, "no holder covers a block beyond the local hit"),
-            Costs(POLICY_ADAPTIVE, predicted_recompute_ms=recompute_s * 1000.0),
+            Costs(
+                POLICY_ADAPTIVE,
+                predicted_recompute_ms=recompute_s * 1000.0,
+                prefill_source=model.prefill_source,
+            ),
         )
     total, holder, end, est, reads = best
     costs = Costs(
@@ -227,6 +259,7 @@ def _cheapest(
         holder_load=holder.load,
         pull_load_factor=est.load_factor,
         holder_reads=reads,
+        prefill_source=model.prefill_source,
     )
     busy = f" at load {holder.load:g} (x{est.load_factor:.2f})" if holder.load > 0 else ""
     if reads:

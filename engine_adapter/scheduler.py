@@ -196,11 +196,7 @@ class AdapterScheduler:
             self._idle_wait()
         now = self._clock()
         if scheduled is not None:
-            before = (self.costs.prefill.prefill_steps, self.costs.ready)
             self.costs.steps.on_step(now, scheduled)
-            if (self.costs.prefill.prefill_steps, self.costs.ready) != before:
-                # A prefill observed, or the model became ready: worth a stats write (a decode step is not).
-                self.stats.dirty = True
             self.loads.scheduled({req_id for req_id, _, _ in scheduled})
         self.return_held_blocks()
         self.gpu.serve()
@@ -236,6 +232,11 @@ class AdapterScheduler:
         finished_sending: set[str] | None,
         finished_recving: set[str] | None,
     ) -> None:
+        before = (self.costs.prefill.prefill_steps, self.costs.prefill.ready)
+        self.costs.steps.on_output(self._clock())  # the step's forward pass is done: timed
+        if (self.costs.prefill.prefill_steps, self.costs.prefill.ready) != before:
+            # A prefill observed, or the model became ready: worth a stats write (a decode step is not).
+            self.stats.dirty = True
         if isinstance(worker_meta, ReadOutcomes):
             self.loads.on_outcomes(worker_meta)
             self.stores.on_outcomes(worker_meta)
@@ -249,7 +250,7 @@ class AdapterScheduler:
     @_locked
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        self.costs.steps.on_finished(req_id)
+        self.costs.steps.on_finished(self._clock(), req_id)
         self.own_load.finished(req_id)
         self.loads.failed.discard(req_id)
         self.lookups.request_finished(req_id)

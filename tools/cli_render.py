@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
@@ -40,10 +41,46 @@ def _is_number(cell: str) -> bool:
     return True
 
 
+_INT64 = frozenset(
+    {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
+
+
 def to_json(message: Message) -> dict[str, Any]:
-    """Proto3 JSON: lowerCamelCase field names, every field (zeros and empty lists too),
-    enums by name, 64-bit integers as strings."""
-    return MessageToDict(message, always_print_fields_with_no_presence=True)
+    """The proto's own field names (snake_case, as in broker.proto), every field (zeros and
+    empty lists too), enums by name, and 64-bit integers as JSON numbers (proto3's JSON
+    mapping would write them as strings)."""
+    out = MessageToDict(message, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+    return _ints(message.DESCRIPTOR, out)
+
+
+def _ints(descriptor: Any, value: dict[str, Any]) -> dict[str, Any]:
+    """64-bit integer fields of ``value`` (MessageToDict's strings) back to ints, nested too."""
+    for f in descriptor.fields:
+        if f.name not in value:
+            continue
+        v = value[f.name]
+        repeated = f.is_repeated
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            entry = f.message_type.fields_by_name["value"]
+            if entry.type in _INT64:
+                value[f.name] = {k: int(x) for k, x in v.items()}
+            elif entry.message_type is not None:
+                value[f.name] = {k: _ints(entry.message_type, x) for k, x in v.items() if isinstance(x, dict)}
+        elif f.message_type is not None:
+            if repeated:
+                value[f.name] = [_ints(f.message_type, x) if isinstance(x, dict) else x for x in v]
+            elif isinstance(v, dict):
+                _ints(f.message_type, v)
+        elif f.type in _INT64:
+            value[f.name] = [int(x) for x in v] if repeated else int(v)
+    return value
 
 
 def print_json(value: Any, out: TextIO) -> None:

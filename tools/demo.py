@@ -20,6 +20,7 @@ and on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -66,7 +67,7 @@ DEMO_HOLD_TTL_MS = 120_000
 # A log line the adapter's worker writes per finished read (see engine_adapter/worker.py).
 _READ_LINE = re.compile(
     r"request (?P<req>\S+): read (?P<blocks>\d+) blocks \((?P<bytes>\d+) bytes\) from (?P<src>\S+) "
-    r"in (?P<ms>[\d.]+) ms \((?P<gbps>[\d.]+) GB/s\)"
+    r"in (?P<ms>[\d.]+) ms \((?:(?P<gbps>[\d.]+) GB/s|(?P<first>first read from this peer)[^)]*)\)"
 )
 _TIER = {1: "GPU", 2: "CPU"}
 
@@ -178,7 +179,12 @@ def _print_pulls(
             for r in reads:
                 say(
                     f"   {name}: pulled {r['blocks']} blocks ({int(r['bytes']) / 1e6:.2f} MB) from {r['src']} "
-                    f"in {float(r['ms']):.1f} ms = {float(r['gbps']):.3f} GB/s"
+                    f"in {float(r['ms']):.1f} ms "
+                    + (
+                        f"= {float(r['gbps']):.3f} GB/s"
+                        if r["gbps"]
+                        else "(the first read from this peer: NIXL's connection set-up, not a bandwidth)"
+                    )
                 )
             if not reads:
                 say(f"   {name}: pulled {pulled_blocks} blocks ({pulled_bytes / 1e6:.2f} MB)")
@@ -256,6 +262,7 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
                     "single_ttft_ms": (single.ttft_s or 0.0) * 1000 if single else None,
                     "history_pulled_tokens": pulled_by_p,
                     "identical": single.token_ids == result.token_ids if single else None,
+                    "answer_tokens": len(result.token_ids),
                 }
             )
     finally:
@@ -279,6 +286,22 @@ def _print_summary(rows: list[dict[str, Any]]) -> None:
     say(
         "(one engine: prefill-0 answering the same conversation alone, its own prefix cache warm from "
         "the earlier turns; the machine's 2 cores are shared by everything here)"
+    )
+    say(workload_line(rows, os.getloadavg()[0], os.cpu_count() or 1))
+
+
+def workload_line(rows: list[dict[str, Any]], load: float, cores: int) -> str:
+    """The workload every figure above was measured under: follow-up length, concurrency, cores, load."""
+    follow_ups = [
+        r["prompt_tokens"] - prev["prompt_tokens"] - prev.get("answer_tokens", 0)
+        for prev, r in itertools.pairwise(rows)
+    ]
+    follow = ", ".join(str(max(0, f)) for f in follow_ups) or "none"
+    loaded = " (measured under load: other work shares these cores)" if load > cores else ""
+    return (
+        f"workload: 1 chat, one request at a time; first prompt {rows[0]['prompt_tokens']} tokens, "
+        f"follow-ups of {follow} tokens (chat template included); P/D: P pinned to 1 core and D to another; "
+        f"one engine: prefill-0 on its 1 core; load average {load:.1f} on {cores} cores{loaded}"
     )
 
 
@@ -360,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--proxy-port", type=int, default=0, help="proxy port (default: a free port)")
     parser.add_argument("--broker-port", type=int, default=0, help="broker port (default: a free port)")
     parser.add_argument(
-        "--threshold", type=int, default=32, help="kv_recompute_threshold in tokens (default 32)"
+        "--threshold",
+        type=int,
+        default=None,
+        help="the fixed pull rule: pull when at least this many tokens are held elsewhere "
+        "(default: the adaptive policy, which times prefills and pulls)",
     )
     args = parser.parse_args(argv)
     max_tokens = args.max_tokens or (64 if args.model == "real" else 48)
@@ -369,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     stack_box: list[Stack] = []
     started = time.monotonic()
+    say(f"logs, stats and the model go to {workdir}")
 
     def on_signal(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -402,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         say("stopping everything ...")
         for stack in stack_box:
             stack.stop()
-    say(f"done in {time.monotonic() - started:.0f} s")
+    say(f"done in {time.monotonic() - started:.0f} s; logs and stats kept in {workdir}")
     return 0
 
 

@@ -202,7 +202,7 @@ def start_stack(
     *,
     proxy_port: int,
     broker_port: int,
-    threshold: int,
+    threshold: int | None,
     model: str = "tiny",
     connector_extra: dict[str, Any] | None = None,
     broker_metrics_port: int = 0,
@@ -253,6 +253,8 @@ def start_stack(
             engine_id=name,
             role=role,
             kv_recompute_threshold=threshold,
+            # None: the adaptive policy (the engines' default), which learns what a prefill
+            # and a pull cost here; a threshold selects the fixed rule.
             stats_path=str(stats),
             # D holds each finished turn (prompt + answer) so the next turn's prefill can pull it.
             multi_turn=(role == "decode"),

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from kvbroker.clients.proxy.forward import openai_error
+from kvbroker.clients.proxy.outcome import openai_error
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

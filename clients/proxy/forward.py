@@ -28,8 +28,6 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -40,86 +38,22 @@ from kvbroker.clients.errors import BrokerError
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.liveness import EngineHung, FirstByteWatch
+from kvbroker.clients.proxy.outcome import (
+    HUNG,
+    UNREACHABLE,
+    EngineFailure,
+    FailureHook,
+    Outcome,
+    RequestRejected,
+    RetryHook,
+    openai_error,
+)
+from kvbroker.clients.proxy.p_queue import PrefillQueues
 from kvbroker.clients.proxy.pd_bodies import decode_body, prefill_body
 from kvbroker.clients.proxy.routing import Route
 from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
 
 log = logging.getLogger("kvbroker.proxy")
-
-
-# EngineFailure kinds, the `kind` label of kvbroker_proxy_engine_failures_total.
-HUNG = "hung"  # no first byte within the budget and the liveness check failed
-UNREACHABLE = "unreachable"  # connection refused/reset, or the read timeout passed
-ERROR = "error"  # HTTP 5xx or an answer that is not what vLLM sends
-
-
-class EngineFailure(Exception):
-    """The engine could not serve (unreachable, hung, 5xx): try another one."""
-
-    def __init__(self, engine: EngineSpec, reason: str, kind: str = ERROR) -> None:
-        super().__init__(f"{engine.label}: {reason}")
-        self.engine = engine
-        self.reason = reason
-        self.kind = kind
-
-
-# (engine, step, kind) after a step failed on an engine; (engine, step) when a step
-# that failed on that engine is tried on another one.
-FailureHook = Callable[[EngineSpec, str, str], None]
-RetryHook = Callable[[EngineSpec, str], None]
-
-
-class RequestRejected(Exception):
-    """The engine answered 4xx: the request itself is wrong; pass the answer on."""
-
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
-        super().__init__(f"HTTP {status}")
-        self.status = status
-        self.body = body
-        self.content_type = content_type
-
-
-@dataclass
-class Outcome:
-    """What happened to a request, for response headers, spans and logs."""
-
-    request_id: str
-    mode: str = ""  # "pd", "local" (D alone: it held all but a few tokens) or "single"
-    prefill: EngineSpec | None = None
-    decode: EngineSpec | None = None
-    fallback_reason: str = ""
-    failures: list[str] = field(default_factory=list)
-    failure_kinds: list[str] = field(default_factory=list)
-    # The engine and step of the last failure, until another attempt retries it.
-    unretried: tuple[EngineSpec, str] | None = None
-    turn: str = ""  # a chat's turn (its user messages: 1, 2, ... 5+); "" for other requests
-    first_byte_at: float | None = None  # perf_counter() when the answer's first byte went out
-
-    def headers(self) -> dict[str, str]:
-        h = {"X-Request-Id": self.request_id, "X-KVBroker-Mode": self.mode}
-        if self.prefill is not None:
-            h["X-KVBroker-Prefill"] = self.prefill.label
-        if self.decode is not None:
-            h["X-KVBroker-Decode"] = self.decode.label
-        if self.fallback_reason:
-            h["X-KVBroker-Fallback"] = self.fallback_reason[:200]
-        return h
-
-
-def openai_error(
-    status: int,
-    message: str,
-    err_type: str = "proxy_error",
-    *,
-    param: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> web.Response:
-    """An error the way OpenAI's API (and vLLM's server) shape it; `code` is the HTTP status, as in vLLM."""
-    return web.json_response(
-        {"error": {"message": message, "type": err_type, "param": param, "code": status}},
-        status=status,
-        headers=headers,
-    )
 
 
 class Forwarder:
@@ -150,6 +84,8 @@ class Forwarder:
         # clients.aio.AsyncBrokerClient: to decline P's hold when no D will read it.
         self.broker = broker
         self._declines: set[asyncio.Task[None]] = set()
+        # P's prefill queues as this proxy sees them, and P's prefill timing (p_queue.py).
+        self.queues = PrefillQueues()
         self.max_attempts = max_attempts
         self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=connect_timeout_s)
         self._decode_timeout = aiohttp.ClientTimeout(
@@ -169,8 +105,12 @@ class Forwarder:
         headers = self._engine_headers(request, outcome.request_id)
         p_list, d_list = route.prefill, route.decode
         tried: list[EngineSpec] = []
-        local = route.local_prefill(d_list[0], local_prefill_tokens) if disaggregate and d_list else None
-        if local is not None:
+        local = (
+            self._choose_local(route, p_list, d_list, local_prefill_tokens, outcome)
+            if disaggregate
+            else False
+        )
+        if local:
             # D holds the conversation but for a few tokens: it computes them itself, no P hop.
             self._attempt(outcome)
             try:
@@ -179,9 +119,12 @@ class Forwarder:
                 self._failed(e, outcome, tried)
                 d_list = d_list[1:]
         if disaggregate and p_list and d_list:
-            params, p = await self._prefill_any(
-                endpoint, body, headers, p_list, outcome, tried, d_list[0].engine_id
-            )
+            try:
+                params, p = await self._prefill_any(
+                    endpoint, body, headers, p_list, outcome, tried, d_list[0].engine_id, route
+                )
+            except RequestRejected as e:
+                raise e.as_client_sent(prefill_body(body, {}, d_list[0].engine_id), body) from None
             if p is not None:
                 outcome.prefill = p
                 try:
@@ -201,7 +144,7 @@ class Forwarder:
                         e.body[:300].decode(errors="replace"),
                     )
                     self._decline_hold(params, f"the decode engine rejected the request (HTTP {e.status})")
-                    raise
+                    raise e.as_client_sent(decode_body(body, params, {}), body) from None
                 except asyncio.CancelledError:
                     self._decline_hold(params, "the client went away before decode")
                     raise
@@ -223,6 +166,32 @@ class Forwarder:
         hung = {f.url for f, kind in zip(tried, outcome.failure_kinds, strict=False) if kind == HUNG}
         order = [e for e in _single_order(single, tried) if e.url not in hung]
         return await self._serve_single(request, endpoint, body, order, outcome, tried)
+
+    def _choose_local(
+        self,
+        route: Route,
+        p_list: list[EngineSpec],
+        d_list: list[EngineSpec],
+        local_prefill_tokens: int,
+        outcome: Outcome,
+    ) -> bool:
+        """D alone, or P then D: weighs P's queue (p_queue.py); the reason goes on the outcome."""
+        if not d_list:
+            return False
+        if not p_list:
+            return route.local_prefill(d_list[0], local_prefill_tokens) is not None
+        d, p = d_list[0], p_list[0]
+        choice = self.queues.choose(
+            p_engine_id=p.engine_id,
+            p_load=self.pool.load_of(p),
+            num_tokens=route.num_tokens,
+            held_on_d=route.held_tokens(d),
+            held_on_p=route.held_tokens(p),
+            local_limit=local_prefill_tokens,
+            d_load=self.pool.load_of(d),
+        )
+        outcome.route_reason, outcome.route_detail = choice.reason, choice.detail
+        return choice.local
 
     async def serve_whole(
         self, request: web.Request, endpoint: str, body: dict[str, Any], outcome: Outcome
@@ -318,13 +287,21 @@ class Forwarder:
         outcome: Outcome,
         tried: list[EngineSpec],
         reader_engine_id: str,
+        route: Route | None = None,
     ) -> tuple[dict[str, Any] | None, EngineSpec | None]:
         for p in candidates[: self.max_attempts]:
             self._attempt(outcome)
+            held = route.held_tokens(p) if route is not None else 0
+            total = route.num_tokens if route is not None and route.num_tokens is not None else held
+            self.queues.started(p.engine_id, outcome.request_id, total - held, held)
             try:
-                return await self._prefill(p, endpoint, body, headers, reader_engine_id), p
+                params = await self._prefill(p, endpoint, body, headers, reader_engine_id)
+                self.queues.learn(p.engine_id, params)
+                return params, p
             except EngineFailure as e:
                 self._failed(e, outcome, tried, "prefill")
+            finally:
+                self.queues.finished(p.engine_id, outcome.request_id)
         return None, None
 
     async def _prefill(
@@ -450,6 +427,7 @@ class Forwarder:
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=200, headers=outcome.headers())
         out.content_type = resp.content_type or "text/event-stream"
+        out.charset = resp.charset or "utf-8"  # server-sent events are UTF-8; say so
         first = True
         try:
             async with self.watch.guard(engine) as progress:

@@ -11,6 +11,8 @@ answer: once the stream ended):
 - ``kvbroker_proxy_ttft_seconds{turn}``: a chat answer's time to its first byte at the
   proxy, by turn (the request's user messages, 1 to 4, then ``5+``);
 - ``kvbroker_proxy_fallbacks_total{reason}``: P/D requests served by one engine;
+- ``kvbroker_proxy_route_choices_total{reason}``: local on D or P then pull, and why
+  (``local_few_tokens``, ``local_p_busy``, ``pd_p_idle``, ``pd_p_quicker``, ...; p_queue.py);
 - ``kvbroker_proxy_engine_failures_total{engine, step, kind}``: a step (prefill,
   decode, single, stream) that failed on an engine; ``kind`` is ``hung`` (no first
   byte within the budget, liveness check failed: a timeout), ``unreachable`` or
@@ -51,7 +53,7 @@ from prometheus_client import (
 
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EnginePool
-from kvbroker.clients.proxy.forward import Outcome
+from kvbroker.clients.proxy.outcome import Outcome
 
 access_log = logging.getLogger("kvbroker.proxy.access")
 
@@ -103,6 +105,12 @@ class ProxyMetrics:
         self.fallbacks = Counter(
             "kvbroker_proxy_fallbacks",
             "Requests that P/D could not serve and one engine served whole, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.route_choices = Counter(
+            "kvbroker_proxy_route_choices",
+            "P/D requests by the proxy's choice of local on D or P then pull, and why (p_queue.py)",
             ["reason"],
             registry=self.registry,
         )
@@ -172,6 +180,8 @@ class ProxyMetrics:
         self.seconds.labels(path).observe(seconds)
         if outcome is not None and outcome.turn and outcome.first_byte_at is not None and status == 200:
             self.ttft.labels(outcome.turn).observe(max(0.0, outcome.first_byte_at - started))
+        if outcome is not None and outcome.route_reason:
+            self.route_choices.labels(outcome.route_reason).inc()
         if outcome is not None and outcome.fallback_reason:
             self.fallbacks.labels(_reason_label(outcome.fallback_reason)).inc()
         if self.access_log_on:

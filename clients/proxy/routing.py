@@ -55,6 +55,14 @@ class Route:
     note: str = ""  # why there are no scores, when there are none
     block_size: int = 0  # of the layout the prompt was hashed for
 
+    def held_tokens(self, engine: EngineSpec) -> int:
+        """Tokens of the prompt `engine` holds (GPU or its CPU tier), as the broker scored it."""
+        match = self.matches.get(engine.engine_id)
+        if match is None or not self.block_size:
+            return 0
+        held = max(match.gpu_blocks, match.cpu_blocks) * self.block_size
+        return min(held, self.num_tokens) if self.num_tokens is not None else held
+
     def local_prefill(self, engine: EngineSpec, limit: int) -> int | None:
         """Tokens `engine` would compute itself if it served the request alone, when it holds a
         prefix of the prompt (GPU or its CPU tier) and at most `limit` tokens are left; else None."""

@@ -25,11 +25,13 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from kvbroker.clients.proxy.config import ProxyConfig
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.errors import json_errors
-from kvbroker.clients.proxy.forward import EngineFailure, Forwarder, Outcome, RequestRejected, openai_error
+from kvbroker.clients.proxy.forward import Forwarder
 from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
+from kvbroker.clients.proxy.outcome import EngineFailure, Outcome, RequestRejected, openai_error
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
+from kvbroker.clients.proxy.validate import InvalidRequest, check_sampling
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -107,6 +109,10 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
     body = await _read_body(request, salted=True)
     if isinstance(body, web.Response):
         return body
+    try:
+        check_sampling(body)  # before P prefills it (validate.py)
+    except InvalidRequest as e:
+        return openai_error(400, str(e), "invalid_request_error", param=e.param)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     outcome = Outcome(request_id, turn=chat_turn(body) if endpoint == "/v1/chat/completions" else "")
     request[OUTCOME_KEY] = outcome  # for the metrics and the access log
@@ -146,6 +152,10 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
             span.set_attribute("kvbroker.decode_engine", outcome.decode.label)
         if outcome.fallback_reason:
             span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
+        if outcome.route_reason:
+            # Local on D or P then pull, and why (p_queue.py).
+            span.set_attribute("kvbroker.route_reason", outcome.route_reason)
+            span.set_attribute("kvbroker.route_detail", outcome.route_detail)
         if response.status >= 500:
             span.set_status(Status(StatusCode.ERROR, "; ".join(outcome.failures)[:500]))
         return response

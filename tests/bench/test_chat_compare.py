@@ -238,3 +238,26 @@ def test_a_turn_our_proxy_served_on_one_engine_is_not_counted_as_pd() -> None:
     assert turn2["ok"] == 0 and turn2["fallback"] == 1 and turn2["failed"] == 0 and "ttft" not in turn2
     by = {t["target"]: t for t in targets(per_turn(setups), "full")}
     assert by["turn-2 TTFT: recompute / kvbroker P/D >= 10x"]["verdict"] == "not measured"
+
+
+def test_follow_ups_are_sized_as_asked_and_the_workload_is_printed() -> None:
+    from bench.chat_compare import workload_line
+    from bench.chat_workload import sized_follow_up
+
+    class Words:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [0] * len(text.split())
+
+    excerpt = " ".join(f"w{i}" for i in range(500))
+    message = sized_follow_up(Words(), "Why is that?", excerpt, 120)
+    assert message.startswith("Why is that?") and len(message.split()) == 120
+    line = workload_line(
+        {
+            "first_prompt_tokens": [2048],
+            "follow_up_tokens": "96-160",
+            "answer_tokens": 96,
+            "concurrency": 2,
+            "cores": "P/D setups: P pinned to 1 core, D to the other; one-engine setups: 2 cores",
+        }
+    )
+    assert "follow-ups 96-160 tokens" in line and "2 chat(s) at once" in line and "1 core" in line

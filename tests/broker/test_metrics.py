@@ -81,6 +81,8 @@ async def test_session_stream_resolves_inventory_and_pins_are_counted_and_timed(
     assert _value(body, f"kvbroker_pair_blocks_total{{{pair}}}") == 8
     # The tests' layout: K and V x 2 layers x 2 KV heads x 16 x 32 tokens x 4 bytes (float32), 8 blocks.
     assert _value(body, f"kvbroker_pair_bytes_total{{{pair}}}") == 8 * 2 * 2 * 2 * 16 * 32 * 4
+    # This reader did not say what it read (an older one): counted as the whole lease, and as such.
+    assert _value(body, f"kvbroker_pair_unreported_reads_total{{{pair}}}") == 1
     assert _value(body, 'kvbroker_lease_duration_seconds_count{outcome="released"}') == 1
     assert _value(body, 'kvbroker_lease_duration_seconds_bucket{le="+Inf",outcome="released"}') == 1
     assert _value(body, "kvbroker_mirror_lag_seconds") == 0

@@ -107,13 +107,21 @@ def test_pd_request_pulls_from_prefill_and_matches_single_engine(stack: Any) -> 
 
 
 def test_a_request_the_decode_engine_rejects_ends_the_prefill_hold_at_once(stack: Any) -> None:
-    """vLLM refuses max_tokens -1 before our connector sees the request: the proxy declines
-    P's hold, so P frees the prompt's blocks now instead of after the hold TTL (30 s)."""
+    """D's vLLM refuses max_tokens beyond the model's length (P's one-token prefill passed): the
+    proxy declines P's hold, so P frees the prompt's blocks now instead of after the hold TTL (30 s).
+    A request no engine accepts (max_tokens -1) is refused by the proxy before P prefills it."""
     import urllib.error
 
     from kvbroker.v1 import broker_pb2 as pb
 
-    body = {"model": "tiny", "prompt": PROMPT + " rejected", "max_tokens": -1}
+    with pytest.raises(urllib.error.HTTPError) as invalid:
+        post(
+            stack.proxy_url + "/v1/completions",
+            {"model": "tiny", "prompt": PROMPT, "max_tokens": -1},
+            "e2e-inv",
+        )
+    assert invalid.value.code == 400 and leases_of(stack.broker_address, "e2e-inv") == []
+    body = {"model": "tiny", "prompt": PROMPT + " rejected", "max_tokens": 100_000}
     with pytest.raises(urllib.error.HTTPError) as rejected:
         post(stack.proxy_url + "/v1/completions", body, "e2e-reject-1")
     answered = time.monotonic()

@@ -74,8 +74,8 @@ class FakeLink:
             reader=reader_engine_id,
         )
 
-    def release(self, lease_id, epoch):  # type: ignore[no-untyped-def]
-        return self._call("release", lease_id=lease_id, epoch=epoch)
+    def release(self, lease_id, epoch, read=None):  # type: ignore[no-untyped-def]
+        return self._call("release", lease_id=lease_id, epoch=epoch, read=read)
 
     def decline(self, holder_engine_id, request_id, reason):  # type: ignore[no-untyped-def]
         return self._call("decline", holder=holder_engine_id, request_id=request_id, reason=reason)

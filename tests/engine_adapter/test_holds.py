@@ -308,3 +308,30 @@ def test_a_request_refused_or_aborted_before_it_is_scheduled_declines_the_hold()
     assert sched.get_num_new_matched_tokens(aborted, 0) == (None, False)
     sched.request_finished(aborted, [])
     assert _declines(link) == [("p", "p-req"), ("p", "p-req")]
+
+
+def test_a_holder_hands_its_timed_prefill_to_the_reader() -> None:
+    """P's requests finish in the step that computes them; that step is timed all the same,
+    and once P's model is ready its kv_transfer_params carry the fit (cost_model.py)."""
+    from kvbroker.engine_adapter.decisions import parse_transfer_params
+
+    sched, _link, clock = make()
+    req = FakeRequest(
+        "p0", num_tokens=141, num_computed_tokens=140, kv_transfer_params={"do_remote_decode": True}
+    )
+    _, cold = sched.request_finished(req, [5, 6, 7, 8, 9])
+    assert cold is not None and "prefill_model" not in cold["kvbroker"]
+    for i, tokens in enumerate((300, 900, 2000, 600)):
+        sched.build_connector_meta([(f"p{i + 1}", tokens, 0)])
+        clock.advance(0.01 + tokens * 2e-5)
+        sched.request_finished(FakeRequest(f"p{i + 1}", num_tokens=tokens), [])  # done in its step
+        sched.update_connector_output(worker_meta=None, finished_sending=None, finished_recving=None)
+    snap = sched.stats_snapshot()["cost_model"]
+    assert snap["prefill_ready"] is True and snap["prefill_steps"] == 4 and snap["prefill_source"] == "own"
+    req = FakeRequest(
+        "p9", num_tokens=141, num_computed_tokens=140, kv_transfer_params={"do_remote_decode": True}
+    )
+    _, params = sched.request_finished(req, [1, 2, 3, 4, 5])
+    assert params is not None
+    seed = parse_transfer_params(params).holder_prefill
+    assert seed is not None and seed[1] == pytest.approx(0.02, rel=0.05)

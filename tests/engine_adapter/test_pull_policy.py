@@ -82,18 +82,80 @@ def test_chunked_prefill_adds_a_step_per_chunk() -> None:
     assert model.prefill_s(4096, 0) == pytest.approx(one + 3 * TINY["a"], rel=0.02)
 
 
-def test_step_timer_skips_gaps_with_nothing_running() -> None:
+def test_step_timer_times_schedule_to_output_never_idle_time() -> None:
     model = PrefillModel()
     timer = StepTimer(model)
     timer.on_step(0.0, [("r1", 100, 0)])
-    timer.on_step(0.5, [("r1", 1, 100)])  # r1 still running: the 0.5 s was its prefill
-    assert model.steps == 1
-    timer.on_finished("r1")  # it finished in that step: the engine went idle after it
-    timer.on_step(60.0, [("r2", 50, 0)])
-    assert model.steps == 1, "an idle minute is not a step"
-    timer.on_step(60.1, [])
-    timer.on_step(90.0, [("r3", 10, 0)])  # nothing was computed in between
+    timer.on_output(0.5)  # a prefill-only engine: r1 finished in this step, still timed
+    assert (model.steps, model.prefill_steps) == (1, 1)
+    timer.on_step(60.0, [("r2", 50, 0)])  # an idle minute between the two steps
+    timer.on_output(60.2)
+    assert model.steps == 2 and model.coefficients()[0] < 1.0, "an idle minute is not a step"
+    timer.on_step(61.0, [])  # nothing scheduled: nothing to time
+    timer.on_output(61.1)
     assert model.steps == 2
+
+
+def test_step_timer_times_a_step_when_its_request_finishes_in_it() -> None:
+    """A prefill-only engine: the request finishes while its step's output is handled, and its
+    kv_transfer_params (built then) already carry the step's timing."""
+    model = PrefillModel()
+    timer = StepTimer(model)
+    timer.on_step(0.0, [("r1", 500, 0)])
+    timer.on_finished(0.4, "r2")  # not of that step: nothing timed
+    assert model.steps == 0
+    timer.on_finished(0.5, "r1")
+    assert model.ready and model.steps == 1
+    timer.on_step(0.6, [("r3", 1, 10)])
+    timer.on_output(0.52)  # the first step's output call: timed already, the next step waits
+    assert model.steps == 1
+    timer.on_output(0.7)
+    assert model.steps == 2
+
+
+def test_step_timer_drops_a_step_whose_output_never_came() -> None:
+    model = PrefillModel()
+    timer = StepTimer(model)
+    for t in (0.0, 10.0, 20.0):  # three steps scheduled, no output for the first
+        timer.on_step(t, [("r", 1, 100)])
+    timer.on_output(20.05)
+    timer.on_output(20.1)
+    assert model.steps == 2 and model.coefficients()[0] < 11.0
+
+
+def test_decode_steps_are_no_prefill_steps() -> None:
+    model = CostModel()
+    for i in range(10):
+        model.prefill.observe(float(i), 0.01, [(1, 100 + i), (1, 50)])
+    snap = model.snapshot(10.0)
+    assert snap["prefill_steps"] == 0 and snap["steps"] == 10 and snap["prefill_ready"] is False
+
+
+def test_a_holders_timings_seed_a_decode_only_engine() -> None:
+    p = trained(**BIG)
+    d = CostModel(block_bytes=MB)
+    for i in range(10):  # D only decodes: never ready on its own
+        d.prefill.observe(float(i), 0.03, [(1, 2000 + i)])
+    assert not d.ready
+    d.seed_prefill("holder", p.prefill.coefficients())
+    assert d.ready and d.prefill_source == "holder:holder"
+    assert d.prefill_s(2000, 0) == pytest.approx(p.prefill_s(2000, 0))
+    choice = decide(d, tokens=2000, matches=[held(62)])
+    assert choice.costs.decided_by == "model" and choice.costs.prefill_source == "holder:holder"
+    d.seed_prefill("holder", (-1.0, 0.0, 0.0))  # nonsense is ignored
+    assert d.prefill_s(2000, 0) == pytest.approx(p.prefill_s(2000, 0))
+
+
+def test_decisions_say_who_made_them() -> None:
+    cold = decide(CostModel(), tokens=100, matches=[held(3)])
+    assert (cold.costs.decided_by, cold.costs.fallback_reason) == ("fallback", "no_prefill_timing")
+    nothing = decide(CostModel(), tokens=100, matches=[])
+    assert (nothing.costs.decided_by, nothing.costs.fallback_reason) == ("fallback", "nothing_to_weigh")
+    fixed = decide(trained(**BIG), tokens=100, matches=[held(3)], policy="threshold")
+    assert (fixed.costs.decided_by, fixed.costs.fallback_reason) == ("fallback", "threshold_policy")
+    warm = decide(trained(**BIG), tokens=100, matches=[held(3)])
+    assert (warm.costs.decided_by, warm.costs.fallback_reason) == ("model", "")
+    assert warm.costs.attributes()["kvbroker.decided_by"] == "model"
 
 
 def test_until_observed_the_fixed_threshold_decides() -> None:
@@ -203,16 +265,17 @@ def test_config_pull_policy() -> None:
 def test_scheduler_learns_from_its_steps_and_pulls_and_reports_why() -> None:
     sched, link, clock = make(threshold=10_000)  # adaptive: the threshold only rules until observed
     for tokens, context in [(300, 0), (1, 300), (900, 0), (1, 900), (2000, 0), (1, 2000)]:
-        was_ready, sched.stats.dirty = sched.costs.ready, False
         sched.build_connector_meta([("warm", tokens, context)])
+        was_ready, sched.stats.dirty = sched.costs.ready, False
+        clock.advance(step_seconds(tokens, context, **BIG))
+        sched.update_connector_output(worker_meta=None, finished_sending=None, finished_recving=None)
         if sched.costs.ready and not was_ready:
             assert sched.stats.dirty, "the stats file hears that the model is ready"
-        clock.advance(step_seconds(tokens, context, **BIG))
-    sched.build_connector_meta([])
     assert sched.costs.ready
     req = FakeRequest("r1", num_tokens=140)
     pull_to_reading(sched, link, req, holder_info())  # asserts it pulls 128 tokens
     assert sched.stats.counters["decided_pull_adaptive"] == 1
+    assert sched.stats.counters["decisions_by_model"] == 1
     figures = sched.stats_snapshot()["figures"]
     assert figures["last_pull_policy"] == "adaptive"
     assert figures["last_predicted_recompute_ms"] > figures["last_predicted_pull_ms"] > 0
@@ -294,3 +357,36 @@ def test_chunked_prefill_prediction_is_the_sum_of_its_steps() -> None:
     )
     assert model.predict(868, 100, chunk_tokens=256) == pytest.approx(steps)
     assert model.predict(0, 100, chunk_tokens=256) == 0.0
+
+
+def test_a_decode_engine_decides_by_the_model_with_its_holders_timings() -> None:
+    """P's kv_transfer_params carry its prefill fit; D, which never prefills, decides with it."""
+    from kvbroker.engine_adapter.decisions import BadTransferParams, parse_transfer_params
+
+    sched, link, _ = make(threshold=10_000)  # adaptive; the fixed rule would never pull
+    params = {
+        "do_remote_prefill": True,
+        "kvbroker": {
+            "holder_engine_id": "holder",
+            "prefill_model": {"step_ms": 30.0, "ms_per_1k_tokens": 2200.0, "ms_per_1m_pairs": 0.1},
+        },
+    }
+    req = FakeRequest("r1", num_tokens=140, kv_transfer_params=params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    resolved(link, match(4))
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+    assert sched.stats.counters["decisions_by_model"] == 1
+    assert sched.stats.counters["fallback_no_prefill_timing"] == 0
+    assert sched.stats_snapshot()["cost_model"]["prefill_source"] == "holder:holder"
+    with pytest.raises(BadTransferParams, match="prefill_model"):
+        parse_transfer_params({"kvbroker": {"prefill_model": {"step_ms": -1}}})
+
+
+def test_a_cold_decode_engine_counts_its_fallbacks() -> None:
+    sched, link, _ = make(threshold=64)
+    req = FakeRequest("r1", num_tokens=140)
+    sched.get_num_new_matched_tokens(req, 0)
+    resolved(link, match(4))
+    assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+    assert sched.stats.counters["decisions_by_fallback"] == 1
+    assert sched.stats.counters["fallback_no_prefill_timing"] == 1

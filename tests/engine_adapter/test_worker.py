@@ -232,3 +232,26 @@ def test_without_generations_new_metadata_replaces_the_agent() -> None:
         ("add", "h-pp0-tp0", b"b"),
     ]
     assert len(mover.reads) == 3
+
+
+def test_a_peers_first_read_is_not_printed_as_a_bandwidth(caplog: pytest.LogCaptureFixture) -> None:
+    """The first read from a peer pays NIXL's connection set-up: its line says so, not "0.025 GB/s"."""
+    import logging
+
+    from kvbroker.tools.demo import _READ_LINE
+
+    worker, _mover = make_worker()
+    log = logging.getLogger("vllm.kvbroker.worker")
+    log.addHandler(caplog.handler)  # vLLM's loggers may not propagate to the root
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.kvbroker.worker"):
+            worker.start_load_kv(AdapterMetadata(loads=[spec("r1")]))
+            worker.get_finished(set())
+            worker.start_load_kv(AdapterMetadata(loads=[spec("r2")]))
+            worker.get_finished(set())
+    finally:
+        log.removeHandler(caplog.handler)
+    lines = {m["req"]: m.groupdict() for m in _READ_LINE.finditer(caplog.text)}  # once each, however captured
+    first, second = lines["r1"], lines["r2"]
+    assert first["req"] == "r1" and first["gbps"] is None and first["first"]
+    assert second["req"] == "r2" and float(second["gbps"]) >= 0 and second["first"] is None

@@ -62,7 +62,7 @@ async def test_a_quiet_watch_outlives_many_keepalive_pings(tmp_path: Path) -> No
             await session.close()
     assert watch.returncode == 0, err.decode()
     event = json.loads(out.decode().splitlines()[0])
-    assert event["kind"] == "engine_registered" and event["engineId"] == "late"
+    assert event["kind"] == "engine_registered" and event["engine_id"] == "late"
     assert b"GOAWAY" not in err
 
 

@@ -104,11 +104,11 @@ async def test_engines_table_and_json(broker: Any, engines: dict[str, EngineSess
     assert lines[-1] == "2 engine(s)"
     code, text = await run_cli("--broker", broker.address, "engines", "--json")  # --json after the command
     assert code == 0
-    listed = {e["engineId"]: e for e in json.loads(text)}
+    listed = {e["engine_id"]: e for e in json.loads(text)}
     assert sorted(listed) == ["d0", "p0"]
     # Proto3 JSON names, and zero values printed rather than left out.
-    assert listed["p0"]["blocksGpu"] == "3" and listed["d0"]["blocksGpu"] == "0"
-    assert listed["d0"]["draining"] is False and listed["d0"]["activeLeasesHeld"] == 0
+    assert listed["p0"]["blocks_gpu"] == 3 and listed["d0"]["blocks_gpu"] == 0
+    assert listed["d0"]["draining"] is False and listed["d0"]["active_leases_held"] == 0
 
 
 async def test_leases_show_holder_reader_and_ended_causes(
@@ -129,7 +129,7 @@ async def test_leases_show_holder_reader_and_ended_causes(
     code, text = await run_cli("--broker", broker.address, "leases")
     assert text.splitlines()[-1] == "0 live, 0 ended"
     code, text = await run_cli("--broker", broker.address, "leases", "--all", "--json")
-    (ended,) = [x for x in json.loads(text) if x["leaseId"] == lease.lease_id]
+    (ended,) = [x for x in json.loads(text) if x["lease_id"] == lease.lease_id]
     assert ended["state"] == "LEASE_REVOKED" and ended["cause"] == "REVOKE_OPERATOR"
     code, text = await run_cli("--broker", broker.address, "leases", "--all")
     (row,) = [line.split() for line in text.splitlines() if line.startswith(lease.lease_id)]
@@ -151,15 +151,36 @@ async def test_revoke_errors_have_exit_codes(
 
 
 async def test_json_names_every_field_even_on_an_empty_broker(broker: Any) -> None:
-    """Proto3 JSON names (as docs/cli.md lists them), zero values included."""
+    """The proto's snake_case names (as docs/cli.md lists them), zero values included, ints as ints."""
     code, text = await run_cli("--broker", broker.address, "--json", "stats")
     assert code == 0
     stats = json.loads(text)
-    expected = {"engines", "sessions", "namespaces", "blocksIndexed", "leasesByState", "revocationsByCause"}
+    expected = {
+        "engines",
+        "sessions",
+        "namespaces",
+        "blocks_indexed",
+        "leases_by_state",
+        "revocations_by_cause",
+    }
     assert expected <= set(stats), stats
-    assert stats["engines"] == 0 and stats["blocksIndexed"] == "0"
+    assert stats["engines"] == 0 and stats["blocks_indexed"] == 0
+    assert stats["leases_by_state"]["active"] == 0 and stats["revocations_by_cause"]["ttl_expired"] == 0
     code, text = await run_cli("--broker", broker.address, "--json", "engines")
     assert code == 0 and json.loads(text) == []
+
+
+def test_json_keeps_64_bit_integers_whole_and_nested() -> None:
+    from kvbroker.tools.cli_render import to_json
+
+    lease = pb.Lease(
+        lease_id="x", block_hashes=[2**64 - 1, 5], epoch=3, namespace=pb.Namespace(layout_id="l")
+    )
+    out = to_json(pb.LeaseResponse(lease=lease))
+    assert out["lease"]["block_hashes"] == [2**64 - 1, 5] and out["lease"]["epoch"] == 3
+    assert out["lease"]["namespace"]["layout_id"] == "l"
+    event = to_json(pb.WatchEvent(kind="k", time_unix=1.5))
+    assert event["time_unix"] == 1.5 and "lease" not in event
 
 
 def test_docs_list_the_json_names_that_come_out() -> None:
@@ -206,8 +227,8 @@ async def test_score_by_tokens_agrees_with_our_hashes(broker: Any, engines: dict
         "--broker", broker.address, "--json", "score", "--layout-id", p0.layout_id, "--hashes", hashes
     )
     assert code == 0
-    scores = {s["engineId"]: s for s in json.loads(text)["scores"]}
-    assert scores["p0"]["gpuBlocks"] == 2 and scores["d0"]["gpuBlocks"] == 0
+    scores = {s["engine_id"]: s for s in json.loads(text)["scores"]}
+    assert scores["p0"]["gpu_blocks"] == 2 and scores["d0"]["gpu_blocks"] == 0
     code, _ = await run_cli(
         "--broker", broker.address, "score", "--layout-id", p0.layout_id, "--hashes", "12,zz"
     )
@@ -227,7 +248,7 @@ async def test_watch_prints_events(broker: Any, engine_info: Callable[..., pb.En
         await session.close()
     assert code == 0
     event = json.loads(text.splitlines()[0])
-    assert event["kind"] == "engine_registered" and event["engineId"] == "late"
+    assert event["kind"] == "engine_registered" and event["engine_id"] == "late"
 
 
 def test_console_script_runs() -> None:

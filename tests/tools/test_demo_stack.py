@@ -45,3 +45,41 @@ def test_a_killed_child_is_restarted_with_backoff(tmp_path: Path) -> None:
     assert not child.alive()
     time.sleep(0.5)
     assert supervisor.restarts == 3  # stopped: no restart after the stack's own stop
+
+
+def test_the_demo_names_its_log_folder_on_success_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that went well keeps its logs as well: the folder is named at start and at the end."""
+    from kvbroker.tools import demo
+
+    seen: dict[str, object] = {}
+
+    class NoStack:
+        def stop(self) -> None:
+            pass
+
+    def fake_start(workdir: Path, **kw: object) -> NoStack:
+        seen.update(kw)
+        return NoStack()
+
+    monkeypatch.setattr(demo, "start_stack", fake_start)
+    monkeypatch.setattr(demo.signal, "signal", lambda *a: None)
+    assert demo.main(["--turns", "0", "--workdir", str(tmp_path / "w")]) == 0
+    out = capsys.readouterr().out
+    assert out.count(str(tmp_path / "w")) >= 2, out
+    assert seen["threshold"] is None, "the demo runs the adaptive policy unless a threshold is named"
+
+
+def test_the_demo_prints_its_figures_with_their_workload() -> None:
+    from kvbroker.tools.demo import workload_line
+
+    rows = [
+        {"prompt_tokens": 500, "answer_tokens": 64},
+        {"prompt_tokens": 700, "answer_tokens": 64},
+        {"prompt_tokens": 900, "answer_tokens": 64},
+    ]
+    line = workload_line(rows, 5.0, 2)
+    assert "follow-ups of 136, 136 tokens" in line and "1 chat, one request at a time" in line
+    assert "1 core" in line and "load average 5.0 on 2 cores (measured under load" in line
+    assert "under load" not in workload_line(rows, 1.0, 2)

@@ -1346,22 +1346,42 @@ class ReleaseRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _builtins.int
     READER_ENGINE_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    READ_BLOCKS_FIELD_NUMBER: _builtins.int
+    READ_BYTES_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     reader_engine_id: _builtins.str
     epoch: _builtins.int
     """0 = any"""
+    read_blocks: _builtins.int
+    """What the reader actually read under this lease (a reader reads the part of
+    a hold beyond its own local hit, often less than the whole lease). The
+    broker's per-pair transfer counters count these. Compatibility: a reader
+    that sends neither (older readers) is counted as before, the whole lease;
+    read_bytes absent with read_blocks present is counted at the layout's
+    block size.
+    """
+    read_bytes: _builtins.int
     def __init__(
         self,
         *,
         lease_id: _builtins.str = ...,
         reader_engine_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        read_blocks: _builtins.int | None = ...,
+        read_bytes: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_read_blocks", b"_read_blocks", "_read_bytes", b"_read_bytes", "read_blocks", b"read_blocks", "read_bytes", b"read_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "lease_id", b"lease_id", "reader_engine_id", b"reader_engine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_read_blocks", b"_read_blocks", "_read_bytes", b"_read_bytes", "epoch", b"epoch", "lease_id", b"lease_id", "read_blocks", b"read_blocks", "read_bytes", b"read_bytes", "reader_engine_id", b"reader_engine_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__read_blocks: _TypeAlias = _typing.Literal["read_blocks"]  # noqa: Y015
+    _WhichOneofArgType__read_blocks: _TypeAlias = _typing.Literal["_read_blocks", b"_read_blocks"]  # noqa: Y015
+    _WhichOneofReturnType__read_bytes: _TypeAlias = _typing.Literal["read_bytes"]  # noqa: Y015
+    _WhichOneofArgType__read_bytes: _TypeAlias = _typing.Literal["_read_bytes", b"_read_bytes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__read_blocks) -> _WhichOneofReturnType__read_blocks | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__read_bytes) -> _WhichOneofReturnType__read_bytes | None: ...
 
 Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
 

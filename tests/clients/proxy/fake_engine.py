@@ -148,6 +148,9 @@ class FakeEngine:
             return web.json_response({"error": {"message": "engine broke"}}, status=500)
         if self.mode == "reject400":
             return web.json_response({"error": {"message": "max_tokens too large", "code": 400}}, status=400)
+        if self.mode == "reject400_like_vllm":  # vLLM describes the request it judged by its key count
+            message = f"{{'type': 'value_error', 'loc': ('body',), 'input': '<dict of {len(body)} items>'}}"
+            return web.json_response({"error": {"message": message, "code": 400}}, status=400)
         if self.mode in ("hang", "frozen"):
             await asyncio.sleep(3600)
         if self.mode == "slow":

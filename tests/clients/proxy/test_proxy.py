@@ -117,7 +117,7 @@ async def test_chat_streaming_relays_decode_chunks(engines: Any, proxy: Any) -> 
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "max_completion_tokens": 8}
     status, headers, raw = await px.post("/v1/chat/completions", body)
     assert status == 200
-    assert headers["Content-Type"].startswith("text/event-stream")
+    assert headers["Content-Type"] == "text/event-stream; charset=utf-8"
     events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     text = "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1])
@@ -219,6 +219,46 @@ async def test_client_error_is_passed_through_without_retry(engines: Any, proxy:
     assert status == 400
     assert json.loads(raw)["error"]["message"] == "max_tokens too large"
     assert d.completions() == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_tokens": -1},
+        {"max_tokens": 0},
+        {"max_tokens": "8"},
+        {"max_completion_tokens": -5},
+        {"n": 0},
+        {"temperature": -0.5},
+        {"top_p": 1.5},
+        {"stream": "yes"},
+    ],
+)
+async def test_an_invalid_request_is_refused_before_p_prefills_it(
+    engines: Any, proxy: Any, bad: dict[str, Any]
+) -> None:
+    p, d = await engines("P"), await engines("D")
+    px = await proxy([p.url], [d.url])
+    status, _, raw = await px.post("/v1/completions", {**COMPLETION, **bad})
+    assert status == 400
+    error = json.loads(raw)["error"]
+    (field,) = bad
+    assert error["param"] == field and field in error["message"] and error["type"] == "invalid_request_error"
+    assert p.completions() == [] and d.completions() == []  # no prefill, no hold to decline
+
+
+@pytest.mark.parametrize("rejecting", ["P", "D"])
+async def test_an_engines_rejection_describes_the_clients_body_not_ours(
+    engines: Any, proxy: Any, rejecting: str
+) -> None:
+    p = await engines("P", mode="reject400_like_vllm" if rejecting == "P" else "ok")
+    d = await engines("D", mode="reject400_like_vllm" if rejecting == "D" else "ok")
+    px = await proxy([p.url], [d.url])
+    client = {"model": "tiny", "prompt": "two keys and a third " * 4}
+    status, _, raw = await px.post("/v1/completions", client)
+    assert status == 400
+    message = json.loads(raw)["error"]["message"]
+    assert "<dict of 2 items>" in message, message
 
 
 async def test_nothing_can_serve_gives_a_clean_503(proxy: Any) -> None:

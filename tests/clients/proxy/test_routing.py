@@ -273,3 +273,27 @@ async def test_a_router_that_requires_exact_stops_following_a_silent_holder(brok
                 await silent.close()
         finally:
             await d3.stop()
+
+
+async def test_a_turn_held_on_d_does_not_wait_behind_another_chats_prefill(stack: dict[str, Any]) -> None:
+    """With --local-prefill-tokens 0 every turn is prefilled on P, unless P is busy with another
+    conversation's prefill: then D, which holds the history, computes the new part itself."""
+    import asyncio
+
+    turn1 = [{"role": "user", "content": "what is a kv cache broker? " * 3}]
+    history = [*turn1, {"role": "assistant", "content": "an index of blocks " * 3}]
+    await announce(stack, "D2", history, pb.TIER_GPU)
+    turn2 = [*history, {"role": "user", "content": "more"}]
+    assert (await chat_mode(stack, turn2))[3] == "pd", "P idle: it prefills"
+    p = stack["fakes"]["P"]
+    p.mode, p.delay_s = "slow", 2.0
+    other = asyncio.create_task(chat(stack, [{"role": "user", "content": "another long conversation " * 20}]))
+    while not any("another long" in str(c.body) for c in p.completions()):
+        await asyncio.sleep(0.01)
+    prefill, decode, _, mode = await chat_mode(stack, turn2)
+    assert (prefill, decode, mode) == ("", "D2", "local"), "P busy: D serves the turn it holds"
+    await other
+    async with stack["http"].get(stack["url"] + "/metrics") as resp:
+        metrics = await resp.text()
+    assert 'kvbroker_proxy_route_choices_total{reason="local_p_busy"} 1.0' in metrics
+    assert 'kvbroker_proxy_route_choices_total{reason="pd_p_idle"}' in metrics

@@ -83,7 +83,7 @@ def _chat_compare(d: dict[str, Any], results: Path) -> str:
     """The real-model chat comparison: its table (with the targets) and its plot."""
     s = d.get("settings", {})
     head = (
-        f"**Multi-turn chats on a real model, four ways** (`bench/chat_compare.py`, {s.get('mode', '?')} mode, "
+        f"**Multi-turn chats on a real model, four ways** (`bench/chats/compare.py`, {s.get('mode', '?')} mode, "
         f"{d.get('date_utc', '?')}; {s.get('conversations', '?')} chats x {s.get('turns', '?')} turns, "
         f"first prompt {min(s.get('first_prompt_tokens') or [0])} tokens, answers {s.get('answer_tokens', '?')} "
         f"tokens; load at the end {d.get('load_at_end', '?')}; {d.get('note', '')}):"
@@ -101,7 +101,7 @@ def summary(results: Path) -> str:
     cp = _load(results, "control_plane") or _load(results, "broker_bench")
     if cp is not None:
         out.append(
-            f"**Control plane** (`bench/control_plane.py`, {cp.get('mode', '?')} mode, "
+            f"**Control plane** (`bench/control_plane/compare.py`, {cp.get('mode', '?')} mode, "
             f"{cp.get('date_utc', '?')}; {cp.get('note', '')}):"
         )
         out.append("```\n" + _targets(results) + "\n```")
@@ -126,7 +126,7 @@ def summary(results: Path) -> str:
     dp = _load(results, "data_path")
     if dp is not None:
         out.append(
-            f"**Data path at real KV layouts** (`bench/data_path.py`, {dp.get('date_utc', '?')}; "
+            f"**Data path at real KV layouts** (`bench/data_path/reads.py`, {dp.get('date_utc', '?')}; "
             f"{dp.get('note', '')}), vLLM CPU layout, sequential block ids, median (min..max); "
             "every layout and pattern: `bench/results/data_path.json`:"
         )

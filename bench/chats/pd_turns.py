@@ -1,0 +1,227 @@
+"""The three setups of bench.chats.pd_compare and how each serves one turn of a chat.
+
+Each setup starts its engines (and for ours a broker), serves a warm-up chat and
+then every (repetition, length) chat; a turn runner returns the turn's figures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.harness.engines import (
+    BLOCK_SIZE,
+    broker_engine,
+    complete,
+    output_ids,
+    prompt_of,
+    read_stats,
+    stream_ttft,
+)
+from bench.harness.output import log
+from kvbroker.tools.launch import EngineProcess, engine_environment, free_port
+from testkit.processes import BrokerProcess
+
+ANSWER_TOKENS = 8
+# Per HTTP call: a P/D turn that has not answered by then is recorded as failed (see conversation()).
+TURN_TIMEOUT_S = 60.0
+NEW_TOKENS = 32
+TURNS = 3
+SETUPS = ("single", "nixl", "broker")
+
+
+class LoggingStatsEngine(EngineProcess):
+    """An engine that keeps vLLM's periodic stats logging on: NixlConnector reports transfers only there."""
+
+    def command(self) -> list[str]:
+        return [a for a in super().command() if a != "--disable-log-stats"]
+
+
+def nixl_engine(model: Path, work: Path, name: str) -> EngineProcess:
+    env = engine_environment()
+    # Each engine needs its own NIXL side channel (handshake) port on one host.
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    env["VLLM_LOG_STATS_INTERVAL"] = "2"
+    config = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "engine_id": name,
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
+    }
+    engine = LoggingStatsEngine(
+        model,
+        name=name,
+        kv_transfer_config=config,
+        block_size=BLOCK_SIZE,
+        env=env,
+        log_path=work / f"{name}.log",
+    )
+    engine.start()
+    return engine
+
+
+def timed_complete(engine: EngineProcess, prompt: list[int], **kw: Any) -> tuple[float, dict[str, Any]]:
+    start = time.perf_counter()
+    answer = complete(engine, prompt, timeout=TURN_TIMEOUT_S, **kw)
+    return time.perf_counter() - start, answer
+
+
+def _stream(engine: EngineProcess, prompt: list[int], **kw: Any) -> tuple[float, float, list[int]]:
+    """(TTFT, whole-answer latency, token ids) of a streamed greedy answer."""
+    start = time.perf_counter()
+    ttft, ids = stream_ttft(engine, prompt, max_tokens=ANSWER_TOKENS, timeout=TURN_TIMEOUT_S, **kw)
+    return ttft, time.perf_counter() - start, ids
+
+
+# A turn runner returns {"ttft_s", "turn_s", "ids", ...}; state carries what the next turn needs.
+TurnRunner = Callable[[list[int], int, dict[str, Any]], dict[str, Any]]
+
+
+def single_turn(engine: EngineProcess) -> TurnRunner:
+    def run(prompt: list[int], turn: int, state: dict[str, Any]) -> dict[str, Any]:
+        ttft, total, ids = _stream(engine, prompt)
+        return {"ttft_s": ttft, "turn_s": total, "ids": ids}
+
+    return run
+
+
+def nixl_turn(p: EngineProcess, d: EngineProcess) -> TurnRunner:
+    def run(prompt: list[int], turn: int, state: dict[str, Any]) -> dict[str, Any]:
+        start = time.perf_counter()
+        # Turn 1: a plain P/D prefill. Later turns: D's returned params (do_remote_decode + D's
+        # block ids) tell P where the history is: the bidirectional multi-turn pattern.
+        p_params = state.get("d_params") or {"do_remote_decode": True}
+        p_s, p_answer = timed_complete(p, prompt, max_tokens=1, kv_transfer_params=p_params)
+        to_d = p_answer.get("kv_transfer_params")
+        if not to_d:
+            raise RuntimeError(f"NixlConnector P returned no kv_transfer_params: {p_answer}")
+        row: dict[str, Any] = {"p_prefill_s": p_s, "p_read_back_offered": bool(state.get("d_params"))}
+        if turn < TURNS:
+            _, d_answer = timed_complete(d, prompt, max_tokens=ANSWER_TOKENS, kv_transfer_params=to_d)
+            state["d_params"] = d_answer.get("kv_transfer_params")
+            row.update(ttft_s=None, turn_s=time.perf_counter() - start, ids=output_ids(d_answer))
+            row["d_returned_params"] = bool(state["d_params"])
+        else:
+            sent = time.perf_counter()
+            ttft, ids = stream_ttft(
+                d, prompt, max_tokens=ANSWER_TOKENS, kv_transfer_params=to_d, timeout=TURN_TIMEOUT_S
+            )
+            row.update(ttft_s=sent - start + ttft, turn_s=time.perf_counter() - start, ids=ids)
+        return row
+
+    return run
+
+
+def broker_turn(p: EngineProcess, d: EngineProcess, p_stats: Path, d_stats: Path) -> TurnRunner:
+    def pulled(path: Path) -> int:
+        return int(read_stats(path).get("pulled_blocks", 0))
+
+    def run(prompt: list[int], turn: int, state: dict[str, Any]) -> dict[str, Any]:
+        p_before, d_before = pulled(p_stats), pulled(d_stats)
+        start = time.perf_counter()
+        p_params = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "kvbroker": {"reader_engine_id": "D"},
+        }
+        p_s, p_answer = timed_complete(p, prompt, max_tokens=1, kv_transfer_params=p_params)
+        to_d = p_answer.get("kv_transfer_params")
+        if not to_d:
+            raise RuntimeError(f"our P returned no kv_transfer_params: {p_answer}")
+        sent = time.perf_counter()
+        ttft, ids = stream_ttft(
+            d, prompt, max_tokens=ANSWER_TOKENS, kv_transfer_params=to_d, timeout=TURN_TIMEOUT_S
+        )
+        row: dict[str, Any] = {"p_prefill_s": p_s, "ids": ids}
+        row["turn_s"] = time.perf_counter() - start
+        row["ttft_s"] = sent - start + ttft
+        # The counters file is rewritten by each scheduler shortly after the step.
+        time.sleep(0.3)
+        row["p_pulled_tokens"] = (pulled(p_stats) - p_before) * BLOCK_SIZE
+        row["d_pulled_tokens"] = (pulled(d_stats) - d_before) * BLOCK_SIZE
+        return row
+
+    return run
+
+
+def conversation(run: TurnRunner, length: int, seed: int) -> list[dict[str, Any]]:
+    """One 3-turn chat; a turn that fails or times out is recorded and ends the chat (its history is gone)."""
+    prompt = prompt_of(length, seed)
+    state: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for turn in range(1, TURNS + 1):
+        started = time.perf_counter()
+        try:
+            row = run(prompt, turn, state)
+        except Exception as e:
+            failed = {"error": f"{type(e).__name__}: {e}", "failed_after_s": time.perf_counter() - started}
+            log(f"L={length} seed {seed} turn {turn} failed: {failed['error']}")
+            rows.append(
+                {**failed, "turn": turn, "prompt_tokens": len(prompt), "length": length, "seed": seed}
+            )
+            return rows
+        row.update(turn=turn, prompt_tokens=len(prompt), length=length, seed=seed)
+        rows.append(row)
+        prompt = prompt + row["ids"] + prompt_of(NEW_TOKENS, seed * 10 + turn)
+    return rows
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1000:.0f} ms"
+
+
+def run_setup(
+    name: str, model: Path, work: Path, lengths: list[int], reps: int, timeout: float
+) -> dict[str, Any]:
+    engines: list[EngineProcess] = []
+    broker: BrokerProcess | None = None
+    logs: dict[str, Path] = {}
+    try:
+        if name == "single":
+            e = EngineProcess(model, name="S", block_size=BLOCK_SIZE, log_path=work / "S.log").start()
+            engines = [e]
+            runner = single_turn(e)
+        elif name == "nixl":
+            p, d = nixl_engine(model, work, "P-nixl"), nixl_engine(model, work, "D-nixl")
+            engines = [p, d]
+            runner = nixl_turn(p, d)
+        else:
+            broker = BrokerProcess(work).start()
+            p, p_stats = broker_engine(model, work, name="P", broker_address=broker.address, role="prefill")
+            d, d_stats = broker_engine(
+                model, work, name="D", broker_address=broker.address, role="decode", multi_turn=True
+            )
+            engines = [p, d]
+            runner = broker_turn(p, d, p_stats, d_stats)
+        for e in engines:
+            e.wait_ready(timeout=timeout, progress=log)
+            logs[e.name] = e.log_path
+        conversation(runner, 256, seed=7)  # warm-up: first connections and prefills, not recorded
+        rows: list[dict[str, Any]] = []
+        for rep in range(reps):
+            for length in lengths:
+                rows += conversation(runner, length, seed=1000 + rep * 10 + lengths.index(length))
+                last = [r for r in rows if r["seed"] == rows[-1]["seed"]]
+                log(
+                    f"{name} rep {rep} L={length}: "
+                    + ", ".join(
+                        f"t{r['turn']} FAILED"
+                        if "error" in r
+                        else f"t{r['turn']} ttft {_ms(r['ttft_s'])} turn {_ms(r['turn_s'])}"
+                        for r in last
+                    )
+                )
+        return {"available": True, "rows": rows, "logs": {k: str(v) for k, v in logs.items()}}
+    except Exception as e:
+        log(f"{name}: could not run: {e}")
+        tails = {x.name: x.log_tail(15) for x in engines}
+        return {"available": False, "reason": f"{type(e).__name__}: {e}", "log_tails": tails}
+    finally:
+        for x in engines:
+            x.stop()
+        if broker is not None:
+            broker.stop()

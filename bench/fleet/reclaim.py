@@ -1,0 +1,406 @@
+"""Lease reclamation: kill -9 a reader while a holder holds KV blocks for it; how long until the holder frees them?
+
+    .venv/bin/python -m bench.fleet.reclaim [--ttls-ms 1000 3000 5000] [--reps 5] [--skip-nixl] [--skip-vllm-reader]
+
+The holder is always a real vLLM engine (tiny random-weight model, CPU) that
+has just prefilled the same request: a PROMPT_TOKENS token-id prompt sent with
+`kv_transfer_params = {"do_remote_decode": true}` and `max_tokens = 1`, so it
+keeps the prompt's blocks for a decode engine that has not read them yet.
+
+- **broker** (our connector): the request names the reader
+  (`"kvbroker": {"reader_engine_id": R}`), so P's hold is tied to R's broker
+  session. Once the broker shows that hold, R is killed -9. Time = kill ->
+  P's connector reports the blocks back in vLLM's free pool (`holds_returned`
+  in its `stats_path` counters, polled every 10 ms). Readers:
+  - `bench.fleet.reader_session` processes (a real broker session with the client
+    library, the same layout as P), one per repetition, for each session TTL;
+    a killed process's sockets are closed by the kernel, so the broker sees
+    the stream break at once and the TTL does not matter;
+  - the same readers **hung** with SIGSTOP instead (process alive, socket
+    open, no heartbeats: what a frozen host or a network partition looks
+    like): only the session TTL can end those leases;
+  - once, a real vLLM engine X with our connector (session TTL = the first of
+    --ttls-ms), unless --skip-vllm-reader.
+- **vLLM NixlConnector** (its defaults: `kv_lease_duration` 30 s, heartbeats
+  from D every 5 s extending the lease by 20 s): P and D are vLLM engines with
+  `NixlConnector`. D is killed -9 right after P answers (before it has asked
+  for the blocks, as above). P does not know who its reader is, so it can only
+  wait for its lease timer. Time = kill -> P logs "Releasing expired KV blocks"
+  (its worker frees the blocks in that step); log polled every 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness.engines import (
+    BLOCK_SIZE,
+    add_run_arguments,
+    broker_engine,
+    complete,
+    prepare_workdir,
+    prompt_of,
+    stat,
+    summary,
+    wait_for,
+)
+from bench.harness.output import format_table, load_note, log, write_json
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.tools.launch import EngineProcess, engine_environment, free_port
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.processes import BrokerProcess
+
+PROMPT_TOKENS = 256
+NIXL_RELEASE_LINE = "Releasing expired KV blocks"
+NIXL_DEFAULT_LEASE_S = 30  # kv_lease_duration default in vLLM 0.32's NixlConnector
+
+
+def _kill_and_time(kill: Any, p_stats: Path, returned_before: int, limit_s: float) -> dict[str, Any]:
+    """Run `kill`, then poll P's counters every 10 ms until its blocks are back in vLLM's free pool."""
+    killed = time.monotonic()
+    kill()
+    freed = wait_for(lambda: stat(p_stats, "holds_returned") > returned_before, limit_s, 0.01)
+    return {"holder_freed_s": time.monotonic() - killed if freed else None}
+
+
+def _hold_for(p: EngineProcess, p_stats: Path, client: BrokerClient, reader: str, seed: int) -> int:
+    """P prefills one request for `reader` and the broker shows the hold; returns P's holds_returned before.
+
+    P sends its hold to the broker after the request finished: killing the
+    reader before the broker has the hold would measure a refused hold, not a
+    reclamation.
+    """
+    held_before = stat(p_stats, "held_requests")
+    returned_before = stat(p_stats, "holds_returned")
+    answer = complete(
+        p,
+        prompt_of(PROMPT_TOKENS, seed),
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True, "kvbroker": {"reader_engine_id": reader}},
+    )
+    if not (answer.get("kv_transfer_params") or {}).get("do_remote_prefill"):
+        raise RuntimeError(
+            f"P did not hand the request over for remote decode: {answer.get('kv_transfer_params')}"
+        )
+    if not wait_for(lambda: stat(p_stats, "held_requests") > held_before, 10):
+        raise RuntimeError("P reports no held request")
+    if not wait_for(lambda: _broker_holds_for(client, reader), 15):
+        raise RuntimeError(f"the broker shows no hold by P for {reader}; see P's log")
+    return returned_before
+
+
+def _broker_holds_for(client: BrokerClient, reader: str) -> bool:
+    return any(
+        le.state == pb.LEASE_HELD and le.reader_engine_id == reader
+        for le in client.list_leases(engine_id=reader).leases
+    )
+
+
+def start_reader_session(broker: str, reader: str, ttl_ms: int, log_dir: Path) -> subprocess.Popen[bytes]:
+    logf = open(log_dir / f"{reader}.log", "wb")  # noqa: SIM115 - the child keeps it open
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.fleet.reader_session",
+            "--broker",
+            broker,
+            "--engine-id",
+            reader,
+            "--like",
+            "P",
+            "--ttl-ms",
+            str(ttl_ms),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=logf,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode().strip()
+    if line != "ready":
+        proc.kill()
+        raise RuntimeError(f"reader {reader} did not start: {line!r}; see {log_dir / (reader + '.log')}")
+    return proc
+
+
+def nixl_config(engine_id: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
+    }
+
+
+def nixl_engine(model: Path, work: Path, name: str) -> EngineProcess:
+    env = engine_environment()
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    engine = EngineProcess(
+        model,
+        name=name,
+        kv_transfer_config=nixl_config(name),
+        block_size=BLOCK_SIZE,
+        env=env,
+        log_path=work / f"{name}.log",
+    )
+    engine.start()
+    return engine
+
+
+def _count_ids(ids: Any) -> int:
+    """remote_block_ids is a list of block ids, or one such list per KV cache group."""
+    return sum(_count_ids(i) for i in ids) if isinstance(ids, list) else 1
+
+
+def measure_nixl(p: EngineProcess, d: EngineProcess, reps: int, limit_s: float) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
+    for rep in range(reps):
+        seen = p.log_path.read_text(errors="replace").count(NIXL_RELEASE_LINE)
+        answer = complete(
+            p,
+            prompt_of(PROMPT_TOKENS, 5000 + rep),
+            max_tokens=1,
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        params = answer.get("kv_transfer_params") or {}
+        if not params.get("remote_block_ids"):
+            raise RuntimeError(f"NixlConnector P returned no remote_block_ids: {params}")
+        killed = time.monotonic()
+        if rep == 0:
+            os.killpg(d.pid or 0, signal.SIGKILL)
+        freed_s: float | None = None
+        while time.monotonic() - killed < limit_s:
+            if p.log_path.read_text(errors="replace").count(NIXL_RELEASE_LINE) > seen:
+                freed_s = time.monotonic() - killed
+                break
+            time.sleep(0.01)
+        blocks = _count_ids(params["remote_block_ids"])
+        log(f"nixl rep {rep}: P freed after {freed_s} s ({blocks} blocks held)")
+        runs.append(
+            {
+                "rep": rep,
+                "reader_killed_in_this_rep": rep == 0,
+                "blocks_held": blocks,
+                "holder_freed_s": freed_s,
+            }
+        )
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ttls-ms", type=int, nargs="+", default=[1000, 3000, 5000])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--hang-reps", type=int, default=3, help="repetitions of the SIGSTOP (hung reader) case")
+    ap.add_argument("--nixl-reps", type=int, default=2)
+    ap.add_argument("--skip-nixl", action="store_true")
+    ap.add_argument("--skip-vllm-reader", action="store_true")
+    add_run_arguments(ap)
+    args = ap.parse_args(argv)
+
+    work, model = prepare_workdir(args, "kvbroker-reclaim-bench-")
+    broker = BrokerProcess(work).start()
+    engines: list[EngineProcess] = []
+    readers: list[subprocess.Popen[bytes]] = []
+    results: dict[str, Any] = {"broker": {}, "broker_hang": {}, "broker_vllm_reader": None, "nixl": None}
+    try:
+        p, p_stats = broker_engine(model, work, name="P", broker_address=broker.address, role="prefill")
+        engines.append(p)
+        x: EngineProcess | None = None
+        if not args.skip_vllm_reader:
+            x, _ = broker_engine(
+                model,
+                work,
+                name="X",
+                broker_address=broker.address,
+                role="decode",
+                session_ttl_ms=args.ttls_ms[0],
+            )
+            engines.append(x)
+        p_nixl = d_nixl = None
+        if not args.skip_nixl:
+            p_nixl = nixl_engine(model, work, "P-nixl")
+            d_nixl = nixl_engine(model, work, "D-nixl")
+            engines += [p_nixl, d_nixl]
+        nixl_error: str | None = None
+        for engine in engines:
+            try:
+                engine.wait_ready(timeout=args.start_timeout_s, progress=log)
+            except Exception as e:
+                if engine in (p_nixl, d_nixl):
+                    nixl_error = f"{engine.name} did not start: {e}"
+                    log(nixl_error)
+                else:
+                    raise
+
+        with BrokerClient(broker.address) as client:
+            wait_for(lambda: any(e.engine_id == "P" and e.ranks for e in client.list_engines().engines), 30)
+            for ttl_ms in args.ttls_ms:
+                for mode, reps in (("kill", args.reps), ("hang", args.hang_reps)):
+                    runs = []
+                    for rep in range(reps):
+                        reader = f"R{ttl_ms}-{mode}-{rep}"
+                        proc = start_reader_session(broker.address, reader, ttl_ms, work)
+                        readers.append(proc)
+                        returned_before = _hold_for(
+                            p,
+                            p_stats,
+                            client,
+                            reader,
+                            seed=ttl_ms * 100 + rep + (50 if mode == "hang" else 0),
+                        )
+                        sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
+                        r = _kill_and_time(
+                            lambda proc=proc, sig=sig: os.killpg(proc.pid, sig),
+                            p_stats,
+                            returned_before,
+                            ttl_ms / 1000 + 15,
+                        )
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        log(f"broker, session TTL {ttl_ms} ms, reader {mode}, rep {rep}: {r}")
+                        runs.append(r)
+                    results["broker" if mode == "kill" else "broker_hang"][str(ttl_ms)] = runs
+            if x is not None:
+                returned_before = _hold_for(p, p_stats, client, "X", seed=777)
+                r = _kill_and_time(
+                    lambda: os.killpg(x.pid or 0, signal.SIGKILL),
+                    p_stats,
+                    returned_before,
+                    args.ttls_ms[0] / 1000 + 15,
+                )
+                x.kill9()  # reap the group
+                log(f"broker, real vLLM reader X (session TTL {args.ttls_ms[0]} ms): {r}")
+                results["broker_vllm_reader"] = {"session_ttl_ms": args.ttls_ms[0], **r}
+        if p_nixl is not None and d_nixl is not None:
+            if nixl_error is None:
+                try:
+                    results["nixl"] = {
+                        "runs": measure_nixl(p_nixl, d_nixl, args.nixl_reps, NIXL_DEFAULT_LEASE_S * 3),
+                        "measured": True,
+                    }
+                except Exception as e:
+                    nixl_error = f"NixlConnector request failed: {e!r}"
+            if nixl_error is not None:
+                results["nixl"] = {"measured": False, "error": nixl_error}
+    finally:
+        for proc in readers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for engine in engines:
+            engine.stop()
+        broker.stop()
+
+    rows = []
+    per_ttl: dict[str, Any] = {}
+    for ttl, runs in results["broker"].items():
+        freed = [r["holder_freed_s"] for r in runs if r["holder_freed_s"] is not None]
+        per_ttl[ttl] = {
+            "holder_freed": summary(freed) if freed else None,
+            "not_freed_in_time": len(runs) - len(freed),
+        }
+        f = per_ttl[ttl]["holder_freed"]
+        rows.append(
+            [
+                f"broker, reader session TTL {int(ttl) / 1000:g} s",
+                f"{len(runs)}",
+                f"{f['median_ms'] / 1000:.2f} ({f['min_ms'] / 1000:.2f}..{f['max_ms'] / 1000:.2f})"
+                if f
+                else "never",
+                "yes",
+            ]
+        )
+    per_ttl_hang: dict[str, Any] = {}
+    for ttl, runs in results["broker_hang"].items():
+        freed = [r["holder_freed_s"] for r in runs if r["holder_freed_s"] is not None]
+        f = summary(freed) if freed else None
+        per_ttl_hang[ttl] = {"holder_freed": f, "not_freed_in_time": len(runs) - len(freed)}
+        rows.append(
+            [
+                f"broker, reader hung (SIGSTOP), TTL {int(ttl) / 1000:g} s",
+                f"{len(runs)}",
+                f"{f['median_ms'] / 1000:.2f} ({f['min_ms'] / 1000:.2f}..{f['max_ms'] / 1000:.2f})"
+                if f
+                else "never",
+                "yes",
+            ]
+        )
+    xr = results["broker_vllm_reader"]
+    if xr is not None:
+        rows.append(
+            [
+                f"broker, vLLM reader engine, TTL {xr['session_ttl_ms'] / 1000:g} s",
+                "1",
+                f"{xr['holder_freed_s']:.2f}" if xr["holder_freed_s"] is not None else "never",
+                "yes",
+            ]
+        )
+    nx = results["nixl"]
+    if nx is not None and nx.get("measured"):
+        freed = [r["holder_freed_s"] for r in nx["runs"] if r["holder_freed_s"] is not None]
+        s = summary(freed) if freed else None
+        nx["holder_freed"] = s
+        rows.append(
+            [
+                "vLLM NixlConnector, defaults",
+                str(len(nx["runs"])),
+                f"{s['median_ms'] / 1000:.2f} ({s['min_ms'] / 1000:.2f}..{s['max_ms'] / 1000:.2f})"
+                if s
+                else "never",
+                "yes",
+            ]
+        )
+    elif nx is not None:
+        rows.append(
+            [
+                "vLLM NixlConnector, defaults",
+                "0",
+                f"{NIXL_DEFAULT_LEASE_S} (documented default kv_lease_duration)",
+                "NO: " + nx["error"].splitlines()[0][:80],
+            ]
+        )
+    table = format_table(
+        ["holder / reader", "runs", "reader dies/hangs -> holder frees, s: med (min..max)", "measured"], rows
+    )
+    print(f"lease reclamation after the reader is killed -9 (or hung); machine shared, load {load_note()}")
+    print(table)
+    path = write_json(
+        "reclaim",
+        {
+            "settings": {
+                "prompt_tokens": PROMPT_TOKENS,
+                "block_size": BLOCK_SIZE,
+                "ttls_ms": args.ttls_ms,
+                "reps": args.reps,
+                "nixl_default_lease_s": NIXL_DEFAULT_LEASE_S,
+                "holder_freed": "broker: P's connector counter holds_returned; nixl: P's log line "
+                f"{NIXL_RELEASE_LINE!r}; both polled every 10 ms",
+                "readers": "bench.fleet.reader_session processes (real broker sessions); plus one vLLM engine X",
+            },
+            "shared_machine": "other vLLM engines and test runs were using the same cores during the run",
+            "broker": per_ttl,
+            "broker_runs": results["broker"],
+            "broker_reader_hung": per_ttl_hang,
+            "broker_hang_runs": results["broker_hang"],
+            "broker_vllm_reader": xr,
+            "nixl": nx,
+            "table": table,
+        },
+        args.out_dir,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -105,20 +105,33 @@ def summary(results: Path) -> str:
             f"{cp.get('date_utc', '?')}; {cp.get('note', '')}):"
         )
         out.append("```\n" + _targets(results) + "\n```")
-    for name, title in (
-        ("reclaim", "Lease reclamation after kill -9 of the reader"),
-        ("idle_hold", "Engine CPU while it only holds blocks for a reader (cores; 1.00 = one core)"),
-        ("multiturn_ttft", "Multi-turn, turn-2 TTFT, pull vs recompute, tiny random-weight model"),
+    for name, program, title in (
+        ("reclaim", "bench/fleet/reclaim.py", "Lease reclamation after kill -9 of the reader"),
+        (
+            "idle_hold",
+            "bench/fleet/idle_hold.py",
+            "Engine CPU while it only holds blocks for a reader (cores; 1.00 = one core)",
+        ),
+        (
+            "multiturn_ttft",
+            "bench/chats/multiturn_ttft.py",
+            "Multi-turn, turn-2 TTFT, pull vs recompute, tiny random-weight model",
+        ),
         (
             "pd_compare",
+            "bench/chats/pd_compare.py",
             "P/D three ways on the tiny random-weight model: one engine, NixlConnector, kvbroker "
             "(TTFT ms p50/p90 per turn)",
         ),
-        ("pull_policy", "Pull or recompute: turn-2 TTFT per policy, adaptive against the fixed rules"),
+        (
+            "pull_policy",
+            "bench/chats/pull_policy.py",
+            "Pull or recompute: turn-2 TTFT per policy, adaptive against the fixed rules",
+        ),
     ):
         d = _load(results, name)
         if d is not None:
-            out.append(f"**{title}** (`bench/{name}.py`, {d.get('date_utc', '?')}; {d.get('note', '')}):")
+            out.append(f"**{title}** (`{program}`, {d.get('date_utc', '?')}; {d.get('note', '')}):")
             out.append("```\n" + str(d["table"]).strip() + "\n```")
     chat = _load(results, "chat_compare")
     if chat is not None:

@@ -33,11 +33,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.chats.nixl_proxy import CONVERSATION_HEADER
 from bench.chats.pd_results import nixl_transfers, our_reads
 from bench.chats.results import evaluate, plot_ttft, report
 from bench.chats.setups import SETUPS, Setup, start_setup
-from bench.chats.workload import ROOT, Conversation, build_conversations, chat_body, post_json, stream_chat
+from bench.chats.workload import (
+    CONVERSATION_HEADER,
+    ROOT,
+    Conversation,
+    build_conversations,
+    chat_body,
+    post_json,
+    stream_chat,
+)
+from bench.harness.baselines import NIXL_BASELINE
 from bench.harness.output import load_note, log, write_json
 from kvbroker.tools.real_model import ensure_real_model
 
@@ -259,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         "answer_tokens": args.answer_tokens,
         "follow_ups": convs[0].follow_ups,
         "ttft": "client-side, streamed /v1/chat/completions over loopback, first chunk with answer text",
-        "nixl": "NixlConnector, kv_buffer_device cpu, bidirectional_kv_xfer true, NIXL progress thread off "
-        "(bench.harness.nixl_quiet), proxy bench.chats.nixl_proxy: P non-streamed, D non-streamed relayed as one SSE chunk",
+        "nixl": f"{NIXL_BASELINE}; proxy bench.chats.nixl_proxy: P non-streamed, D non-streamed relayed "
+        "as one SSE chunk",
         "broker": "BrokerConnector (D multi_turn), kvbroker.clients.proxy with --broker "
         "--local-prefill-tokens 0 (every turn prefills on P and pulls)",
         "broker-local": "the same with the proxy's default --local-prefill-tokens 256: D serves a turn it "

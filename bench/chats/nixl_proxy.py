@@ -35,7 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-CONVERSATION_HEADER = "X-Conversation-Id"
+from bench.chats.workload import CONVERSATION_HEADER
+
 # Request keys that make no sense for the one-token prefill call.
 PREFILL_DROP_KEYS = ("stream", "stream_options", "min_tokens", "logprobs", "top_logprobs", "n")
 REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")

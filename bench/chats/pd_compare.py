@@ -6,8 +6,8 @@ The same workload is served by three setups in turn (each setup's engines are
 stopped before the next one starts; the machine is shared):
 
 - **single**: one vLLM engine, no connector (its own prefix cache serves turns 2 and 3);
-- **nixl**: P and D with vLLM's `NixlConnector` (`kv_buffer_device` "cpu",
-  `bidirectional_kv_xfer` on). Per turn: P gets the prompt with
+- **nixl**: P and D with vLLM's `NixlConnector` (the benchmarks' one baseline,
+  bench.harness.baselines: `kv_buffer_device` "cpu", `bidirectional_kv_xfer` on). Per turn: P gets the prompt with
   `max_tokens 1` and `kv_transfer_params {"do_remote_decode": true}` (turn 1)
   or, from turn 2 on, D's `kv_transfer_params` from the previous turn (which
   carry `do_remote_decode` and D's block ids: P may read the history back from
@@ -47,6 +47,7 @@ from typing import Any
 
 from bench.chats.pd_results import add_transfers, compare_answers, per_turn, summary
 from bench.chats.pd_turns import ANSWER_TOKENS, NEW_TOKENS, SETUPS, TURNS, run_setup
+from bench.harness.baselines import NIXL_BASELINE
 from bench.harness.engines import BLOCK_SIZE, add_run_arguments, prepare_workdir
 from bench.harness.output import log, write_json
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 "new_tokens": NEW_TOKENS,
                 "block_size": BLOCK_SIZE,
                 "kv_bytes_per_token": bpt,
-                "nixl_config": "NixlConnector, kv_buffer_device cpu, bidirectional_kv_xfer true, defaults otherwise",
+                "nixl_config": NIXL_BASELINE,
                 "broker_config": "BrokerConnector, D multi_turn true, kv_recompute_threshold default",
                 "ttft": "client-side from the turn's first request to the first streamed answer token",
             },

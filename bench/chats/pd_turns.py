@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.harness.baselines import nixl_engine
 from bench.harness.engines import (
     BLOCK_SIZE,
     broker_engine,
@@ -21,7 +22,7 @@ from bench.harness.engines import (
     stream_ttft,
 )
 from bench.harness.output import log
-from kvbroker.tools.launch import EngineProcess, engine_environment, free_port
+from kvbroker.tools.launch import EngineProcess
 from testkit.processes import BrokerProcess
 
 ANSWER_TOKENS = 8
@@ -30,38 +31,6 @@ TURN_TIMEOUT_S = 60.0
 NEW_TOKENS = 32
 TURNS = 3
 SETUPS = ("single", "nixl", "broker")
-
-
-class LoggingStatsEngine(EngineProcess):
-    """An engine that keeps vLLM's periodic stats logging on: NixlConnector reports transfers only there."""
-
-    def command(self) -> list[str]:
-        return [a for a in super().command() if a != "--disable-log-stats"]
-
-
-def nixl_engine(model: Path, work: Path, name: str) -> EngineProcess:
-    env = engine_environment()
-    # Each engine needs its own NIXL side channel (handshake) port on one host.
-    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    env["VLLM_LOG_STATS_INTERVAL"] = "2"
-    config = {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
-        "kv_buffer_device": "cpu",
-        "engine_id": name,
-        "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
-    }
-    engine = LoggingStatsEngine(
-        model,
-        name=name,
-        kv_transfer_config=config,
-        block_size=BLOCK_SIZE,
-        env=env,
-        log_path=work / f"{name}.log",
-    )
-    engine.start()
-    return engine
 
 
 def timed_complete(engine: EngineProcess, prompt: list[int], **kw: Any) -> tuple[float, dict[str, Any]]:
@@ -186,7 +155,7 @@ def run_setup(
             engines = [e]
             runner = single_turn(e)
         elif name == "nixl":
-            p, d = nixl_engine(model, work, "P-nixl"), nixl_engine(model, work, "D-nixl")
+            p, d = nixl_engine(model, work, "P-nixl").start(), nixl_engine(model, work, "D-nixl").start()
             engines = [p, d]
             runner = nixl_turn(p, d)
         else:

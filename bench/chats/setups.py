@@ -15,84 +15,22 @@ max model length 4096, 1 GiB of KV cache, served as "smollm2", with
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.chats.workload import ROOT, SERVED_MODEL
+from bench.harness.baselines import nixl_engine
 from bench.harness.output import log
 from kvbroker.tools.launch import EngineProcess, connector_config, engine_environment, free_port, pin_apart
 from testkit.engines import ACQUIRE_WAIT_MS, BLOCK_SIZE, RESOLVE_WAIT_MS, read_stats
-from testkit.processes import BrokerProcess
+from testkit.processes import BrokerProcess, ChildProcess, ProxyProcess, python_env
 
 SETUPS = ("single", "nocache", "nixl", "broker", "broker-local")
 KV_CACHE_BYTES = 1 << 30
 MAX_MODEL_LEN = 4096
 ENGINE_ARGS = ("--enable-prompt-tokens-details",)
-
-
-class LoggingStatsEngine(EngineProcess):
-    """Keeps vLLM's periodic stats logging on: NixlConnector reports its transfers only there."""
-
-    def command(self) -> list[str]:
-        return [a for a in super().command() if a != "--disable-log-stats"]
-
-
-class Child:
-    """A helper process (broker proxy, NIXL proxy) in its own process group, logging to a file."""
-
-    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.name, self.cmd, self.log_path, self.env = name, cmd, log_path, env
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Child:
-        out = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=self.env,
-            cwd=str(ROOT),
-        )
-        return self
-
-    def wait_http(self, url: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"{self.name} did not answer {url} in {timeout:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
-        except ProcessLookupError:
-            pass
-
-
-def _env_with_repo() -> dict[str, str]:
-    env = engine_environment()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
 
 
 def _engine(
@@ -125,7 +63,7 @@ class Setup:
     name: str
     url: str = ""
     engines: list[EngineProcess] = field(default_factory=list)
-    children: list[Child] = field(default_factory=list)
+    children: list[ChildProcess] = field(default_factory=list)
     broker: BrokerProcess | None = None
     stats_paths: dict[str, Path] = field(default_factory=dict)  # our connector's counters, per engine
     direct: dict[str, str] = field(default_factory=dict)  # role -> engine URL (profiling pass)
@@ -164,6 +102,8 @@ def start_setup(
     name: str, model: Path, work: Path, start_timeout_s: float, kv_cache_bytes: int = KV_CACHE_BYTES
 ) -> Setup:
     """Start a setup's processes and wait until its client endpoint answers."""
+    if name not in SETUPS:
+        raise ValueError(f"unknown setup {name!r}; one of {SETUPS}")
     setup = Setup(name)
     try:
         if name in ("single", "nocache"):
@@ -173,116 +113,94 @@ def start_setup(
             engine.wait_ready(timeout=start_timeout_s, progress=log)
             setup.url = engine.url
         elif name == "nixl":
-            engines = []
-            for role in ("P-nixl", "D-nixl"):
-                env = _env_with_repo()
-                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-                env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-                env["VLLM_LOG_STATS_INTERVAL"] = "2"
-                config = {
-                    "kv_connector": "NixlConnector",
-                    "kv_connector_module_path": "bench.harness.nixl_quiet",
-                    "kv_role": "kv_both",
-                    "kv_buffer_device": "cpu",
-                    "engine_id": role,
-                    "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
-                }
-                engines.append(
-                    _engine(
-                        model,
-                        work,
-                        role,
-                        kv_cache_bytes=kv_cache_bytes,
-                        cls=LoggingStatsEngine,
-                        kv_transfer_config=config,
-                        env=env,
-                    )
-                )
-            setup.engines = [e.start() for e in engines]
-            for e in setup.engines:
-                e.wait_ready(timeout=start_timeout_s, progress=log)
-            p, d = setup.engines
-            pin_pair(p, d)
-            port = free_port()
-            proxy = Child(
-                "nixl-proxy",
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.chats.nixl_proxy",
-                    "--prefill",
-                    p.url,
-                    "--decode",
-                    d.url,
-                    "--port",
-                    str(port),
-                ],
-                work / "nixl-proxy.log",
-                env=_env_with_repo(),
-            ).start()
-            setup.children.append(proxy)
-            setup.url = f"http://127.0.0.1:{port}"
-            proxy.wait_http(setup.url + "/health")
-            setup.direct = {"prefill": p.url, "decode": d.url}
-        elif name in ("broker", "broker-local"):
-            setup.broker = BrokerProcess(work).start()
-            roles: tuple[tuple[str, str, dict[str, Any]], ...] = (
-                ("P", "prefill", {}),
-                ("D", "decode", {"multi_turn": True}),
-            )
-            for eng_name, role, role_extra in roles:
-                stats = work / f"{eng_name}-stats.json"
-                config = connector_config(
-                    broker_address=setup.broker.address,
-                    engine_id=eng_name,
-                    role=role,
-                    session_ttl_ms=5000,
-                    resolve_wait_ms=RESOLVE_WAIT_MS,
-                    acquire_wait_ms=ACQUIRE_WAIT_MS,
-                    stats_path=str(stats),
-                    **role_extra,
-                )
-                config["kv_load_failure_policy"] = "recompute"
-                setup.engines.append(
-                    _engine(
-                        model, work, eng_name, kv_cache_bytes=kv_cache_bytes, kv_transfer_config=config
-                    ).start()
-                )
-                setup.stats_paths[eng_name] = stats
-            for e in setup.engines:
-                e.wait_ready(timeout=start_timeout_s, progress=log)
-            p, d = setup.engines
-            pin_pair(p, d)
-            port = free_port()
-            proxy = Child(
-                "proxy",
-                [
-                    sys.executable,
-                    "-m",
-                    "kvbroker.clients.proxy",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--prefill",
-                    f"P={p.url}",
-                    "--decode",
-                    f"D={d.url}",
-                    "--broker",
-                    setup.broker.address,
-                    # broker: every turn prefills on P (the pull path the targets judge);
-                    # broker-local: the proxy's default, D serves a turn it holds but for a few tokens.
-                    *(("--local-prefill-tokens", "0") if name == "broker" else ()),
-                ],
-                work / "proxy.log",
-            ).start()
-            setup.children.append(proxy)
-            setup.url = f"http://127.0.0.1:{port}"
-            proxy.wait_http(setup.url + "/health")
-            setup.direct = {"prefill": p.url, "decode": d.url}
+            _start_nixl(setup, model, work, start_timeout_s, kv_cache_bytes)
         else:
-            raise ValueError(f"unknown setup {name!r}; one of {SETUPS}")
+            _start_broker(setup, model, work, start_timeout_s, kv_cache_bytes)
     except BaseException:
         setup.stop()
         raise
     return setup
+
+
+def _start_pair(setup: Setup, engines: list[EngineProcess], start_timeout_s: float) -> tuple[str, str]:
+    setup.engines = [e.start() for e in engines]
+    for e in setup.engines:
+        e.wait_ready(timeout=start_timeout_s, progress=log)
+    p, d = setup.engines
+    pin_pair(p, d)
+    setup.direct = {"prefill": p.url, "decode": d.url}
+    return p.url, d.url
+
+
+def _start_nixl(setup: Setup, model: Path, work: Path, start_timeout_s: float, kv_cache_bytes: int) -> None:
+    """The baseline (bench.harness.baselines) behind bench.chats.nixl_proxy."""
+    engines = [
+        nixl_engine(
+            model,
+            work,
+            role,
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_bytes=kv_cache_bytes,
+            served_model_name=SERVED_MODEL,
+            extra_args=list(ENGINE_ARGS),
+        )
+        for role in ("P-nixl", "D-nixl")
+    ]
+    p_url, d_url = _start_pair(setup, engines, start_timeout_s)
+    port = free_port()
+    proxy = ChildProcess(
+        "nixl-proxy",
+        [
+            sys.executable,
+            "-m",
+            "bench.chats.nixl_proxy",
+            "--prefill",
+            p_url,
+            "--decode",
+            d_url,
+            "--port",
+            str(port),
+        ],
+        work / "nixl-proxy.log",
+        env=python_env(engine_environment()),
+        cwd=ROOT,
+    ).start()
+    setup.children.append(proxy)
+    setup.url = f"http://127.0.0.1:{port}"
+    proxy.wait_http(setup.url + "/health", 60)
+
+
+def _start_broker(setup: Setup, model: Path, work: Path, start_timeout_s: float, kv_cache_bytes: int) -> None:
+    """Our P/D: a broker, P and D with our connector (D multi_turn), our proxy."""
+    setup.broker = BrokerProcess(work).start()
+    engines = []
+    for eng_name, role, role_extra in (("P", "prefill", {}), ("D", "decode", {"multi_turn": True})):
+        stats = work / f"{eng_name}-stats.json"
+        config = connector_config(
+            broker_address=setup.broker.address,
+            engine_id=eng_name,
+            role=role,
+            session_ttl_ms=5000,
+            resolve_wait_ms=RESOLVE_WAIT_MS,
+            acquire_wait_ms=ACQUIRE_WAIT_MS,
+            stats_path=str(stats),
+            **role_extra,
+        )
+        config["kv_load_failure_policy"] = "recompute"
+        engines.append(
+            _engine(model, work, eng_name, kv_cache_bytes=kv_cache_bytes, kv_transfer_config=config)
+        )
+        setup.stats_paths[eng_name] = stats
+    p_url, d_url = _start_pair(setup, engines, start_timeout_s)
+    proxy = ProxyProcess(
+        work / "proxy.log",
+        prefill={"P": p_url},
+        decode={"D": d_url},
+        broker=setup.broker.address,
+        # broker: every turn prefills on P (the pull path the targets judge);
+        # broker-local: the proxy's default, D serves a turn it holds but for a few tokens.
+        local_prefill_tokens=0 if setup.name == "broker" else None,
+    )
+    setup.children.append(proxy)
+    proxy.start(timeout=60)
+    setup.url = proxy.url

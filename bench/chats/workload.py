@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+# The header a client names its conversation in (bench.chats.nixl_proxy routes turns by it).
+CONVERSATION_HEADER = "X-Conversation-Id"
+
+ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL = "smollm2"
 INTRO = "Here is a document from the kvbroker project.\n\n"
 ASK = "\n\nSummarize what this document says, section by section."

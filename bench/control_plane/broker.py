@@ -27,7 +27,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.control_plane.compare import (
+from bench.control_plane.measure import Settings
+from bench.control_plane.measure_broker import measure_broker
+from bench.control_plane.measure_peers import measure_mooncake, measure_redis
+from bench.control_plane.report import broker_table, memory_table
+from bench.control_plane.run import (
     add_common_arguments,
     check_figures,
     guarded,
@@ -36,10 +40,6 @@ from bench.control_plane.compare import (
     save_outputs,
     settings_from,
 )
-from bench.control_plane.measure import Settings
-from bench.control_plane.measure_broker import measure_broker
-from bench.control_plane.measure_peers import measure_mooncake, measure_redis
-from bench.control_plane.report import broker_table, memory_table
 from bench.harness.checks import exit_code, report_invalid
 from bench.harness.output import REPO_ROOT, load_note, log, shared_cores_note
 from testkit.processes import python_env

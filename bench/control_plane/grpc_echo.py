@@ -16,9 +16,6 @@ import grpc
 
 from kvbroker.v1 import broker_pb2 as pb
 
-UNARY_METHOD = "/bench.Echo/Unary"
-STREAM_METHOD = "/bench.Echo/Stream"
-
 
 async def _unary(request: pb.ResolveRequest, context: grpc.aio.ServicerContext) -> pb.ResolveRequest:
     return request

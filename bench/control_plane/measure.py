@@ -18,6 +18,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+# The echo floors' methods (bench.control_plane.grpc_echo serves them, measure_peers calls them).
+UNARY_METHOD = "/bench.Echo/Unary"
+STREAM_METHOD = "/bench.Echo/Stream"
+
 T = TypeVar("T")
 
 

@@ -13,8 +13,7 @@ from typing import Any
 import grpc
 
 from bench.control_plane.chains import BLOCK_WIRE_BYTES, CHAIN_LEN, make_chains
-from bench.control_plane.grpc_echo import STREAM_METHOD, UNARY_METHOD
-from bench.control_plane.measure import Settings, lookup_namespaces, run_async
+from bench.control_plane.measure import STREAM_METHOD, UNARY_METHOD, Settings, lookup_namespaces, run_async
 from bench.control_plane.peers import GrpcEchoPeer, MooncakePeer, PeerUnavailable, RedisPeer, chain_keys
 from bench.harness.loops import AsyncOp, RunResult, SyncOp, aggregate, closed_loop_async, closed_loop_threads
 from bench.harness.output import log

@@ -49,7 +49,7 @@ from kvbroker.v1 import broker_pb2 as pb
 from testkit.certs import CertificateAuthority
 from testkit.processes import BrokerProcess
 
-RESULTS = Path(__file__).resolve().parent / "results" / "tls.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "tls.json"
 MODES = ("plaintext", "tls", "mtls")
 TENANT = "bench"
 TARGET_OVERHEAD = 0.15

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from bench.fleet.promql import Samples, evaluate, legend, metric_names, parse
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvbroker.json"
 OUT = ROOT / "docs" / "dashboard.png"
 SAMPLES_OUT = ROOT / "bench" / "results" / "dashboard_samples.json"

@@ -4,17 +4,15 @@ vLLM engine without our connector that the broker follows by its KV cache events
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.chats.setups import Child
 from kvbroker.tools.launch import EngineProcess
 from testkit.chat import doc_conversations, run_conversations
 from testkit.engines import complete, prompt_of, start_engine
 from testkit.ports import free_port
-from testkit.processes import BrokerProcess
+from testkit.processes import BrokerProcess, ProxyProcess
 
 SERVED = "tiny"
 HOLD_TTL_MS = 5_000  # D's holds of finished turns end after 5 s: the lease panels show them end
@@ -65,30 +63,17 @@ class DashboardStack:
         self.children.append(self.events)
         for engine in (self.p, self.d, self.events):
             engine.wait_ready(timeout=600, progress=print)
-        self.proxy = Child(
-            "proxy",
-            [
-                sys.executable,
-                "-m",
-                "kvbroker.clients.proxy",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.proxy_port),
-                "--prefill",
-                f"prefill={self.p.url}",
-                "--decode",
-                f"decode={self.d.url}",
-                "--broker",
-                self.broker.address,
-                # Every turn prefills on P, as in the demo, so the panels show KV moving both ways.
-                "--local-prefill-tokens",
-                "0",
-            ],
+        self.proxy = ProxyProcess(
             self.workdir / "proxy.log",
-        ).start()
+            prefill={"prefill": self.p.url},
+            decode={"decode": self.d.url},
+            broker=self.broker.address,
+            # Every turn prefills on P, as in the demo, so the panels show KV moving both ways.
+            local_prefill_tokens=0,
+            port=self.proxy_port,
+        )
         self.children.append(self.proxy)
-        self.proxy.wait_http(f"{self.proxy_url}/health")
+        self.proxy.start(timeout=60)
         return self
 
     @property

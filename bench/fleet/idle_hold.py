@@ -20,7 +20,7 @@ core, workers) from /proc, divided by the window, so 1.00 is one whole core:
   broker; NixlConnector: its 30 s lease ran out).
 
 Setups: `kvbroker` (our connector, hold TTL 120 s) and, unless --skip-nixl,
-vLLM's own `NixlConnector` (its defaults). Results go to
+vLLM's own `NixlConnector` (the benchmarks' one baseline, bench.harness.baselines). Results go to
 bench/results/idle_hold.json.
 """
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.fleet.reclaim import NIXL_DEFAULT_LEASE_S, NIXL_RELEASE_LINE, nixl_engine
+from bench.harness.baselines import NIXL_BASELINE, NIXL_DEFAULT_LEASE_S, NIXL_RELEASE_LINE, nixl_engine
 from bench.harness.engines import (
     add_run_arguments,
     broker_engine,
@@ -111,7 +111,7 @@ def measure_kvbroker(work: Path, model: Path, window_s: float, start_timeout_s: 
 
 
 def measure_nixl(work: Path, model: Path, window_s: float, start_timeout_s: float) -> dict[str, Any]:
-    engine = nixl_engine(model, work, "P-nixl")
+    engine = nixl_engine(model, work, "P-nixl").start()
     try:
         engine.wait_ready(start_timeout_s)
         complete(engine, prompt_of(64, 1), max_tokens=4)
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             "window_s": args.window_s,
             "target_cores": TARGET_CORES,
             "setups": setups,
+            "nixl_config": NIXL_BASELINE,
         },
         out_dir=args.out_dir,
     )

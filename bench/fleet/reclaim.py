@@ -21,9 +21,9 @@ keeps the prompt's blocks for a decode engine that has not read them yet.
     like): only the session TTL can end those leases;
   - once, a real vLLM engine X with our connector (session TTL = the first of
     --ttls-ms), unless --skip-vllm-reader.
-- **vLLM NixlConnector** (its defaults: `kv_lease_duration` 30 s, heartbeats
-  from D every 5 s extending the lease by 20 s): P and D are vLLM engines with
-  `NixlConnector`. D is killed -9 right after P answers (before it has asked
+- **vLLM NixlConnector** (the benchmarks' one baseline, bench.harness.baselines;
+  vLLM's lease defaults: `kv_lease_duration` 30 s, heartbeats from D every 5 s
+  extending the lease by 20 s): P and D are vLLM engines with `NixlConnector`. D is killed -9 right after P answers (before it has asked
   for the blocks, as above). P does not know who its reader is, so it can only
   wait for its lease timer. Time = kill -> P logs "Releasing expired KV blocks"
   (its worker frees the blocks in that step); log polled every 10 ms.
@@ -32,15 +32,14 @@ keeps the prompt's blocks for a decode engine that has not read them yet.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.harness.baselines import NIXL_BASELINE, NIXL_DEFAULT_LEASE_S, NIXL_RELEASE_LINE, nixl_engine
 from bench.harness.engines import (
     BLOCK_SIZE,
     add_run_arguments,
@@ -54,13 +53,11 @@ from bench.harness.engines import (
 )
 from bench.harness.output import format_table, load_note, log, write_json
 from kvbroker.clients.sync import BrokerClient
-from kvbroker.tools.launch import EngineProcess, engine_environment, free_port
+from kvbroker.tools.launch import EngineProcess
 from kvbroker.v1 import broker_pb2 as pb
-from testkit.processes import BrokerProcess
+from testkit.processes import REPO_ROOT, BrokerProcess, ChildProcess
 
 PROMPT_TOKENS = 256
-NIXL_RELEASE_LINE = "Releasing expired KV blocks"
-NIXL_DEFAULT_LEASE_S = 30  # kv_lease_duration default in vLLM 0.32's NixlConnector
 
 
 def _kill_and_time(kill: Any, p_stats: Path, returned_before: int, limit_s: float) -> dict[str, Any]:
@@ -104,57 +101,17 @@ def _broker_holds_for(client: BrokerClient, reader: str) -> bool:
     )
 
 
-def start_reader_session(broker: str, reader: str, ttl_ms: int, log_dir: Path) -> subprocess.Popen[bytes]:
-    logf = open(log_dir / f"{reader}.log", "wb")  # noqa: SIM115 - the child keeps it open
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "bench.fleet.reader_session",
-            "--broker",
-            broker,
-            "--engine-id",
-            reader,
-            "--like",
-            "P",
-            "--ttl-ms",
-            str(ttl_ms),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=logf,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode().strip()
-    if line != "ready":
-        proc.kill()
-        raise RuntimeError(f"reader {reader} did not start: {line!r}; see {log_dir / (reader + '.log')}")
+def start_reader_session(broker: str, reader: str, ttl_ms: int, log_dir: Path) -> ChildProcess:
+    """bench.fleet.reader_session as reader `reader`, returned once it says `ready` (registered)."""
+    argv = [sys.executable, "-m", "bench.fleet.reader_session", "--broker", broker, "--engine-id", reader]
+    argv += ["--like", "P", "--ttl-ms", str(ttl_ms)]
+    proc = ChildProcess(reader, argv, log_dir / f"{reader}.log", cwd=REPO_ROOT, fresh_log=True).start()
+    try:
+        proc.wait_line(b"ready\n", timeout=120)
+    except RuntimeError:
+        proc.kill9()
+        raise
     return proc
-
-
-def nixl_config(engine_id: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
-        "kv_buffer_device": "cpu",
-        "engine_id": engine_id,
-    }
-
-
-def nixl_engine(model: Path, work: Path, name: str) -> EngineProcess:
-    env = engine_environment()
-    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-    engine = EngineProcess(
-        model,
-        name=name,
-        kv_transfer_config=nixl_config(name),
-        block_size=BLOCK_SIZE,
-        env=env,
-        log_path=work / f"{name}.log",
-    )
-    engine.start()
-    return engine
 
 
 def _count_ids(ids: Any) -> int:
@@ -211,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     work, model = prepare_workdir(args, "kvbroker-reclaim-bench-")
     broker = BrokerProcess(work).start()
     engines: list[EngineProcess] = []
-    readers: list[subprocess.Popen[bytes]] = []
+    readers: list[ChildProcess] = []
     results: dict[str, Any] = {"broker": {}, "broker_hang": {}, "broker_vllm_reader": None, "nixl": None}
     try:
         p, p_stats = broker_engine(model, work, name="P", broker_address=broker.address, role="prefill")
@@ -229,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             engines.append(x)
         p_nixl = d_nixl = None
         if not args.skip_nixl:
-            p_nixl = nixl_engine(model, work, "P-nixl")
-            d_nixl = nixl_engine(model, work, "D-nixl")
+            p_nixl = nixl_engine(model, work, "P-nixl").start()
+            d_nixl = nixl_engine(model, work, "D-nixl").start()
             engines += [p_nixl, d_nixl]
         nixl_error: str | None = None
         for engine in engines:
@@ -266,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                             returned_before,
                             ttl_ms / 1000 + 15,
                         )
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
+                        proc.kill9()
                         log(f"broker, session TTL {ttl_ms} ms, reader {mode}, rep {rep}: {r}")
                         runs.append(r)
                     results["broker" if mode == "kill" else "broker_hang"][str(ttl_ms)] = runs
@@ -295,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                 results["nixl"] = {"measured": False, "error": nixl_error}
     finally:
         for proc in readers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill9()
         for engine in engines:
             engine.stop()
         broker.stop()
@@ -352,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         nx["holder_freed"] = s
         rows.append(
             [
-                "vLLM NixlConnector, defaults",
+                "vLLM NixlConnector",
                 str(len(nx["runs"])),
                 f"{s['median_ms'] / 1000:.2f} ({s['min_ms'] / 1000:.2f}..{s['max_ms'] / 1000:.2f})"
                 if s
@@ -363,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     elif nx is not None:
         rows.append(
             [
-                "vLLM NixlConnector, defaults",
+                "vLLM NixlConnector",
                 "0",
                 f"{NIXL_DEFAULT_LEASE_S} (documented default kv_lease_duration)",
                 "NO: " + nx["error"].splitlines()[0][:80],
@@ -383,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ttls_ms": args.ttls_ms,
                 "reps": args.reps,
                 "nixl_default_lease_s": NIXL_DEFAULT_LEASE_S,
+                "nixl_config": NIXL_BASELINE,
                 "holder_freed": "broker: P's connector counter holds_returned; nixl: P's log line "
                 f"{NIXL_RELEASE_LINE!r}; both polled every 10 ms",
                 "readers": "bench.fleet.reader_session processes (real broker sessions); plus one vLLM engine X",

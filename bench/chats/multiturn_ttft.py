@@ -36,11 +36,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.chats.setups import pin_pair
 from bench.harness.engines import (
     BLOCK_SIZE,
+    BrokerPair,
     add_run_arguments,
-    broker_engine,
+    broker_pair,
     complete,
     output_ids,
     prepare_workdir,
@@ -54,7 +54,6 @@ from bench.harness.output import format_table, load_note, log, write_json
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
-from testkit.processes import BrokerProcess
 
 # P decides on its index mirror, which hears a hold about a millisecond after the
 # broker does (bench/control_plane/compare.py, "mirror lag"); a generous margin.
@@ -194,6 +193,100 @@ def _med(s: dict[str, Any] | None) -> str:
     return f"{s['median_ms']:.1f}" if s else "-"
 
 
+TABLE_HEADERS = [
+    "history",
+    "turn-2 prompt",
+    "pulled tokens",
+    "TTFT pull ms med (min..max)",
+    "TTFT recompute ms med (min..max)",
+    "recompute/pull",
+    "P pull total ms",
+    "NIXL read ms",
+    "identical",
+]
+
+
+def run_conversations(pair: BrokerPair, histories: list[int], reps: int) -> list[dict[str, Any]]:
+    """A warm-up conversation, then `reps` rounds over `histories`, pull first every other round."""
+    client = BrokerClient(pair.broker.address)
+    try:
+        # Warm-up (not recorded): first NIXL connection P<-D, first prefills.
+        one_conversation(pair.p, pair.d, pair.p_stats, client, 256, seed=1, pull_first=True)
+        rows: list[dict[str, Any]] = []
+        seed = 1000
+        for rep in range(reps):
+            for history in histories:
+                seed += 1
+                r = one_conversation(
+                    pair.p, pair.d, pair.p_stats, client, history, seed, pull_first=rep % 2 == 0
+                )
+                log(
+                    f"rep {rep} history {history}: pull {r['pull_ttft_s'] * 1000:.1f} ms "
+                    f"({r['tokens_pulled']} tokens pulled), recompute {r['recompute_ttft_s'] * 1000:.1f} ms, "
+                    f"identical={r['identical']}"
+                )
+                rows.append(r)
+        return rows
+    finally:
+        client.close()
+
+
+def p_timings(p_log: Path) -> tuple[dict[int, dict[str, list[float]]], dict[int, list[dict[str, float]]]]:
+    """P's pull times and timelines by blocks pulled, without the unrecorded warm-up conversation."""
+    timings = adapter_pull_times(p_log)
+    timelines = pull_timelines(p_log)
+    warmup_blocks = (256 - 1) // BLOCK_SIZE
+    if warmup_blocks in timings:  # the unrecorded warm-up conversation pulled first
+        for kind in ("read", "pulled"):
+            timings[warmup_blocks][kind] = timings[warmup_blocks][kind][1:]
+    if timelines.get(warmup_blocks):
+        timelines[warmup_blocks] = timelines[warmup_blocks][1:]
+    return timings, timelines
+
+
+def history_entry(rs: list[dict[str, Any]], history: int, p_log_figures: Any) -> dict[str, Any]:
+    """One history's figures: TTFT with a pull and a recompute, tokens, P's pull times and timeline."""
+    timings, timelines = p_log_figures
+    pull = summary([r["pull_ttft_s"] for r in rs])
+    rec = summary([r["recompute_ttft_s"] for r in rs])
+    entry = {
+        "prompt_tokens": rs[0]["prompt_tokens"],
+        "pull": pull,
+        "recompute": rec,
+        "speedup_median": round(rec["median_ms"] / pull["median_ms"], 2),
+        "tokens_pulled": sorted({r["tokens_pulled"] for r in rs}),
+        "tokens_computed_with_pull": sorted({r["tokens_computed_with_pull"] for r in rs}),
+        "tokens_computed_recompute": rs[0]["tokens_computed_recompute"],
+        "pulls_failed": sum(r["pulls_failed"] for r in rs),
+        "identical_tokens": all(r["identical"] for r in rs),
+    }
+    t = timings.get((history - 1) // BLOCK_SIZE, {})
+    entry["adapter_nixl_read"] = summary(t["read"]) if t.get("read") else None
+    entry["adapter_pull_total"] = summary(t["pulled"]) if t.get("pulled") else None
+    runs = timelines.get((history - 1) // BLOCK_SIZE, [])
+    entry["pull_timeline"] = {
+        key: round(statistics.median(r[key] for r in runs if key in r), 3)
+        for key in sorted({k for r in runs for k in r})
+    }
+    entry["pull_timeline_runs"] = runs
+    return entry
+
+
+def table_row(history: int, entry: dict[str, Any]) -> list[str]:
+    pull, rec = entry["pull"], entry["recompute"]
+    return [
+        str(history),
+        str(entry["prompt_tokens"]),
+        "/".join(map(str, entry["tokens_pulled"])),
+        f"{pull['median_ms']:.1f} ({pull['min_ms']:.1f}..{pull['max_ms']:.1f})",
+        f"{rec['median_ms']:.1f} ({rec['min_ms']:.1f}..{rec['max_ms']:.1f})",
+        f"{entry['speedup_median']:.2f}x",
+        _med(entry["adapter_pull_total"]),
+        _med(entry["adapter_nixl_read"]),
+        "yes" if entry["identical_tokens"] else "NO",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--histories", type=int, nargs="+", default=[256, 1024, 2048])
@@ -202,104 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     work, model = prepare_workdir(args, "kvbroker-mt-bench-")
-    broker = BrokerProcess(work).start()
-    engines = []
-    try:
-        # A low threshold is not needed: every history here is >= 224 pulled tokens.
-        p, p_stats = broker_engine(model, work, name="P", broker_address=broker.address, role="prefill")
-        engines.append(p)
-        d, _ = broker_engine(
-            model, work, name="D", broker_address=broker.address, role="decode", multi_turn=True
-        )
-        engines.append(d)
-        for engine in engines:
-            engine.wait_ready(timeout=args.start_timeout_s, progress=log)
-        pin_pair(p, d)  # P and D on cores of their own, as in bench.chats.compare
-        client = BrokerClient(broker.address)
-
-        # Warm-up (not recorded): first NIXL connection P<-D, first prefills.
-        one_conversation(p, d, p_stats, client, 256, seed=1, pull_first=True)
-
-        rows: list[dict[str, Any]] = []
-        seed = 1000
-        for rep in range(args.reps):
-            for history in args.histories:
-                seed += 1
-                r = one_conversation(p, d, p_stats, client, history, seed, pull_first=rep % 2 == 0)
-                log(
-                    f"rep {rep} history {history}: pull {r['pull_ttft_s'] * 1000:.1f} ms "
-                    f"({r['tokens_pulled']} tokens pulled), recompute {r['recompute_ttft_s'] * 1000:.1f} ms, "
-                    f"identical={r['identical']}"
-                )
-                rows.append(r)
-        client.close()
-    finally:
-        for engine in engines:
-            engine.stop()
-        broker.stop()
-
-    timings = adapter_pull_times(p.log_path)
-    timelines = pull_timelines(p.log_path)
-    warmup_blocks = (256 - 1) // BLOCK_SIZE
-    if warmup_blocks in timings:  # the unrecorded warm-up conversation pulled first
-        for kind in ("read", "pulled"):
-            timings[warmup_blocks][kind] = timings[warmup_blocks][kind][1:]
-    if timelines.get(warmup_blocks):
-        timelines[warmup_blocks] = timelines[warmup_blocks][1:]
-    per_history: dict[str, Any] = {}
-    table_rows = []
-    for history in args.histories:
-        rs = [r for r in rows if r["history"] == history]
-        pull = summary([r["pull_ttft_s"] for r in rs])
-        rec = summary([r["recompute_ttft_s"] for r in rs])
-        entry = {
-            "prompt_tokens": rs[0]["prompt_tokens"],
-            "pull": pull,
-            "recompute": rec,
-            "speedup_median": round(rec["median_ms"] / pull["median_ms"], 2),
-            "tokens_pulled": sorted({r["tokens_pulled"] for r in rs}),
-            "tokens_computed_with_pull": sorted({r["tokens_computed_with_pull"] for r in rs}),
-            "tokens_computed_recompute": rs[0]["tokens_computed_recompute"],
-            "pulls_failed": sum(r["pulls_failed"] for r in rs),
-            "identical_tokens": all(r["identical"] for r in rs),
-        }
-        t = timings.get((history - 1) // BLOCK_SIZE, {})
-        entry["adapter_nixl_read"] = summary(t["read"]) if t.get("read") else None
-        entry["adapter_pull_total"] = summary(t["pulled"]) if t.get("pulled") else None
-        runs = timelines.get((history - 1) // BLOCK_SIZE, [])
-        entry["pull_timeline"] = {
-            key: round(statistics.median(r[key] for r in runs if key in r), 3)
-            for key in sorted({k for r in runs for k in r})
-        }
-        entry["pull_timeline_runs"] = runs
-        per_history[str(history)] = entry
-        table_rows.append(
-            [
-                str(history),
-                str(entry["prompt_tokens"]),
-                "/".join(map(str, entry["tokens_pulled"])),
-                f"{pull['median_ms']:.1f} ({pull['min_ms']:.1f}..{pull['max_ms']:.1f})",
-                f"{rec['median_ms']:.1f} ({rec['min_ms']:.1f}..{rec['max_ms']:.1f})",
-                f"{entry['speedup_median']:.2f}x",
-                _med(entry["adapter_pull_total"]),
-                _med(entry["adapter_nixl_read"]),
-                "yes" if entry["identical_tokens"] else "NO",
-            ]
-        )
-    table = format_table(
-        [
-            "history",
-            "turn-2 prompt",
-            "pulled tokens",
-            "TTFT pull ms med (min..max)",
-            "TTFT recompute ms med (min..max)",
-            "recompute/pull",
-            "P pull total ms",
-            "NIXL read ms",
-            "identical",
-        ],
-        table_rows,
-    )
+    # A low threshold is not needed: every history here is >= 224 pulled tokens.
+    with broker_pair(model, work, start_timeout_s=args.start_timeout_s) as pair:
+        rows = run_conversations(pair, args.histories, args.reps)
+    figures = p_timings(pair.p.log_path)
+    per_history = {
+        str(h): history_entry([r for r in rows if r["history"] == h], h, figures) for h in args.histories
+    }
+    table = format_table(TABLE_HEADERS, [table_row(h, per_history[str(h)]) for h in args.histories])
     print(f"turn-2 time to first token on P, {args.reps} repetitions; machine shared, load {load_note()}")
     print(table)
     steps = timeline_table(per_history)

@@ -6,6 +6,7 @@ then every (repetition, length) chat; a turn runner returns the turn's figures.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 from bench.harness.baselines import nixl_engine
 from bench.harness.engines import (
     BLOCK_SIZE,
-    broker_engine,
+    broker_pair,
     complete,
     output_ids,
     prompt_of,
@@ -23,7 +24,6 @@ from bench.harness.engines import (
 )
 from bench.harness.output import log
 from kvbroker.tools.launch import EngineProcess
-from testkit.processes import BrokerProcess
 
 ANSWER_TOKENS = 8
 # Per HTTP call: a P/D turn that has not answered by then is recorded as failed (see conversation()).
@@ -147,8 +147,8 @@ def run_setup(
     name: str, model: Path, work: Path, lengths: list[int], reps: int, timeout: float
 ) -> dict[str, Any]:
     engines: list[EngineProcess] = []
-    broker: BrokerProcess | None = None
     logs: dict[str, Path] = {}
+    stack = contextlib.ExitStack()
     try:
         if name == "single":
             e = EngineProcess(model, name="S", block_size=BLOCK_SIZE, log_path=work / "S.log").start()
@@ -159,13 +159,10 @@ def run_setup(
             engines = [p, d]
             runner = nixl_turn(p, d)
         else:
-            broker = BrokerProcess(work).start()
-            p, p_stats = broker_engine(model, work, name="P", broker_address=broker.address, role="prefill")
-            d, d_stats = broker_engine(
-                model, work, name="D", broker_address=broker.address, role="decode", multi_turn=True
-            )
-            engines = [p, d]
-            runner = broker_turn(p, d, p_stats, d_stats)
+            # pd_compare has always run its P/D apart from the chat benchmarks' core pinning.
+            pair = stack.enter_context(broker_pair(model, work, start_timeout_s=timeout, pin=False))
+            engines = [pair.p, pair.d]
+            runner = broker_turn(pair.p, pair.d, pair.p_stats, pair.d_stats)
         for e in engines:
             e.wait_ready(timeout=timeout, progress=log)
             logs[e.name] = e.log_path
@@ -192,5 +189,4 @@ def run_setup(
     finally:
         for x in engines:
             x.stop()
-        if broker is not None:
-            broker.stop()
+        stack.close()

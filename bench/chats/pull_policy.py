@@ -50,10 +50,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.chats.setups import pin_pair
 from bench.harness.engines import (
     add_run_arguments,
-    broker_engine,
+    broker_pair,
     complete,
     output_ids,
     read_stats,
@@ -67,7 +66,6 @@ from kvbroker.common.hashing import wire_chain
 from kvbroker.tools.launch import EngineProcess
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.engines import BLOCK_SIZE, prompt_of
-from testkit.processes import BrokerProcess
 from testkit.waiting import wait_for
 
 POLICIES: dict[str, dict[str, Any]] = {
@@ -196,31 +194,15 @@ def run_model(name: str, model: Path, work: Path, args: argparse.Namespace) -> d
     kv = {"tiny": 256 << 20, "smollm2": 1 << 30}[name]
     log_dir = work / name
     log_dir.mkdir(parents=True, exist_ok=True)
-    broker = BrokerProcess(log_dir).start()
-    engines: list[EngineProcess] = []
     runs: dict[str, Any] = {}
-    try:
-        common: dict[str, Any] = {"broker_address": broker.address, "max_model_len": MAX_MODEL_LEN}
-        h, _ = broker_engine(
-            model,
-            log_dir,
-            name="H",
-            role="decode",
-            multi_turn=True,
-            hold_ttl_ms=15000,
-            kv_cache_bytes=kv * 2,
-            **common,
-        )
-        engines.append(h)
-        # The product's defaults: adaptive, untuned (broker_engine would pin the fixed rule).
-        r, stats = broker_engine(
-            model, log_dir, name="R", role="both", kv_cache_bytes=kv, pull_policy="adaptive", **common
-        )
-        engines.append(r)
-        for engine in engines:
-            engine.wait_ready(timeout=args.start_timeout_s, progress=log)
-        pin_pair(h, r)  # H and R on cores of their own, as in bench.chats.compare
-        client = BrokerClient(broker.address)
+    holder = ("H", "decode", {"multi_turn": True, "hold_ttl_ms": 15000, "kv_cache_bytes": kv * 2})
+    # The product's defaults: adaptive, untuned (broker_engine would pin the fixed rule).
+    reader = ("R", "both", {"kv_cache_bytes": kv, "pull_policy": "adaptive"})
+    with broker_pair(
+        model, log_dir, start_timeout_s=args.start_timeout_s, p=holder, d=reader, max_model_len=MAX_MODEL_LEN
+    ) as pair:
+        h, r, stats = pair.p, pair.d, pair.d_stats
+        client = BrokerClient(pair.broker.address)
         seed = 1
         log(f"{name}: warm-up; load {load_note()}")
         for length in (512, 2048):
@@ -241,10 +223,6 @@ def run_model(name: str, model: Path, work: Path, args: argparse.Namespace) -> d
                 runs[label] = {"rows": measure(label, h, r, stats, client, args, seed)[0]}
         final = _json_stats(stats)
         client.close()
-    finally:
-        for engine in engines:
-            engine.stop()
-        broker.stop()
     for run in runs.values():
         run["reader_stats"] = final
     return runs

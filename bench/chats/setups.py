@@ -22,8 +22,9 @@ from typing import Any
 
 from bench.chats.workload import ROOT, SERVED_MODEL
 from bench.harness.baselines import nixl_engine
+from bench.harness.engines import pin_pair
 from bench.harness.output import log
-from kvbroker.tools.launch import EngineProcess, connector_config, engine_environment, free_port, pin_apart
+from kvbroker.tools.launch import EngineProcess, connector_config, engine_environment, free_port
 from testkit.engines import ACQUIRE_WAIT_MS, BLOCK_SIZE, RESOLVE_WAIT_MS, read_stats
 from testkit.processes import BrokerProcess, ChildProcess, ProxyProcess, python_env
 
@@ -86,16 +87,6 @@ class Setup:
             e.stop()
         if self.broker is not None:
             self.broker.stop()
-
-
-def pin_pair(p: EngineProcess, d: EngineProcess) -> None:
-    """P's scheduler and worker on the first half of this process's cores, D's on the other half.
-
-    Both P/D setups (NixlConnector's and ours) get this; the one-engine setups
-    keep every core. In a deployment P and D have hardware of their own; on one
-    small machine each engine would otherwise also pay for the other's
-    busy-polling (EngineProcess.pin_engine_cpus)."""
-    pin_apart([p, d], log)
 
 
 def start_setup(

@@ -1,4 +1,4 @@
-"""Shared parts of the engine benchmarks (multi-turn TTFT, lease reclamation).
+"""Shared parts of the engine benchmarks (turn-2 TTFT in bench/chats/, reclamation and idle holds in bench/fleet/).
 
 Real processes only: a broker process, vLLM engines started by
 `kvbroker.tools.launch.EngineProcess`, requests over HTTP with token-id prompts
@@ -9,17 +9,19 @@ chained block hashes match).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.harness.output import load_note, log
-from kvbroker.tools.launch import EngineProcess
+from kvbroker.tools.launch import EngineProcess, pin_apart
 from kvbroker.tools.tiny_model import build_tiny_model
 from testkit.engines import (
     BLOCK_SIZE,
@@ -30,6 +32,7 @@ from testkit.engines import (
     read_stats,
     start_engine,
 )
+from testkit.processes import BrokerProcess
 from testkit.waiting import wait_for
 
 # The request helpers are the e2e tests' own (testkit.engines), with their
@@ -37,10 +40,13 @@ from testkit.waiting import wait_for
 # turn a pull into a recompute.
 __all__ = [
     "BLOCK_SIZE",
+    "BrokerPair",
     "add_run_arguments",
     "broker_engine",
+    "broker_pair",
     "complete",
     "output_ids",
+    "pin_pair",
     "prepare_workdir",
     "prompt_of",
     "read_stats",
@@ -75,6 +81,65 @@ def broker_engine(
         load_failure_policy="recompute",
         **extra,
     )
+
+
+def pin_pair(p: EngineProcess, d: EngineProcess) -> None:
+    """P's scheduler and worker on the first half of this process's cores, D's on the other half.
+
+    Both P/D setups of the chat benchmarks (NixlConnector's and ours) get this; one-engine
+    setups keep every core. In a deployment P and D have hardware of their own; on one
+    small machine each engine would otherwise also pay for the other's busy-polling
+    (EngineProcess.pin_engine_cpus)."""
+    pin_apart([p, d], log)
+
+
+@dataclass
+class BrokerPair:
+    """A broker and two engines with our connector, ready: what the turn-2 benchmarks measure on."""
+
+    broker: BrokerProcess
+    p: EngineProcess
+    d: EngineProcess
+    p_stats: Path
+    d_stats: Path
+
+
+@contextlib.contextmanager
+def broker_pair(
+    model: Path,
+    work: Path,
+    *,
+    start_timeout_s: float,
+    p: tuple[str, str, dict[str, Any]] = ("P", "prefill", {}),
+    d: tuple[str, str, dict[str, Any]] = ("D", "decode", {"multi_turn": True}),
+    pin: bool = True,
+    **common: Any,
+) -> Iterator[BrokerPair]:
+    """Start a broker, then the two engines `p` and `d` (name, role, broker_engine options; `common`
+    goes to both), wait until both serve, pin them apart (`pin`); stop all three on the way out.
+
+    The one P/D-with-the-broker setup of bench/chats/multiturn_ttft.py, pull_policy.py and
+    pd_compare.py (bench/chats/compare.py runs the real model behind our proxy: chats/setups.py)."""
+    broker = BrokerProcess(work).start()
+    engines: list[EngineProcess] = []
+    try:
+        started = []
+        for name, role, options in (p, d):
+            engine, stats = broker_engine(
+                model, work, name=name, broker_address=broker.address, role=role, **common, **options
+            )
+            engines.append(engine)
+            started.append((engine, stats))
+        for engine in engines:
+            engine.wait_ready(timeout=start_timeout_s, progress=log)
+        if pin:
+            pin_pair(engines[0], engines[1])
+        (p_engine, p_stats), (d_engine, d_stats) = started
+        yield BrokerPair(broker, p_engine, d_engine, p_stats, d_stats)
+    finally:
+        for engine in engines:
+            engine.stop()
+        broker.stop()
 
 
 def add_run_arguments(ap: argparse.ArgumentParser) -> None:

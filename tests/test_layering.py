@@ -152,7 +152,8 @@ def test_no_bench_program_imports_another() -> None:
     """A benchmark program is imported by no other module of bench/ or testkit: what programs share
     lives in bench/harness/ or in a helper module of their room, not in a program."""
     modules = {
-        ".".join(path.relative_to(ROOT).with_suffix("").parts): path for path in (ROOT / "bench").rglob("*.py")
+        ".".join(path.relative_to(ROOT).with_suffix("").parts): path
+        for path in (ROOT / "bench").rglob("*.py")
     }
     programs = {name for name, path in modules.items() if _is_program(path)}
     assert "bench.control_plane.compare" in programs  # the check sees the programs

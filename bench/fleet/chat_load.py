@@ -33,6 +33,7 @@ from bench.harness.output import RESULTS_DIR, format_table, load_note, log, writ
 from kvbroker.tools.demo_stack import start_stack
 from kvbroker.tools.launch import free_port
 from testkit.chat import ConversationRun, doc_conversations, mismatches, run_conversations
+from testkit.waiting import wait_for
 
 HOLD_TTL_MS = 10000
 
@@ -128,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             stack.prefill.url, convs, salt_prefix=f"ref-{time.time_ns()}", retries=0, **kw
         )
         ref_wall = time.monotonic() - started
-        log(f"waiting for the holds' TTL ({HOLD_TTL_MS / 1000:.0f} s) before counting leases ...")
-        time.sleep(HOLD_TTL_MS / 1000 + 6)
+        log(f"waiting (at most the holds' TTL, {HOLD_TTL_MS / 1000:.0f} s, + 6 s) for the leases to end ...")
         from kvbroker.clients.sync import BrokerClient
 
         with BrokerClient(stack.broker_address) as client:
+            wait_for(lambda: not client.list_leases().leases, HOLD_TTL_MS / 1000 + 6, interval=0.5)
             active = len(client.list_leases().leases)
     finally:
         stack.stop()

@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,195 @@ def measure_nixl(p: EngineProcess, d: EngineProcess, reps: int, limit_s: float) 
     return runs
 
 
+@dataclass
+class Engines:
+    """The holder P, the optional vLLM reader X and NixlConnector pair, as started."""
+
+    p: EngineProcess
+    p_stats: Path
+    x: EngineProcess | None = None
+    p_nixl: EngineProcess | None = None
+    d_nixl: EngineProcess | None = None
+    nixl_error: str | None = None
+    all: list[EngineProcess] = field(default_factory=list)
+
+
+def start_engines(
+    model: Path, work: Path, broker: BrokerProcess, args: argparse.Namespace, out: list[Any]
+) -> Engines:
+    """Start every engine (each appended to `out` at once, for the caller's clean-up) and wait for
+    them; a NixlConnector engine that does not start is recorded, not fatal."""
+    p, p_stats = broker_engine(model, work, name="P", broker_address=broker.address, role="prefill")
+    out.append(p)
+    eng = Engines(p, p_stats, all=out)
+    if not args.skip_vllm_reader:
+        eng.x, _ = broker_engine(
+            model,
+            work,
+            name="X",
+            broker_address=broker.address,
+            role="decode",
+            session_ttl_ms=args.ttls_ms[0],
+        )
+        out.append(eng.x)
+    if not args.skip_nixl:
+        eng.p_nixl = nixl_engine(model, work, "P-nixl").start()
+        out.append(eng.p_nixl)
+        eng.d_nixl = nixl_engine(model, work, "D-nixl").start()
+        out.append(eng.d_nixl)
+    for engine in list(out):
+        try:
+            engine.wait_ready(timeout=args.start_timeout_s, progress=log)
+        except Exception as e:
+            if engine not in (eng.p_nixl, eng.d_nixl):
+                raise
+            eng.nixl_error = f"{engine.name} did not start: {e}"
+            log(eng.nixl_error)
+    return eng
+
+
+def measure_session_readers(
+    eng: Engines,
+    client: BrokerClient,
+    broker: BrokerProcess,
+    work: Path,
+    args: argparse.Namespace,
+    readers: list[Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per session TTL: readers killed -9, then readers hung (SIGSTOP); runs per TTL for each."""
+    killed: dict[str, Any] = {}
+    hung: dict[str, Any] = {}
+    for ttl_ms in args.ttls_ms:
+        for mode, reps in (("kill", args.reps), ("hang", args.hang_reps)):
+            runs = []
+            for rep in range(reps):
+                reader = f"R{ttl_ms}-{mode}-{rep}"
+                proc = start_reader_session(broker.address, reader, ttl_ms, work)
+                readers.append(proc)
+                seed = ttl_ms * 100 + rep + (50 if mode == "hang" else 0)
+                returned_before = _hold_for(eng.p, eng.p_stats, client, reader, seed=seed)
+                sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
+                r = _kill_and_time(
+                    lambda proc=proc, sig=sig: os.killpg(proc.pid, sig),
+                    eng.p_stats,
+                    returned_before,
+                    ttl_ms / 1000 + 15,
+                )
+                proc.kill9()
+                log(f"broker, session TTL {ttl_ms} ms, reader {mode}, rep {rep}: {r}")
+                runs.append(r)
+            (killed if mode == "kill" else hung)[str(ttl_ms)] = runs
+    return killed, hung
+
+
+def measure_vllm_reader(eng: Engines, client: BrokerClient, ttl_ms: int) -> dict[str, Any] | None:
+    """The real vLLM reader X killed -9 while P holds for it."""
+    x = eng.x
+    if x is None:
+        return None
+    returned_before = _hold_for(eng.p, eng.p_stats, client, "X", seed=777)
+    r = _kill_and_time(
+        lambda: os.killpg(x.pid or 0, signal.SIGKILL), eng.p_stats, returned_before, ttl_ms / 1000 + 15
+    )
+    x.kill9()  # reap the group
+    log(f"broker, real vLLM reader X (session TTL {ttl_ms} ms): {r}")
+    return {"session_ttl_ms": ttl_ms, **r}
+
+
+def measure_nixl_pair(eng: Engines, reps: int) -> dict[str, Any] | None:
+    if eng.p_nixl is None or eng.d_nixl is None:
+        return None
+    error = eng.nixl_error
+    if error is None:
+        try:
+            return {
+                "runs": measure_nixl(eng.p_nixl, eng.d_nixl, reps, NIXL_DEFAULT_LEASE_S * 3),
+                "measured": True,
+            }
+        except Exception as e:
+            error = f"NixlConnector request failed: {e!r}"
+    return {"measured": False, "error": error}
+
+
+def _freed_cell(f: dict[str, Any] | None) -> str:
+    return (
+        f"{f['median_ms'] / 1000:.2f} ({f['min_ms'] / 1000:.2f}..{f['max_ms'] / 1000:.2f})" if f else "never"
+    )
+
+
+def per_ttl_figures(by_ttl: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for ttl, runs in by_ttl.items():
+        freed = [r["holder_freed_s"] for r in runs if r["holder_freed_s"] is not None]
+        out[ttl] = {
+            "holder_freed": summary(freed) if freed else None,
+            "not_freed_in_time": len(runs) - len(freed),
+        }
+    return out
+
+
+def table_rows(
+    results: dict[str, Any], per_ttl: dict[str, Any], per_ttl_hang: dict[str, Any]
+) -> list[list[str]]:
+    """The table's rows; fills in the NixlConnector figures (results["nixl"]["holder_freed"])."""
+    rows = [
+        [
+            f"broker, reader session TTL {int(ttl) / 1000:g} s",
+            f"{len(results['broker'][ttl])}",
+            _freed_cell(f["holder_freed"]),
+            "yes",
+        ]
+        for ttl, f in per_ttl.items()
+    ]
+    rows += [
+        [
+            f"broker, reader hung (SIGSTOP), TTL {int(ttl) / 1000:g} s",
+            f"{len(results['broker_hang'][ttl])}",
+            _freed_cell(f["holder_freed"]),
+            "yes",
+        ]
+        for ttl, f in per_ttl_hang.items()
+    ]
+    xr = results["broker_vllm_reader"]
+    if xr is not None:
+        freed = f"{xr['holder_freed_s']:.2f}" if xr["holder_freed_s"] is not None else "never"
+        rows.append([f"broker, vLLM reader engine, TTL {xr['session_ttl_ms'] / 1000:g} s", "1", freed, "yes"])
+    nx = results["nixl"]
+    if nx is not None and nx.get("measured"):
+        freed_s = [r["holder_freed_s"] for r in nx["runs"] if r["holder_freed_s"] is not None]
+        nx["holder_freed"] = summary(freed_s) if freed_s else None
+        rows.append(["vLLM NixlConnector", str(len(nx["runs"])), _freed_cell(nx["holder_freed"]), "yes"])
+    elif nx is not None:
+        lease = f"{NIXL_DEFAULT_LEASE_S} (documented default kv_lease_duration)"
+        rows.append(["vLLM NixlConnector", "0", lease, "NO: " + nx["error"].splitlines()[0][:80]])
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start everything, measure every case, stop everything; the raw results."""
+    work, model = prepare_workdir(args, "kvbroker-reclaim-bench-")
+    broker = BrokerProcess(work).start()
+    engines: list[EngineProcess] = []
+    readers: list[ChildProcess] = []
+    results: dict[str, Any] = {"broker": {}, "broker_hang": {}, "broker_vllm_reader": None, "nixl": None}
+    try:
+        eng = start_engines(model, work, broker, args, engines)
+        with BrokerClient(broker.address) as client:
+            wait_for(lambda: any(e.engine_id == "P" and e.ranks for e in client.list_engines().engines), 30)
+            results["broker"], results["broker_hang"] = measure_session_readers(
+                eng, client, broker, work, args, readers
+            )
+            results["broker_vllm_reader"] = measure_vllm_reader(eng, client, args.ttls_ms[0])
+        results["nixl"] = measure_nixl_pair(eng, args.nixl_reps)
+    finally:
+        for proc in readers:
+            proc.kill9()
+        for engine in engines:
+            engine.stop()
+        broker.stop()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ttls-ms", type=int, nargs="+", default=[1000, 3000, 5000])
@@ -165,165 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     add_run_arguments(ap)
     args = ap.parse_args(argv)
 
-    work, model = prepare_workdir(args, "kvbroker-reclaim-bench-")
-    broker = BrokerProcess(work).start()
-    engines: list[EngineProcess] = []
-    readers: list[ChildProcess] = []
-    results: dict[str, Any] = {"broker": {}, "broker_hang": {}, "broker_vllm_reader": None, "nixl": None}
-    try:
-        p, p_stats = broker_engine(model, work, name="P", broker_address=broker.address, role="prefill")
-        engines.append(p)
-        x: EngineProcess | None = None
-        if not args.skip_vllm_reader:
-            x, _ = broker_engine(
-                model,
-                work,
-                name="X",
-                broker_address=broker.address,
-                role="decode",
-                session_ttl_ms=args.ttls_ms[0],
-            )
-            engines.append(x)
-        p_nixl = d_nixl = None
-        if not args.skip_nixl:
-            p_nixl = nixl_engine(model, work, "P-nixl").start()
-            d_nixl = nixl_engine(model, work, "D-nixl").start()
-            engines += [p_nixl, d_nixl]
-        nixl_error: str | None = None
-        for engine in engines:
-            try:
-                engine.wait_ready(timeout=args.start_timeout_s, progress=log)
-            except Exception as e:
-                if engine in (p_nixl, d_nixl):
-                    nixl_error = f"{engine.name} did not start: {e}"
-                    log(nixl_error)
-                else:
-                    raise
-
-        with BrokerClient(broker.address) as client:
-            wait_for(lambda: any(e.engine_id == "P" and e.ranks for e in client.list_engines().engines), 30)
-            for ttl_ms in args.ttls_ms:
-                for mode, reps in (("kill", args.reps), ("hang", args.hang_reps)):
-                    runs = []
-                    for rep in range(reps):
-                        reader = f"R{ttl_ms}-{mode}-{rep}"
-                        proc = start_reader_session(broker.address, reader, ttl_ms, work)
-                        readers.append(proc)
-                        returned_before = _hold_for(
-                            p,
-                            p_stats,
-                            client,
-                            reader,
-                            seed=ttl_ms * 100 + rep + (50 if mode == "hang" else 0),
-                        )
-                        sig = signal.SIGKILL if mode == "kill" else signal.SIGSTOP
-                        r = _kill_and_time(
-                            lambda proc=proc, sig=sig: os.killpg(proc.pid, sig),
-                            p_stats,
-                            returned_before,
-                            ttl_ms / 1000 + 15,
-                        )
-                        proc.kill9()
-                        log(f"broker, session TTL {ttl_ms} ms, reader {mode}, rep {rep}: {r}")
-                        runs.append(r)
-                    results["broker" if mode == "kill" else "broker_hang"][str(ttl_ms)] = runs
-            if x is not None:
-                returned_before = _hold_for(p, p_stats, client, "X", seed=777)
-                r = _kill_and_time(
-                    lambda: os.killpg(x.pid or 0, signal.SIGKILL),
-                    p_stats,
-                    returned_before,
-                    args.ttls_ms[0] / 1000 + 15,
-                )
-                x.kill9()  # reap the group
-                log(f"broker, real vLLM reader X (session TTL {args.ttls_ms[0]} ms): {r}")
-                results["broker_vllm_reader"] = {"session_ttl_ms": args.ttls_ms[0], **r}
-        if p_nixl is not None and d_nixl is not None:
-            if nixl_error is None:
-                try:
-                    results["nixl"] = {
-                        "runs": measure_nixl(p_nixl, d_nixl, args.nixl_reps, NIXL_DEFAULT_LEASE_S * 3),
-                        "measured": True,
-                    }
-                except Exception as e:
-                    nixl_error = f"NixlConnector request failed: {e!r}"
-            if nixl_error is not None:
-                results["nixl"] = {"measured": False, "error": nixl_error}
-    finally:
-        for proc in readers:
-            proc.kill9()
-        for engine in engines:
-            engine.stop()
-        broker.stop()
-
-    rows = []
-    per_ttl: dict[str, Any] = {}
-    for ttl, runs in results["broker"].items():
-        freed = [r["holder_freed_s"] for r in runs if r["holder_freed_s"] is not None]
-        per_ttl[ttl] = {
-            "holder_freed": summary(freed) if freed else None,
-            "not_freed_in_time": len(runs) - len(freed),
-        }
-        f = per_ttl[ttl]["holder_freed"]
-        rows.append(
-            [
-                f"broker, reader session TTL {int(ttl) / 1000:g} s",
-                f"{len(runs)}",
-                f"{f['median_ms'] / 1000:.2f} ({f['min_ms'] / 1000:.2f}..{f['max_ms'] / 1000:.2f})"
-                if f
-                else "never",
-                "yes",
-            ]
-        )
-    per_ttl_hang: dict[str, Any] = {}
-    for ttl, runs in results["broker_hang"].items():
-        freed = [r["holder_freed_s"] for r in runs if r["holder_freed_s"] is not None]
-        f = summary(freed) if freed else None
-        per_ttl_hang[ttl] = {"holder_freed": f, "not_freed_in_time": len(runs) - len(freed)}
-        rows.append(
-            [
-                f"broker, reader hung (SIGSTOP), TTL {int(ttl) / 1000:g} s",
-                f"{len(runs)}",
-                f"{f['median_ms'] / 1000:.2f} ({f['min_ms'] / 1000:.2f}..{f['max_ms'] / 1000:.2f})"
-                if f
-                else "never",
-                "yes",
-            ]
-        )
-    xr = results["broker_vllm_reader"]
-    if xr is not None:
-        rows.append(
-            [
-                f"broker, vLLM reader engine, TTL {xr['session_ttl_ms'] / 1000:g} s",
-                "1",
-                f"{xr['holder_freed_s']:.2f}" if xr["holder_freed_s"] is not None else "never",
-                "yes",
-            ]
-        )
-    nx = results["nixl"]
-    if nx is not None and nx.get("measured"):
-        freed = [r["holder_freed_s"] for r in nx["runs"] if r["holder_freed_s"] is not None]
-        s = summary(freed) if freed else None
-        nx["holder_freed"] = s
-        rows.append(
-            [
-                "vLLM NixlConnector",
-                str(len(nx["runs"])),
-                f"{s['median_ms'] / 1000:.2f} ({s['min_ms'] / 1000:.2f}..{s['max_ms'] / 1000:.2f})"
-                if s
-                else "never",
-                "yes",
-            ]
-        )
-    elif nx is not None:
-        rows.append(
-            [
-                "vLLM NixlConnector",
-                "0",
-                f"{NIXL_DEFAULT_LEASE_S} (documented default kv_lease_duration)",
-                "NO: " + nx["error"].splitlines()[0][:80],
-            ]
-        )
+    results = run(args)
+    per_ttl, per_ttl_hang = per_ttl_figures(results["broker"]), per_ttl_figures(results["broker_hang"])
+    rows = table_rows(results, per_ttl, per_ttl_hang)
     table = format_table(
         ["holder / reader", "runs", "reader dies/hangs -> holder frees, s: med (min..max)", "measured"], rows
     )
@@ -348,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             "broker_runs": results["broker"],
             "broker_reader_hung": per_ttl_hang,
             "broker_hang_runs": results["broker_hang"],
-            "broker_vllm_reader": xr,
-            "nixl": nx,
+            "broker_vllm_reader": results["broker_vllm_reader"],
+            "nixl": results["nixl"],
             "table": table,
         },
         args.out_dir,

@@ -104,7 +104,9 @@ def test_control_plane_tiny(tmp_path: Path) -> None:
 
 
 def test_broker_bench_tiny(tmp_path: Path) -> None:
-    out, doc = run_bench("bench.control_plane.broker", "broker_bench", tmp_path, "--skip", "redis", "--skip", "mooncake")
+    out, doc = run_bench(
+        "bench.control_plane.broker", "broker_bench", tmp_path, "--skip", "redis", "--skip", "mooncake"
+    )
     assert "resolve over session stream: p50 us" in out
     assert "resolve on the engine-local index mirror: p50 us" in out
     results = doc["results"]

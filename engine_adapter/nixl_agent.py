@@ -4,7 +4,7 @@ NIXL is an optional, heavy dependency (the engine-side extras install it), so
 it is imported lazily here and nowhere else: the broker, the clients and the
 rest of the adapter import on any machine. Everything the data path needs from
 NIXL goes through a `NixlApi` value, which unit tests replace with the fake in
-`tests.data_path.fake_nixl`.
+`tests.engine_adapter.fake_nixl`.
 """
 
 from __future__ import annotations

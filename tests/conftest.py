@@ -1,5 +1,6 @@
 """Keep the session's exit status when real NIXL agents were created in this process (any test folder);
-and `store`, a real redis-server of a test's own, for the tests of broker replicas in any folder.
+`store`, a real redis-server of a test's own, for the tests of broker replicas in any folder;
+and `tiny_model_dir`, the tiny model, built once per session for every test that starts engines.
 
 nixl 1.5.1 segfaults during interpreter teardown in any process that created
 a UCX agent (see engine_adapter.nixl_agent.exit_skipping_nixl_teardown), which
@@ -38,3 +39,12 @@ def store(tmp_path: Path) -> Iterator[RedisServer]:
         pytest.skip(reason)
     with running_redis(tmp_path / "redis") as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from kvbroker.tools.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -15,7 +15,7 @@ from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.proxy import EngineSpec, ProxyConfig, build_app
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.waiting import until
-from tests.serving.fake_engine import FakeEngine
+from tests.clients.proxy.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)
 

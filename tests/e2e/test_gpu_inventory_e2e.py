@@ -6,7 +6,7 @@ second; P has a small KV cache, so vLLM evicts from it. A conversation idle
 for longer than its hold is still scored to D and pulled from there (pinned on
 demand through D's session); a block vLLM evicts stops being named within a
 second; P's own /metrics shows the pull. Unit tests with vLLM's real block
-pool: tests/adapter/test_gpu_inventory.py.
+pool: tests/engine_adapter/test_gpu_inventory.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,48 @@
+"""The demo stack's supervisor with a real child process: killed, it is started again with a
+growing wait, says so, and stops restarting once stopped. (The broker under it, with real engines
+riding through: tests/e2e/test_hung_engine_e2e.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbroker.tools.demo_stack import Supervisor
+from testkit.processes import ChildProcess
+from testkit.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_killed_child_is_restarted_with_backoff(tmp_path: Path) -> None:
+    child = ChildProcess(
+        "sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "sleeper.log"
+    ).start()
+    said: list[str] = []
+    supervisor = Supervisor(child, min_backoff_s=0.2, max_backoff_s=0.4, report=said.append).start()
+    try:
+        for n in (1, 2, 3):
+            pid = child.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            assert wait_for(lambda n=n: supervisor.restarts == n and child.alive(), timeout=10)
+            waited = time.monotonic() - killed
+            assert waited >= (0.2 if n == 1 else 0.4) - 0.05
+            assert child.pid != pid
+        assert said[0] == (
+            f"!! the sleeper exited (code -9); starting it again in 0.2 s (engines and proxy stay up and "
+            f"reconnect; log: {tmp_path / 'sleeper.log'})"
+        )
+        assert said[1].startswith("!! the sleeper is running again (pid ") and said[1].endswith("restart 1)")
+    finally:
+        supervisor.stop()
+        child.stop()
+    assert not child.alive()
+    time.sleep(0.5)
+    assert supervisor.restarts == 3  # stopped: no restart after the stack's own stop

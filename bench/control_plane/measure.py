@@ -7,7 +7,7 @@ its inventory and mirror figures in bench.control_plane.measure_inventory and be
 Workload: namespaces of 64-block chains of random 64-bit hashes. A lookup asks for
 the longest held prefix of one chain (every lookup chain is fully held, and each
 answer is checked to be 64 before timing starts). Publishing announces a fresh
-chain of 64 blocks. Latency is closed-loop (see bench.harness) at 1 and 16
+chain of 64 blocks. Latency is closed-loop (see bench.harness.loops) at 1 and 16
 concurrent clients, repeated ``reps`` times.
 """
 

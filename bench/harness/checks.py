@@ -131,7 +131,7 @@ def validate_results(results: dict[str, Any], memcpy: float | None = None) -> li
     """Check every figure in a benchmark's results (in place); return 'path: reason' lines.
 
     Run-level checks (Little's law) were made when the runs were aggregated
-    (bench.common.aggregate); this adds the checks that need several figures (the
+    (bench.harness.loops.aggregate); this adds the checks that need several figures (the
     cores check of in-process work against its 1-client rate) or the machine
     (blocks/s against memcpy), and collects every failure.
     """

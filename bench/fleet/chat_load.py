@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             f"history pulled by P from D: {pulled.get('prefill-0', 0)} blocks ({pulled.get('prefill-0', 0) * block} "
             f"tokens); prompt blocks pulled by D from P: {pulled.get('decode-0', 0)}",
             f"identical greedy tokens, P/D vs one engine: {'yes, every turn' if not differ else 'NO: ' + '; '.join(differ)}",
-            f"leases active {HOLD_TTL_MS / 1000 + 6:.0f} s after the last turn (hold TTL {HOLD_TTL_MS / 1000:.0f} s): {active}",
+            f"leases still active {HOLD_TTL_MS / 1000 + 6:.0f} s after the last turn, or when none was left "
+            f"(hold TTL {HOLD_TTL_MS / 1000:.0f} s): {active}",
         ]
     )
     print(text)

@@ -164,7 +164,8 @@ def run_setup(
             engines = [pair.p, pair.d]
             runner = broker_turn(pair.p, pair.d, pair.p_stats, pair.d_stats)
         for e in engines:
-            e.wait_ready(timeout=timeout, progress=log)
+            if name != "broker":  # broker_pair returned its engines ready
+                e.wait_ready(timeout=timeout, progress=log)
             logs[e.name] = e.log_path
         conversation(runner, 256, seed=7)  # warm-up: first connections and prefills, not recorded
         rows: list[dict[str, Any]] = []

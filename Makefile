@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_INDEX_ARG = $(if $(TORCH_INDEX),$(shell $(PY) -c "import urllib.request; urllib.request.urlopen('$(TORCH_INDEX)/', timeout=3)" >/dev/null 2>&1 && echo --extra-index-url $(TORCH_INDEX)))
 
-.PHONY: help venv protos protos-check lint test test-fast redis-server run up bench clean
+.PHONY: help venv protos protos-check lint test test-fast redis-server run up bench gpu-carry clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -78,6 +78,9 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 	$(BIN)/python -m bench.chats.compare
 	$(BIN)/python -m bench.fleet.chat_load
 	$(BIN)/python -m bench.summary --write-readme
+
+gpu-carry:  ## download the wheels a lent GPU machine needs into .whl/ and check the 64 MiB carry (docs/data_path.md#gpu-check)
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) scripts/gpu_check.sh prepare
 
 clean:  ## remove caches (keeps .venv)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info

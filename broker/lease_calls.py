@@ -5,20 +5,19 @@ the request, call the core, encode the answer. A domain error propagates as
 ``BrokerError``; the unary handler turns it into a failed call, the stream
 into an in-band SessionError of the command's seq.
 
-On the stream the session names the engine (``session_request``): an engine
-id left empty is filled with the session's, one naming another engine is
-refused, so an engine can act only as itself there. The unary calls are held
-to the same rule by broker/security/callers.py.
+On the stream the session names the engine: an engine id left empty is
+filled with the session's. Whether the caller is the engine it names, on the
+stream and on the unary calls alike, is broker/security/engine_identity.py's
+one check, made by the servicer before these run.
 """
 
 from __future__ import annotations
 
 from kvbroker.broker import codec
 from kvbroker.broker.core import BrokerCore
-from kvbroker.broker.errors import InvalidArgument, PermissionDenied, shown
+from kvbroker.broker.errors import InvalidArgument
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.registry import EngineRecord
-from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 
 # SessionUp's lease commands, and the request field that names the acting engine
@@ -73,10 +72,17 @@ def decline(core: BrokerCore, request: pb.DeclineRequest) -> pb.DeclineResponse:
     return pb.DeclineResponse(lease=codec.lease_pb(lease, core.clock.now()))
 
 
+def acting_engine(msg: pb.SessionUp) -> str:
+    """The engine id a session lease command acts as ("" for decline, which names the hold's holder)."""
+    kind = msg.WhichOneof("msg")
+    field = SESSION_COMMANDS.get(kind or "")
+    return getattr(getattr(msg, kind), field) if kind and field else ""
+
+
 def session_command(core: BrokerCore, rec: EngineRecord, msg: pb.SessionUp) -> pb.SessionDown:
     """Run the lease command of ``msg`` as the session's engine; its reply, of the same seq.
 
-    Raises BrokerError (PermissionDenied when the request names another engine).
+    Raises BrokerError. The caller was checked to be the engine it names (the servicer).
     """
     kind = msg.WhichOneof("msg")
     if kind not in SESSION_COMMANDS:
@@ -86,13 +92,6 @@ def session_command(core: BrokerCore, rec: EngineRecord, msg: pb.SessionUp) -> p
     named = getattr(request, field)
     if not named:
         setattr(request, field, rec.engine_id)
-    elif named != rec.engine_id and SESSION_COMMANDS[kind] is not None:
-        raise PermissionDenied(
-            f"{kind}.{field} names engine {shown(named)}, but this session is engine {shown(rec.engine_id)}: "
-            f"an engine acts only as itself; leave {field} empty",
-            Cause.NOT_PARTY,
-            {"engine_id": named, "session_engine_id": rec.engine_id},
-        )
     if kind == "decline":
         return pb.SessionDown(seq=msg.seq, decline=decline(core, msg.decline))
     if kind == "hold":

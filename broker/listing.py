@@ -11,7 +11,7 @@ item that stayed.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvbroker.broker import codec
 from kvbroker.broker.core import BrokerCore
@@ -48,7 +48,11 @@ def _leases(core: BrokerCore, engine_id: str, include_ended: bool) -> Iterable[L
                 yield lease
 
 
-def list_leases(core: BrokerCore, request: pb.ListLeasesRequest) -> pb.ListLeasesResponse:
+def list_leases(
+    core: BrokerCore, request: pb.ListLeasesRequest, tenant_seen: Callable[[str], bool] | None = None
+) -> pb.ListLeasesResponse:
+    """A page of leases; `tenant_seen`: which namespace tenants the caller may see (None: all), applied
+    before paging, so a page and its token name only what the caller may see."""
     after = _order(request.page_token) if request.page_token else None
     limit = _page_size(core, request.page_size)
     # The page and one more (to know whether more follow), without sorting everything.
@@ -57,7 +61,8 @@ def list_leases(core: BrokerCore, request: pb.ListLeasesRequest) -> pb.ListLease
         (
             lease
             for lease in _leases(core, request.engine_id, request.include_ended)
-            if after is None or _order(lease.lease_id) > after
+            if (after is None or _order(lease.lease_id) > after)
+            and (tenant_seen is None or tenant_seen(lease.namespace.tenant))
         ),
         key=lambda lease: _order(lease.lease_id),
     )
@@ -81,7 +86,11 @@ def _engine_pb(core: BrokerCore, rec: EngineRecord) -> pb.EngineInfo:
     return codec.engine_pb(rec, core.engine_blocks(rec), held, read)
 
 
-def list_engines(core: BrokerCore, request: pb.ListEnginesRequest) -> pb.ListEnginesResponse:
+def list_engines(
+    core: BrokerCore, request: pb.ListEnginesRequest, engine_seen: Callable[[str], bool] | None = None
+) -> pb.ListEnginesResponse:
+    """A page of engines; `engine_seen`: which engine ids the caller may see (None: all), applied
+    before paging, so a page and its token name only what the caller may see."""
     after = _order(request.page_token) if request.page_token else None
     limit = _page_size(core, request.page_size)
     chosen = heapq.nsmallest(
@@ -91,6 +100,7 @@ def list_engines(core: BrokerCore, request: pb.ListEnginesRequest) -> pb.ListEng
             for rec in core.registry.all()
             if (not request.layout_id or rec.layout_id == request.layout_id)
             and (after is None or _order(rec.engine_id) > after)
+            and (engine_seen is None or engine_seen(rec.engine_id))
         ),
         key=lambda rec: _order(rec.engine_id),
     )

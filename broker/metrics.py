@@ -177,7 +177,7 @@ class KvEventsCollector(Collector):
         )
         blocks = CounterMetricFamily(
             "kvbroker_kv_events_blocks",
-            "Blocks in KV events by outcome (stored, removed, unknown_parent, mismatched, unsupported)",
+            "Blocks in KV events by outcome (stored, removed, unknown_parent, mismatched, unsupported, unowned_salt)",
             labels=["engine", "outcome"],
         )
         for engine_id, feed in list(self._feeds.items()):

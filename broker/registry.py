@@ -38,7 +38,7 @@ class EngineRecord:
     mirrored_at: float = float("-inf")
     draining: bool = False
     ranks_version: int = 0
-    peer_host: str = ""  # host of the Session stream's connection (see broker/security/callers.py)
+    peer_host: str = ""  # host of the Session stream's connection (see broker/security/engine_identity.py)
 
     @property
     def ready(self) -> bool:

@@ -36,6 +36,7 @@ from kvbroker.broker.security.auth import AuthInterceptor
 from kvbroker.broker.security.config import SecurityConfig, is_loopback
 from kvbroker.broker.security.credentials import CertificateFiles, server_credentials
 from kvbroker.broker.security.decode_guard import DecodeGuardInterceptor
+from kvbroker.broker.security.engine_identity import EngineIdentity
 from kvbroker.broker.security.identity import Authenticator, TokenTable
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.broker.security.tenancy import TenantGuard
@@ -138,15 +139,18 @@ def _public_address(address: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def _auth_interceptor(core: BrokerCore, security: SecurityConfig) -> AuthInterceptor | None:
+def _auth_interceptor(
+    core: BrokerCore, security: SecurityConfig, engines: EngineIdentity
+) -> AuthInterceptor | None:
     if not security.authenticates:
         return None
     try:
         tokens = TokenTable(security.tokens_file) if security.tokens_file else None
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"cannot use --tokens-file: {err}") from None
-    quotas = Quotas(security)
-    return AuthInterceptor(Authenticator(tokens, security.mutual), TenantGuard(core, quotas), quotas)
+    slots = {"Mirror": core.config.max_mirrors, "Watch": core.config.max_watchers}
+    quotas = Quotas(security, stream_slots=slots)
+    return AuthInterceptor(Authenticator(tokens, security.mutual), TenantGuard(core, quotas, engines), quotas)
 
 
 def _listen(
@@ -288,7 +292,14 @@ async def start_server(
     else:
         core, notifier, follow, counters = _fleet_core(config, clock, shared)
         tasks.append(asyncio.create_task(follow, name="kvbroker-fleet-channel"))
-    servicer = BrokerServicer(core, notifier)
+    feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
+
+    def feed_tenant(engine_id: str) -> str | None:
+        feed = feeds.get(engine_id)
+        return feed.source.tenant if feed is not None else None
+
+    engines = EngineIdentity(core.registry, feed_tenant)
+    servicer = BrokerServicer(core, notifier, engines)
     if counters is not None:
         servicer.stats = lambda: counters.stats(core.stats())  # the fleet's counts, not this replica's
 
@@ -305,7 +316,7 @@ async def start_server(
         interceptors.append(TracingInterceptor(provider))
         servicer.tracer = provider.get_tracer("kvbroker.server")
         extras.append(provider)
-    auth = _auth_interceptor(core, security)
+    auth = _auth_interceptor(core, security, engines)
     if auth is not None:
         # Before the decode guard: a caller without rights learns nothing, not even "malformed".
         interceptors.append(auth)
@@ -338,7 +349,6 @@ async def start_server(
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
 
     metrics_port = 0
-    feeds: dict[str, KvEventsFeed] = {}  # filled by _start_indexer; /metrics reads it at scrape time
     if metrics_registry is not None:
         http = start_metrics_http(
             core,
@@ -383,7 +393,8 @@ async def _start_indexer(
 ) -> None:
     """The engines followed by KV events (--kv-events) and the indexer HTTP API (--indexer-http)."""
     for source in parse_sources(config.kv_events):
-        feed = running.feeds[source.engine_id] = KvEventsFeed(running.core, source)
+        feed = KvEventsFeed(running.core, source, bare_salts=not security.authenticates)
+        running.feeds[source.engine_id] = feed
         feed.start()
     if config.indexer_http:
         tenant_of = guard.tenant_of_engine if guard is not None else None

@@ -29,16 +29,11 @@ from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult, Stats
-from kvbroker.broker.security.callers import (
-    ENGINE_ID_METADATA,
-    SESSION_ID_METADATA,
-    call_metadata,
-    check_owner,
-    peer_host,
-)
+from kvbroker.broker.security.engine_identity import CURRENT, Caller, EngineIdentity, call_metadata
 from kvbroker.broker.status import abort, answer, status_of, trailers
 from kvbroker.broker.tracing import command_span
 from kvbroker.common.causes import Cause
+from kvbroker.common.metadata import ENGINE_ID_METADATA
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
@@ -68,9 +63,13 @@ class StreamObserver(Protocol):
 
 
 class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
-    def __init__(self, core: BrokerCore, notifier: StreamNotifier) -> None:
+    def __init__(
+        self, core: BrokerCore, notifier: StreamNotifier, engines: EngineIdentity | None = None
+    ) -> None:
         self.core = core
         self.notifier = notifier
+        # Who may act as which engine: every path that acts as one asks it (one rule, one cause).
+        self.engines = engines if engines is not None else EngineIdentity(core.registry)
         self.shutting_down = False
         self.stats: Callable[[], Stats] = core.stats  # a replica of a fleet answers the fleet's counts
         # Session-stream metrics (None: off); the unary calls are timed by an interceptor.
@@ -106,14 +105,16 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 Cause.BAD_REQUEST,
             )
         reg = first.register
+        caller = Caller.of_call(context)
         try:
+            self.engines.admit(caller, reg.engine.engine_id, reg.resume_session_id)
             rec = self.core.register(
                 reg.engine, reg.session_ttl_ms, reg.expected_ranks, reg.resume_session_id
             )
         except BrokerError as err:
             await _abort(context, err)
             return
-        rec.peer_host = peer_host(context.peer() or "")
+        self.engines.registered(rec, caller)
         channel = self.notifier.attach(rec.session_id, self.core.config.session_buffer_bytes)
         lock = asyncio.Lock()
         ttl_ms = int(rec.ttl_s * 1000)
@@ -184,6 +185,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 if self.session_guard is not None:
                     self.session_guard(rec, msg)
                 if kind in lease_calls.SESSION_COMMANDS:
+                    self.engines.acting_as(Caller(session=rec), lease_calls.acting_engine(msg), kind)
                     with command_span(self.tracer, kind.capitalize(), msg.trace_context):
                         reply = lease_calls.session_command(core, rec, msg)
                 elif kind == "resolve":
@@ -259,23 +261,20 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     # -- unary: engine side ---------------------------------------------------------
 
     def _acting_as(self, engine_id: str, context: grpc.aio.ServicerContext, what: str) -> None:
-        """A unary call acting as `engine_id` must come from its session (broker/security/callers.py)."""
-        rec = self.core.registry.find(engine_id)
-        if rec is not None:  # an unknown or empty id is the core's to refuse, precisely
-            check_owner(rec, context, what)
+        """A unary call acting as `engine_id` must come from that engine (broker/security/engine_identity.py)."""
+        self.engines.acting_as(Caller.of_call(context), engine_id, what)
 
     def _asker(self, context: grpc.aio.ServicerContext) -> EngineRecord | None:
-        """The engine a unary Resolve asks for: named by its session id, or by its engine id
-        from its own session's host; None for a router."""
-        session_id = call_metadata(context, SESSION_ID_METADATA)
-        if session_id:
-            return self.core.registry.by_session(session_id)
+        """The engine a unary Resolve asks as (its engine id in the metadata, or its session id); None for
+        a router. The caller must be that engine, as for every call that acts as one."""
+        caller = Caller.of_call(context)
         engine_id = call_metadata(context, ENGINE_ID_METADATA)
+        if not engine_id and caller.session_id:
+            engine_id = self.core.registry.by_session(caller.session_id).engine_id
         if not engine_id:
             return None
-        rec = self.core.registry.get(engine_id)
-        check_owner(rec, context, f"Resolve with {ENGINE_ID_METADATA}")
-        return rec
+        rec = self.engines.acting_as(caller, engine_id, f"Resolve with {ENGINE_ID_METADATA}")
+        return rec if rec is not None else self.core.registry.get(engine_id)
 
     async def RegisterRank(
         self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext
@@ -373,12 +372,16 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
-        return await answer(context, lambda: listing.list_engines(self.core, request))
+        who = CURRENT.get()
+        sees = None if who is None else (lambda engine_id: self.engines.sees(who, engine_id))
+        return await answer(context, lambda: listing.list_engines(self.core, request, sees))
 
     async def ListLeases(
         self, request: pb.ListLeasesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListLeasesResponse:
-        return await answer(context, lambda: listing.list_leases(self.core, request))
+        who = CURRENT.get()
+        owns = None if who is None else who.owns_tenant
+        return await answer(context, lambda: listing.list_leases(self.core, request, owns))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return await answer(context, lambda: codec.stats_pb(self.stats()))

@@ -28,14 +28,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvbroker.clients import errors
 from kvbroker.clients.credentials import ClientSecurity, FileStamp, aio_channel
 from kvbroker.common import keepalive
+from kvbroker.common.metadata import ENGINE_ID_METADATA, SESSION_ID_METADATA
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 5.0
-# Metadata naming the asking engine on a unary Resolve (the broker's servicer reads it).
-ENGINE_ID_METADATA = "kvbroker-engine-id"
-SESSION_ID_METADATA = "kvbroker-session-id"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # Keepalive pings find a dead broker on an otherwise quiet stream (Watch,

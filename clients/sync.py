@@ -17,13 +17,12 @@ from kvbroker.clients import errors
 from kvbroker.clients.aio import (
     DEFAULT_ADDRESS,
     DEFAULT_TIMEOUT_S,
-    ENGINE_ID_METADATA,
-    SESSION_ID_METADATA,
     build_request,
     channel_options,
     trace_metadata,
 )
 from kvbroker.clients.credentials import ClientSecurity, FileStamp, sync_channel
+from kvbroker.common.metadata import ENGINE_ID_METADATA, SESSION_ID_METADATA
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 

@@ -64,7 +64,8 @@ class Cause(StrEnum):
     TOO_MANY_MIRRORS = "too_many_mirrors"
     LIMIT_REACHED = "limit_reached"
     REGISTER_TIMEOUT = "register_timeout"
-    NOT_SESSION_OWNER = "not_session_owner"
+    # Retired: "not_session_owner" (0.1) and, for a lease command naming another engine on the
+    # Session stream, "not_party": both are "not_yours" now, the one answer to "you are not that engine".
 
     # Who is calling (transport security, identities, roles, tenants, quotas).
     UNAUTHENTICATED = "unauthenticated"
@@ -239,14 +240,18 @@ CAUSES: dict[Cause, CauseInfo] = {
     ),
     Cause.NOT_YOURS: CauseInfo(
         "PERMISSION_DENIED",
-        "an engine identity acted for another engine id (register, rank, hold, acquire, renew, "
-        "release or resolve as another engine)",
-        "an engine acts only as the engine id its identity names",
+        "the call acts as an engine the caller is not (rank, hold, acquire, renew, release or "
+        "resolve as it): with identities, not the identity that registered that engine id; "
+        "without, neither its session id (kvbroker-session-id metadata) nor its session's host; "
+        "on a Session stream, a lease command naming another engine than the session's",
+        "act only as your own engine: over its Session stream (leave the engine id empty), or a "
+        "unary call with its identity (or its session id)",
     ),
     Cause.SESSION_OWNED: CauseInfo(
         "PERMISSION_DENIED",
-        "a live session of another identity holds this engine id",
-        "use a unique engine id; the same identity may replace its own session",
+        "a live session of another identity (without identities: from another host) holds this engine id",
+        "use a unique engine id, or wait for that session to end (stop or drain that engine); the "
+        "same identity (or host) may replace its own session",
     ),
     Cause.QUOTA_EXCEEDED: CauseInfo(
         "RESOURCE_EXHAUSTED",
@@ -263,12 +268,6 @@ CAUSES: dict[Cause, CauseInfo] = {
         "DEADLINE_EXCEEDED",
         "a Session stream sent no 'register' within --register-timeout-ms",
         "send the register message first, at once",
-    ),
-    Cause.NOT_SESSION_OWNER: CauseInfo(
-        "PERMISSION_DENIED",
-        "a call acts as an engine but does not come from that engine: it carries neither the "
-        "engine's session id (kvbroker-session-id metadata) nor comes from its session's host",
-        "act over the engine's own Session stream, or send its session id with the call",
     ),
     Cause.NO_HOLDER: CauseInfo(
         "", "resolve found no engine holding a prefix the asker can read", "recompute"

@@ -63,24 +63,28 @@ MODELS = {
 def fill(buf: torch.Tensor, seed: int) -> None:
     """Deterministic contents: every 4-byte word differs, and differs per seed."""
     words = buf.view(torch.int32)
-    idx = torch.arange(words.numel(), dtype=torch.int64)
+    idx = torch.arange(words.numel(), dtype=torch.int64, device=buf.device)
     words.copy_(((idx * 2654435761 + seed * 40503) & 0x7FFFFFFF).to(torch.int32))
 
 
-def kv_caches(shape: ModelShape, layout: str, num_blocks: int, seed: int | None) -> dict[str, torch.Tensor]:
-    """Per-layer KV tensors of `layout` (filled from `seed`, zeros when None), as an engine views them."""
+def kv_caches(
+    shape: ModelShape, layout: str, num_blocks: int, seed: int | None, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Per-layer KV tensors of `layout` (filled from `seed`, zeros when None), as an engine views them.
+
+    `device` "cuda" puts them in VRAM, as a GPU engine has them (bench/gpu_check.py)."""
     m = shape
     if layout == "kv_split":
         caches = {}
         for layer in range(m.layers):
-            raw = torch.zeros(num_blocks * m.page_bytes, dtype=torch.uint8)  # K then V
+            raw = torch.zeros(num_blocks * m.page_bytes, dtype=torch.uint8, device=device)  # K then V
             if seed is not None:
                 fill(raw, seed * 1000 + layer)
             caches[LAYER_NAME.format(layer)] = raw.view(m.dtype).view(
                 2, num_blocks, m.block_size, m.kv_heads, m.head_size
             )
         return caches
-    raw = torch.zeros(m.layers * num_blocks * m.page_bytes, dtype=torch.uint8)
+    raw = torch.zeros(m.layers * num_blocks * m.page_bytes, dtype=torch.uint8, device=device)
     if seed is not None:
         fill(raw, seed)
     view = raw.view(m.dtype)

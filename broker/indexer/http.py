@@ -29,13 +29,15 @@ import logging
 import ssl
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlencode
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import InvalidArgument
 from kvbroker.broker.indexer.kv_events import KvEventsFeed, KvEventsSource, parse_source
 from kvbroker.broker.indexer.query import IndexerError, query
 from kvbroker.broker.security.config import SecurityConfig, is_loopback
-from kvbroker.broker.security.identity import SCHEME, Identity, Role, TokenTable, parse_identity
+from kvbroker.broker.security.identity import ALL_TENANTS, SCHEME, Identity, Role, TokenTable, parse_identity
+from kvbroker.broker.security.tenancy import DEFAULT_TENANT
 from kvbroker.common.model import EVENT_FED, SOURCE_LABEL
 
 log = logging.getLogger("kvbroker.indexer")
@@ -203,12 +205,13 @@ class IndexerHttp:
                     raise IndexerError(400, "the body must be a JSON object")
             if target in ("/register", "/unregister"):
                 self._allow(who, (Role.OPERATOR,), target)
-                return 200, self._register(body) if target == "/register" else self._unregister(body)
+                return 200, self._register(body, who) if target == "/register" else self._unregister(
+                    body, who
+                )
             self._allow(who, (Role.ROUTER, Role.OPERATOR), target)
             if target == "/workers":
                 return 200, self._workers(who)
-            tenant = who.tenant if who is not None else None
-            return 200, query(self.core, body, by_hash=target == "/query_by_hash", caller_tenant=tenant)
+            return 200, query(self.core, body, by_hash=target == "/query_by_hash", who=who)
         except IndexerError as err:
             return err.status, _error(err.status, err.message)
         except InvalidArgument as err:
@@ -261,7 +264,20 @@ class IndexerHttp:
             )
         return out
 
-    def _register(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _feed_tenant(self, who: Identity | None, tenant_id: str) -> str:
+        """The tenant a feed registered by `who` files its blocks in: the operator's own (tenant ``*``
+        and brokers without identities: the one named; ``default`` is the empty tenant)."""
+        if who is not None and who.tenant != ALL_TENANTS:
+            if tenant_id not in ("", who.tenant):
+                raise IndexerError(
+                    403,
+                    f"{who} may not register a KV event feed into tenant {tenant_id[:80]!r}: rule 'an operator "
+                    f"files feeds into its own tenant' (omit tenant_id, or send {who.tenant!r})",
+                )
+            return who.tenant
+        return "" if tenant_id == DEFAULT_TENANT else tenant_id
+
+    def _register(self, body: dict[str, Any], who: Identity | None) -> dict[str, Any]:
         kind = str(body.get("type", "vLLM"))
         if kind.lower() != "vllm":
             raise IndexerError(400, f"type {kind[:40]!r}: only vLLM publishers are supported")
@@ -276,29 +292,36 @@ class IndexerHttp:
                 raise IndexerError(400, f"'{name}' is longer than {self.core.config.max_id_bytes} bytes")
         if instance in self.feeds or self.core.registry.find(instance) is not None:
             raise IndexerError(409, f"instance_id {instance[:80]!r} is already known; unregister it first")
-        tenant = str(body.get("tenant_id") or "")
-        source = parse_source(f"{instance}={body['endpoint']}")
+        tenant = self._feed_tenant(who, str(body.get("tenant_id") or ""))
         size = body["block_size"]
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise IndexerError(400, "'block_size' must be a positive integer")
+        endpoint = str(body["endpoint"])
+        # The endpoint alone (model and block size come as their own fields, as the RFC sends them).
+        options = urlencode({"model": str(body["modelname"]), "block_size": size})
+        parsed = parse_source(f"{instance}={endpoint}{'&' if '?' in endpoint else '?'}{options}")
         source = KvEventsSource(
             engine_id=instance,
-            endpoint=source.endpoint,
+            endpoint=parsed.endpoint,
             model=str(body["modelname"]),
             block_size=size,
-            tenant="" if tenant == "default" else tenant,
+            tenant=tenant,
             replay=str(body.get("replay_endpoint") or ""),
         )
-        feed = KvEventsFeed(self.core, source)
+        feed = KvEventsFeed(self.core, source, bare_salts=not self.security.authenticates)
         self.feeds[instance] = feed
         feed.start()
         return {"status": "registered successfully", "instance_id": instance}
 
-    def _unregister(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _unregister(self, body: dict[str, Any], who: Identity | None) -> dict[str, Any]:
         instance = str(body.get("instance_id") or "")
-        feed = self.feeds.pop(instance, None)
-        if feed is None:
-            raise IndexerError(404, f"instance_id {instance[:80]!r} is not a registered KV event publisher")
+        feed = self.feeds.get(instance)
+        foreign = feed is not None and who is not None and who.tenant not in (ALL_TENANTS, feed.source.tenant)
+        if feed is None or foreign:  # another tenant's feed is as unknown as no feed (nothing leaks)
+            raise IndexerError(
+                404, f"instance_id {instance[:80]!r} is not a registered KV event publisher of your tenant"
+            )
+        del self.feeds[instance]
         asyncio.get_running_loop().create_task(feed.stop())
         tenant = str(body.get("tenant_id") or "default")
         return {"status": "unregistered successfully", "removed_instances": [f"{instance}|{tenant}|0"]}

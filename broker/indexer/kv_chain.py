@@ -50,6 +50,7 @@ class ChainStats:
     unknown_parent: int = 0  # blocks whose parent we never saw (missed events)
     mismatched: int = 0  # blocks whose recomputed digest is not the published hash
     unsupported: int = 0  # LoRA, multi-modal or other extra keys we cannot reproduce
+    unowned_salt: int = 0  # salted blocks of a feed without a tenant, on a broker with identities
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -66,13 +67,20 @@ class BlockChain:
     """The digests of one engine's published blocks, by the hash vLLM published for each.
 
     `tenant` is the namespace tenant of unsalted blocks; a block salted with
-    ``cache_salt`` S goes to ``TENANT/S`` (or ``S`` with no tenant), as our
-    connector files them.
+    ``cache_salt`` S goes to ``TENANT/S``, as our connector files them. With
+    no tenant, S alone would be the namespace, and a salt can name any
+    tenant: that is filed only with `bare_salts` (a broker without
+    identities, where the salt is the tenant, as the proxy's tenant keys set
+    it); otherwise such blocks are skipped and counted (``unowned_salt``), so
+    a publisher never files blocks into a tenant it does not belong to.
     """
 
-    def __init__(self, hash_algo: str = "sha256", tenant: str = "", seed: str | None = None) -> None:
+    def __init__(
+        self, hash_algo: str = "sha256", tenant: str = "", seed: str | None = None, *, bare_salts: bool = True
+    ) -> None:
         self.hash_algo = hash_algo
         self.tenant = tenant
+        self.bare_salts = bare_salts
         self._root = none_hash(hash_algo, seed)
         self._known: dict[object, _Known] = {}
         self.stats = ChainStats()
@@ -121,6 +129,9 @@ class BlockChain:
             if keys:
                 # Untagged in events; the only one we can reproduce is block 0's cache_salt.
                 if parent is None and len(keys) == 1 and isinstance(keys[0], str):
+                    if not self.tenant and not self.bare_salts:
+                        self.stats.unowned_salt += len(hashes) - i
+                        break
                     tagged = (("cache_salt", keys[0]),)
                     tenant = self._salted(keys[0])
                 else:

@@ -149,6 +149,8 @@ class KvEventsFeed:
     core: BrokerCore
     source: KvEventsSource
     record: EngineRecord | None = None
+    # Salted blocks of a feed without a tenant go to the salt alone only without identities (kv_chain).
+    bare_salts: bool = True
     chain: BlockChain = field(init=False)
     batches: int = 0
     seq_gaps: int = 0
@@ -157,7 +159,7 @@ class KvEventsFeed:
     _task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
-        self.chain = BlockChain(self.source.hash_algo, self.source.tenant)
+        self.chain = BlockChain(self.source.hash_algo, self.source.tenant, bare_salts=self.bare_salts)
 
     @property
     def stats(self) -> ChainStats:

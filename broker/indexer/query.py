@@ -21,10 +21,11 @@ instance, how many leading tokens of the prompt each holds::
 - Token ids are hashed per layout exactly as vLLM hashes them (its chained
   block hashes, ``cache_salt`` in block 0); ``/query_by_hash`` takes those
   hashes in our wire form (``seq_hashes``, or ``block_hash`` as in early drafts).
-- Tenancy: ``tenant_id`` (``default``: our empty tenant) plus ``cache_salt``
-  is the namespace tenant our connector files blocks under (``TENANT/SALT``,
-  or the salt alone for the default tenant). With identities on, the tenant
-  must be the caller's own.
+- Tenancy: ``tenant_id`` plus ``cache_salt`` become the namespace tenant
+  through broker/security/tenancy.namespace_tenant, the rule gRPC uses too:
+  with identities on, the caller's own tenant (``TENANT/SALT``, the salt never
+  naming another tenant); without, ``default`` is our empty tenant and its
+  salted namespace is the salt alone.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbroker.broker.core import BrokerCore
+from kvbroker.broker.errors import PermissionDenied
+from kvbroker.broker.security.identity import ALL_TENANTS, Identity
+from kvbroker.broker.security.tenancy import DEFAULT_TENANT, namespace_tenant
 from kvbroker.common.hashing import wire_chain
 from kvbroker.common.model import Namespace, Tier
 
-DEFAULT_TENANT = "default"
 MASK64 = (1 << 64) - 1
 TOKEN_MAX = (1 << 32) - 1
 
@@ -82,20 +85,12 @@ def _ints(body: Mapping[str, Any], name: str, top: int, most: int) -> list[int]:
     return values
 
 
-def namespace_tenant(tenant_id: str, cache_salt: str) -> str:
-    """Our namespace tenant (the salt vLLM hashed) for a Mooncake tenant and cache_salt."""
-    tenant = "" if tenant_id in ("", DEFAULT_TENANT) else tenant_id
-    if tenant and cache_salt:
-        return f"{tenant}/{cache_salt}"
-    return tenant or cache_salt
-
-
 def query(
-    core: BrokerCore, body: Mapping[str, Any], *, by_hash: bool, caller_tenant: str | None = None
+    core: BrokerCore, body: Mapping[str, Any], *, by_hash: bool, who: Identity | None = None
 ) -> dict[str, Any]:
     """Answer ``/query`` (token ids) or ``/query_by_hash`` (seq_hashes).
 
-    `caller_tenant`: the identity's tenant when the broker authenticates (None: no identities).
+    `who`: the caller's identity when the broker authenticates (None: no identities).
     """
     if not isinstance(body, Mapping):
         raise IndexerError(400, "the body must be a JSON object")
@@ -104,15 +99,16 @@ def query(
         raise IndexerError(
             400, "LoRA adapters are not indexed by this broker; query the base model (no lora_name)"
         )
-    tenant_id = _text(body, "tenant_id", limit=core.config.max_id_bytes) or (
-        caller_tenant if caller_tenant not in (None, "*") else DEFAULT_TENANT
-    )
-    if caller_tenant is not None and caller_tenant != "*" and tenant_id != caller_tenant:
-        raise IndexerError(403, f"tenant_id {tenant_id!r} is not your tenant {caller_tenant!r}")
+    asked = _text(body, "tenant_id", limit=core.config.max_id_bytes)
     cache_salt = _text(body, "cache_salt", limit=core.config.max_id_bytes)
+    try:
+        tenant = namespace_tenant(who, asked, cache_salt, what="the query's")
+    except PermissionDenied as err:
+        raise IndexerError(403, err.message) from None
+    scoped = who is not None and who.tenant != ALL_TENANTS
+    tenant_id = asked or (who.tenant if scoped and who is not None else DEFAULT_TENANT)
     instance_id = _text(body, "instance_id", limit=core.config.max_id_bytes)
     block_size = _count(body, "block_size")
-    tenant = namespace_tenant(tenant_id, cache_salt)
     most = core.config.max_hashes
     if by_hash:
         name = "seq_hashes" if "seq_hashes" in body else "block_hash"

@@ -5,9 +5,10 @@ client certificate's URI SAN, else the bearer token), refuses it without one
 (UNAUTHENTICATED), checks the role table below (PERMISSION_DENIED naming the
 identity and the rule), spends the identity's request-rate quota, and hands
 request and answer to the TenantGuard (kvbroker.broker.security.tenancy), which keeps
-each tenant to itself. The identity is also set in `CURRENT` for the call, so
-the servicer's session loop can check each stream message through
-`session_guard`.
+each tenant to itself. The identity is also set in `CURRENT`
+(broker/security/engine_identity.py) for the call, so the servicer checks who
+acts as which engine with it, and its session loop checks each stream message
+through `session_guard`.
 
 Health checks and server reflection stay open (they tell nothing about the
 fleet), so load balancers and tools work without credentials.
@@ -15,7 +16,6 @@ fleet), so load balancers and tools work without credentials.
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -25,6 +25,7 @@ from google.protobuf.message import Message
 
 from kvbroker.broker.errors import BrokerError, PermissionDenied
 from kvbroker.broker.registry import EngineRecord
+from kvbroker.broker.security.engine_identity import CURRENT
 from kvbroker.broker.security.identity import Authenticator, Identity, Role, Unidentified
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.broker.security.tenancy import TenantGuard
@@ -33,7 +34,6 @@ from kvbroker.common.causes import Cause
 from kvbroker.v1 import broker_pb2 as pb
 
 SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["KVBroker"].full_name + "/"
-ENGINE_ID_METADATA = "kvbroker-engine-id"
 
 ENG, RTR, OPS = Role.ENGINE, Role.ROUTER, Role.OPERATOR
 # Who may call what. Engines act for themselves; routers read (Score, Resolve,
@@ -58,8 +58,9 @@ ROLES_OF_METHOD: dict[str, frozenset[Role]] = {
     "Watch": frozenset({OPS}),
 }
 STREAMS = ("Watch", "Mirror")
-
-CURRENT: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("kvbroker_identity", default=None)
+# An engine's unary housekeeping: never refused by a rate quota (a refused release or renew
+# would end a lease its reader still uses).
+HOUSEKEEPING_CALLS = frozenset({"Renew", "Release", "Decline", "RegisterRank"})
 
 
 async def _refuse(context: grpc.aio.ServicerContext, err: BrokerError) -> None:
@@ -93,7 +94,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     Cause.ROLE_DENIED,
                     {"identity": who.uri, "method": method},
                 )
-            self.quotas.spend(who)
+            if who.role != Role.ENGINE:
+                self.quotas.spend(who)
+            elif method not in HOUSEKEEPING_CALLS:
+                self.quotas.spend(
+                    who, tenant=False
+                )  # an engine's own rate; its tenant's routers never starve it
         except BrokerError as err:
             await _refuse(context, err)
         return who
@@ -134,10 +140,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             token = CURRENT.set(who)
             try:
                 if isinstance(request, Message):
-                    metadata = dict(context.invocation_metadata() or ())
-                    asker = metadata.get(ENGINE_ID_METADATA, "")
                     try:
-                        self.guard.before(method, who, request, asker if isinstance(asker, str) else "")
+                        self.guard.before(method, who, request)
                     except BrokerError as err:
                         await _refuse(context, err)
                 response = await inner(request, context)
@@ -160,7 +164,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     if out is not None:
                         yield out
             finally:
-                self.quotas.close_stream(who)
+                self.quotas.close_stream(who, method)
 
         return stream
 

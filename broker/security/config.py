@@ -49,6 +49,11 @@ class SecurityConfig:
     quota_tenant_rate: float = setting(
         50_000.0, "most calls and session messages per second of all of a tenant's identities (0 = no limit)"
     )
+    quota_tenant_slots: float = setting(
+        0.25,
+        "share of the broker's Mirror slots (--max-mirrors) and of its Watch slots (--max-watchers) one "
+        "tenant may take, at least one each (0 = no limit)",
+    )
 
     @property
     def tls(self) -> bool:
@@ -84,7 +89,7 @@ class SecurityConfig:
         for name in ("quota_sessions", "quota_streams", "quota_leases", "quota_blocks", "quota_burst"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0")
-        for name in ("quota_rate", "quota_tenant_rate"):
+        for name in ("quota_rate", "quota_tenant_rate", "quota_tenant_slots"):
             value = getattr(self, name)
             if value < 0 or value != value:
                 raise InvalidArgument(f"{name} must be a number >= 0")

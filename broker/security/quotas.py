@@ -10,8 +10,9 @@ open streams are kept here.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvbroker.broker.errors import QuotaExceeded
@@ -41,18 +42,27 @@ def _take(buckets: dict[Any, _Bucket], key: Any, rate: float, burst: float, now:
 
 
 class Quotas:
-    def __init__(self, config: SecurityConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SecurityConfig,
+        clock: Callable[[], float] = time.monotonic,
+        stream_slots: Mapping[str, int] | None = None,
+    ) -> None:
         self.config = config
         self.clock = clock
         self._buckets: dict[Identity, _Bucket] = {}
         self._tenant_buckets: dict[str, _Bucket] = {}
         self._streams: dict[Identity, int] = {}
+        # The broker's slots per stream method ({"Mirror": --max-mirrors, "Watch": --max-watchers})
+        # and how many of each every tenant holds: a tenant takes at most its share.
+        self.stream_slots = dict(stream_slots or {})
+        self._tenant_streams: dict[tuple[str, str], int] = {}
 
     # -- per identity ---------------------------------------------------------------
 
-    def spend(self, who: Identity, calls: int = 1) -> None:
+    def spend(self, who: Identity, calls: int = 1, *, tenant: bool = True) -> None:
         """One call (or session message) of `who`: refused beyond --quota-rate (with --quota-burst)
-        for the identity, or beyond --quota-tenant-rate for its whole tenant."""
+        for the identity, or (`tenant`) beyond --quota-tenant-rate for its whole tenant."""
         now = self.clock()
         rate = self.config.quota_rate
         burst = float(max(1, self.config.quota_burst))
@@ -62,7 +72,7 @@ class Quotas:
                 f"--quota-burst {int(burst)}); slow down",
                 metadata={"identity": who.uri, "limit": f"{rate:g}/s"},
             )
-        tenant_rate = self.config.quota_tenant_rate
+        tenant_rate = self.config.quota_tenant_rate if tenant else 0.0
         if tenant_rate > 0 and not _take(
             self._tenant_buckets, who.tenant, tenant_rate, tenant_rate, now, calls
         ):
@@ -81,14 +91,38 @@ class Quotas:
                 f"close one before opening a {method}",
                 metadata={"identity": who.uri, "limit": str(limit)},
             )
+        share = self.tenant_slots(method)
+        held = self._tenant_streams.get((who.tenant, method), 0)
+        if share and held >= share:
+            raise QuotaExceeded(
+                f"tenant {who.tenant!r} holds {held} of the broker's {self.stream_slots[method]} {method} "
+                f"slots, its share (--quota-tenant-slots {self.config.quota_tenant_slots:g}); {who} must "
+                f"close one first, so that other tenants keep theirs",
+                metadata={"tenant": who.tenant, "limit": str(share)},
+            )
         self._streams[who] = count + 1
+        self._tenant_streams[(who.tenant, method)] = held + 1
 
-    def close_stream(self, who: Identity) -> None:
+    def tenant_slots(self, method: str) -> int:
+        """Most `method` streams one tenant may hold (0: no limit)."""
+        slots = self.stream_slots.get(method, 0)
+        share = self.config.quota_tenant_slots
+        if not slots or share <= 0:
+            return 0
+        return max(1, math.floor(slots * share))
+
+    def close_stream(self, who: Identity, method: str = "") -> None:
         count = self._streams.get(who, 0) - 1
         if count > 0:
             self._streams[who] = count
         else:
             self._streams.pop(who, None)
+        key = (who.tenant, method)
+        held = self._tenant_streams.get(key, 0) - 1
+        if held > 0:
+            self._tenant_streams[key] = held
+        else:
+            self._tenant_streams.pop(key, None)
 
     # -- per tenant -----------------------------------------------------------------
 

@@ -1,19 +1,16 @@
-"""What an identity may do, beyond its role: act only as itself, stay in its tenant, within quotas.
+"""What an identity may do, beyond its role: stay in its tenant, within quotas.
 
-`TenantGuard` holds who registered each engine id (its owner identity) and
-checks each request against the caller's identity before the servicer sees
-it, then filters what goes back, so that no prefix, lease, engine or NIXL
-agent metadata of one tenant reaches another:
+`TenantGuard` checks each request against the caller's identity before the
+servicer sees it, then filters what goes back, so that no prefix, lease,
+engine or NIXL agent metadata of one tenant reaches another:
 
-- a namespace's tenant must be the caller's tenant (``TENANT``) or a salt
-  inside it (``TENANT/SALT``); ``cache_salt`` subdivides inside a tenant;
-- an engine identity acts only as the engine id its identity names
-  (register, rank, hold, acquire, renew, release, resolve);
+- a namespace's tenant is the caller's: `namespace_tenant` below is the one
+  rule that turns (identity, tenant_id, cache_salt) into a namespace tenant,
+  for gRPC and the indexer HTTP API alike;
 - a lease, engine or hold of another tenant is refused (PERMISSION_DENIED,
   cause other_tenant) or left out of lists and streams;
-- a live session of an engine id is replaced only by the same identity
-  (a restarted engine replaces its own session; the core revokes the old
-  session's leases and tells their other side).
+- whether a caller is the engine it acts as is broker/security/engine_identity.py's
+  one check (cause not_yours), which the servicer makes on every path.
 Operators of tenant ``*`` see every tenant. The guard is only installed when
 the broker authenticates callers (mutual TLS or tokens).
 """
@@ -23,9 +20,11 @@ from __future__ import annotations
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import NotFound, PermissionDenied
 from kvbroker.broker.events import EVENTS_MISSED
+from kvbroker.broker.security.engine_identity import EngineIdentity
 from kvbroker.broker.security.identity import ALL_TENANTS, Identity, Role
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.common.causes import Cause
+from kvbroker.common.model import Namespace
 from kvbroker.v1 import broker_pb2 as pb
 
 
@@ -33,46 +32,77 @@ def _short(value: str) -> str:
     return value if len(value) <= 80 else value[:77] + "..."
 
 
+DEFAULT_TENANT = "default"  # the indexer API's name for the empty tenant (callers without a tenant)
+# Session messages that keep an engine's own state true: never refused by a rate quota, since
+# refusing them leaves evicted blocks named and live engines looking dead.
+HOUSEKEEPING = frozenset({"heartbeat", "inventory", "pin_result", "renew", "release", "decline"})
+
+
+def namespace_tenant(
+    who: Identity | None, tenant_id: str, cache_salt: str | None = None, *, what: str = ""
+) -> str:
+    """The namespace tenant a caller may use: the one rule of every surface (gRPC, indexer HTTP).
+
+    gRPC sends the namespace tenant whole (``TENANT`` or ``TENANT/SALT``, as
+    the connector files blocks): `cache_salt` None. The indexer HTTP API sends
+    Mooncake's ``tenant_id`` and ``cache_salt`` apart:
+
+    - a caller with a tenant (an identity of tenant T): ``tenant_id`` is T or
+      empty, and the namespace is ``T/SALT`` (or ``T``): the salt subdivides
+      T and never names another tenant, whatever T is called (``default``
+      included);
+    - a caller without one (no identities, or an operator of tenant ``*``):
+      ``tenant_id`` ``default`` or empty is the empty tenant, whose salted
+      namespace is the salt alone (as an adapter without a tenant files it).
+
+    Either way the result must be the caller's (``TENANT`` or ``TENANT/...``),
+    else PermissionDenied (other_tenant).
+    """
+    if cache_salt is None:
+        tenant = tenant_id
+    elif who is not None and who.tenant != ALL_TENANTS:
+        if tenant_id not in ("", who.tenant):
+            raise _other_tenant(who, tenant_id, what)
+        tenant = f"{who.tenant}/{cache_salt}" if cache_salt else who.tenant
+    else:
+        base = "" if tenant_id == DEFAULT_TENANT else tenant_id
+        tenant = f"{base}/{cache_salt}" if base and cache_salt else base or cache_salt
+    if who is not None and not who.owns_tenant(tenant):
+        raise _other_tenant(who, tenant, what)
+    return tenant
+
+
+def _other_tenant(who: Identity, tenant: str, what: str) -> PermissionDenied:
+    return PermissionDenied(
+        f"{who} may not use {what or 'the'} namespace tenant {_short(tenant)!r}: rule 'a namespace's tenant "
+        f"is the caller's': name {who.tenant!r} or {who.tenant + '/SALT'!r} (an engine: set the "
+        f"adapter's tenant key to {who.tenant!r}; a cache_salt subdivides the caller's tenant)",
+        Cause.OTHER_TENANT,
+        {"identity": who.uri, "tenant": _short(tenant)},
+    )
+
+
 class TenantGuard:
-    def __init__(self, core: BrokerCore, quotas: Quotas) -> None:
+    def __init__(self, core: BrokerCore, quotas: Quotas, engines: EngineIdentity) -> None:
         self.core = core
         self.quotas = quotas
-        self.owners: dict[str, Identity] = {}  # engine id -> the identity that registered it
+        self.engines = engines  # who registered each engine id, and its tenant
 
     # -- who owns what ----------------------------------------------------------------
 
     def tenant_of_engine(self, engine_id: str) -> str | None:
-        owner = self.owners.get(engine_id)
-        return owner.tenant if owner is not None else None
+        return self.engines.tenant_of(engine_id)
 
     def sees_engine(self, who: Identity, engine_id: str) -> bool:
-        if who.tenant == ALL_TENANTS:
-            return True
-        return self.tenant_of_engine(engine_id) == who.tenant
+        return self.engines.sees(who, engine_id)
 
     def _tenant_engines(self, tenant: str) -> list[str]:
-        return [e for e, owner in self.owners.items() if owner.tenant == tenant]
+        return self.engines.engines_of(tenant)
 
     # -- checks -----------------------------------------------------------------------
 
     def namespace(self, who: Identity, ns: pb.Namespace, what: str) -> None:
-        if not who.owns_tenant(ns.tenant):
-            raise PermissionDenied(
-                f"{who} may not use {what}.namespace.tenant {_short(ns.tenant)!r}: rule 'a namespace's tenant "
-                f"is the caller's': name {who.tenant!r} or {who.tenant + '/SALT'!r} (an engine: set the "
-                f"adapter's tenant key to {who.tenant!r})",
-                Cause.OTHER_TENANT,
-                {"identity": who.uri, "tenant": _short(ns.tenant)},
-            )
-
-    def own_engine(self, who: Identity, engine_id: str, what: str) -> None:
-        if who.role == Role.ENGINE and engine_id and engine_id != who.name:
-            raise PermissionDenied(
-                f"{who} may not act as engine {_short(engine_id)!r} ({what}): rule 'an engine acts only as "
-                f"the engine id its identity names' ({who.name!r})",
-                Cause.NOT_YOURS,
-                {"identity": who.uri, "engine_id": _short(engine_id)},
-            )
+        namespace_tenant(who, ns.tenant, what=f"{what}.namespace.tenant:")
 
     def engine_in_tenant(self, who: Identity, engine_id: str, what: str) -> None:
         if not engine_id or self.sees_engine(who, engine_id):
@@ -98,28 +128,11 @@ class TenantGuard:
             )
 
     def admit_session(self, who: Identity, engine_id: str) -> None:
-        """Registration of `engine_id` by `who`: its own id, no other identity's live session, quota."""
-        if not engine_id:
-            raise PermissionDenied(
-                f"{who} registered an empty engine id: rule 'an engine registers the engine id its identity "
-                f"names' ({who.name!r})",
-                Cause.NOT_YOURS,
-                {"identity": who.uri},
-            )
-        self.own_engine(who, engine_id, "register")
-        live = self.core.registry.find(engine_id)
-        owner = self.owners.get(engine_id)
-        if live is not None and owner is not None and owner != who:
-            raise PermissionDenied(
-                f"{who} may not take over engine {_short(engine_id)!r}: a live session of {owner} holds it "
-                f"(rule 'only the same identity replaces a live session')",
-                Cause.SESSION_OWNED,
-                {"identity": who.uri, "engine_id": _short(engine_id)},
-            )
-        if live is None:
+        """Registration of `engine_id` by `who`: its tenant's session quota. (Whether `who` may
+        register that engine id is engine_identity's check, made by the servicer.)"""
+        if self.core.registry.find(engine_id) is None:
             in_tenant = sum(1 for e in self._tenant_engines(who.tenant) if self.core.registry.find(e))
             self.quotas.check_sessions(who, in_tenant)
-        self.owners[engine_id] = who
 
     def _live_leases(self, tenant: str) -> int:
         return sum(len(self.core.leases.by_holder(e)) for e in self._tenant_engines(tenant))
@@ -127,27 +140,34 @@ class TenantGuard:
     def _indexed_blocks(self, tenant: str) -> int:
         return sum(sum(self.core.index.blocks_of(e).values()) for e in self._tenant_engines(tenant))
 
+    def _already_indexed(self, engine_id: str, inv: pb.InventoryUpdate) -> int:
+        """How many of `inv.stored`, from the first on, the index already names for this engine and tier
+        (a re-announced chain costs nothing; a list that is not a chain counts as new, never less)."""
+        ns = Namespace(inv.namespace.layout_id, inv.namespace.tenant)
+        for holder, tier, matched in self.core.index.longest_prefixes(ns, inv.stored):
+            if holder == engine_id and tier == inv.tier:
+                return matched
+        return 0
+
     # -- per request, before the servicer -------------------------------------------------
 
-    def before(self, method: str, who: Identity, request: object, metadata_engine: str = "") -> None:
-        """Raise BrokerError if `who` may not make this request (unary calls and session commands)."""
+    def before(self, method: str, who: Identity, request: object) -> None:
+        """Raise BrokerError if `who` may not make this request (unary calls and session commands).
+
+        Whether `who` is the engine a request acts as is not checked here but by
+        broker/security/engine_identity.py, on every path."""
         if isinstance(request, pb.RegisterRankRequest):
-            self.own_engine(who, request.engine_id, "RegisterRank")
             self.engine_in_tenant(who, request.engine_id, "add a rank to")
         elif isinstance(request, pb.HoldRequest):
-            self.own_engine(who, request.holder_engine_id, "Hold")
             self.namespace(who, request.namespace, "hold")
             self.engine_in_tenant(who, request.reader_engine_id, "name as the reader")
             self.quotas.check_leases(who, self._live_leases(who.tenant))
         elif isinstance(request, pb.AcquireRequest):
-            self.own_engine(who, request.reader_engine_id, "Acquire")
             self.lease_in_tenant(who, request.lease_id, "acquire")
             self.quotas.check_leases(who, self._live_leases(who.tenant))
         elif isinstance(request, pb.RenewRequest):
-            self.own_engine(who, request.engine_id, "Renew")
             self.lease_in_tenant(who, request.lease_id, "renew")
         elif isinstance(request, pb.ReleaseRequest):
-            self.own_engine(who, request.reader_engine_id, "Release")
             self.lease_in_tenant(who, request.lease_id, "release")
         elif isinstance(request, pb.DeclineRequest):
             if request.holder_engine_id and self.tenant_of_engine(request.holder_engine_id) is None:
@@ -160,15 +180,8 @@ class TenantGuard:
             self.engine_in_tenant(who, request.holder_engine_id, "decline a hold of")
         elif isinstance(request, pb.ResolveRequest):
             self.namespace(who, request.namespace, "resolve")
-            if metadata_engine:
-                self.own_engine(who, metadata_engine, "Resolve")
-                if who.role != Role.ENGINE:
-                    raise PermissionDenied(
-                        f"{who} may not resolve as engine {_short(metadata_engine)!r}: rule 'only an engine "
-                        "identity resolves as an engine'",
-                        Cause.NOT_YOURS,
-                        {"identity": who.uri},
-                    )
+            if request.acquire:  # a resolve that leases counts against the lease quota like a hold
+                self.quotas.check_leases(who, self._live_leases(who.tenant))
         elif isinstance(request, pb.ScoreRequest):
             self.namespace(who, request.namespace, "score")
         elif isinstance(request, pb.StatsRequest):
@@ -185,14 +198,23 @@ class TenantGuard:
             self.engine_in_tenant(who, request.engine_id, "drain")
 
     def session_message(self, who: Identity, msg: pb.SessionUp) -> None:
-        """A message on `who`'s session stream (after registration): rate, namespaces, leases, quotas."""
-        self.quotas.spend(who)
+        """A message on `who`'s session stream (after registration): rate, namespaces, leases, quotas.
+
+        Housekeeping (heartbeats, inventory, pin results, renew, release, decline) is never
+        refused by a rate quota; the engine's other commands spend its own rate, never its
+        tenant's, so a tenant's routers cannot starve its engines."""
         kind = msg.WhichOneof("msg")
+        if kind not in HOUSEKEEPING:
+            self.quotas.spend(who, tenant=False)
         if kind == "inventory":
             self.namespace(who, msg.inventory.namespace, "inventory")
             stored = len(msg.inventory.stored)
             if stored:
-                self.quotas.check_blocks(who, self._indexed_blocks(who.tenant), stored)
+                indexed = self._indexed_blocks(who.tenant)
+                limit = self.quotas.config.quota_blocks
+                if limit and indexed + stored > limit:  # near the quota: blocks already indexed are not new
+                    stored -= self._already_indexed(who.name, msg.inventory)
+                self.quotas.check_blocks(who, indexed, stored)
         elif kind in ("resolve", "hold", "acquire", "renew", "release", "decline"):
             self.before(kind, who, getattr(msg, kind))
 

@@ -13,6 +13,9 @@ from kvbroker.v1 import broker_pb2 as pb
 from testkit import builders
 from testkit.broker import RunningServer, running_broker
 
+# Every client takes its credentials (test_credentials.py): the security tests' certificates and TLS brokers.
+from tests.broker.security.conftest import mtls_broker, pki, token_broker  # noqa: F401
+
 
 def make_engine_info(engine_id: str, **layout: Any) -> pb.EngineInfo:
     """The client tests' engine: one rank named `<id>-agent` (whatever tp_size says), 64 GPU blocks."""

@@ -38,13 +38,12 @@ GPU = pb.TIER_GPU
 H = list(range(7000, 7008))
 IDS = list(range(8))
 NOT_ERRORS = {Cause.NO_HOLDER, Cause.BELOW_MIN}
-# Who-is-calling causes need a broker with credentials: tests/security runs every
+# Who-is-calling causes need a broker with credentials: tests/broker/security runs every
 # RPC as every caller against real TLS and token brokers and checks these words.
 CALLER_CAUSES = {
     Cause.UNAUTHENTICATED,
     Cause.ROLE_DENIED,
     Cause.OTHER_TENANT,
-    Cause.NOT_YOURS,
     Cause.SESSION_OWNED,
     Cause.QUOTA_EXCEEDED,
 }
@@ -399,8 +398,8 @@ async def _register_timeout(w: World) -> errors.BrokerError:
     return errors.from_rpc_error(info.value)
 
 
-@scenario(Cause.NOT_SESSION_OWNER)
-async def _not_session_owner(w: World) -> errors.BrokerError:
+@scenario(Cause.NOT_YOURS)
+async def _not_yours(w: World) -> errors.BrokerError:
     # The session comes from ::1, the call from 127.0.0.1: two hosts to a broker on [::].
     other = await w.start_broker(address="[::]:0", security=SecurityConfig(insecure=True))
     async with grpc.aio.insecure_channel(f"[::1]:{other.port}") as channel:

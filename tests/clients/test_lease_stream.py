@@ -65,7 +65,7 @@ async def test_a_lease_command_naming_another_engine_is_refused_in_band(broker: 
     refused = p.send_lease_command(LeaseCommand("hold", pb.SessionUp(hold=other), lambda r: r))
     with pytest.raises(errors.PermissionDenied, match="acts only as itself") as caught:
         await asyncio.wrap_future(refused)
-    assert caught.value.cause == "not_party"
+    assert caught.value.cause == "not_yours"
     for command in (
         pb.SessionUp(acquire=pb.AcquireRequest(lease_id="x", reader_engine_id="Q")),
         pb.SessionUp(renew=pb.RenewRequest(lease_id="x", engine_id="Q")),
@@ -73,7 +73,7 @@ async def test_a_lease_command_naming_another_engine_is_refused_in_band(broker: 
     ):
         with pytest.raises(errors.PermissionDenied) as caught:
             await p._request(command, 5.0, "test")
-        assert caught.value.cause == "not_party"
+        assert caught.value.cause == "not_yours"
     # The session goes on, and naming itself is the same as naming nobody.
     own = pb.HoldRequest(
         holder_engine_id="P",

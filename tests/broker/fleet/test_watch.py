@@ -17,6 +17,7 @@ from kvbroker.broker.events import EVENTS_MISSED as MISSED
 from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.fleet.notify import FleetNotifier
 from kvbroker.broker.security.config import SecurityConfig
+from kvbroker.broker.security.engine_identity import EngineIdentity
 from kvbroker.broker.security.identity import Identity, Role
 from kvbroker.broker.security.quotas import Quotas
 from kvbroker.broker.security.tenancy import TenantGuard
@@ -133,7 +134,7 @@ def test_every_watcher_hears_of_missed_events_whatever_its_tenant() -> None:
     """`events_missed` names no engine and no lease: a tenant's operator gets it too (its stream has a
     hole as well), while another tenant's engine event stays hidden."""
     core, _clock, _notifier = make_core()
-    guard = TenantGuard(core, Quotas(SecurityConfig()))
+    guard = TenantGuard(core, Quotas(SecurityConfig()), EngineIdentity(core.registry))
     globex = Identity("globex", Role.OPERATOR, "ops")
     missed = pb.WatchEvent(kind=MISSED, detail="events of the broker fleet were missed")
     assert guard.stream_item(globex, missed) is missed

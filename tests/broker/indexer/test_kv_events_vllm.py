@@ -35,7 +35,7 @@ from testkit.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
-# The tiny model's layout as our connector would register it (tests/serving: 2 layers, 2 KV heads of 32).
+# The tiny model's layout as our connector would register it (tools/tiny_model.py: 2 layers, 2 KV heads of 32).
 LAYOUT = dict(dtype="float32", num_layers=2, num_kv_heads=2, head_size=32, kv_layout="tiny")
 
 

@@ -25,6 +25,7 @@ IDENTITIES = {
     "other_router": "kvbroker://globex/router/g2",
     "other_operator": "kvbroker://globex/operator/g3",
     "hijacker": "kvbroker://globex/engine/p0",  # same engine id as acme's p0, other tenant
+    "default_router": "kvbroker://default/router/d1",  # a tenant literally named "default"
 }
 
 

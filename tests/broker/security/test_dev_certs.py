@@ -11,7 +11,7 @@ from kvbroker.clients.credentials import ClientSecurity
 from kvbroker.clients.sync import BrokerClient
 from testkit.processes import BrokerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_dev_certificates_cover_the_compose_file_and_work(tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ def test_identities_roles_and_tenants(pki: Pki, broker: tuple[BrokerProcess, int
         }
     # Another tenant's name is refused; another tenant's router sees nothing of acme.
     status, answer = call(pki, port, "/query", {**QUERY, "tenant_id": "globex"}, token="router")
-    assert status == 403 and "not your tenant" in answer["error"]["message"]
+    assert status == 403 and "is the caller's" in answer["error"]["message"]
     status, answer = call(pki, port, "/query", QUERY, token="other_router")
     assert status == 200 and answer == {"globex": {}}
     # Engines may not query; only operators register publishers.

@@ -72,7 +72,7 @@ def kv_caches(
 ) -> dict[str, torch.Tensor]:
     """Per-layer KV tensors of `layout` (filled from `seed`, zeros when None), as an engine views them.
 
-    `device` "cuda" puts them in VRAM, as a GPU engine has them (bench/gpu_check.py)."""
+    `device` "cuda" puts them in VRAM, as a GPU engine has them (bench/data_path/gpu_check.py)."""
     m = shape
     if layout == "kv_split":
         caches = {}

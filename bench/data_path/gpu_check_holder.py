@@ -1,7 +1,7 @@
-"""The holder side of bench/gpu_check.py: a process with KV caches in VRAM and a pinned CPU tier.
+"""The holder side of bench/data_path/gpu_check.py: a process with KV caches in VRAM and a pinned CPU tier.
 
 It builds, for every (model, layout) of the plan, the KV cache an engine would
-have (bench/kv_layouts.py, on `device`), offloads the first history's blocks to
+have (bench/data_path/kv_layouts.py, on `device`), offloads the first history's blocks to
 a `CpuTierBuffer` (pinned under CUDA, as an engine's tier is), and registers
 both with one `BlockMover`, plus two flat buffers (one on the device, one
 pinned host) for the contiguous reads the adapter is compared with. The
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench.kv_layouts import LAYOUTS, MODELS, ModelShape, fill, kv_caches
+from bench.data_path.kv_layouts import LAYOUTS, MODELS, ModelShape, fill, kv_caches
 
 HOLDER = "gpucheck-holder"
 FLAT_SEED = 7  # contents of the flat buffers

@@ -1,4 +1,4 @@
-"""The parts bench/gpu_check.py measures, one row each: bytes checked first, then timed.
+"""The parts bench/data_path/gpu_check.py measures, one row each: bytes checked first, then timed.
 
 A part never raises to the check: `guarded` records what went wrong in the
 part's row, so the table still shows every other part.
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from bench.common import REPO_ROOT, log
-from bench.gpu_check_holder import FIRST_REMOTE_BLOCK, HOLDER
-from bench.kv_layouts import MODELS, blocks_of
+from bench.data_path.gpu_check_holder import FIRST_REMOTE_BLOCK, HOLDER
+from bench.data_path.kv_layouts import MODELS, blocks_of
+from bench.harness.output import REPO_ROOT, log
 
 P2P_TARGET = 0.9  # the adapter's peer read / one contiguous NIXL read of the same bytes
 TIER_TARGET = 0.8  # CPU tier into VRAM / torch's pinned host-to-device copy

@@ -7,9 +7,9 @@ check cannot rot between device runs (its figures mean nothing).
 
 Two processes on the one GPU, each with our own data path (BlockMover over
 one NIXL agent, UCX, NIXL's progress thread off; CpuTierBuffer; the regions
-`regions_from_kv_caches` maps). The holder (bench/gpu_check_holder.py) has
+`regions_from_kv_caches` maps). The holder (bench/data_path/gpu_check_holder.py) has
 the KV caches of the tiny test model and of SmolLM2-135M in VRAM, in the
-layouts engines use (bench/kv_layouts.py: vLLM 0.32's per-layer pages, K and
+layouts engines use (bench/data_path/kv_layouts.py: vLLM 0.32's per-layer pages, K and
 V apart per layer, block-outermost), and a pinned CPU tier holding a history.
 For each model, layout and history the reader (this process):
 
@@ -32,8 +32,8 @@ others still run. Prints one table with PASS/FAIL per target and writes JSON.
 Exit status: 1 on any wrong byte or failed test, 2 when a part could not run,
 else 0 (a missed speed target is reported, not an exit status).
 
-    python -m bench.gpu_check                  # on a GPU: 1,024 and 4,096 tokens, under a minute
-    python -m bench.gpu_check --quick          # the dry run's sizes (64 tokens, two layouts)
+    python -m bench.data_path.gpu_check                  # on a GPU: 1,024 and 4,096 tokens, under a minute
+    python -m bench.data_path.gpu_check --quick          # the dry run's sizes (64 tokens, two layouts)
 """
 
 from __future__ import annotations
@@ -50,9 +50,8 @@ from typing import Any
 
 import torch
 
-from bench.common import RESULTS_DIR, log, write_json
-from bench.gpu_check_holder import FLAT_SEED, HOLDER, Plan, holder_main, seed_of
-from bench.gpu_check_parts import (
+from bench.data_path.gpu_check_holder import FLAT_SEED, HOLDER, Plan, holder_main, seed_of
+from bench.data_path.gpu_check_parts import (
     P2P_TARGET,
     READ_TIMEOUT_S,
     TIER_TARGET,
@@ -63,7 +62,8 @@ from bench.gpu_check_parts import (
     guarded,
     run_cuda_tests,
 )
-from bench.kv_layouts import LAYOUTS, MODELS, fill, kv_caches
+from bench.data_path.kv_layouts import LAYOUTS, MODELS, fill, kv_caches
+from bench.harness.output import RESULTS_DIR, log, write_json
 
 READER = "gpucheck-reader"
 

@@ -68,16 +68,16 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 	$(BIN)/python -m kvbroker.tools.cli doctor
 	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server libibverbs1; } \
 		|| echo "redis-server/libibverbs1 not installed: the benchmarks will say which peers they skip"
-	$(BIN)/python -m bench.broker_bench
-	$(BIN)/python -m bench.control_plane
-	$(BIN)/python -m bench.scale
-	$(BIN)/python -m bench.tls
-	$(BIN)/python -m bench.data_path
-	$(BIN)/python -m bench.reclaim
-	$(BIN)/python -m bench.idle_hold
-	$(BIN)/python -m bench.multiturn_ttft
-	$(BIN)/python -m bench.chat_compare
-	$(BIN)/python -m bench.chat_load
+	$(BIN)/python -m bench.control_plane.broker
+	$(BIN)/python -m bench.control_plane.compare
+	$(BIN)/python -m bench.scale.replicas
+	$(BIN)/python -m bench.control_plane.tls
+	$(BIN)/python -m bench.data_path.reads
+	$(BIN)/python -m bench.fleet.reclaim
+	$(BIN)/python -m bench.fleet.idle_hold
+	$(BIN)/python -m bench.chats.multiturn_ttft
+	$(BIN)/python -m bench.chats.compare
+	$(BIN)/python -m bench.fleet.chat_load
 	$(BIN)/python -m bench.summary --write-readme
 
 gpu-carry:  ## download the wheels a lent GPU machine needs into .whl/ and check the 64 MiB carry (docs/data_path.md#gpu-check)

@@ -83,7 +83,7 @@ def _chat_compare(d: dict[str, Any], results: Path) -> str:
     """The real-model chat comparison: its table (with the targets) and its plot."""
     s = d.get("settings", {})
     head = (
-        f"**Multi-turn chats on a real model, four ways** (`bench/chat_compare.py`, {s.get('mode', '?')} mode, "
+        f"**Multi-turn chats on a real model, four ways** (`bench/chats/compare.py`, {s.get('mode', '?')} mode, "
         f"{d.get('date_utc', '?')}; {s.get('conversations', '?')} chats x {s.get('turns', '?')} turns, "
         f"first prompt {min(s.get('first_prompt_tokens') or [0])} tokens, answers {s.get('answer_tokens', '?')} "
         f"tokens; load at the end {d.get('load_at_end', '?')}; {d.get('note', '')}):"
@@ -101,24 +101,37 @@ def summary(results: Path) -> str:
     cp = _load(results, "control_plane") or _load(results, "broker_bench")
     if cp is not None:
         out.append(
-            f"**Control plane** (`bench/control_plane.py`, {cp.get('mode', '?')} mode, "
+            f"**Control plane** (`bench/control_plane/compare.py`, {cp.get('mode', '?')} mode, "
             f"{cp.get('date_utc', '?')}; {cp.get('note', '')}):"
         )
         out.append("```\n" + _targets(results) + "\n```")
-    for name, title in (
-        ("reclaim", "Lease reclamation after kill -9 of the reader"),
-        ("idle_hold", "Engine CPU while it only holds blocks for a reader (cores; 1.00 = one core)"),
-        ("multiturn_ttft", "Multi-turn, turn-2 TTFT, pull vs recompute, tiny random-weight model"),
+    for name, program, title in (
+        ("reclaim", "bench/fleet/reclaim.py", "Lease reclamation after kill -9 of the reader"),
+        (
+            "idle_hold",
+            "bench/fleet/idle_hold.py",
+            "Engine CPU while it only holds blocks for a reader (cores; 1.00 = one core)",
+        ),
+        (
+            "multiturn_ttft",
+            "bench/chats/multiturn_ttft.py",
+            "Multi-turn, turn-2 TTFT, pull vs recompute, tiny random-weight model",
+        ),
         (
             "pd_compare",
+            "bench/chats/pd_compare.py",
             "P/D three ways on the tiny random-weight model: one engine, NixlConnector, kvbroker "
             "(TTFT ms p50/p90 per turn)",
         ),
-        ("pull_policy", "Pull or recompute: turn-2 TTFT per policy, adaptive against the fixed rules"),
+        (
+            "pull_policy",
+            "bench/chats/pull_policy.py",
+            "Pull or recompute: turn-2 TTFT per policy, adaptive against the fixed rules",
+        ),
     ):
         d = _load(results, name)
         if d is not None:
-            out.append(f"**{title}** (`bench/{name}.py`, {d.get('date_utc', '?')}; {d.get('note', '')}):")
+            out.append(f"**{title}** (`{program}`, {d.get('date_utc', '?')}; {d.get('note', '')}):")
             out.append("```\n" + str(d["table"]).strip() + "\n```")
     chat = _load(results, "chat_compare")
     if chat is not None:
@@ -126,7 +139,7 @@ def summary(results: Path) -> str:
     dp = _load(results, "data_path")
     if dp is not None:
         out.append(
-            f"**Data path at real KV layouts** (`bench/data_path.py`, {dp.get('date_utc', '?')}; "
+            f"**Data path at real KV layouts** (`bench/data_path/reads.py`, {dp.get('date_utc', '?')}; "
             f"{dp.get('note', '')}), vLLM CPU layout, sequential block ids, median (min..max); "
             "every layout and pattern: `bench/results/data_path.json`:"
         )

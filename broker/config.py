@@ -66,7 +66,7 @@ class BrokerConfig:
         256,
         "memory budget, in MiB, for the live leases one engine holds (and, apart, for those it reads): "
         "--max-leases-per-engine 0 derives its cap from it, budget / (--max-lease-blocks x "
-        f"{BYTES_PER_BLOCK} bytes + {BYTES_PER_LEASE} bytes), measured by bench/lease_memory.py; "
+        f"{BYTES_PER_BLOCK} bytes + {BYTES_PER_LEASE} bytes), measured by bench/control_plane/lease_memory.py; "
         f"{derived_leases_per_engine(256, 8_192)} leases at the defaults",
     )
     max_leases_per_engine: int = setting(

@@ -27,12 +27,12 @@ from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 
 # A lease's hashes are most of its memory: packed, 8 bytes a hash and 4 a block id (Python ints
-# in a tuple cost about 96 bytes a block). bench/lease_memory.py measures both.
+# in a tuple cost about 96 bytes a block). bench/control_plane/lease_memory.py measures both.
 HASH_CODE = "Q"  # fixed64 on the wire
 BLOCK_ID_CODE = "I"  # uint32 on the wire
 BYTES_PER_BLOCK = array(HASH_CODE).itemsize + array(BLOCK_ID_CODE).itemsize
 # A lease's own cost besides its blocks (the record, its ids, its entries in the table's maps
-# and expiry queue), rounded up from bench/lease_memory.py.
+# and expiry queue), rounded up from bench/control_plane/lease_memory.py.
 BYTES_PER_LEASE = 1_024
 
 

@@ -11,7 +11,7 @@ The mirror is the broker's own index structure (`CompactPrefixIndex`) fed the
 same set operations in the same order, and it filters and ranks holders with
 the broker's own rules, so a synced mirror gives the broker's answer, late by
 the stream's delivery time (about a millisecond on one host; see
-`bench/control_plane.py`). Before the first snapshot completes, and while the
+`bench/control_plane/compare.py`). Before the first snapshot completes, and while the
 stream is broken, `resolve` answers None ("ask the broker").
 
 Thread-safety: updates come from the stream's event loop and lookups from any

@@ -7,7 +7,7 @@ engine_adapter/vllm_metrics.py turns it into series of vLLM's own /metrics.
 vLLM's scheduler loop does no file I/O: when the counters changed, the
 scheduler copies them into a plain dict on its own thread (``as_dict``, cheap)
 and hands it to ``StatsWriter``, whose daemon thread writes it. A change after
-a quiet spell is written at once (readers such as bench/reclaim.py poll the
+a quiet spell is written at once (readers such as bench/fleet/reclaim.py poll the
 file every 10 ms and time what they see, and the e2e tests read it as soon as
 a request's answer arrives); changes that come while a write is under way are
 coalesced, the latest snapshot winning, so the file trails the counters by

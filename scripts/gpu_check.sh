@@ -7,7 +7,7 @@
 #                                   fit the 64 MiB a lent machine takes? (exit 1 if not)
 #   scripts/gpu_check.sh [ARGS]     on the GPU machine: install .whl/ into a target folder
 #                                   (pip --no-index --no-deps --target; unzip without pip), then
-#                                   python -m bench.gpu_check ARGS (JSON into $OUT when set)
+#                                   python -m bench.data_path.gpu_check ARGS (JSON into $OUT when set)
 #
 # Without CUDA the run checks DRAM instead of VRAM (the dry run tests/bench/test_gpu_check.py does).
 # Environment: PYTHON (default python3), KVBROKER_WHEELS (default .whl), KVBROKER_SITE (the
@@ -102,7 +102,7 @@ args=("$@")
 if [ -n "${OUT:-}" ]; then
     args+=(--out-dir "$OUT")
 fi
-"$PY" -m bench.gpu_check ${args[@]+"${args[@]}"}
+"$PY" -m bench.data_path.gpu_check ${args[@]+"${args[@]}"}
 status=$?
 echo "gpu_check: exit status $status after $(($(date +%s) - started)) s in all" >&2
 exit $status

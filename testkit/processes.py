@@ -1,18 +1,28 @@
-"""The broker as a child process, for the process-level and end-to-end tests and the benchmarks."""
+"""The one launcher of child processes for tests/ and bench/: the broker, the P/D proxy, any helper.
+
+    ChildProcess   a command in its own process group, logging to a file; waits for a log
+                   line, a port or an HTTP answer; stop() / kill9()   (kvbroker.tools.children)
+    ProxyProcess   `python -m kvbroker.clients.proxy` on a free port   (kvbroker.tools.children)
+    BrokerProcess  `python -m kvbroker.broker` (or `kvbroker serve`) on a free port
+    python_env()   this environment with the source tree first on PYTHONPATH, for children
+                   that run `python -m bench.*` or `python -m testkit.*`
+
+vLLM engines are started by testkit.engines (kvbroker.tools.launch.EngineProcess).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kvbroker.tools.children import ChildProcess, ProxyProcess
 from testkit.ports import free_port
 
+__all__ = ["REPO_ROOT", "BrokerProcess", "ChildProcess", "ProxyProcess", "python_env"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 # `python -m kvbroker.broker`; the process tests run `kvbroker serve` instead (SERVE).
 BROKER_MODULE = ("-m", "kvbroker.broker")
 SERVE = ("-m", "kvbroker.tools.cli", "serve")
@@ -22,7 +32,14 @@ READY_LINE = b"kvbroker listening on"
 ENGINE_HOST_PRIORITY = -5
 
 
-class BrokerProcess:
+def python_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment) with the source tree first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class BrokerProcess(ChildProcess):
     """The broker on 127.0.0.1 as a child in its own process group, its output in a log file.
 
     `port` defaults to a free one; keep it to restart a broker in place (a new
@@ -47,83 +64,22 @@ class BrokerProcess:
     ) -> None:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.log_path = log_dir / log_name
-        self.argv = [sys.executable, *command, "--address", self.address]
+        argv = [*command, "--address", self.address]
         if log_level is not None:
-            self.argv += ["--log-level", log_level]
-        self.argv += list(extra_args)
-        self.priority = priority
-        self.env = dict(env) if env is not None else None
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def proc(self) -> subprocess.Popen[bytes]:
-        """The running (or last) child; only after `start()`."""
-        assert self._proc is not None, "the broker process was not started"
-        return self._proc
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+            argv += ["--log-level", log_level]
+        super().__init__(
+            "broker",
+            [sys.executable, *argv, *extra_args],
+            log_dir / log_name,
+            env=env,
+            priority=priority,
+        )
 
     def start(self, timeout: float = 30.0) -> BrokerProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            offset = log.tell()
-            self._proc = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                start_new_session=True,
-            )
-        if self.priority is not None:
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, self.pid, self.priority)
-        deadline = time.monotonic() + timeout
-        while READY_LINE not in self._log_since(offset):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited {self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.kill9()
-                raise RuntimeError(f"broker did not start in {timeout} s:\n{self.log_tail()}")
-            time.sleep(0.05)
-        return self
-
-    def _log_since(self, offset: int) -> bytes:
-        with open(self.log_path, "rb") as log:
-            log.seek(offset)
-            return log.read()
-
-    def log_tail(self, lines: int = 40) -> str:
+        super().start()
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def kill9(self) -> None:
-        """SIGKILL: the broker dies without a word to anyone."""
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `grace_s`."""
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-
-    close = stop
-
-    def __enter__(self) -> BrokerProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+            self.wait_line(READY_LINE, timeout)
+        except RuntimeError:
+            self.kill9()
+            raise
+        return self

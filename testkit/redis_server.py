@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from testkit.ports import free_port
+from testkit.processes import ChildProcess
+from testkit.waiting import wait_for
 
 
 def server_binary() -> str | None:
@@ -38,51 +39,45 @@ class RedisServer:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: ChildProcess | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The running redis-server (None: not started, or stopped)."""
+        return self.child.proc if self.child is not None else None
 
     def start(self, timeout: float = 10.0) -> None:
         binary = server_binary()
         if binary is None:
             raise RuntimeError(missing_reason())
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / f"redis-{self.port}.log", "ab")  # noqa: SIM115 (the child owns it)
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.workdir),
-                *self.extra_args(),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        log.close()
+        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        argv += ["--dir", str(self.workdir), *self.extra_args()]
+        self.child = ChildProcess("redis-server", argv, self.workdir / f"redis-{self.port}.log").start()
         import redis
 
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def answers() -> bool:
             try:
-                client.ping()
-                break
+                return bool(client.ping())
             except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start; see {self.workdir}") from None
-                time.sleep(0.05)
-        client.close()
+                return False
+
+        child = self.child
+        try:
+            if not wait_for(lambda: answers() or not child.alive(), timeout) or not answers():
+                raise RuntimeError(f"redis-server did not start; see {self.workdir}")
+        finally:
+            client.close()
 
     def extra_args(self) -> list[str]:
         """More redis-server arguments (a subclass's, e.g. a Cluster node's)."""
         return []
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc = None
+        if self.child is not None:
+            self.child.kill9()
+        self.child = None
 
 
 @contextmanager

@@ -163,6 +163,45 @@ def test_bench_does_not_import_the_tests() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def _is_program(path: Path) -> bool:
+    """A module run as `python -m ...`: it has a main() or an `if __name__ == "__main__"` block."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "main":
+            return True
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def test_no_bench_program_imports_another() -> None:
+    """A benchmark program is imported by no other module of bench/ or testkit: what programs share
+    lives in bench/harness/ or in a helper module of their room, not in a program."""
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts): path
+        for path in (ROOT / "bench").rglob("*.py")
+    }
+    programs = {name for name, path in modules.items() if _is_program(path)}
+    assert "bench.control_plane.compare" in programs  # the check sees the programs
+    importers = list(modules.values()) + list((ROOT / TEST_KIT).rglob("*.py"))
+    wrong = []
+    for path in importers:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            wrong += [
+                f"{path.relative_to(ROOT)}:{node.lineno} imports the program {t}"
+                for t in targets
+                if t in programs and modules.get(t) != path
+            ]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_plugin_package_holds_only_what_vllm_loads() -> None:
     """Every module of kvbroker.engine_adapter is reached from the connector vLLM imports."""
     modules = {m: p for m, p in _modules().items() if m.startswith("kvbroker.engine_adapter")}
@@ -220,7 +259,7 @@ LONGER_WITH_REASON: dict[str, str] = {}
 
 def test_no_module_is_longer_than_one_sitting() -> None:
     paths = [p for m, p in _modules().items() if not m.startswith("kvbroker.v1")]
-    paths += list((ROOT / "bench").glob("*.py")) + list((ROOT / "tests").rglob("*.py"))
+    paths += list((ROOT / "bench").rglob("*.py")) + list((ROOT / "tests").rglob("*.py"))
     paths += list((ROOT / TEST_KIT).glob("*.py"))
     long = {
         str(p.relative_to(ROOT)): n

@@ -19,19 +19,15 @@ on a port of its own. Two models:
 from __future__ import annotations
 
 import atexit
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbroker.tools.children import ChildProcess, ProxyProcess
 from kvbroker.tools.launch import EngineProcess, EngineStartError, connector_config, pin_apart
 
 # model choice -> the name the proxy and engines serve it under
@@ -42,40 +38,6 @@ KV_CACHE_BYTES = {"real": 512 << 20, "tiny": 256 << 20}
 
 def say(msg: str) -> None:
     print(msg, flush=True)
-
-
-class ChildProcess:
-    """A helper process (broker, proxy) in its own process group, logging to a file."""
-
-    def __init__(self, name: str, cmd: list[str], log_path: Path) -> None:
-        self.name, self.cmd, self.log_path = name, cmd, log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> ChildProcess:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
-        except ProcessLookupError:
-            pass
 
 
 class Supervisor:
@@ -115,7 +77,7 @@ class Supervisor:
                 if time.monotonic() - up_since >= self.stable_s:
                     backoff = self.min_backoff_s
                 continue
-            code = self.child.proc.returncode if self.child.proc is not None else None
+            code = self.child.returncode
             self.report(
                 f"!! the {self.child.name} exited (code {code}); starting it again in {backoff:g} s "
                 f"(engines and proxy stay up and reconnect; log: {self.child.log_path})"
@@ -159,21 +121,6 @@ class Stack:
                     part.stop()
                 except Exception as e:
                     print(f"warning: stopping {part}: {e}", file=sys.stderr)
-
-
-def wait_http(url: str, what: str, timeout: float, alive: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive():
-            raise RuntimeError(f"{what} exited while starting")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{what} not ready after {timeout:.0f} s")
 
 
 def model_folder(model: str, workdir: Path) -> Path:
@@ -296,27 +243,12 @@ def start_stack(
 
     stack.proxy_url = f"http://127.0.0.1:{proxy_port}"
     say(f"[4/4] starting the proxy on {stack.proxy_url} ...")
-    stack.proxy = ChildProcess(
-        "proxy",
-        [
-            sys.executable,
-            "-m",
-            "kvbroker.clients.proxy",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(proxy_port),
-            "--prefill",
-            f"prefill-0={stack.prefill.url}",
-            "--decode",
-            f"decode-0={stack.decode.url}",
-            "--broker",
-            stack.broker_address,
-            "--local-prefill-tokens",
-            str(local_prefill_tokens),
-        ],
+    stack.proxy = ProxyProcess(
         workdir / "proxy.log",
+        prefill={"prefill-0": stack.prefill.url},
+        decode={"decode-0": stack.decode.url},
+        broker=stack.broker_address,
+        local_prefill_tokens=local_prefill_tokens,
+        port=proxy_port,
     ).start()
-    proxy = stack.proxy
-    wait_http(stack.proxy_url + "/health", "proxy", 30, proxy.alive)
     return stack

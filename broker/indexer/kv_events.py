@@ -51,7 +51,7 @@ _INT_OPTIONS = ("block_size", "num_layers", "num_kv_heads", "head_size")
 _STR_OPTIONS = ("model", "hash_algo", "dtype", "kv_layout", "tenant", "topic", "url", "replay")
 REPLAY_TIMEOUT_MS = 2_000  # a replay that sends nothing for this long is given up (the gap stays a gap)
 # Events are decoded and applied in slices: after this much work the feed yields the event
-# loop, so a 120,000-event batch never holds up gRPC (bench/kv_events_stall.py measures it).
+# loop, so a 120,000-event batch never holds up gRPC (bench/control_plane/kv_events_stall.py measures it).
 SLICE_BUDGET_S = 0.002
 SLICE_CHECK_EVERY = 8  # events between looks at the clock (an event costs tens of microseconds)
 

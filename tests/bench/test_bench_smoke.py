@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def run_bench(module: str, out_dir: Path, *extra: str) -> tuple[str, dict[str, Any]]:
+def run_bench(module: str, result: str, out_dir: Path, *extra: str) -> tuple[str, dict[str, Any]]:
+    """Run `module` in tiny mode; its JSON is `result`-tiny.json (the result keeps its name)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
@@ -35,14 +36,13 @@ def run_bench(module: str, out_dir: Path, *extra: str) -> tuple[str, dict[str, A
         check=False,
     )
     assert proc.returncode == 0, f"{module} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    name = module.rsplit(".", 1)[1]
-    doc = json.loads((out_dir / f"{name}-tiny.json").read_text())
+    doc = json.loads((out_dir / f"{result}-tiny.json").read_text())
     assert_checked(proc.stdout, doc)
     return proc.stdout, doc
 
 
 def assert_checked(out: str, doc: dict[str, Any]) -> None:
-    """Every figure went through bench.checks: the run says so, and passed."""
+    """Every figure went through bench.harness.checks: the run says so, and passed."""
     assert "Consistency checks (Little's law, cores, memcpy)" in out, out[-3000:]
     checks = doc["checks"]
     assert checks["passed"] and checks["invalid"] == [], checks
@@ -68,7 +68,7 @@ def assert_peer_measured_or_explained(res: dict[str, Any], figure: str) -> None:
 
 
 def test_control_plane_tiny(tmp_path: Path) -> None:
-    out, doc = run_bench("bench.control_plane", tmp_path)
+    out, doc = run_bench("bench.control_plane.compare", "control_plane", tmp_path)
     assert "lookup of a 64-block chain" in out
     assert "share its" in out  # the shared-cores note
     results = doc["results"]
@@ -104,7 +104,9 @@ def test_control_plane_tiny(tmp_path: Path) -> None:
 
 
 def test_broker_bench_tiny(tmp_path: Path) -> None:
-    out, doc = run_bench("bench.broker_bench", tmp_path, "--skip", "redis", "--skip", "mooncake")
+    out, doc = run_bench(
+        "bench.control_plane.broker", "broker_bench", tmp_path, "--skip", "redis", "--skip", "mooncake"
+    )
     assert "resolve over session stream: p50 us" in out
     assert "resolve on the engine-local index mirror: p50 us" in out
     results = doc["results"]
@@ -117,12 +119,12 @@ def test_broker_bench_tiny(tmp_path: Path) -> None:
 
 
 def test_tls_bench_quick(tmp_path: Path) -> None:
-    """bench/tls.py runs its three transports and writes every figure for each."""
+    """bench/control_plane/tls.py runs its three transports and writes every figure for each."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = tmp_path / "tls.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.tls", "--quick", "--rounds", "1", "--out", str(out)],
+        [sys.executable, "-m", "bench.control_plane.tls", "--quick", "--rounds", "1", "--out", str(out)],
         cwd=str(REPO),
         env=env,
         capture_output=True,
@@ -130,7 +132,7 @@ def test_tls_bench_quick(tmp_path: Path) -> None:
         timeout=100,
         check=False,
     )
-    assert proc.returncode == 0, f"bench.tls failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"bench.control_plane.tls failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     doc = json.loads(out.read_text())
     assert set(doc["results"]) == {"plaintext", "tls", "mtls"}
     for figures in doc["results"].values():

@@ -1,8 +1,8 @@
-"""Pieces of bench.chat_compare that need no engine: the NixlConnector proxy's
+"""Pieces of bench.chats.compare that need no engine: the NixlConnector proxy's
 conversation bookkeeping and request shapes, the proxy end to end against fake
 P and D servers, the prompt sizing, and the results (identical answers, targets).
 
-The real run (four setups, real vLLM engines) is `python -m bench.chat_compare --quick`.
+The real run (four setups, real vLLM engines) is `python -m bench.chats.compare --quick`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import asyncio
 import json
 from typing import Any
 
-from bench.chat_results import compare_answers, per_turn, targets
-from bench.chat_workload import chat_body, fit_message, stream_chat
-from bench.nixl_proxy import (
+from bench.chats.nixl_proxy import (
     CONVERSATION_HEADER,
     ConversationBook,
     as_stream_chunks,
@@ -21,6 +19,8 @@ from bench.nixl_proxy import (
     decode_request,
     prefill_request,
 )
+from bench.chats.results import compare_answers, per_turn, targets
+from bench.chats.workload import chat_body, fit_message, stream_chat
 from testkit.ports import free_port
 
 D_PARAMS = {
@@ -241,8 +241,8 @@ def test_a_turn_our_proxy_served_on_one_engine_is_not_counted_as_pd() -> None:
 
 
 def test_follow_ups_are_sized_as_asked_and_the_workload_is_printed() -> None:
-    from bench.chat_compare import workload_line
-    from bench.chat_workload import sized_follow_up
+    from bench.chats.compare import workload_line
+    from bench.chats.workload import sized_follow_up
 
     class Words:
         def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -1,4 +1,4 @@
-"""The benchmarks' consistency checks (bench.checks): a wrong timer or a wrong count
+"""The benchmarks' consistency checks (bench.harness.checks): a wrong timer or a wrong count
 must be caught and reported as INVALID with a reason; correct figures must pass.
 
 Fast and self-contained: no servers, no vLLM.
@@ -10,7 +10,8 @@ import threading
 import time
 from typing import Any
 
-from bench.checks import (
+from bench.control_plane.report import targets, targets_table
+from bench.harness.checks import (
     bandwidth_reason,
     check_gbps,
     cores_reason,
@@ -21,8 +22,8 @@ from bench.checks import (
     report_invalid,
     validate_results,
 )
-from bench.common import RunResult, aggregate, closed_loop_async, closed_loop_threads, fmt_spread
-from bench.report import targets, targets_table
+from bench.harness.loops import RunResult, aggregate, closed_loop_async, closed_loop_threads
+from bench.harness.output import fmt_spread
 
 
 def _run(clients: int, per_client: int, latency_s: float, wall_s: float) -> RunResult:

@@ -1,4 +1,4 @@
-"""Smoke test of bench/data_path.py at a tiny size: it runs, verifies bytes, writes its JSON.
+"""Smoke test of bench/data_path/reads.py at a tiny size: it runs, verifies bytes, writes its JSON.
 
 Never asserts on speed: figures at this size mean nothing.
 """
@@ -30,7 +30,7 @@ def test_bench_runs_and_writes_json(tmp_path: Path) -> None:
     args = ["--models", "tiny", "--layouts", "cpu,blhnc", "--histories", "256", "--reps", "2"]
     args += ["--out-dir", str(tmp_path), "--name", "dp-smoke"]
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.data_path", *args],
+        [sys.executable, "-m", "bench.data_path.reads", *args],
         cwd=REPO,
         env=env,
         capture_output=True,

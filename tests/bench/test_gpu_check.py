@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and bench/gpu_check.py: the GPU check's dry run on DRAM, so it cannot rot.
+"""scripts/gpu_check.sh and bench/data_path/gpu_check.py: the GPU check's dry run on DRAM, so it cannot rot.
 
 The dry run goes through the same script a lent GPU machine runs: it installs
 a carried wheel into a target folder, then two processes move real bytes with
@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench.gpu_check import table, verdict_of
-from bench.gpu_check_holder import Plan, seed_of
-from bench.gpu_check_parts import CaseMemory, HistoryParts, Row, guarded
-from bench.kv_layouts import MODELS, kv_caches
+from bench.data_path.gpu_check import table, verdict_of
+from bench.data_path.gpu_check_holder import Plan, seed_of
+from bench.data_path.gpu_check_parts import CaseMemory, HistoryParts, Row, guarded
+from bench.data_path.kv_layouts import MODELS, kv_caches
 from kvbroker.engine_adapter.nixl_agent import nixl_available
 
 REPO = Path(__file__).resolve().parents[2]

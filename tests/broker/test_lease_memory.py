@@ -1,6 +1,6 @@
 """A lease's memory: hashes packed, and the per-engine cap derived from a memory budget.
 
-bench/lease_memory.py prints the numbers; here, the rules: a large lease costs about
+bench/control_plane/lease_memory.py prints the numbers; here, the rules: a large lease costs about
 12 bytes a block (Python ints cost about 84), and --lease-memory-mib sets the cap."""
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bench.dashboard import load_panels
-from bench.promql import Samples, Unsupported, evaluate, metric_names, parse
+from bench.fleet.dashboard import load_panels
+from bench.fleet.promql import Samples, Unsupported, evaluate, metric_names, parse
 from kvbroker.broker.config import BrokerConfig
 from testkit.broker import running_broker
 from testkit.ports import free_port
@@ -133,7 +133,7 @@ def test_compose_provisions_prometheus_and_grafana_with_the_dashboard() -> None:
 
 def test_the_readme_picture_redraws_from_its_run_samples(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from bench.dashboard import main
+    from bench.fleet.dashboard import main
 
     samples = ROOT / "bench" / "results" / "dashboard_samples.json"
     saved = json.loads(samples.read_text())

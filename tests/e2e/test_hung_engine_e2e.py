@@ -22,7 +22,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -67,9 +66,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def extra(stack: Any) -> Iterator[Extra]:
-    from kvbroker.tools.demo_stack import ChildProcess, wait_http
-    from kvbroker.tools.launch import free_port
     from testkit.engines import start_engine
+    from testkit.processes import ProxyProcess
 
     out = Extra()
     out.decode1, _ = start_engine(
@@ -85,31 +83,21 @@ def extra(stack: Any) -> Iterator[Extra]:
         out.decode1.wait_ready(timeout=600)
 
         def proxy(name: str, engines: list[str]) -> str:
-            port = free_port()
-            child = ChildProcess(
-                name,
-                [
-                    sys.executable,
-                    "-m",
-                    "kvbroker.clients.proxy",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--broker",
-                    stack.broker_address,
+            child = ProxyProcess(
+                stack.workdir / f"{name}.log",
+                broker=stack.broker_address,
+                extra_args=[
                     "--first-byte-timeout-s",
                     str(BUDGET_S),
                     "--probe-timeout-s",
                     str(PROBE_S),
                     *engines,
                 ],
-                stack.workdir / f"{name}.log",
-            ).start()
+                name=name,
+            )
             out.proxies.append(child)
-            url = f"http://127.0.0.1:{port}"
-            wait_http(url + "/health", name, 30, child.alive)
-            return url
+            child.start()
+            return child.url
 
         out.two_decoders = proxy(
             "proxy-2d",

@@ -13,7 +13,6 @@ restarted under load, then D is killed under load.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import urllib.request
@@ -31,8 +30,7 @@ pytest.importorskip("nixl")
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
 from kvbroker.tools.chat import chat_body, stream_chat
-from kvbroker.tools.demo_stack import ChildProcess, wait_http
-from kvbroker.tools.launch import EngineProcess, free_port
+from kvbroker.tools.launch import EngineProcess
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.chat import (
     Conversation,
@@ -42,7 +40,7 @@ from testkit.chat import (
     run_conversations,
 )
 from testkit.engines import BLOCK_SIZE, SESSION_TTL_MS, read_stats, start_engine
-from testkit.processes import BrokerProcess
+from testkit.processes import BrokerProcess, ProxyProcess
 from testkit.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -84,7 +82,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     log_dir = tmp_path_factory.mktemp("real-e2e")
     broker = BrokerProcess(log_dir).start()
     engines: list[EngineProcess] = []
-    proxy: ChildProcess | None = None
+    proxy: ProxyProcess | None = None
     holder: dict[str, BrokerProcess] = {"broker": broker}
     try:
         common: dict[str, Any] = dict(
@@ -105,22 +103,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             engine.wait_ready(timeout=600, progress=print)
         with BrokerClient(broker.address) as client:
             assert wait_for(lambda: _ranked(client) == {"P", "D"}, 30), "engines did not register"
-        port = free_port()
-        proxy = ChildProcess(
-            "proxy",
-            [
-                *(sys.executable, "-m", "kvbroker.clients.proxy", "--host", "127.0.0.1", "--port", str(port)),
-                *("--prefill", f"P={p.url}", "--decode", f"D={d.url}", "--broker", broker.address),
-                # Every turn prefills on P, so turn 2 pulls the history D holds (the default
-                # would let D, holding all but the new message, serve the turn alone).
-                *("--local-prefill-tokens", "0"),
-            ],
+        proxy = ProxyProcess(
             log_dir / "proxy.log",
+            prefill={"P": p.url},
+            decode={"D": d.url},
+            broker=broker.address,
+            # Every turn prefills on P, so turn 2 pulls the history D holds (the default
+            # would let D, holding all but the new message, serve the turn alone).
+            local_prefill_tokens=0,
         )
         proxy.start()
-        wait_http(f"http://127.0.0.1:{port}/health", "proxy", 30, proxy.alive)
         print(f"real-model e2e logs in {log_dir}")
-        running = Cluster(broker, p, d, f"http://127.0.0.1:{port}", {"P": p_stats, "D": d_stats}, log_dir)
+        running = Cluster(broker, p, d, proxy.url, {"P": p_stats, "D": d_stats}, log_dir)
         yield running
         holder["broker"] = running.broker  # the broker test replaces it
     finally:

@@ -17,7 +17,6 @@ the failover, and once the holds are read or expired none is left.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 import uuid
@@ -67,10 +66,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     if reason:
         pytest.skip(reason)
     from kvbroker.clients.sync import BrokerClient
-    from kvbroker.tools.demo_stack import ChildProcess, wait_http
-    from kvbroker.tools.launch import free_port
     from testkit.engines import start_engine
-    from testkit.processes import SERVE, BrokerProcess
+    from testkit.processes import SERVE, BrokerProcess, ProxyProcess
     from testkit.redis_server import RedisServer
     from testkit.waiting import wait_for
 
@@ -109,21 +106,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
                 }
 
             assert wait_for(lambda: ranked() == {"prefill-0", "decode-0"}, 30), "engines did not register"
-        port = free_port()
-        proxy = ChildProcess(
-            "proxy",
-            [
-                *(sys.executable, "-m", "kvbroker.clients.proxy", "--host", "127.0.0.1", "--port", str(port)),
-                *("--prefill", f"prefill-0={p.url}", "--decode", f"decode-0={d.url}", "--broker", both),
-                # Every turn prefills on P, so turn 2 pulls the history D holds.
-                *("--local-prefill-tokens", "0"),
-            ],
+        proxy = ProxyProcess(
             log_dir / "proxy.log",
-        ).start()
+            prefill={"prefill-0": p.url},
+            decode={"decode-0": d.url},
+            broker=both,
+            # Every turn prefills on P, so turn 2 pulls the history D holds.
+            local_prefill_tokens=0,
+        )
         parts.append(proxy)
-        wait_http(f"http://127.0.0.1:{port}/health", "proxy", 30, proxy.alive)
+        proxy.start()
         print(f"replicas e2e logs in {log_dir}")
-        yield Fleet(redis, a, b, p, d, f"http://127.0.0.1:{port}", {"P": p_stats, "D": d_stats}, log_dir)
+        yield Fleet(redis, a, b, p, d, proxy.url, {"P": p_stats, "D": d_stats}, log_dir)
     finally:
         for part in reversed(parts):
             with contextlib.suppress(Exception):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -158,22 +157,17 @@ def test_a_proxy_with_its_default_lets_d_serve_a_turn_it_holds_alone(stack: Any,
     """The demo's proxy prefills every turn on P; a proxy with the default --local-prefill-tokens
     sends turn 2 to D alone when D holds all of it but the new message."""
     from kvbroker.tools.demo import SYSTEM_PROMPT, chat_turn
-    from kvbroker.tools.demo_stack import ChildProcess, wait_http
-    from kvbroker.tools.launch import free_port
+    from testkit.processes import ProxyProcess
 
-    port = free_port()
-    proxy = ChildProcess(
-        "proxy-default",
-        [
-            *(sys.executable, "-m", "kvbroker.clients.proxy", "--host", "127.0.0.1", "--port", str(port)),
-            *("--prefill", f"prefill-0={stack.prefill.url}", "--decode", f"decode-0={stack.decode.url}"),
-            *("--broker", stack.broker_address),
-        ],
+    proxy = ProxyProcess(
         tmp_path / "proxy.log",
+        prefill={"prefill-0": stack.prefill.url},
+        decode={"decode-0": stack.decode.url},
+        broker=stack.broker_address,
+        name="proxy-default",
     ).start()
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", "proxy", 30, proxy.alive)
+        url = proxy.url
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "local one"}]
         first = chat_turn(url, messages, "e2e-local-1", max_tokens=12)
         messages += [{"role": "assistant", "content": first["answer"]}, {"role": "user", "content": "and?"}]

@@ -1,4 +1,4 @@
-"""The chat client and conversation runner the demo, the real-model tests and bench.chat_load use,
+"""The chat client and conversation runner the demo, the real-model tests and bench.fleet.chat_load use,
 against a small HTTP server that streams what vLLM streams (no engine needed)."""
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.tools.demo_stack import ChildProcess, Supervisor
+from kvbroker.tools.demo_stack import Supervisor
+from testkit.processes import ChildProcess
 from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,11 +1,11 @@
 """A huge KV-event batch is applied in slices: the event loop keeps turning (the real feed and
-core on this test's loop; bench/kv_events_stall.py prints the numbers)."""
+core on this test's loop; bench/control_plane/kv_events_stall.py prints the numbers)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.kv_events_stall import apply_and_watch, batch
+from bench.control_plane.kv_events_stall import apply_and_watch, batch
 
 pytest.importorskip("msgspec")
 

@@ -84,8 +84,12 @@ class RedisSentinel:
 
         sentinel = redis.Redis(port=self.sentinel_port, decode_responses=True)
         try:
-            _, port = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
-            return int(port)
+            answer = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+            if not answer:
+                raise RuntimeError(
+                    f"the Sentinel on port {self.sentinel_port} names no primary for {SERVICE}"
+                )
+            return int(answer[1])
         finally:
             sentinel.close()
 

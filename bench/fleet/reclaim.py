@@ -192,12 +192,13 @@ def start_engines(
         eng.d_nixl = nixl_engine(model, work, "D-nixl").start()
         out.append(eng.d_nixl)
     for engine in list(out):
+        name = engine.name
         try:
             engine.wait_ready(timeout=args.start_timeout_s, progress=log)
         except Exception as e:
             if engine not in (eng.p_nixl, eng.d_nixl):
                 raise
-            eng.nixl_error = f"{engine.name} did not start: {e}"
+            eng.nixl_error = f"{name} did not start: {e}"
             log(eng.nixl_error)
     return eng
 

@@ -22,7 +22,7 @@ def test_cli_flags_and_variables(
     argv = ["--broker", mtls_broker.address, "--tls-ca", str(pki.ca.cert)]
     argv += ["--tls-cert", str(op.cert), "--tls-key", str(op.key), "stats", "--json"]
     assert main(argv, out) == 0
-    assert "leasesByState" in json.loads(out.getvalue())
+    assert "leases_by_state" in json.loads(out.getvalue())
     monkeypatch.setenv("KVBROKER_TLS_CA", str(pki.ca.cert))
     monkeypatch.setenv("KVBROKER_TLS_CERT", str(op.cert))
     monkeypatch.setenv("KVBROKER_TLS_KEY", str(op.key))

@@ -283,7 +283,10 @@ def test_concurrent_conversations_match_one_engine_and_leave_no_lease(cluster: C
     assert not _failures(runs) and not [r.error for r in runs if r.error]
     turns = [t for r in runs for t in r.turns]
     assert len(turns) == CONVERSATIONS * TURNS
-    assert all(t.answer is not None and t.answer.header("X-KVBroker-Mode") == "pd" for t in turns)
+    # Every turn goes through P and pulls, except a turn D holds the history of while P is busy with
+    # another conversation's prefill: D computes the rest itself (the proxy weighs P's queue).
+    modes = [t.answer.header("X-KVBroker-Mode") if t.answer is not None else None for t in turns]
+    assert set(modes) <= {"pd", "local"} and "pd" in modes, modes
     p_pulled = cluster.stat("P", "pulled_blocks") - p_pulled_before
     print(f"{len(turns)} turns in {elapsed:.1f} s; P pulled {p_pulled} blocks of history from D")
     assert p_pulled > 0, "no turn pulled its history from D"

@@ -86,6 +86,8 @@ def test_scheduler_reports_its_load_and_observes_pulls_at_the_holder_load() -> N
     for tokens, context in [(300, 0), (1, 300), (900, 0), (1, 900), (2000, 0), (1, 2000)]:
         sched.build_connector_meta([("warm", tokens, context)])
         clock.advance(step_seconds(tokens, context, **BIG))
+        # A step is timed from its schedule to its output (cost_model: compute, never idle time).
+        sched.update_connector_output(worker_meta=None, finished_sending=None, finished_recving=None)
     assert link.loads == [], "no request taken up yet: nothing to report"
 
     r1, r2 = FakeRequest("r1", num_tokens=140), FakeRequest("r2", num_tokens=140)

@@ -224,12 +224,15 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
         log = (fleet.log_dir / f"{name}.log").read_text(errors="replace")
         assert "held blocks: broker session lost" not in log, f"{name} freed its holds at the kill"
         assert "registered a new broker session" not in log, f"{name} lost its session"
-    # Every request through the proxy succeeded, disaggregated, with P's own answer.
+    # Every request through the proxy succeeded.
     failures = [f for run in runs for turn in run.turns for f in turn.failures]
     assert not failures and not [r.error for r in runs if r.error], failures
     turns = [t for r in runs for t in r.turns]
     assert len(turns) == CONVERSATIONS * TURNS
-    assert all(t.answer is not None and t.answer.header("X-KVBroker-Mode") == "pd" for t in turns)
+    # Disaggregated, except a turn D holds the history of while P is busy with another chat's
+    # prefill: D computes the rest itself (the proxy weighs P's queue).
+    modes = [t.answer.header("X-KVBroker-Mode") if t.answer is not None else None for t in turns]
+    assert set(modes) <= {"pd", "local"} and "pd" in modes, modes
     assert mismatches(runs, reference) == []
     pulled_during = {name: fleet.stat(name, "pulled_tokens") - pulled_before[name] for name in ("P", "D")}
     print(f"tokens pulled from the kill to the end of the load: {pulled_during}")

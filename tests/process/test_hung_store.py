@@ -78,7 +78,10 @@ async def test_a_paused_store_costs_answers_not_sessions(
         )
         late = callers.late()
         assert not late, f"callers not answered within their deadline: {late}"
-        assert during and all(c.outcome == "UNAVAILABLE" for c in during)  # fails fast, not late
+        # Fails fast, not late: UNAVAILABLE, or an answer a call got just before the store was marked
+        # away; never a deadline passed.
+        assert during and any(c.outcome == "UNAVAILABLE" for c in during), during
+        assert all(c.outcome != "DEADLINE_EXCEEDED" for c in during), during
         assert min(callers.answered_after(back_at + 0.5).values()) > 0, callers.calls[-10:]
         # The sessions lived through it: no reconnect, same sessions.
         for events in (p_events, d_events):

@@ -15,7 +15,7 @@ from kvbroker.broker.checks import Checks
 from kvbroker.broker.clock import Clock, MonotonicClock
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.declines import DeclineBook
-from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, shown
+from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, shown
 from kvbroker.broker.events import Notifier, NullNotifier
 from kvbroker.broker.exactness import exact_only, score_candidates
 from kvbroker.broker.holders import find_holders
@@ -55,11 +55,8 @@ class BrokerCore:
         # Watch and mirror events come from these wrappers as they change (see observed.py).
         publish = Publisher(self.notifier, self.mirrors)
         self.index = ObservedIndex(index or CompactPrefixIndex(), publish)
-        self.leases = ObservedLeaseTable(
-            leases
-            or InMemoryLeaseTable(self.config.ended_lease_history, self.config.ended_lease_history_blocks),
-            publish,
-        )
+        history = (self.config.ended_lease_history, self.config.ended_lease_history_blocks)
+        self.leases = ObservedLeaseTable(leases or InMemoryLeaseTable(*history), publish)
         self.registry = ObservedRegistry(EngineRegistry() if registry is None else registry, publish)
         self.leases.stats = LeaseStats(self.clock.now, self.registry.find_fingerprint)  # for /metrics
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
@@ -106,6 +103,16 @@ class BrokerCore:
                 self._revoke(lease, RevokeCause.READER_GONE, f"reader {rec.engine_id!r} session ended")
             if code:
                 self.notifier.close_session(session_id, code, message)
+
+    def stream_ended(self, rec: EngineRecord) -> None:
+        """The session's stream broke or ended: end the session. With the store away (Unavailable,
+        raised), the first expiry pass after it is back ends it, not the session's TTL."""
+        try:
+            self.end_session(rec.session_id)
+        except Unavailable:
+            rec.stream_lost = True
+            self.registry.expire_at(rec, self.clock.now())  # a record already gone is skipped there
+            raise
 
     def heartbeat(self, rec: EngineRecord, load: float) -> None:
         rec.deadline = self.clock.now() + rec.ttl_s
@@ -499,11 +506,11 @@ class BrokerCore:
         now = self.clock.now()
         ended = 0
         for rec in self.registry.expired(now, limit):
-            self.end_session(
-                rec.session_id,
-                "DEADLINE_EXCEEDED",
-                f"session TTL of {rec.ttl_s * 1000:.0f} ms passed without a heartbeat",
-            )
+            if rec.stream_lost:  # see stream_ended
+                self.end_session(rec.session_id, message="session stream ended")
+            else:
+                why = f"session TTL of {rec.ttl_s * 1000:.0f} ms passed without a heartbeat"
+                self.end_session(rec.session_id, "DEADLINE_EXCEEDED", why)
             ended += 1
         for lease in self.leases.revoke_expired(now, limit):
             self._after_revoke(lease)

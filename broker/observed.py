@@ -309,6 +309,9 @@ class ObservedRegistry:
     def expired(self, now: float, limit: int) -> list[EngineRecord]:
         return self._registry.expired(now, limit)
 
+    def expire_at(self, rec: EngineRecord, when: float) -> None:
+        self._registry.expire_at(rec, when)
+
     def resume(
         self, info: pb.EngineInfo, session_id: str, ttl_s: float, expected_ranks: int, now: float
     ) -> EngineRecord | None:

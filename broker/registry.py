@@ -55,6 +55,7 @@ class EngineRecord:
     generation: int = 0  # which registration of the engine id this session is (see the module doc)
     exactness: int = 1  # broker/exactness.py's Exactness as recorded (a KV-event feed's gaps); 1 = exact
     exactness_reason: str = ""
+    stream_lost: bool = False  # its stream ended while the store was away: end it at the next pass
 
     @property
     def ready(self) -> bool:
@@ -157,6 +158,10 @@ class Registry(Protocol):
 
     def extend_sessions(self, seconds: float) -> None:
         """Move every session deadline later (a stall of the broker is not the engines' fault)."""
+        ...
+
+    def expire_at(self, rec: EngineRecord, when: float) -> None:
+        """Bring the session's deadline forward to `when` (never later than it was)."""
         ...
 
     def incompatibility(self, reader: EngineRecord, holder: EngineRecord) -> str | None:
@@ -314,6 +319,10 @@ class EngineRegistry:
             else:
                 out.append(rec)
         return out
+
+    def expire_at(self, rec: EngineRecord, when: float) -> None:
+        rec.deadline = min(rec.deadline, when)
+        self._expiry.schedule(rec.session_id, rec.deadline)
 
     def extend_sessions(self, seconds: float) -> None:
         """Move every session deadline later (the queue catches up lazily, as after a heartbeat)."""

@@ -24,7 +24,7 @@ from kvbroker.broker import codec, lease_calls, listing
 from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, SessionChannel, SessionNotifier
 from kvbroker.broker.core import BrokerCore
-from kvbroker.broker.errors import BrokerError, InvalidArgument
+from kvbroker.broker.errors import BrokerError, InvalidArgument, Unavailable
 from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
@@ -157,7 +157,10 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             self.notifier.detach(rec.session_id)
             if not self.shutting_down:
                 # Stream broken or ended: the session ends and its leases with it.
-                self.core.end_session(rec.session_id)
+                try:
+                    self.core.stream_ended(rec)
+                except Unavailable as err:
+                    log.warning("session of %s ends once the store is back: %s", rec.engine_id, err.message)
         if reader.done() and not reader.cancelled() and reader.exception() is not None:
             raise reader.exception()  # type: ignore[misc]
 

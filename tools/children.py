@@ -25,6 +25,10 @@ from pathlib import Path
 
 from kvbroker.tools.launch import free_port
 
+# A SIGKILLed child is gone at once on a quiet host; on a starved one (a CI machine of two cores
+# shared with vLLM engines) the kernel took more than 10 s to let it die and be reaped.
+KILLED_WAIT_S = 60.0
+
 
 class ChildProcess:
     """`argv` as a child in its own process group, stdout and stderr appended to `log_path`.
@@ -148,7 +152,7 @@ class ChildProcess:
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+            self.proc.wait(KILLED_WAIT_S)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the group, then SIGKILL after `grace_s`."""

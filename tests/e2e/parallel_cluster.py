@@ -92,8 +92,10 @@ class Cluster:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
     def failed_pulls(self, name: str) -> list[str]:
-        """The reader's own words for each pull that failed (why it recomputed)."""
-        return [line for line in self.log(name).splitlines() if "failed, recomputing them" in line]
+        """The reader's own words for each pull that failed (why it recomputed), and what its
+        broker session went through (a lost session fails a release)."""
+        said = ("failed, recomputing them", "session of", "broker reported on session", "broker refused")
+        return [line for line in self.log(name).splitlines() if any(words in line for words in said)]
 
 
 def _start(model: Path, log_dir: Path, name: str, broker_address: str) -> EngineProcess:
@@ -225,12 +227,20 @@ def check_pull_across_ranks(cluster: Cluster, holder: str, reader: str, length: 
     )
 
     assert output_ids(answer) == reference
+
+    def settled() -> bool:  # the stats file trails the counters by a write of its own thread
+        pulled = cluster.stat(reader, "pulled_blocks") - pulled_before
+        return pulled >= blocks or cluster.stat(reader, "pulls_failed") > failed_before
+
+    wait_for(settled, 30)
     assert cluster.stat(reader, "pulls_failed") == failed_before, cluster.failed_pulls(reader)
-    assert cluster.stat(reader, "pulled_blocks") - pulled_before == blocks
+    assert cluster.stat(reader, "pulled_blocks") - pulled_before == blocks, cluster.failed_pulls(reader)
     # Every layer and head of every block arrived: the reader's ranks together
     # read exactly what one engine holds, whatever way both sides split it.
     assert cluster.stat(reader, "pulled_bytes") - bytes_before == blocks * cluster.block_bytes
-    assert wait_for(lambda: cluster.stat(holder, "holds_returned") > returned_before, 5)
+    assert wait_for(lambda: cluster.stat(holder, "holds_returned") > returned_before, 30), (
+        "the holder's hold was not returned"
+    )
     with BrokerClient(cluster.broker.address) as client:
         leases = client.list_leases(engine_id=reader, include_ended=True).leases
-    assert any(le.holder_engine_id == holder and le.state == pb.LEASE_RELEASED for le in leases)
+    assert any(le.holder_engine_id == holder and le.state == pb.LEASE_RELEASED for le in leases), leases

@@ -36,6 +36,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         s.stop()
 
 
+# A first turn long enough (about 2,800 tokens of the tiny model's tokenizer) that pulling it
+# beats recomputing it by a wide margin whatever this host's speed: on the tiny model a
+# prefill of a hundred tokens costs a few ms, less than a pull's fixed part, so a short turn
+# may rightly be recomputed (a fast CI host did; then D pulled nothing and these tests,
+# which are about pulls, had nothing to check).
+LONG_FIRST_QUESTION = "background " * 350
+
+
 def stats(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text())) if path.exists() else {}
 
@@ -43,7 +51,10 @@ def stats(path: Path) -> dict[str, Any]:
 def test_p_and_d_decide_by_the_model_after_a_short_chat(stack: Any) -> None:
     from kvbroker.tools.demo import SYSTEM_PROMPT, chat_turn
 
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "first question"}]
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": LONG_FIRST_QUESTION},
+    ]
     for turn in range(3):
         answer = chat_turn(stack.proxy_url, messages, f"pd-roles-{turn}", max_tokens=40)
         assert answer["headers"]["X-KVBroker-Mode"] == "pd"
@@ -62,8 +73,8 @@ def test_p_and_d_decide_by_the_model_after_a_short_chat(stack: Any) -> None:
     # beyond a pull); its first decision came before any, and was the model's all the same.
     assert d["cost_model"]["prefill_source"] in ("own", "holder:prefill-0"), d["cost_model"]
     assert d["cost_model"]["steps"] > d["cost_model"]["prefill_steps"]
-    # Turn 1 is pulled; later turns the model may recompute (on the tiny model a few new tokens
-    # cost less than a pull), by its prediction, not for lack of one.
+    # Turn 1 (long) is pulled; later turns the model may recompute (on the tiny model a few new
+    # tokens cost less than a pull), by its prediction, not for lack of one.
     assert d.get("pulls", 0) >= 1
     assert d.get("decided_pull_adaptive", 0) + d.get("decided_recompute_adaptive", 0) >= 3
 
@@ -76,7 +87,7 @@ def test_per_pair_counters_equal_the_readers_own(stack: Any) -> None:
 
     from kvbroker.tools.demo import SYSTEM_PROMPT, chat_turn
 
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "pairs " * 40}]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "pairs " * 480}]
     for turn in range(2):
         answer = chat_turn(stack.proxy_url, messages, f"pd-pairs-{turn}", max_tokens=24)
         messages += [

@@ -19,9 +19,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.0
     return bool(predicate())
 
 
+# What `until` waits by default: a condition that holds in milliseconds on a quiet machine may
+# take seconds on a loaded 2-core CI host; a test that waits for something that never comes
+# fails all the same, only later.
+UNTIL_TIMEOUT_S = 20.0
+
+
 async def until(
     predicate: Callable[[], Any | Awaitable[Any]],
-    timeout: float = 5.0,
+    timeout: float = UNTIL_TIMEOUT_S,
     interval: float = 0.01,
     message: str = "condition not met in time",
 ) -> None:

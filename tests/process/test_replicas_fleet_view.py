@@ -259,7 +259,9 @@ async def test_a_drain_through_one_replica_marks_the_engine_whose_stream_is_on_t
                     return False
             return True
 
-        await until(draining_everywhere, timeout=5.0, message="the draining flag did not reach the store")
+        await until(
+            draining_everywhere, timeout=LOADED_S, message="the draining flag did not reach the store"
+        )
         await asyncio.sleep(0.6)  # two of a's deadline pushes (every 0.25 s) later, still draining
         assert await draining_everywhere()
     finally:
@@ -287,7 +289,7 @@ async def test_a_decline_through_one_replica_before_its_hold_refuses_the_hold_on
                 return True
             return False  # came before a heard of the decline: a ends it as declined when it does
 
-        await until(hold_refused, timeout=5.0, message="a never heard of b's early decline")
+        await until(hold_refused, timeout=LOADED_S, message="a never heard of b's early decline")
 
         # Every hold of r1 made through a ended (refused, or ended as declined): none is left.
         async def none_left() -> bool:

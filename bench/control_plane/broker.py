@@ -17,14 +17,11 @@ Writes bench/results/broker_bench.json and broker_bench.png.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from bench.control_plane.measure import Settings
@@ -32,16 +29,15 @@ from bench.control_plane.measure_broker import measure_broker
 from bench.control_plane.measure_peers import measure_mooncake, measure_redis
 from bench.control_plane.report import broker_table, memory_table
 from bench.control_plane.run import (
-    add_common_arguments,
     check_figures,
     guarded,
     mode_name,
     print_targets,
     save_outputs,
-    settings_from,
+    start,
 )
 from bench.harness.checks import exit_code, report_invalid
-from bench.harness.output import REPO_ROOT, load_note, log, shared_cores_note
+from bench.harness.output import REPO_ROOT, load_note, shared_cores_note
 from testkit.processes import python_env
 
 
@@ -71,12 +67,7 @@ def measure_index_alone(s: Settings) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(p)
-    args = p.parse_args(argv)
-    s = settings_from(args)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-broker-"))
-    log(f"mode {mode_name(args)}; server logs in {log_dir}")
+    args, s, log_dir = start(__doc__, argv, "bench-broker-")
 
     results: dict[str, Any] = {}
     if "broker" not in args.skip:

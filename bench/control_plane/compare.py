@@ -15,12 +15,9 @@ A peer that cannot run here is reported with the reason and left out.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from bench.control_plane.measure_broker import measure_broker
@@ -31,25 +28,19 @@ from bench.control_plane.report import (
     publish_table,
 )
 from bench.control_plane.run import (
-    add_common_arguments,
     check_figures,
     guarded,
     mode_name,
     print_targets,
     save_outputs,
-    settings_from,
+    start,
 )
 from bench.harness.checks import exit_code, report_invalid
-from bench.harness.output import load_note, log, shared_cores_note
+from bench.harness.output import load_note, shared_cores_note
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(p)
-    args = p.parse_args(argv)
-    s = settings_from(args)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-control-plane-"))
-    log(f"mode {mode_name(args)}; server logs in {log_dir}")
+    args, s, log_dir = start(__doc__, argv, "bench-control-plane-")
 
     results: dict[str, Any] = {}
     if "grpc" not in args.skip:

@@ -4,6 +4,7 @@ around each system's measurement, the consistency checks, the targets and the ou
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,19 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
         "--skip", action="append", default=[], choices=PEERS, help="leave a system out (repeatable)"
     )
     p.add_argument("--no-plot", action="store_true", help="do not render the PNG")
+
+
+def start(
+    description: str | None, argv: list[str] | None, prefix: str
+) -> tuple[argparse.Namespace, Settings, Path]:
+    """A control-plane benchmark's start: the common arguments parsed, its settings, and the
+    folder for its servers' logs (--log-dir, or a new temp folder whose name starts with `prefix`), logged."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(p)
+    args = p.parse_args(argv)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=prefix))
+    log(f"mode {mode_name(args)}; server logs in {log_dir}")
+    return args, settings_from(args), log_dir
 
 
 def settings_from(args: argparse.Namespace) -> Settings:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.harness.output import write_result
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "kv_events_stall.json"
 BLOCK = 32
@@ -104,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         f"over {result['loop_turns']} loop turns; worst stall {result['worst_stall_ms']} ms, "
         f"p99 {result['p99_stall_ms']} ms; load average {result['load_average']}"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import sys
@@ -29,6 +28,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from bench.harness.output import write_result
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.leases import BYTES_PER_BLOCK, BYTES_PER_LEASE, InMemoryLeaseTable
 from kvbroker.common.model import LeaseState, Namespace, Tier
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         f"of up to {d['max_lease_blocks']} blocks = {d['one_engine_pins_mib_as_holder']} MiB at most as holder; "
         f"load average {result['load_average']}"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

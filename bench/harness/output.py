@@ -111,6 +111,13 @@ def write_json(name: str, payload: dict[str, Any], out_dir: Path | None = None) 
     return path
 
 
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """A small benchmark's figures as they are, to `path` (its folder made), and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
 def log(msg: str) -> None:
     """Progress lines go to stderr so the table on stdout stays clean."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

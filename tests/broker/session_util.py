@@ -54,3 +54,30 @@ class RawSession:
 
     async def close(self) -> None:
         self.call.cancel()
+
+
+def hold_request(ns: pb.Namespace, hashes: list[int], request_id: str) -> pb.HoldRequest:
+    """P's hold of the first four of `hashes` (block ids 1-4) for `request_id`."""
+    return pb.HoldRequest(
+        holder_engine_id="P",
+        namespace=ns,
+        tier=pb.TIER_GPU,
+        block_hashes=hashes[:4],
+        block_ids=[1, 2, 3, 4],
+        request_id=request_id,
+    )
+
+
+async def p_holding(
+    stub: broker_pb2_grpc.KVBrokerStub, info: pb.EngineInfo, hashes: list[int]
+) -> tuple[RawSession, pb.Namespace, pb.HoldResponse]:
+    """Engine P registered (`info`), `hashes` announced on its GPU tier and one lease held of them:
+    the start of every store-outage test."""
+    p = RawSession(stub)
+    reg = await p.register(info, 60_000)
+    ns = pb.Namespace(layout_id=reg.layout_id)
+    await p.announce(ns, pb.TIER_GPU, hashes)
+    await p.applied()
+    held = await stub.Hold(hold_request(ns, hashes, "before"))
+    assert held.lease.state == pb.LEASE_HELD
+    return p, ns, held

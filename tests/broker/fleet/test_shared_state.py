@@ -27,7 +27,7 @@ from testkit.ports import free_port
 from testkit.redis_server import RedisServer
 from testkit.waiting import wait_for
 from tests.broker.helpers import redis_state
-from tests.broker.session_util import RawSession
+from tests.broker.session_util import RawSession, hold_request, p_holding
 
 H = list(range(7000, 7016))
 
@@ -41,17 +41,6 @@ async def test_a_state_url_that_is_not_redis_or_does_not_answer_is_refused_at_st
             pass
 
 
-def _hold(ns: pb.Namespace, request_id: str) -> pb.HoldRequest:
-    return pb.HoldRequest(
-        holder_engine_id="P",
-        namespace=ns,
-        tier=pb.TIER_GPU,
-        block_hashes=H[:4],
-        block_ids=[1, 2, 3, 4],
-        request_id=request_id,
-    )
-
-
 async def test_store_down_means_unavailable_then_back_to_work(redis_server: RedisServer) -> None:
     # A store of its own: this test stops it.
     store = RedisServer(redis_server.workdir / f"own-{secrets.token_hex(3)}")
@@ -62,17 +51,11 @@ async def test_store_down_means_unavailable_then_back_to_work(redis_server: Redi
             grpc.aio.insecure_channel(broker.address) as channel,
         ):
             stub = broker_pb2_grpc.KVBrokerStub(channel)
-            p = RawSession(stub)
-            reg = await p.register(engine_info("P"), 60_000)
-            ns = pb.Namespace(layout_id=reg.layout_id)
-            await p.announce(ns, pb.TIER_GPU, H)
-            await p.applied()
-            held = await stub.Hold(_hold(ns, "before"))
-            assert held.lease.state == pb.LEASE_HELD
+            p, ns, held = await p_holding(stub, engine_info("P"), H)
 
             store.stop()
             with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await stub.Hold(_hold(ns, "during"))
+                await stub.Hold(hold_request(ns, H, "during"))
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
             # The first call finds it gone ("does not answer") unless a probe already marked the store
             # away ("has not answered ...; failing fast"): both name the store and say why.
@@ -100,7 +83,7 @@ async def test_store_down_means_unavailable_then_back_to_work(redis_server: Redi
             await p.register(engine_info("P"), 60_000)
             await p.announce(ns, pb.TIER_GPU, H)
             await p.applied()
-            again = await stub.Hold(_hold(ns, "after"))
+            again = await stub.Hold(hold_request(ns, H, "after"))
             assert again.lease.state == pb.LEASE_HELD
             assert redis.Redis.from_url(store.url).exists(f"kvb:{{leases}}:l:{again.lease.lease_id}")
             await p.close()
@@ -151,14 +134,14 @@ async def test_a_replica_drops_its_copy_of_an_engine_another_replica_ended(
         reg = await p.register(engine_info("P"), 60_000)
         await d.register(engine_info("D"), 60_000)
         ns = pb.Namespace(layout_id=reg.layout_id)
-        first = _hold(ns, "first")
+        first = hold_request(ns, H, "first")
         first.reader_engine_id = "D"
         held = await stub_a.Hold(first)  # replica a reads D's record from the store and keeps it
         assert held.lease.reader_engine_id == "D"
         await d.close()  # D's session ends on replica b
         deadline = time.monotonic() + 5.0
         while True:
-            again = _hold(ns, f"again-{time.monotonic()}")
+            again = hold_request(ns, H, f"again-{time.monotonic()}")
             again.reader_engine_id = "D"
             try:
                 await stub_a.Hold(again)
@@ -210,7 +193,7 @@ async def test_a_lease_notice_goes_to_the_replica_serving_the_session(redis_serv
         p, d = RawSession(stub_a), RawSession(stub_b)
         reg = await p.register(engine_info("P"), 60_000)
         await d.register(engine_info("D"), 60_000)
-        request = _hold(pb.Namespace(layout_id=reg.layout_id), "routed")
+        request = hold_request(pb.Namespace(layout_id=reg.layout_id), H, "routed")
         request.reader_engine_id = "D"
         held = await stub_a.Hold(request)
         lid = held.lease.lease_id

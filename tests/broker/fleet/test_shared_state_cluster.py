@@ -26,7 +26,7 @@ from testkit.builders import engine_info
 from testkit.ports import free_port
 from testkit.redis_cluster import RedisCluster, running_cluster
 from testkit.redis_server import missing_reason
-from tests.broker.session_util import RawSession
+from tests.broker.session_util import hold_request, p_holding
 
 H = list(range(9000, 9008))
 LEASES_SLOT = 14949  # where every `PREFIX:{leases}:...` key lives
@@ -118,17 +118,6 @@ def test_resharding_the_lease_slot_is_unavailable_midway_and_followed_after(
         state.close()
 
 
-def _hold(ns: pb.Namespace, request_id: str) -> pb.HoldRequest:
-    return pb.HoldRequest(
-        holder_engine_id="P",
-        namespace=ns,
-        tier=pb.TIER_GPU,
-        block_hashes=H[:4],
-        block_ids=[1, 2, 3, 4],
-        request_id=request_id,
-    )
-
-
 async def test_a_primary_down_is_unavailable_and_the_broker_serves_again_once_it_is_back(
     own_cluster: RedisCluster,
 ) -> None:
@@ -137,20 +126,14 @@ async def test_a_primary_down_is_unavailable_and_the_broker_serves_again_once_it
         grpc.aio.insecure_channel(broker.address) as channel,
     ):
         stub = broker_pb2_grpc.KVBrokerStub(channel)
-        p = RawSession(stub)
-        reg = await p.register(engine_info("P"), 60_000)
-        ns = pb.Namespace(layout_id=reg.layout_id)
-        await p.announce(ns, pb.TIER_GPU, H)
-        await p.applied()
-        held = await stub.Hold(_hold(ns, "before"))
-        assert held.lease.state == pb.LEASE_HELD
+        p, ns, held = await p_holding(stub, engine_info("P"), H)
 
         # kill -9 the primary of the lease slot (no replica to take over): UNAVAILABLE at once.
         node = own_cluster.node_for_slot(LEASES_SLOT)
         node.kill()
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as exc:
-            await stub.Hold(_hold(ns, "during"))
+            await stub.Hold(hold_request(ns, H, "during"))
         assert time.monotonic() - started < 2.0
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
         details = dict(exc.value.trailing_metadata() or ()).get(STATUS_DETAILS_KEY)
@@ -165,7 +148,7 @@ async def test_a_primary_down_is_unavailable_and_the_broker_serves_again_once_it
 
         async def hold_again() -> pb.HoldResponse | None:
             try:
-                return await stub.Hold(_hold(ns, "after"))
+                return await stub.Hold(hold_request(ns, H, "after"))
             except grpc.aio.AioRpcError as err:
                 assert err.code() == grpc.StatusCode.UNAVAILABLE, err
                 return None

@@ -69,6 +69,13 @@ class BrokerConfig:
         f"{BYTES_PER_BLOCK} bytes + {BYTES_PER_LEASE} bytes), measured by bench/control_plane/lease_memory.py; "
         f"{derived_leases_per_engine(256, 8_192)} leases at the defaults",
     )
+    index_memory_mib: int = setting(
+        0,
+        "memory budget, in MiB, for the in-memory prefix index (0 = unbounded); past it the least recently "
+        "matched or announced blocks are forgotten (a miss, never a wrong holder), those of the engine "
+        "holding the most first; counted in kvbroker_index_forgotten_total (docs/broker.md#index-memory). "
+        "Not applied with --state",
+    )
     max_leases_per_engine: int = setting(
         0,
         "most live leases an engine may hold, and most it may read (RESOURCE_EXHAUSTED beyond); "
@@ -163,7 +170,13 @@ class BrokerConfig:
             self.lease_memory_mib, self.max_lease_blocks
         )
 
+    @property
+    def index_memory_bytes(self) -> int:
+        return self.index_memory_mib * 1024 * 1024
+
     def validate(self) -> None:
+        if self.index_memory_mib < 0:
+            raise InvalidArgument("index_memory_mib must be >= 0 (0: unbounded)")
         if self.max_leases_per_engine < 0:
             raise InvalidArgument("max_leases_per_engine must be >= 0 (0: derived from lease_memory_mib)")
         if not 0 < self.session_ttl_min_ms <= self.session_ttl_ms <= self.session_ttl_max_ms:

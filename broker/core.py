@@ -54,7 +54,8 @@ class BrokerCore:
         self.mirrors: Mirrors = mirrors or MirrorHub()
         # Watch and mirror events come from these wrappers as they change (see observed.py).
         publish = Publisher(self.notifier, self.mirrors)
-        self.index = ObservedIndex(index or CompactPrefixIndex(), publish)
+        budget = self.config.index_memory_bytes  # 0: unbounded (common/index_budget.py)
+        self.index = ObservedIndex(index or CompactPrefixIndex(memory_budget=budget), publish)
         history = (self.config.ended_lease_history, self.config.ended_lease_history_blocks)
         self.leases = ObservedLeaseTable(leases or InMemoryLeaseTable(*history), publish)
         self.registry = ObservedRegistry(EngineRegistry() if registry is None else registry, publish)

@@ -67,6 +67,7 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily(
             "kvbroker_mirrors", "Connected Mirror streams", value=self._core.mirrors.subscriber_count()
         )
+        yield from self._index_memory()
         exactness = GaugeMetricFamily(
             "kvbroker_engines_by_exactness",
             "Engines by how exact the index's picture of their blocks is (exact, lagging, degraded)",
@@ -99,6 +100,36 @@ class BrokerCollector(Collector):
             "Bytes of index changes waiting for Mirror streams",
             value=pending,
         )
+
+    def _index_memory(self) -> Iterator[Metric]:
+        """The index's memory budget (--index-memory-mib) and what it forgot to keep to it."""
+        memory = self._core.index.memory()
+        yield GaugeMetricFamily(
+            "kvbroker_index_memory_budget_bytes",
+            "Memory budget of the prefix index (--index-memory-mib; 0 = unbounded)",
+            value=memory.budget_bytes,
+        )
+        yield CounterMetricFamily(
+            "kvbroker_index_forgotten",
+            "Index entries (blocks) forgotten to stay within --index-memory-mib",
+            value=memory.forgotten,
+        )
+        if self._fleet is None:  # the shared store's index is not measured here
+            yield GaugeMetricFamily(
+                "kvbroker_index_memory_estimated_bytes",
+                "Estimated memory of the in-memory prefix index: its tables plus 40 bytes a key",
+                value=memory.estimated_bytes,
+            )
+            yield GaugeMetricFamily(
+                "kvbroker_index_entries",
+                "Distinct blocks in the in-memory prefix index",
+                value=memory.entries,
+            )
+            yield GaugeMetricFamily(
+                "kvbroker_index_entry_cap",
+                "Most distinct blocks --index-memory-mib allows (0 = unbounded)",
+                value=memory.entry_cap,
+            )
 
     def _fleet_totals(self, local: Stats) -> Iterator[Metric]:
         """Every replica's counts summed, read from the shared store now. Gauges: each replica shows

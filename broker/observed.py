@@ -24,6 +24,7 @@ from kvbroker.broker.leases import Lease, LeaseTable, Vet
 from kvbroker.broker.mirror import Mirrors
 from kvbroker.broker.registry import EngineRecord, Registry
 from kvbroker.common.index import PrefixIndex
+from kvbroker.common.index_budget import IndexMemory
 from kvbroker.common.model import EVENT_FED, LeaseState, Namespace, RevokeCause, Tier, is_event_fed
 from kvbroker.common.scoring import load_changed
 from kvbroker.v1 import broker_pb2 as pb
@@ -116,6 +117,9 @@ class ObservedIndex:
 
     def maintain(self, budget: int) -> None:
         self._index.maintain(budget)
+
+    def memory(self) -> IndexMemory:
+        return self._index.memory()
 
 
 class ObservedLeaseTable:

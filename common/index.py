@@ -36,6 +36,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, cast
 
+from kvbroker.common.index_budget import IndexMemory, batch_size, estimate, pick_forgotten, shard_cap
 from kvbroker.common.model import Namespace, Tier
 
 MASK64 = (1 << 64) - 1
@@ -75,6 +76,10 @@ class PrefixIndex(Protocol):
         """Do up to `budget` units of background clean-up (called by the expiry loop)."""
         ...
 
+    def memory(self) -> IndexMemory:
+        """Its memory budget, estimated size and entries forgotten to keep to it (common/index_budget.py)."""
+        ...
+
 
 def namespace_salt(namespace: Namespace, key: bytes = b"") -> int:
     """A namespace's 64-bit salt; keyed (blake2b MAC) so that without `key` nobody can predict it."""
@@ -97,8 +102,17 @@ class _Slot:
 
 
 class CompactPrefixIndex:
-    def __init__(self, salt_key: bytes | None = None) -> None:
+    """`memory_budget` (bytes, 0 = unbounded): past it, each shard forgets its least recently used
+    entries (common/index_budget.py). A forgotten block is a miss, as if no holder had it: a lookup
+    cuts the prefix there, and never names a holder that did not announce the block."""
+
+    def __init__(self, salt_key: bytes | None = None, memory_budget: int = 0) -> None:
         self._shards: list[dict[int, int]] = [{} for _ in range(SHARDS)]
+        self._budget = memory_budget
+        self._cap = shard_cap(memory_budget, SHARDS) if memory_budget else 0  # entries per shard
+        if memory_budget and not self._cap:
+            raise ValueError(f"an index memory budget of {memory_budget} bytes holds no entry at all")
+        self.forgotten = 0
         self._salts: dict[Namespace, int] = {}
         # Secret per index: the salts (and so which keys two namespaces could share) are unpredictable.
         self._salt_key = secrets.token_bytes(32) if salt_key is None else salt_key
@@ -180,7 +194,8 @@ class CompactPrefixIndex:
         shards = self._shards
         single = self._single[slot]
         cache = self._add_cache
-        added = 0
+        cap = self._cap
+        added = counted = 0
         for h in hashes:
             key = h ^ salt
             entries = shards[key & SHARD_MASK]
@@ -188,17 +203,28 @@ class CompactPrefixIndex:
             if sid is None:
                 entries[key] = single
                 added += 1
-            elif sid != single:
-                new = cache.get((sid, slot))
-                if new is None:
+                if cap and len(entries) > cap:
+                    self._count(slot, added - counted)  # counts up to date: they weigh what goes
+                    counted = added
+                    self._forget_batch(entries)
+                continue
+            new = sid
+            if sid != single:
+                cached = cache.get((sid, slot))
+                if cached is None:
                     slots = self._sets[sid]
-                    new = sid if slot in slots else self._intern((slots | {slot}) - self._dead)
-                    assert new is not None
-                    cache[(sid, slot)] = new
-                if new != sid:
-                    entries[key] = new
+                    cached = sid if slot in slots else self._intern((slots | {slot}) - self._dead)
+                    assert cached is not None
+                    cache[(sid, slot)] = cached
+                if cached != sid:
+                    new = cached
                     added += 1
-        self._count(slot, added)
+            if cap:  # bounded: an announced block counts as used now, to the end of the shard's order
+                del entries[key]
+                entries[key] = new
+            elif new != sid:
+                entries[key] = new
+        self._count(slot, added - counted)
         return added
 
     def remove(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
@@ -281,8 +307,11 @@ class CompactPrefixIndex:
         if shards[first & SHARD_MASK].get(first) is None:
             return []  # the common miss costs one lookup
         # Look every block up, cut at the first block nobody holds.
-        found = [shards[k & SHARD_MASK].get(k) for k in [h ^ salt for h in chain]]
+        keys = [h ^ salt for h in chain]
+        found = [shards[k & SHARD_MASK].get(k) for k in keys]
         n = found.index(None) if None in found else len(found)
+        if self._cap:
+            self._touch(keys[:n])
         sids = cast(list[int], found[:n])
         slots = self._slots
         prev = sids[0]
@@ -306,6 +335,13 @@ class CompactPrefixIndex:
                 prev = sid
         matched.extend((s, n) for s in active)  # still active: held to the end
         return [(slots[s].engine_id, slots[s].tier, m) for s, m in matched]
+
+    def _touch(self, keys: list[int]) -> None:
+        """Matched entries count as used now: to the end of their shard's order (bounded index only)."""
+        shards = self._shards
+        for key in keys:
+            entries = shards[key & SHARD_MASK]
+            entries[key] = entries.pop(key)
 
     def export(self, layout_id: str, chunk: int) -> Iterator[list[tuple[str, Tier, Namespace, list[int]]]]:
         if not self._layout_blocks.get(layout_id):
@@ -345,6 +381,38 @@ class CompactPrefixIndex:
 
     def namespace_count(self) -> int:
         return len(self._ns_blocks)
+
+    # -- memory budget -----------------------------------------------------------
+
+    def memory(self) -> IndexMemory:
+        size, entries = estimate(self._shards)
+        return IndexMemory(self._budget, size, entries, self._cap * SHARDS, self.forgotten)
+
+    def _forget_batch(self, entries: dict[int, int]) -> None:
+        """Forget a batch of a shard's least valuable entries (common/index_budget.py says which)."""
+        want = batch_size(self._cap)
+        candidates = [(key, entries[key]) for key in itertools.islice(entries, 2 * want)]
+        slots = self._slots
+        totals: dict[str, int] = {}
+
+        def weight(sid: int) -> int:
+            best = -1
+            for s in self._live(sid):
+                engine = slots[s].engine_id
+                total = totals.get(engine)
+                if total is None:
+                    total = totals[engine] = sum(slots[x].blocks for x in self._engine_slots.get(engine, ()))
+                best = max(best, total)
+            return best
+
+        per_slot: dict[int, int] = {}
+        picked = pick_forgotten(candidates, want, weight)
+        for key in picked:
+            for s in self._live(entries.pop(key)):
+                per_slot[s] = per_slot.get(s, 0) + 1
+        for s, n in per_slot.items():
+            self._count(s, -n)
+        self.forgotten += len(picked)
 
     # -- background sweep --------------------------------------------------------
 

@@ -16,6 +16,9 @@ Dropping an engine removes its slots from `slot` at once (O(slots)); values
 still naming a dead slot are filtered by every lookup and rewritten later by
 an incremental sweep (`maintain`), as the in-memory index does.
 Namespaces are separate keys, so no prefix matches across namespaces.
+
+Not bounded: --index-memory-mib applies to the in-memory index only; this
+index grows with what engines announce (docs/scale.md, "Index memory").
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.common.index_budget import IndexMemory
 from kvbroker.common.model import Namespace, Tier
 
 IDLE_SWEEP_S = 0.5  # with no namespace to tidy, how long `maintain` waits before it looks again
@@ -295,6 +299,10 @@ class RedisPrefixIndex:
 
     def namespace_count(self) -> int:
         return sum(1 for n in self._per_namespace() if n > 0)
+
+    def memory(self) -> IndexMemory:
+        """Not bounded and not measured here (the store's memory is Redis's INFO memory)."""
+        return IndexMemory()
 
     def maintain(self, budget: int) -> None:
         """Rewrite up to about `budget` entries of one namespace that names dropped holders."""

@@ -1,0 +1,40 @@
+"""Smoke run of bench.scale.index_budget at a tiny size: it starts a broker, announces past the
+budget, prints its table and writes its JSON. No assertion on memory: at 1 MiB the broker's own
+noise is as large as the budget (the recorded run is in bench/results/index_budget.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def test_index_budget_tiny(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    tiny = ["--quick", "--budgets", "1", "--factor", "3", "--no-reference", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.scale.index_budget", *tiny],
+        cwd=str(REPO),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, f"failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "growth/budget" in proc.stdout and "target: RSS growth within 10% of the budget" in proc.stdout
+    (run,) = json.loads((tmp_path / "index_budget-quick.json").read_text())["results"]
+    assert run["budget_mib"] == 1 and run["blocks_announced"] >= 3 * run["entry_cap"]
+    assert (
+        0 < run["entries"] <= run["entry_cap"]
+        and run["forgotten"] >= run["blocks_announced"] - run["entry_cap"]
+    )

@@ -74,7 +74,7 @@ class BrokerConfig:
         "memory budget, in MiB, for the in-memory prefix index (0 = unbounded); past it the least recently "
         "matched or announced blocks are forgotten (a miss, never a wrong holder), those of the engine "
         "holding the most first; counted in kvbroker_index_forgotten_total (docs/broker.md#index-memory). "
-        "Not applied with --state",
+        "In-memory index only: refused with --state",
     )
     max_leases_per_engine: int = setting(
         0,
@@ -177,6 +177,11 @@ class BrokerConfig:
     def validate(self) -> None:
         if self.index_memory_mib < 0:
             raise InvalidArgument("index_memory_mib must be >= 0 (0: unbounded)")
+        if self.index_memory_mib and self.state:
+            raise InvalidArgument(
+                "index_memory_mib bounds the in-memory index only; the --state store's index is not bounded "
+                "(leave index_memory_mib at 0 with --state)"
+            )
         if self.max_leases_per_engine < 0:
             raise InvalidArgument("max_leases_per_engine must be >= 0 (0: derived from lease_memory_mib)")
         if not 0 < self.session_ttl_min_ms <= self.session_ttl_ms <= self.session_ttl_max_ms:

@@ -128,6 +128,8 @@ async def _check_answers(
 def test_the_budget_flag_is_checked_and_reaches_the_index() -> None:
     with pytest.raises(InvalidArgument, match="index_memory_mib must be >= 0"):
         BrokerConfig(index_memory_mib=-1).validate()
+    with pytest.raises(InvalidArgument, match="in-memory index only"):
+        BrokerConfig(index_memory_mib=64, state="redis://127.0.0.1:6379").validate()
     memory = BrokerCore(BrokerConfig(index_memory_mib=3)).index.memory()
     assert (
         memory.budget_bytes == 3 * 1024 * 1024 and memory.entry_cap == shard_cap(3 * 1024 * 1024, 256) * 256

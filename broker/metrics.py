@@ -117,7 +117,7 @@ class BrokerCollector(Collector):
         if self._fleet is None:  # the shared store's index is not measured here
             yield GaugeMetricFamily(
                 "kvbroker_index_memory_estimated_bytes",
-                "Estimated memory of the in-memory prefix index: its tables plus 40 bytes a key",
+                "Estimated memory of the in-memory prefix index: its tables plus 48 bytes a key",
                 value=memory.estimated_bytes,
             )
             yield GaugeMetricFamily(

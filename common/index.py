@@ -391,7 +391,7 @@ class CompactPrefixIndex:
     def _forget_batch(self, entries: dict[int, int]) -> None:
         """Forget a batch of a shard's least valuable entries (common/index_budget.py says which)."""
         want = batch_size(self._cap)
-        candidates = [(key, entries[key]) for key in itertools.islice(entries, 2 * want)]
+        candidates = list(itertools.islice(entries.items(), 2 * want))
         slots = self._slots
         totals: dict[str, int] = {}
 
@@ -405,13 +405,14 @@ class CompactPrefixIndex:
                 best = max(best, total)
             return best
 
-        per_slot: dict[int, int] = {}
+        per_set: dict[int, int] = {}
         picked = pick_forgotten(candidates, want, weight)
         for key in picked:
-            for s in self._live(entries.pop(key)):
-                per_slot[s] = per_slot.get(s, 0) + 1
-        for s, n in per_slot.items():
-            self._count(s, -n)
+            sid = entries.pop(key)
+            per_set[sid] = per_set.get(sid, 0) + 1
+        for sid, n in per_set.items():
+            for s in self._live(sid):
+                self._count(s, -n)
         self.forgotten += len(picked)
 
     # -- background sweep --------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -30,7 +31,9 @@ from typing import Any
 from bench.harness.loops import rss_bytes
 from bench.harness.output import format_table, load_note, log, write_json
 from kvbroker.clients.engine_session import EngineSession
+from kvbroker.common.index import CompactPrefixIndex
 from kvbroker.common.index_budget import KEY_BYTES, shard_cap
+from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
 from testkit.ports import free_port
@@ -115,6 +118,39 @@ async def run_one(mib: int, blocks: int, log_dir: Path) -> dict[str, Any]:
         broker.stop()
 
 
+def in_process(mib: int, blocks: int, repetitions: int) -> dict[str, Any]:
+    """What the budget costs the index alone: add rate and a 64-block lookup, bounded against
+    unbounded, alternating in this process (the same chains, four engines)."""
+    ns = Namespace("bench-layout", "")
+    rng = random.Random(9)
+    chains = [[rng.getrandbits(64) for _ in range(CHAIN)] for _ in range(blocks // CHAIN)]
+    figures: dict[str, dict[str, list[float]]] = {"unbounded": {}, "bounded": {}}
+    for _ in range(repetitions):
+        for name, budget in (("unbounded", 0), ("bounded", mib * MIB)):
+            index = CompactPrefixIndex(memory_budget=budget)
+            started = time.perf_counter()
+            for i, chain in enumerate(chains):
+                index.add(f"e{i % ENGINES}", Tier.GPU, ns, chain)
+            add_s = time.perf_counter() - started
+            hot = chains[-1]
+            started = time.perf_counter()
+            for _ in range(5_000):
+                index.longest_prefixes(ns, hot)
+            lookup_s = (time.perf_counter() - started) / 5_000
+            figures[name].setdefault("add_blocks_per_s", []).append(len(chains) * CHAIN / add_s)
+            figures[name].setdefault("lookup_64_us", []).append(lookup_s * 1e6)
+            del index
+    return {
+        "budget_mib": mib,
+        "blocks": len(chains) * CHAIN,
+        "repetitions": repetitions,
+        **{
+            name: {key: statistics.median(values) for key, values in per.items()}
+            for name, per in figures.items()
+        },
+    }
+
+
 def _cap(mib: int) -> int:
     return shard_cap(mib * MIB, SHARDS) * SHARDS
 
@@ -162,6 +198,16 @@ async def main_async(args: argparse.Namespace) -> int:
         )
     )
     print(f"load average: {load_note()}; estimate: the index's tables plus {KEY_BYTES} bytes a key")
+    cost = in_process(budgets[0], args.factor * _cap(budgets[0]), args.repetitions)
+    print(
+        format_table(
+            ["index alone (in process)", "add blocks/s", "lookup of 64 blocks, us"],
+            [
+                [name, f"{cost[name]['add_blocks_per_s']:,.0f}", f"{cost[name]['lookup_64_us']:.1f}"]
+                for name in ("unbounded", "bounded")
+            ],
+        )
+    )
     bounded = [r for r in results if r["budget_mib"]]
     verdict = all(r["rss_growth_peak_over_budget"] <= 1.10 for r in bounded)
     print(f"target: RSS growth within 10% of the budget: {'met' if verdict else 'NOT met'}")
@@ -174,6 +220,7 @@ async def main_async(args: argparse.Namespace) -> int:
             "target": "broker RSS growth <= 1.10 x --index-memory-mib with 10x the cap announced",
             "target_met": verdict,
             "results": results,
+            "in_process": cost,
         },
         Path(args.out_dir) if args.out_dir else None,
     )
@@ -187,6 +234,7 @@ def main() -> int:
     ap.add_argument("--budgets", default=None, help="comma-separated MiB (default 16,64; quick 8)")
     ap.add_argument("--factor", type=int, default=10, help="blocks announced, in multiples of the cap")
     ap.add_argument("--no-reference", action="store_true", help="skip the unbounded broker")
+    ap.add_argument("--repetitions", type=int, default=3, help="in-process cost runs (median)")
     ap.add_argument("--out-dir", default="", help="where the JSON goes (default bench/results)")
     args = ap.parse_args()
     args.budgets = args.budgets or ("8" if args.quick else "16,64")

@@ -14,6 +14,8 @@ from tests.broker.helpers import redis_state
 
 BACKENDS: dict[str, Callable[[pytest.FixtureRequest], PrefixIndex]] = {
     "compact-in-memory": lambda _: CompactPrefixIndex(),
+    # A budget these tests never reach: matches and announcements reorder entries, answers must not change.
+    "compact-bounded": lambda _: CompactPrefixIndex(memory_budget=8 * 1024 * 1024),
     # A real redis-server started by the tests (skipped, with the reason, where none can run).
     "redis": lambda request: RedisPrefixIndex(redis_state(request.getfixturevalue("redis_server"))),
     # A real 3-primary Redis Cluster started by the tests: each namespace's keys on one slot.

@@ -25,7 +25,7 @@ from testkit.processes import SERVE, BrokerProcess
 pytestmark = pytest.mark.timeout(180)
 
 GPU = pb.TIER_GPU
-CAP = shard_cap(1024 * 1024, 256) * 256  # what --index-memory-mib 1 holds: 10,752 blocks
+CAP = shard_cap(1024 * 1024, 256) * 256  # what --index-memory-mib 1 holds: 9,728 blocks
 CHAIN = 64
 
 
@@ -80,7 +80,7 @@ async def test_a_bounded_index_forgets_and_stays_correct(broker: tuple[BrokerPro
                     chains[engine_id].append(chain)
                     session.announce_stored(ns, GPU, chain)
                 await session.applied(timeout=60.0)
-            # The hot prefix, matched after every round (2,048 new blocks, a fifth of the cap), stays.
+            # The hot prefix, matched after every round (2,048 new blocks, about a fifth of the cap), stays.
             answer = await reader.resolve(ns, hot, timeout=30.0)
             assert [(m.engine_id, m.matched_blocks) for m in answer.matches] == [("a", CHAIN)], round_
             if round_ == 10:  # past the cap: forgetting has begun

@@ -206,7 +206,7 @@ def test_shards_stay_under_their_cap() -> None:
 def test_the_key_constant_and_the_estimate_against_tracemalloc() -> None:
     import tracemalloc
 
-    assert (sys.getsizeof(1 << 63) + 7) // 8 * 8 == KEY_BYTES  # pymalloc rounds to 8 bytes
+    assert (sys.getsizeof(1 << 63) + 15) // 16 * 16 == KEY_BYTES  # pymalloc: 16-byte size classes
     rng = random.Random(8)
     chains = [_chain(rng, 1_000) for _ in range(70)]  # made before tracing: only the index is traced
     tracemalloc.start()
@@ -219,5 +219,5 @@ def test_the_key_constant_and_the_estimate_against_tracemalloc() -> None:
         tracemalloc.stop()
     mem = ix.memory()
     assert mem.forgotten > 0
-    # tracemalloc counts 36 bytes a key where pymalloc takes 40: the estimate is the larger.
-    assert 0.85 * mem.estimated_bytes <= traced <= mem.estimated_bytes <= 2 * MIB, (traced, mem)
+    # tracemalloc counts 36 bytes a key where pymalloc takes 48: the estimate is the larger.
+    assert 0.8 * mem.estimated_bytes <= traced <= mem.estimated_bytes <= 2 * MIB, (traced, mem)

@@ -54,8 +54,7 @@ class BrokerCore:
         self.mirrors: Mirrors = mirrors or MirrorHub()
         # Watch and mirror events come from these wrappers as they change (see observed.py).
         publish = Publisher(self.notifier, self.mirrors)
-        budget = self.config.index_memory_bytes  # 0: unbounded (common/index_budget.py)
-        self.index = ObservedIndex(index or CompactPrefixIndex(memory_budget=budget), publish)
+        self.index = ObservedIndex(index or CompactPrefixIndex(self.config.index_memory_bytes), publish)
         history = (self.config.ended_lease_history, self.config.ended_lease_history_blocks)
         self.leases = ObservedLeaseTable(leases or InMemoryLeaseTable(*history), publish)
         self.registry = ObservedRegistry(EngineRegistry() if registry is None else registry, publish)

@@ -106,7 +106,7 @@ class CompactPrefixIndex:
     entries (common/index_budget.py). A forgotten block is a miss, as if no holder had it: a lookup
     cuts the prefix there, and never names a holder that did not announce the block."""
 
-    def __init__(self, salt_key: bytes | None = None, memory_budget: int = 0) -> None:
+    def __init__(self, memory_budget: int = 0, salt_key: bytes | None = None) -> None:
         self._shards: list[dict[int, int]] = [{} for _ in range(SHARDS)]
         self._budget = memory_budget
         self._cap = shard_cap(memory_budget, SHARDS) if memory_budget else 0  # entries per shard

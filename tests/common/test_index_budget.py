@@ -79,7 +79,7 @@ def test_pick_forgotten_prefers_garbage_then_the_heaviest_engine_then_age() -> N
 
 
 def test_least_recently_matched_go_first() -> None:
-    ix = CompactPrefixIndex(KEY, memory_budget=1 * MIB)
+    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=1 * MIB)
     rng = random.Random(2)
     old, hot = _chain(rng), _chain(rng)
     ix.add("e", Tier.GPU, NS, old)
@@ -96,7 +96,7 @@ def test_least_recently_matched_go_first() -> None:
 
 
 def test_an_announced_block_counts_as_used() -> None:
-    ix = CompactPrefixIndex(KEY, memory_budget=1 * MIB)
+    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=1 * MIB)
     rng = random.Random(3)
     kept = _chain(rng)
     ix.add("a", Tier.GPU, NS, kept)
@@ -108,7 +108,7 @@ def test_an_announced_block_counts_as_used() -> None:
 
 def test_the_engine_holding_the_most_loses_first() -> None:
     """Same age, two engines: the small engine's blocks outlive the big engine's."""
-    ix = CompactPrefixIndex(KEY, memory_budget=4 * MIB)
+    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=4 * MIB)
     rng = random.Random(4)
     small, big = [], []
     for _ in range(2_560):  # interleaved: in each shard they are equally old
@@ -128,7 +128,7 @@ def test_the_engine_holding_the_most_loses_first() -> None:
 
 
 def test_blocks_of_a_dropped_engine_go_before_live_ones() -> None:
-    ix = CompactPrefixIndex(KEY, memory_budget=8 * MIB)  # candidates: the 42 oldest of each shard
+    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=8 * MIB)  # candidates: the 42 oldest of each shard
     rng = random.Random(5)
     gone, live = [], []
     for _ in range(2_000):
@@ -147,7 +147,7 @@ def test_blocks_of_a_dropped_engine_go_before_live_ones() -> None:
 def test_answers_stay_correct_under_a_tight_budget() -> None:
     """Random announcements, removals, drops and lookups against a model of who holds what: every
     answer names a holder that announced the whole matched prefix, at most as long as the truth."""
-    ix = CompactPrefixIndex(KEY, memory_budget=256 * 1024)  # 9 entries a shard
+    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=256 * 1024)  # 9 entries a shard
     rng = random.Random(6)
     engines = [("e0", Tier.GPU), ("e0", Tier.CPU), ("e1", Tier.GPU), ("e2", Tier.GPU)]
     held: dict[tuple[str, Tier], set[int]] = {h: set() for h in engines}
@@ -186,15 +186,15 @@ def test_answers_stay_correct_under_a_tight_budget() -> None:
 
 
 def test_unbounded_by_default_and_a_budget_too_small_is_refused() -> None:
-    ix = CompactPrefixIndex(KEY)
+    ix = CompactPrefixIndex(salt_key=KEY)
     ix.add("e", Tier.GPU, NS, list(range(10_000)))
     assert ix.memory().budget_bytes == 0 and ix.memory().forgotten == 0 and ix.total_blocks() == 10_000
     with pytest.raises(ValueError, match="holds no entry"):
-        CompactPrefixIndex(KEY, memory_budget=1_000)
+        CompactPrefixIndex(salt_key=KEY, memory_budget=1_000)
 
 
 def test_shards_stay_under_their_cap() -> None:
-    ix = CompactPrefixIndex(KEY, memory_budget=2 * MIB)
+    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=2 * MIB)
     rng = random.Random(7)
     for _ in range(30):
         ix.add("e", Tier.GPU, NS, _chain(rng, 2_000))
@@ -211,7 +211,7 @@ def test_the_key_constant_and_the_estimate_against_tracemalloc() -> None:
     chains = [_chain(rng, 1_000) for _ in range(70)]  # made before tracing: only the index is traced
     tracemalloc.start()
     try:
-        ix = CompactPrefixIndex(KEY, memory_budget=2 * MIB)
+        ix = CompactPrefixIndex(salt_key=KEY, memory_budget=2 * MIB)
         for chain in chains:  # 70,000 blocks, about 3x the cap
             ix.add("e", Tier.GPU, NS, chain)
         traced, _ = tracemalloc.get_traced_memory()

@@ -18,7 +18,7 @@ an incremental sweep (`maintain`), as the in-memory index does.
 Namespaces are separate keys, so no prefix matches across namespaces.
 
 Not bounded: --index-memory-mib applies to the in-memory index only; this
-index grows with what engines announce (docs/scale.md, "Index memory").
+index grows with what engines announce (docs/scale.md, "Limits").
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def test_the_engine_holding_the_most_loses_first() -> None:
 
 
 def test_blocks_of_a_dropped_engine_go_before_live_ones() -> None:
-    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=8 * MIB)  # candidates: the 42 oldest of each shard
+    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=8 * MIB)  # candidates: the 36 oldest of each shard
     rng = random.Random(5)
     gone, live = [], []
     for _ in range(2_000):
@@ -147,11 +147,11 @@ def test_blocks_of_a_dropped_engine_go_before_live_ones() -> None:
 def test_answers_stay_correct_under_a_tight_budget() -> None:
     """Random announcements, removals, drops and lookups against a model of who holds what: every
     answer names a holder that announced the whole matched prefix, at most as long as the truth."""
-    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=256 * 1024)  # 9 entries a shard
+    ix = CompactPrefixIndex(salt_key=KEY, memory_budget=256 * 1024)  # 8 entries a shard
     rng = random.Random(6)
     engines = [("e0", Tier.GPU), ("e0", Tier.CPU), ("e1", Tier.GPU), ("e2", Tier.GPU)]
     held: dict[tuple[str, Tier], set[int]] = {h: set() for h in engines}
-    chains = [_chain(rng, 48) for _ in range(400)]  # 19,200 blocks, about 8x the cap
+    chains = [_chain(rng, 48) for _ in range(400)]  # 19,200 blocks, about 9x the cap
     checked = 0
     for step in range(6_000):
         op = rng.random()
@@ -212,7 +212,7 @@ def test_the_key_constant_and_the_estimate_against_tracemalloc() -> None:
     tracemalloc.start()
     try:
         ix = CompactPrefixIndex(salt_key=KEY, memory_budget=2 * MIB)
-        for chain in chains:  # 70,000 blocks, about 3x the cap
+        for chain in chains:  # 70,000 blocks, about 4x the cap
             ix.add("e", Tier.GPU, NS, chain)
         traced, _ = tracemalloc.get_traced_memory()
     finally:

@@ -19,6 +19,7 @@ import aiohttp
 
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
+from kvbroker.clients.proxy.placement import Candidate, Placement, PlacementRule, place
 from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -98,6 +99,21 @@ def order_engines(
     return [e for e in ordered if not pool.is_cooling_down(e)] + [
         e for e in ordered if pool.is_cooling_down(e)
     ]
+
+
+def dp_order(
+    route: Route, engines: Sequence[EngineSpec], pool: EnginePool, rule: PlacementRule, rotation: int
+) -> tuple[list[EngineSpec], Placement | None]:
+    """Engines for a whole request on a data-parallel fleet, in placement order (placement.py):
+    healthy ones by predicted time to first token, then those cooling down after a failure."""
+    # A fixed base order (the route's lists come rotated already): the placement rotates ties.
+    healthy = sorted((e for e in engines if not pool.is_cooling_down(e)), key=lambda e: e.url)
+    cooling = [e for e in engines if pool.is_cooling_down(e)]
+    if not healthy:
+        return cooling, None
+    candidates = [Candidate(e.label, route.held_tokens(e), pool.busy_of(e)) for e in healthy]
+    placed = place(route.num_tokens if route.scored else None, candidates, rule, rotation)
+    return [healthy[i] for i in placed.order] + cooling, placed
 
 
 def tokenize_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -205,6 +205,24 @@ def _print_pulls(
     return pulled_by_p
 
 
+def wait_idle(proxy_url: str, timeout_s: float = 10.0) -> bool:
+    """Whether the proxy saw every engine idle (load 0 in its /health) within `timeout_s`."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(proxy_url + "/health", timeout=5) as resp:
+                engines = json.loads(resp.read()).get("engines", [])
+            if all(not e.get("load") for e in engines):
+                return True
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
 def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) -> list[dict[str, Any]]:
     """The chat through the proxy; with `compare`, each turn again on prefill-0 alone (same
     conversation under its own cache_salt: only that engine's prefix cache helps it)."""
@@ -221,6 +239,10 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
         for turn, question in enumerate(questions[:turns], start=1):
             messages.append({"role": "user", "content": question})
             request_id = f"demo-t{turn}-{uuid.uuid4().hex[:8]}"
+            if stack.topology == "dp":
+                # One turn at a time: the comparison run just ended on one engine; its load
+                # reaches the proxy with the engine's next heartbeat (the placement weighs it).
+                wait_idle(stack.proxy_url)
             body = chat_body(messages, model=stack.served_name, max_tokens=max_tokens, ignore_eos=not real)
             before = {name: _read_stats(path) for name, path in stack.stats.items()}
             result = stream_chat(stack.proxy_url, body, request_id)
@@ -255,9 +277,13 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
             say(f"{line}   (answer: {len(result.token_ids)} tokens in {result.total_s * 1000:.0f} ms)")
             server = served if served in engines else "decode-0"
             d_pulled_tokens = _diff(after.get(server, {}), before.get(server, {}), "pulled_tokens")
+            # A whole request's cached_tokens counts what the connector loaded too (vLLM's
+            # computed-before-the-first-step figure); P/D's decode is told its prompt separately.
+            own = result.cached_tokens - (d_pulled_tokens if stack.topology == "dp" else 0)
+            own = max(own, 0)
             say(
-                f"   {server} prompt: {prompt_tokens} tokens = {result.cached_tokens} from its own prefix cache + "
-                f"{d_pulled_tokens} pulled + {max(prompt_tokens - result.cached_tokens - d_pulled_tokens, 0)} computed"
+                f"   {server} prompt: {prompt_tokens} tokens = {own} from its own prefix cache + "
+                f"{d_pulled_tokens} pulled + {max(prompt_tokens - own - d_pulled_tokens, 0)} computed"
             )
             pulled_by_p = _print_pulls(engines, before, after, request_id)
             if previous:

@@ -99,8 +99,9 @@ class ProxyConfig:
         "load",
         "without disaggregation (a data-parallel fleet): load = the engine with the lowest predicted time "
         "to first token, weighing its load against the prefix it holds and a pull from the holder "
-        "(placement.py); prefix = the engine holding the longest prefix first, whatever its load",
-        choices=("load", "prefix"),
+        "(placement.py); prefix = the engine holding the longest prefix first, whatever its load; "
+        "round_robin = each engine in turn (a baseline)",
+        choices=("load", "prefix", "round_robin"),
     )
     dp_busy_tokens: float = setting(
         256.0, "placement load: prompt tokens of waiting that one request in flight on an engine costs"

@@ -26,8 +26,8 @@ answer: once the stream ended):
   routed to normally, 0 while its broker session is gone or it is cooling down
   after a failure (read at scrape time; /health says why);
 - one access-log line (logger ``kvbroker.proxy.access``, INFO): method, path,
-  status, duration, mode, the prefill and decode engines, the request id, and
-  why P/D fell back to one engine, if it did.
+  status, duration, mode, the prefill and decode engines, the request id,
+  why P/D fell back to one engine, if it did, and a data-parallel placement's reason.
 
 /metrics also carries the process collector (CPU, memory, file descriptors)
 and ``kvbroker_proxy_build_info``. The registry is the proxy's own, so several
@@ -190,7 +190,7 @@ class ProxyMetrics:
             self.fallbacks.labels(_reason_label(outcome.fallback_reason)).inc()
         if self.access_log_on:
             access_log.info(
-                "%s %s %d %.1fms mode=%s prefill=%s decode=%s id=%s%s",
+                "%s %s %d %.1fms mode=%s prefill=%s decode=%s id=%s%s%s",
                 request.method,
                 request.path,
                 status,
@@ -202,6 +202,7 @@ class ProxyMetrics:
                 f" fallback={outcome.fallback_reason!r}"
                 if outcome is not None and outcome.fallback_reason
                 else "",
+                f" route={outcome.route_reason}" if outcome is not None and outcome.mode == "dp" else "",
             )
 
     async def handle_metrics(self, request: web.Request) -> web.Response:

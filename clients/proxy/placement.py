@@ -40,7 +40,8 @@ DP_BALANCE = "dp_balance_short_prefix"  # no engine holds a prefix worth steerin
 DP_HOLDER = "dp_holder"  # the engine holding the longest prefix is the quickest
 DP_PULL = "dp_pull_busy_holder"  # the holder is busier than a pull costs: a free engine pulls
 DP_RECOMPUTE = "dp_recompute_busy_holder"  # the holder is busier than a recompute costs (no pulls)
-DP_REASONS = (DP_NOT_SCORED, DP_BALANCE, DP_HOLDER, DP_PULL, DP_RECOMPUTE)
+DP_ROUND_ROBIN = "dp_round_robin"  # the rule is round robin: neither load nor prefix counts
+DP_REASONS = (DP_NOT_SCORED, DP_BALANCE, DP_HOLDER, DP_PULL, DP_RECOMPUTE, DP_ROUND_ROBIN)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class PlacementRule:
     pull_token_cost: float = 0.1  # a pulled token's cost, as a fraction of computing it
     min_prefix_tokens: int = 64  # a longest held prefix under this is not steered for: balance by load
     pull: bool = True  # engines pull prefixes from each other (our connector, kv_both)
+    round_robin: bool = False  # the baseline: each engine in turn, whatever it holds or runs
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ def place(
     """The candidates in order of predicted time to first token for a ``num_tokens`` prompt."""
     if not candidates:
         return Placement((), DP_NOT_SCORED, "no engine")
+    if rule.round_robin:
+        n = len(candidates)
+        return Placement(tuple((rotation + i) % n for i in range(n)), DP_ROUND_ROBIN, "round robin")
     if num_tokens is None:
         order = _by_load(candidates, rotation)
         return Placement(tuple(order), DP_NOT_SCORED, "prompt not scored: least loaded engine")

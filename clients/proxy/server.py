@@ -293,13 +293,14 @@ async def _on_cleanup(app: web.Application) -> None:
 
 def placement_rule(config: ProxyConfig) -> PlacementRule | None:
     """How one engine is picked without disaggregation (None: the longest prefix first)."""
-    if config.placement != "load":
+    if config.placement == "prefix":
         return None
     return PlacementRule(
         busy_tokens=config.dp_busy_tokens,
         pull_token_cost=config.dp_pull_token_cost,
         min_prefix_tokens=config.dp_min_prefix_tokens,
         pull=config.dp_pull,
+        round_robin=config.placement == "round_robin",
     )
 
 

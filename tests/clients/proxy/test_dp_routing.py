@@ -162,3 +162,22 @@ async def test_requests_in_flight_at_the_proxy_count_as_load(fleet: dict[str, An
     assert (h["X-KVBroker-Decode"], h["X-KVBroker-Route"]) == ("E1", "dp_pull_busy_holder")
     assert (await first)["X-KVBroker-Decode"] == "E2"
     assert await proxy_load(fleet, "E2") == 0  # counted until its answer ended
+
+
+def test_an_engines_load_is_its_score_load_or_the_proxys_in_flight_count_whichever_is_larger() -> None:
+    from kvbroker.clients.proxy import EngineSpec
+    from kvbroker.clients.proxy.engines import EnginePool
+    from kvbroker.clients.proxy.routing import Route
+
+    a = EngineSpec("http://a", "both", "A")
+    pool = EnginePool([a])
+    route = Route([a], [a], loads={"A": 2.0})
+    assert route.load_of(a, pool) == 2.0  # the load the engine heartbeat, as Score answered it
+    for _ in range(3):
+        pool.started(a)
+    assert route.load_of(a, pool) == 3.0  # the proxy's own requests there, not yet reported
+    assert Route([a], [a]).load_of(a, pool) == 3.0  # unscored: the engine list's load (0 here)
+    for _ in range(3):
+        pool.ended(a)
+    pool.ended(a)  # one end too many does not go negative
+    assert pool.in_flight(a) == 0 and route.load_of(a, pool) == 2.0

@@ -8,6 +8,7 @@ from kvbroker.clients.proxy.placement import (
     DP_NOT_SCORED,
     DP_PULL,
     DP_RECOMPUTE,
+    DP_ROUND_ROBIN,
     Candidate,
     PlacementRule,
     place,
@@ -92,3 +93,11 @@ def test_equal_costs_go_to_the_less_loaded_then_rotate() -> None:
 
 def test_no_candidates() -> None:
     assert place(10, [], RULE).order == ()
+
+
+def test_round_robin_ignores_prefix_and_load() -> None:
+    rule = PlacementRule(round_robin=True)
+    engines = [Candidate("A", 512, 5), Candidate("B", 0, 0), Candidate("C", 0, 0)]
+    firsts = [names(engines, place(544, engines, rule, rotation=r).order)[0] for r in range(3)]
+    assert firsts == ["A", "B", "C"]
+    assert place(544, engines, rule).reason == DP_ROUND_ROBIN

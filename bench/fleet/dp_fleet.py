@@ -22,7 +22,7 @@ so no setup reuses another's cache. Reports per setup and rate: goodput
 p50/p90/p99, throughput, prefix reuse (cached or pulled prompt tokens / prompt
 tokens) against the ideal, tokens recomputed, pulls and their bytes, failed
 requests, and the proxy's routing reasons. Writes bench/results/dp_fleet[-quick].json
-and .txt. Not yet: stock-engine KV-event affinity, P/D setups, SmolLM2, plots.
+and .txt (`-threshold` added with `--pull-policy threshold`). Not yet: stock-engine KV-event affinity, P/D setups, SmolLM2, plots.
 """
 
 from __future__ import annotations
@@ -326,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table)
     print(note)
-    name = "dp_fleet-quick" if args.quick else "dp_fleet"
+    name = ("dp_fleet-quick" if args.quick else "dp_fleet") + (
+        "" if args.pull_policy == "adaptive" else f"-{args.pull_policy}"
+    )
     out_dir = args.out_dir or RESULTS_DIR
     write_json(
         name, {"note": note, "slo": {"ttft_s": TTFT_SLO_S, "tpot_s": TPOT_SLO_S}, "results": results}, out_dir

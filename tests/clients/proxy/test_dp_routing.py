@@ -154,7 +154,7 @@ async def test_requests_in_flight_at_the_proxy_count_as_load(fleet: dict[str, An
     """Without any heartbeat, what the proxy itself has sent an engine spreads the next requests."""
     await announce(fleet, "E2", HISTORY, pb.TIER_GPU)
     e2 = fleet["fakes"]["E2"]
-    e2.mode, e2.delay_s = "slow", 2.0  # a slow answer: the proxy has it in flight meanwhile
+    e2.mode, e2.delay_s = "slow", 4.0  # a slow answer: the proxy has it in flight meanwhile
     first = asyncio.create_task(chat(fleet, TURN2))
     await wait_load(fleet, "E2", 1)
     # One request in flight on E2 costs 256 tokens of waiting; a pull of its prefix costs less.

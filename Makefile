@@ -56,8 +56,8 @@ redis-server:  ## Debian's redis-server for the shared-state tests (as root with
 run: $(STAMP)  ## the main job: broker + P and D vLLM engines + proxy on this machine, a 3-turn chat, then stop
 	$(BIN)/python -m kvbroker.tools.demo
 
-up: $(STAMP)  ## the same stack, kept running for your own requests (Ctrl-C stops it)
-	$(BIN)/python -m kvbroker.tools.demo --keep-running
+up: $(STAMP)  ## the same stack, kept running for your own requests (Ctrl-C stops it); TOPOLOGY=dp:2 for data-parallel engines
+	$(BIN)/python -m kvbroker.tools.demo --keep-running $(if $(TOPOLOGY),--topology $(TOPOLOGY))
 
 certs: $(STAMP)  ## dev certificates for mutual TLS in deploy/certs (docker compose; never commit them)
 	$(BIN)/python scripts/dev_certs.py deploy/certs
@@ -78,6 +78,7 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 	$(BIN)/python -m bench.chats.multiturn_ttft
 	$(BIN)/python -m bench.chats.compare
 	$(BIN)/python -m bench.fleet.chat_load
+	$(BIN)/python -m bench.fleet.dp_fleet
 	$(BIN)/python -m bench.summary --write-readme
 
 gpu-carry:  ## download the wheels a lent GPU machine needs into .whl/ and check the 64 MiB carry (docs/data_path.md#gpu-check)

@@ -3,6 +3,7 @@
     python -m kvbroker.tools.demo                 # real model: start, chat 3 turns, stop
     python -m kvbroker.tools.demo --model tiny    # the same on the 2-layer random-weight model (faster)
     python -m kvbroker.tools.demo --keep-running  # ... then keep the stack up until Ctrl-C
+    python -m kvbroker.tools.demo --topology dp:2 # two data-parallel engines instead of P and D
 
 It starts the broker (`python -m kvbroker.broker`), a prefill and a decode vLLM
 engine with our BrokerConnector, and the P/D proxy (`python -m
@@ -12,7 +13,10 @@ token next to one engine alone answering the same conversation, which engines
 served it, tokens pulled over NIXL versus computed (and from which engine and
 tier), transfer GB/s, and each lease's lifecycle as the broker saw it. From
 turn 2 on, the prefill engine pulls the earlier turns' prompt and answer
-blocks from the decode engine, which held them when it finished. Everything
+blocks from the decode engine, which held them when it finished. With
+`--topology dp:N` the engines are neither P nor D: each turn goes whole to the
+engine the proxy's placement picks (the route line says why), and an engine
+without the history pulls it from the one that holds it. Everything
 it started runs in its own process group and is stopped on exit, on an error
 and on Ctrl-C.
 """
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbroker.tools.chat import ChatAnswer, chat_body, stream_chat
-from kvbroker.tools.demo_stack import ChildProcess, Stack, say, start_stack
+from kvbroker.tools.demo_stack import TOPOLOGIES, ChildProcess, Stack, parse_topology, say, start_stack
 from kvbroker.tools.launch import EngineProcess, free_port
 
 __all__ = ["ChildProcess", "Stack", "chat_turn", "main", "start_stack"]
@@ -165,15 +169,16 @@ def _print_leases(watcher: LeaseWatcher, request_id: str, label: str = "") -> No
 def _print_pulls(
     engines: dict[str, EngineProcess], before: dict[str, Any], after: dict[str, Any], rid: str
 ) -> int:
-    """One line per engine: its NIXL reads for this request, or why it pulled nothing. Returns P's pulled tokens."""
+    """One line per engine: its NIXL reads for this request, or why it pulled nothing. Returns the
+    prompt tokens P pulled (P/D) or every engine pulled (data-parallel)."""
     pulled_by_p = 0
     for name, engine in engines.items():
         pulled_blocks = _diff(after.get(name, {}), before.get(name, {}), "pulled_blocks")
         pulled_bytes = _diff(after.get(name, {}), before.get(name, {}), "pulled_bytes")
         # What vLLM took as computed: a prompt's partial last block counts its own tokens.
         pulled_tokens = _diff(after.get(name, {}), before.get(name, {}), "pulled_tokens")
-        if name.startswith("prefill"):
-            pulled_by_p = pulled_tokens
+        if not name.startswith("decode"):
+            pulled_by_p += pulled_tokens
         reads = _reads_in_log(engine, rid)
         if pulled_blocks or reads:
             for r in reads:
@@ -200,14 +205,32 @@ def _print_pulls(
     return pulled_by_p
 
 
+def wait_idle(proxy_url: str, timeout_s: float = 10.0) -> bool:
+    """Whether the proxy saw every engine idle (load 0 in its /health) within `timeout_s`."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(proxy_url + "/health", timeout=5) as resp:
+                engines = json.loads(resp.read()).get("engines", [])
+            if all(not e.get("load") for e in engines):
+                return True
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
 def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) -> list[dict[str, Any]]:
     """The chat through the proxy; with `compare`, each turn again on prefill-0 alone (same
     conversation under its own cache_salt: only that engine's prefix cache helps it)."""
-    assert stack.prefill is not None and stack.decode is not None
+    alone = stack.prefill or next(iter(stack.engines.values()))
     real = stack.model == "real"
     system, questions = (REAL_SYSTEM_PROMPT, REAL_TURNS) if real else (SYSTEM_PROMPT, TURNS)
     watcher = LeaseWatcher(stack.broker_address)
-    engines = {"prefill-0": stack.prefill, "decode-0": stack.decode}
+    engines = stack.engines
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     single_salt = f"demo-single-{uuid.uuid4().hex[:8]}"
     rows: list[dict[str, Any]] = []
@@ -216,6 +239,10 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
         for turn, question in enumerate(questions[:turns], start=1):
             messages.append({"role": "user", "content": question})
             request_id = f"demo-t{turn}-{uuid.uuid4().hex[:8]}"
+            if stack.topology == "dp":
+                # One turn at a time: the comparison run just ended on one engine; its load
+                # reaches the proxy with the engine's next heartbeat (the placement weighs it).
+                wait_idle(stack.proxy_url)
             body = chat_body(messages, model=stack.served_name, max_tokens=max_tokens, ignore_eos=not real)
             before = {name: _read_stats(path) for name, path in stack.stats.items()}
             result = stream_chat(stack.proxy_url, body, request_id)
@@ -223,9 +250,7 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
             after = {name: _read_stats(path) for name, path in stack.stats.items()}
             single: ChatAnswer | None = None
             if compare:
-                single = stream_chat(
-                    stack.prefill.url, {**body, "cache_salt": single_salt}, f"{request_id}-alone"
-                )
+                single = stream_chat(alone.url, {**body, "cache_salt": single_salt}, f"{request_id}-alone")
             messages.append({"role": "assistant", "content": result.text})
 
             h = {k.lower(): v for k, v in result.headers.items()}
@@ -234,20 +259,31 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
             say(f"── turn {turn} ── request {request_id}")
             say(f"   user: {question}")
             say(f"   assistant: {' '.join(result.text.split())}")
-            say(
-                f"   route: prefill on {h.get('x-kvbroker-prefill', '-')}, decode on "
-                f"{h.get('x-kvbroker-decode', '-')} (mode {h.get('x-kvbroker-mode', '?')}"
-                f"{', fallback: ' + h['x-kvbroker-fallback'] if 'x-kvbroker-fallback' in h else ''})"
-            )
+            served = h.get("x-kvbroker-decode", "-")
+            if stack.topology == "dp":
+                say(
+                    f"   route: {served} (mode {h.get('x-kvbroker-mode', '?')}, {h.get('x-kvbroker-route', '?')})"
+                )
+            else:
+                say(
+                    f"   route: prefill on {h.get('x-kvbroker-prefill', '-')}, decode on "
+                    f"{served} (mode {h.get('x-kvbroker-mode', '?')}"
+                    f"{', fallback: ' + h['x-kvbroker-fallback'] if 'x-kvbroker-fallback' in h else ''})"
+                )
             ttft_ms = (result.ttft_s or 0.0) * 1000
-            line = f"   time to first token: {ttft_ms:.0f} ms through P/D"
+            line = f"   time to first token: {ttft_ms:.0f} ms through {'the proxy' if stack.topology == 'dp' else 'P/D'}"
             if single is not None:
                 line += f" | {(single.ttft_s or 0.0) * 1000:.0f} ms on one engine alone"
             say(f"{line}   (answer: {len(result.token_ids)} tokens in {result.total_s * 1000:.0f} ms)")
-            d_pulled_tokens = _diff(after.get("decode-0", {}), before.get("decode-0", {}), "pulled_tokens")
+            server = served if served in engines else "decode-0"
+            d_pulled_tokens = _diff(after.get(server, {}), before.get(server, {}), "pulled_tokens")
+            # A whole request's cached_tokens counts what the connector loaded too (vLLM's
+            # computed-before-the-first-step figure); P/D's decode is told its prompt separately.
+            own = result.cached_tokens - (d_pulled_tokens if stack.topology == "dp" else 0)
+            own = max(own, 0)
             say(
-                f"   decode-0 prompt: {prompt_tokens} tokens = {result.cached_tokens} from its own prefix cache + "
-                f"{d_pulled_tokens} pulled + {max(prompt_tokens - result.cached_tokens - d_pulled_tokens, 0)} computed"
+                f"   {server} prompt: {prompt_tokens} tokens = {own} from its own prefix cache + "
+                f"{d_pulled_tokens} pulled + {max(prompt_tokens - own - d_pulled_tokens, 0)} computed"
             )
             pulled_by_p = _print_pulls(engines, before, after, request_id)
             if previous:
@@ -267,15 +303,18 @@ def run_chat(stack: Stack, turns: int, max_tokens: int, compare: bool = True) ->
             )
     finally:
         watcher.close()
-    _print_summary(rows)
+    _print_summary(rows, alone.name, stack.topology)
     return rows
 
 
-def _print_summary(rows: list[dict[str, Any]]) -> None:
+def _print_summary(rows: list[dict[str, Any]], alone: str = "prefill-0", topology: str = "pd") -> None:
     if not rows:
         return
     say("")
-    say("turn  prompt tokens  TTFT P/D ms  TTFT one engine ms  history pulled by P (tokens)  same tokens")
+    via, puller = ("P/D", "by P") if topology == "pd" else ("DP ", "(all)")
+    say(
+        f"turn  prompt tokens  TTFT {via} ms  TTFT one engine ms  history pulled {puller} (tokens)  same tokens"
+    )
     for r in rows:
         single = "-" if r["single_ttft_ms"] is None else f"{r['single_ttft_ms']:.0f}"
         same = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
@@ -284,8 +323,8 @@ def _print_summary(rows: list[dict[str, Any]]) -> None:
             f"{r['history_pulled_tokens']:<28}  {same}"
         )
     say(
-        "(one engine: prefill-0 answering the same conversation alone, its own prefix cache warm from "
-        "the earlier turns; the machine's 2 cores are shared by everything here)"
+        f"(one engine: {alone} answering the same conversation alone, its own prefix cache warm from "
+        "the earlier turns; the machine's cores are shared by everything here)"
     )
     say(workload_line(rows, os.getloadavg()[0], os.cpu_count() or 1))
 
@@ -318,7 +357,7 @@ def venv_command(name: str) -> str:
 
 def try_commands(stack: Stack) -> list[str]:
     """The commands `make up` prints, runnable as printed from the directory it ran in."""
-    assert stack.prefill is not None
+    first = stack.prefill or next(iter(stack.engines.values()))
     kvbroker = venv_command("kvbroker")
     chat = json.dumps(
         {
@@ -331,20 +370,19 @@ def try_commands(stack: Stack) -> list[str]:
         f"curl -s {stack.proxy_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{chat}'",
         f"{kvbroker} --broker {stack.broker_address} engines   # or: leases --all, stats, watch",
         f"{kvbroker} vllm bench serve --base-url {stack.proxy_url} --model {stack.served_name} "
-        f"--tokenizer {stack.prefill.model_dir} --dataset-name random --random-input-len 256 "
+        f"--tokenizer {first.model_dir} --dataset-name random --random-input-len 256 "
         "--random-output-len 32 --num-prompts 8",
     ]
 
 
 def print_access(stack: Stack) -> None:
-    assert stack.prefill is not None and stack.decode is not None
     say("")
     say("The stack is running. Reach it with:")
     say(f"  proxy (OpenAI API):  {stack.proxy_url}   model name: {stack.served_name}")
     say(f"  proxy health:        {stack.proxy_url}/health   (metrics: {stack.proxy_url}/metrics)")
     say(f"  broker (gRPC):       {stack.broker_address}   (metrics: {stack.broker_metrics_url})")
-    say(f"  prefill engine:      {stack.prefill.url}   (metrics: {stack.prefill.url}/metrics)")
-    say(f"  decode engine:       {stack.decode.url}   (metrics: {stack.decode.url}/metrics)")
+    for name, engine in stack.engines.items():
+        say(f"  {name + ' engine:':<20} {engine.url}   (metrics: {engine.url}/metrics)")
     say(f"  logs:                {stack.workdir}")
     say("Try (from this directory):")
     for command in try_commands(stack):
@@ -353,10 +391,18 @@ def print_access(stack: Stack) -> None:
     say("Press Ctrl-C to stop everything.")
 
 
+def _topology(text: str) -> str:
+    try:
+        parse_topology(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvbroker.tools.demo",
-        description="Start broker + prefill and decode vLLM engines + P/D proxy locally and run a multi-turn chat.",
+        description="Start broker + vLLM engines (P and D, or data-parallel) + proxy locally and run a multi-turn chat.",
     )
     parser.add_argument(
         "--model",
@@ -366,6 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--keep-running", action="store_true", help="keep the stack up after the chat until Ctrl-C"
+    )
+    parser.add_argument(
+        "--topology",
+        type=_topology,
+        default="pd",
+        help=f"pd: a prefill and a decode engine (default); dp:N: N data-parallel engines in kv_both "
+        f"that pull prefixes from each other, placed by load and prefix ({TOPOLOGIES})",
     )
     parser.add_argument("--turns", type=int, default=3, choices=range(0, 4), help="chat turns to run (0-3)")
     parser.add_argument(
@@ -410,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             threshold=args.threshold,
             model=args.model,
             connector_extra={"hold_ttl_ms": DEMO_HOLD_TTL_MS},
+            topology=args.topology,
         )
         stack_box.append(stack)
         say(f"stack up after {time.monotonic() - started:.0f} s")

@@ -1,5 +1,11 @@
-"""The demo's stack: broker, a prefill and a decode vLLM engine with our connector, and the P/D proxy,
-each a child process in its own process group with its log in the work directory.
+"""The demo's stack: broker, vLLM engines with our connector, and the proxy, each a child process
+in its own process group with its log in the work directory. Two topologies:
+
+- `pd` (the default): a prefill and a decode engine behind the P/D proxy;
+- `dp:N`: N engines that are neither P nor D (each serves whole requests, in
+  kv_both, pulling a prefix from whichever engine holds it) behind the proxy in
+  its data-parallel mode (`--no-disaggregate`: each request goes to the engine
+  with the lowest predicted time to first token, clients/proxy/placement.py).
 
 `start_stack(workdir, model="real" | "tiny", ...)` starts it and returns a `Stack`
 whose `stop()` ends everything (also registered with atexit). The broker is
@@ -32,6 +38,25 @@ from kvbroker.tools.launch import EngineProcess, EngineStartError, connector_con
 
 # model choice -> the name the proxy and engines serve it under
 SERVED_NAMES = {"real": "smollm2", "tiny": "tiny"}
+TOPOLOGIES = "pd, dp:N (N data-parallel engines, 1-8)"
+MAX_DP_ENGINES = 8
+
+
+def parse_topology(text: str) -> tuple[str, int]:
+    """("pd", 2) or ("dp", N) from `pd` or `dp:N`; ValueError with what to write instead."""
+    kind, _, count = text.strip().lower().partition(":")
+    if kind == "pd" and not count:
+        return "pd", 2
+    if kind == "dp":
+        try:
+            n = int(count or "2")
+        except ValueError:
+            n = 0
+        if 1 <= n <= MAX_DP_ENGINES:
+            return "dp", n
+    raise ValueError(f"topology {text!r}: choose one of {TOPOLOGIES}, e.g. dp:2")
+
+
 # KV cache per engine: about 340 blocks of the real model (1.5 MB each, 10,900 tokens), thousands of the tiny one's.
 KV_CACHE_BYTES = {"real": 512 << 20, "tiny": 256 << 20}
 
@@ -104,6 +129,8 @@ class Stack:
     broker_supervisor: Supervisor | None = None
     prefill: EngineProcess | None = None
     decode: EngineProcess | None = None
+    topology: str = "pd"  # or "dp"
+    engines: dict[str, EngineProcess] = field(default_factory=dict)  # every engine, by name
     proxy: ChildProcess | None = None
     proxy_url: str = ""
     stats: dict[str, Path] = field(default_factory=dict)
@@ -115,7 +142,7 @@ class Stack:
         self._stopped = True
         if self.broker_supervisor is not None:
             self.broker_supervisor.stop()
-        for part in (self.proxy, self.decode, self.prefill, self.broker):
+        for part in (self.proxy, *reversed(self.engines.values()), self.broker):
             if part is not None:
                 try:
                     part.stop()
@@ -154,9 +181,11 @@ def start_stack(
     connector_extra: dict[str, Any] | None = None,
     broker_metrics_port: int = 0,
     local_prefill_tokens: int = 0,
+    topology: str = "pd",
 ) -> Stack:
-    """Build or find the model, start broker, P, D and proxy; `connector_extra` adds
-    kv_connector_extra_config keys to both engines (e.g. hold_ttl_ms). The proxy prefills
+    """Build or find the model, start broker, the engines of `topology` (`pd` or `dp:N`) and the
+    proxy; `connector_extra` adds kv_connector_extra_config keys to every engine (e.g. hold_ttl_ms).
+    With P/D the proxy prefills
     every turn on P (`local_prefill_tokens` 0), so the demo shows turn 2 pulling the history
     D holds; the proxy's own default (256) lets D serve such a turn alone."""
     stack = Stack(workdir, model=model, served_name=SERVED_NAMES.get(model, model))
@@ -190,7 +219,15 @@ def start_stack(
         client.wait_ready(timeout=30)
     stack.broker_supervisor = Supervisor(stack.broker).start()
 
-    say("[3/4] starting the prefill and decode vLLM engines (CPU; 1-2 minutes, progress every 5 s) ...")
+    kind, count = parse_topology(topology)
+    stack.topology = kind
+    roles = (
+        {"prefill-0": "prefill", "decode-0": "decode"}
+        if kind == "pd"
+        else {f"engine-{i}": "both" for i in range(count)}
+    )
+    what = "the prefill and decode vLLM engines" if kind == "pd" else f"{count} data-parallel vLLM engines"
+    say(f"[3/4] starting {what} (CPU; 1-2 minutes, progress every 5 s) ...")
 
     def make_engine(name: str, role: str, attempt: int) -> EngineProcess:
         stats = workdir / f"{name}-stats.json"
@@ -204,6 +241,7 @@ def start_stack(
             # and a pull cost here; a threshold selects the fixed rule.
             stats_path=str(stats),
             # D holds each finished turn (prompt + answer) so the next turn's prefill can pull it.
+            # Data-parallel engines offer what their prefix caches hold (pinned when pulled).
             multi_turn=(role == "decode"),
             **(connector_extra or {}),
         )
@@ -220,10 +258,10 @@ def start_stack(
             log_path=workdir / f"{name}{'-retry' if attempt else ''}.log",
         ).start()
 
-    stack.prefill = make_engine("prefill-0", "prefill", 0)
-    stack.decode = make_engine("decode-0", "decode", 0)
-    for role in ("prefill", "decode"):
-        engine = stack.prefill if role == "prefill" else stack.decode
+    for name, role in roles.items():
+        stack.engines[name] = make_engine(name, role, 0)
+    for name, role in roles.items():
+        engine = stack.engines[name]
         try:
             engine.wait_ready(timeout=600, progress=lambda m: say("      " + m))
         except EngineStartError as e:
@@ -231,24 +269,31 @@ def start_stack(
             # are only free when picked): one more try on a new port.
             say(f"      {engine.name} failed to start, retrying on a new port: {str(e).splitlines()[0]}")
             engine.stop()
-            engine = make_engine(engine.name, role, 1)
-            if role == "prefill":
-                stack.prefill = engine
-            else:
-                stack.decode = engine
+            engine = stack.engines[name] = make_engine(name, role, 1)
             engine.wait_ready(timeout=600, progress=lambda m: say("      " + m))
-    # On one machine P and D each get cores of their own, as on hardware of their own:
-    # otherwise each engine's steps also pay for the other's busy-polling.
-    pin_apart([stack.prefill, stack.decode], lambda m: say("      " + m))
+    stack.prefill, stack.decode = stack.engines.get("prefill-0"), stack.engines.get("decode-0")
+    # On one machine each engine gets cores of its own, as on hardware of its own:
+    # otherwise each engine's steps also pay for the others' busy-polling.
+    pin_apart(list(stack.engines.values()), lambda m: say("      " + m))
 
     stack.proxy_url = f"http://127.0.0.1:{proxy_port}"
     say(f"[4/4] starting the proxy on {stack.proxy_url} ...")
-    stack.proxy = ProxyProcess(
-        workdir / "proxy.log",
-        prefill={"prefill-0": stack.prefill.url},
-        decode={"decode-0": stack.decode.url},
-        broker=stack.broker_address,
-        local_prefill_tokens=local_prefill_tokens,
-        port=proxy_port,
-    ).start()
+    if kind == "pd":
+        assert stack.prefill is not None and stack.decode is not None
+        stack.proxy = ProxyProcess(
+            workdir / "proxy.log",
+            prefill={"prefill-0": stack.prefill.url},
+            decode={"decode-0": stack.decode.url},
+            broker=stack.broker_address,
+            local_prefill_tokens=local_prefill_tokens,
+            port=proxy_port,
+        ).start()
+    else:
+        stack.proxy = ProxyProcess(
+            workdir / "proxy.log",
+            engines={name: e.url for name, e in stack.engines.items()},
+            broker=stack.broker_address,
+            extra_args=["--no-disaggregate"],
+            port=proxy_port,
+        ).start()
     return stack

@@ -95,6 +95,29 @@ class ProxyConfig:
         True,
         "prefill on P, decode on D; off: every request goes whole to one engine (still picked by prefix score)",
     )
+    placement: str = setting(
+        "load",
+        "without disaggregation (a data-parallel fleet): load = the engine with the lowest predicted time "
+        "to first token, weighing its load against the prefix it holds and a pull from the holder "
+        "(placement.py); prefix = the engine holding the longest prefix first, whatever its load; "
+        "round_robin = each engine in turn (a baseline)",
+        choices=("load", "prefix", "round_robin"),
+    )
+    dp_busy_tokens: float = setting(
+        256.0, "placement load: prompt tokens of waiting that one request in flight on an engine costs"
+    )
+    dp_pull_token_cost: float = setting(
+        0.1, "placement load: a pulled prompt token's cost, as a fraction of computing it"
+    )
+    dp_min_prefix_tokens: int = setting(
+        64,
+        "placement load: a longest held prefix under this many tokens is ignored; requests balance by load",
+    )
+    dp_pull: bool = setting(
+        True,
+        "placement load: engines pull prefixes from each other (our connector, kv_both); off: an engine "
+        "without the prefix recomputes it (engines without the connector)",
+    )
     local_prefill_tokens: int = setting(
         256,
         "a request whose first-choice decode engine already holds its prompt but for at most this many "
@@ -183,6 +206,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raise SystemExit("error: --max-attempts must be at least 1")
     if args.local_prefill_tokens < 0:
         raise SystemExit("error: --local-prefill-tokens must be >= 0")
+    if args.dp_busy_tokens < 0 or args.dp_pull_token_cost < 0 or args.dp_min_prefix_tokens < 0:
+        raise SystemExit(
+            "error: --dp-busy-tokens, --dp-pull-token-cost and --dp-min-prefix-tokens must be >= 0"
+        )
     if args.first_byte_timeout_s < 0 or args.probe_timeout_s <= 0:
         raise SystemExit("error: --first-byte-timeout-s must be >= 0 and --probe-timeout-s > 0")
     security = settings.from_args(ClientSecurity, args)

@@ -17,9 +17,10 @@ not used, for /health.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvbroker.clients.proxy.config import ROLES, EngineSpec, normalize_url
@@ -49,6 +50,7 @@ class EnginePool:
         self._engines: list[EngineSpec] = list(static)
         self._layouts: dict[str, EngineLayout] = {}
         self._load: dict[str, float] = {}
+        self._inflight: dict[str, int] = {}  # url -> requests this proxy has sent there and not seen end
         self._draining: set[str] = set()
         self._failed_until: dict[str, float] = {}
         self._failure: dict[str, str] = {}  # url -> why it last failed (shown while cooling down)
@@ -75,6 +77,34 @@ class EnginePool:
 
     def load_of(self, engine: EngineSpec) -> float:
         return self._load.get(engine.engine_id, 0.0)
+
+    def started(self, engine: EngineSpec) -> None:
+        """This proxy sent `engine` a request (counted until `ended`)."""
+        self._inflight[engine.url] = self._inflight.get(engine.url, 0) + 1
+
+    def ended(self, engine: EngineSpec) -> None:
+        left = self._inflight.get(engine.url, 0) - 1
+        if left > 0:
+            self._inflight[engine.url] = left
+        else:
+            self._inflight.pop(engine.url, None)
+
+    @contextlib.contextmanager
+    def serving(self, engine: EngineSpec) -> Iterator[None]:
+        """Counts a request to `engine` as in flight for as long as the block runs."""
+        self.started(engine)
+        try:
+            yield
+        finally:
+            self.ended(engine)
+
+    def in_flight(self, engine: EngineSpec) -> int:
+        return self._inflight.get(engine.url, 0)
+
+    def busy_of(self, engine: EngineSpec) -> float:
+        """Requests on `engine`: what this proxy has in flight there or, when larger, the load the
+        engine last heartbeat to the broker (which also counts other proxies' requests)."""
+        return max(float(self.in_flight(engine)), self.load_of(engine))
 
     def is_draining(self, engine: EngineSpec) -> bool:
         return engine.engine_id in self._draining

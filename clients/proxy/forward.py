@@ -50,7 +50,8 @@ from kvbroker.clients.proxy.outcome import (
 )
 from kvbroker.clients.proxy.p_queue import PrefillQueues
 from kvbroker.clients.proxy.pd_bodies import decode_body, prefill_body
-from kvbroker.clients.proxy.routing import Route
+from kvbroker.clients.proxy.placement import PlacementRule
+from kvbroker.clients.proxy.routing import Route, dp_order
 from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
 
 log = logging.getLogger("kvbroker.proxy")
@@ -72,7 +73,11 @@ class Forwarder:
         probe_timeout_s: float = 2.0,
         on_failure: FailureHook | None = None,
         on_retry: RetryHook | None = None,
+        placement: PlacementRule | None = None,
     ) -> None:
+        # Without disaggregation: how one engine is picked (placement.py); None: the prefix order.
+        self.placement = placement
+        self._rotation = 0
         self.tracer = tracer or get_tracer()
         self.http = http
         self.pool = pool
@@ -154,6 +159,15 @@ class Forwarder:
             else:
                 outcome.fallback_reason = "no prefill engine answered"
                 single = [*d_list, *p_list]
+        elif not disaggregate and self.placement is not None:
+            # A data-parallel fleet: every engine serves whole requests; the placement weighs
+            # each one's load against the prefix it holds (and a pull of it from the holder).
+            self._rotation += 1
+            engines = _single_order([*d_list, *p_list], [])
+            order, placed = dp_order(route, engines, self.pool, self.placement, self._rotation)
+            if placed is not None:  # why: on the span, in the metrics, in a response header
+                outcome.route_reason, outcome.route_detail = placed.reason, placed.detail
+            return await self._serve_single(request, endpoint, body, order, outcome, tried, "dp")
         else:
             if not disaggregate:
                 outcome.fallback_reason = "disaggregation off"
@@ -208,12 +222,13 @@ class Forwarder:
         engines: list[EngineSpec],
         outcome: Outcome,
         tried: list[EngineSpec],
+        mode: str = "single",
     ) -> web.StreamResponse:
         headers = self._engine_headers(request, outcome.request_id)
         for engine in engines:
             self._attempt(outcome)
             try:
-                return await self._decode(request, engine, endpoint, body, None, headers, outcome, "single")
+                return await self._decode(request, engine, endpoint, body, None, headers, outcome, mode)
             except EngineFailure as e:
                 self._failed(e, outcome, tried)
         outcome.mode = "none"
@@ -362,11 +377,15 @@ class Forwarder:
         mode: str,
     ) -> web.StreamResponse:
         """Send the request to `engine` and relay its answer; EngineFailure before anything was relayed."""
-        with self.tracer.start_as_current_span(
-            "proxy.decode" if mode == "pd" else "proxy.single",
-            kind=SpanKind.CLIENT,
-            attributes={"kvbroker.engine": engine.label, "server.address": engine.url, "kvbroker.mode": mode},
-        ) as span:
+        attributes = {"kvbroker.engine": engine.label, "server.address": engine.url, "kvbroker.mode": mode}
+        with (
+            self.pool.serving(engine),  # in flight, for the placement (placement.py)
+            self.tracer.start_as_current_span(
+                "proxy.decode" if mode == "pd" else "proxy.single",
+                kind=SpanKind.CLIENT,
+                attributes=attributes,
+            ) as span,
+        ):
             carrier = current_context_carrier()
             payload = decode_body(body, params, carrier)
             try:

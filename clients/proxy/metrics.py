@@ -6,13 +6,16 @@ answer: once the stream ended):
 - ``kvbroker_proxy_requests_total{path, status, mode}`` and
   ``kvbroker_proxy_request_seconds{path}``; ``mode`` is ``pd`` (P then D),
   ``local`` (D alone: it held all but ``--local-prefill-tokens`` of the prompt),
-  ``single`` (one engine, a fallback or ``--no-disaggregate``) or empty for
+  ``dp`` (one engine of a data-parallel fleet, ``--no-disaggregate``, placed by load and prefix),
+  ``single`` (one engine, a fallback) or empty for
   requests that reach no engine (/health, /metrics, a refused body);
 - ``kvbroker_proxy_ttft_seconds{turn}``: a chat answer's time to its first byte at the
   proxy, by turn (the request's user messages, 1 to 4, then ``5+``);
 - ``kvbroker_proxy_fallbacks_total{reason}``: P/D requests served by one engine;
 - ``kvbroker_proxy_route_choices_total{reason}``: local on D or P then pull, and why
   (``local_few_tokens``, ``local_p_busy``, ``pd_p_idle``, ``pd_p_quicker``, ...; p_queue.py);
+  on a data-parallel fleet, why the engine was placed first (``dp_holder``,
+  ``dp_pull_busy_holder``, ``dp_balance_short_prefix``, ...; placement.py);
 - ``kvbroker_proxy_engine_failures_total{engine, step, kind}``: a step (prefill,
   decode, single, stream) that failed on an engine; ``kind`` is ``hung`` (no first
   byte within the budget, liveness check failed: a timeout), ``unreachable`` or
@@ -23,8 +26,8 @@ answer: once the stream ended):
   routed to normally, 0 while its broker session is gone or it is cooling down
   after a failure (read at scrape time; /health says why);
 - one access-log line (logger ``kvbroker.proxy.access``, INFO): method, path,
-  status, duration, mode, the prefill and decode engines, the request id, and
-  why P/D fell back to one engine, if it did.
+  status, duration, mode, the prefill and decode engines, the request id,
+  why P/D fell back to one engine, if it did, and a data-parallel placement's reason.
 
 /metrics also carries the process collector (CPU, memory, file descriptors)
 and ``kvbroker_proxy_build_info``. The registry is the proxy's own, so several
@@ -83,7 +86,7 @@ class ProxyMetrics:
         self.access_log_on = access_log_on
         self.requests = Counter(
             "kvbroker_proxy_requests",
-            "Requests answered, by path, HTTP status and mode (pd, local, single, or empty)",
+            "Requests answered, by path, HTTP status and mode (pd, local, dp, single, or empty)",
             ["path", "status", "mode"],
             registry=self.registry,
         )
@@ -110,7 +113,8 @@ class ProxyMetrics:
         )
         self.route_choices = Counter(
             "kvbroker_proxy_route_choices",
-            "P/D requests by the proxy's choice of local on D or P then pull, and why (p_queue.py)",
+            "Requests by the proxy's routing choice and why: local on D or P then pull (p_queue.py), or the "
+            "engine a data-parallel placement put first (dp_*, placement.py)",
             ["reason"],
             registry=self.registry,
         )
@@ -186,7 +190,7 @@ class ProxyMetrics:
             self.fallbacks.labels(_reason_label(outcome.fallback_reason)).inc()
         if self.access_log_on:
             access_log.info(
-                "%s %s %d %.1fms mode=%s prefill=%s decode=%s id=%s%s",
+                "%s %s %d %.1fms mode=%s prefill=%s decode=%s id=%s%s%s",
                 request.method,
                 request.path,
                 status,
@@ -198,6 +202,7 @@ class ProxyMetrics:
                 f" fallback={outcome.fallback_reason!r}"
                 if outcome is not None and outcome.fallback_reason
                 else "",
+                f" route={outcome.route_reason}" if outcome is not None and outcome.mode == "dp" else "",
             )
 
     async def handle_metrics(self, request: web.Request) -> web.Response:

@@ -77,6 +77,8 @@ class Outcome:
             h["X-KVBroker-Decode"] = self.decode.label
         if self.fallback_reason:
             h["X-KVBroker-Fallback"] = self.fallback_reason[:200]
+        if self.route_reason:
+            h["X-KVBroker-Route"] = self.route_reason
         return h
 
 

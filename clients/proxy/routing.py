@@ -19,6 +19,7 @@ import aiohttp
 
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
+from kvbroker.clients.proxy.placement import Candidate, Placement, PlacementRule, place
 from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -51,6 +52,7 @@ class Route:
     num_tokens: int | None = None
     num_blocks: int = 0
     matches: dict[str, PrefixMatch] = field(default_factory=dict)  # engine_id -> match
+    loads: dict[str, float] = field(default_factory=dict)  # engine_id -> load, as Score answered it
     scored: bool = False
     note: str = ""  # why there are no scores, when there are none
     block_size: int = 0  # of the layout the prompt was hashed for
@@ -62,6 +64,12 @@ class Route:
             return 0
         held = max(match.gpu_blocks, match.cpu_blocks) * self.block_size
         return min(held, self.num_tokens) if self.num_tokens is not None else held
+
+    def load_of(self, engine: EngineSpec, pool: EnginePool) -> float:
+        """Requests on `engine`: this proxy's in flight there or, when larger, the load the engine
+        heartbeat to the broker (as this request's Score answered it, else the engine list's)."""
+        reported = self.loads.get(engine.engine_id, pool.load_of(engine))
+        return max(float(pool.in_flight(engine)), reported)
 
     def local_prefill(self, engine: EngineSpec, limit: int) -> int | None:
         """Tokens `engine` would compute itself if it served the request alone, when it holds a
@@ -98,6 +106,21 @@ def order_engines(
     return [e for e in ordered if not pool.is_cooling_down(e)] + [
         e for e in ordered if pool.is_cooling_down(e)
     ]
+
+
+def dp_order(
+    route: Route, engines: Sequence[EngineSpec], pool: EnginePool, rule: PlacementRule, rotation: int
+) -> tuple[list[EngineSpec], Placement | None]:
+    """Engines for a whole request on a data-parallel fleet, in placement order (placement.py):
+    healthy ones by predicted time to first token, then those cooling down after a failure."""
+    # A fixed base order (the route's lists come rotated already): the placement rotates ties.
+    healthy = sorted((e for e in engines if not pool.is_cooling_down(e)), key=lambda e: e.url)
+    cooling = [e for e in engines if pool.is_cooling_down(e)]
+    if not healthy:
+        return cooling, None
+    candidates = [Candidate(e.label, route.held_tokens(e), route.load_of(e, pool)) for e in healthy]
+    placed = place(route.num_tokens if route.scored else None, candidates, rule, rotation)
+    return [healthy[i] for i in placed.order] + cooling, placed
 
 
 def tokenize_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -226,6 +249,7 @@ class Router:
             route.scored = True
             for s in scores:
                 route.matches[s.engine_id] = PrefixMatch(s.gpu_blocks, s.cpu_blocks)
+                route.loads[s.engine_id] = s.load
         route.prefill = order_engines(prefill, scores, self.pool, self._rotation)
         route.decode = order_engines(decode, scores, self.pool, self._rotation)
         return route

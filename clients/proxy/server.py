@@ -28,6 +28,7 @@ from kvbroker.clients.proxy.errors import json_errors
 from kvbroker.clients.proxy.forward import Forwarder
 from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
 from kvbroker.clients.proxy.outcome import EngineFailure, Outcome, RequestRejected, openai_error
+from kvbroker.clients.proxy.placement import PlacementRule
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
@@ -153,7 +154,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         if outcome.fallback_reason:
             span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
         if outcome.route_reason:
-            # Local on D or P then pull, and why (p_queue.py).
+            # Local on D or P then pull (p_queue.py), or a data-parallel placement (placement.py), and why.
             span.set_attribute("kvbroker.route_reason", outcome.route_reason)
             span.set_attribute("kvbroker.route_detail", outcome.route_detail)
         if response.status >= 500:
@@ -214,6 +215,8 @@ async def health(request: web.Request) -> web.Response:
                     if not state.pool.broker_seen or not e.engine_id
                     else not state.pool.session_gone(e),
                     "cooling_down": state.pool.is_cooling_down(e),
+                    # Requests on it: this proxy's in flight, or the load it heartbeats if larger.
+                    "load": state.pool.busy_of(e),
                 }
                 for e in engines
             ],
@@ -288,6 +291,19 @@ async def _on_cleanup(app: web.Application) -> None:
         await state.broker.close()
 
 
+def placement_rule(config: ProxyConfig) -> PlacementRule | None:
+    """How one engine is picked without disaggregation (None: the longest prefix first)."""
+    if config.placement == "prefix":
+        return None
+    return PlacementRule(
+        busy_tokens=config.dp_busy_tokens,
+        pull_token_cost=config.dp_pull_token_cost,
+        min_prefix_tokens=config.dp_min_prefix_tokens,
+        pull=config.dp_pull,
+        round_robin=config.placement == "round_robin",
+    )
+
+
 def build_app(
     config: ProxyConfig, *, broker: Any | None = None, tracer_provider: trace.TracerProvider | None = None
 ) -> web.Application:
@@ -334,6 +350,7 @@ def build_app(
             probe_timeout_s=config.probe_timeout_s,
             on_failure=metrics.engine_failed if metrics is not None else None,
             on_retry=metrics.engine_retried if metrics is not None else None,
+            placement=placement_rule(config),
         ),
         broker=broker,
         tracer=tracer,

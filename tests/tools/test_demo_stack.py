@@ -70,6 +70,27 @@ def test_the_demo_names_its_log_folder_on_success_too(
     out = capsys.readouterr().out
     assert out.count(str(tmp_path / "w")) >= 2, out
     assert seen["threshold"] is None, "the demo runs the adaptive policy unless a threshold is named"
+    assert seen["topology"] == "pd", "P/D unless a topology is named"
+    assert demo.main(["--turns", "0", "--workdir", str(tmp_path / "w"), "--topology", "dp:3"]) == 0
+    assert seen["topology"] == "dp:3"
+
+
+def test_topologies_are_p_d_or_n_data_parallel_engines() -> None:
+    from kvbroker.tools.demo_stack import parse_topology
+
+    assert parse_topology("pd") == ("pd", 2)
+    assert parse_topology("dp:4") == ("dp", 4) and parse_topology(" DP ") == ("dp", 2)
+    for bad in ("pd:3", "dp:0", "dp:9", "dp:x", "ring"):
+        with pytest.raises(ValueError, match="choose one of pd, dp:N"):
+            parse_topology(bad)
+
+
+def test_the_demo_refuses_an_unknown_topology(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbroker.tools import demo
+
+    with pytest.raises(SystemExit):
+        demo.main(["--topology", "dp:99"])
+    assert "choose one of pd, dp:N" in capsys.readouterr().err
 
 
 def test_the_demo_prints_its_figures_with_their_workload() -> None:

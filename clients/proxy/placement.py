@@ -1,0 +1,144 @@
+"""Data-parallel placement: which engine takes a whole request, weighing its load against locality.
+
+On a data-parallel fleet (every engine serves whole requests, each in
+``kv_both`` with our connector) any engine can serve any request, and an
+engine that lacks the prompt's prefix can pull it from the engine that holds
+it (the connector asks the broker and pulls over NIXL; its own adaptive cost
+model then decides pull or recompute with measured timings). So the question
+the proxy answers is not "who holds the prefix" but "where does the first
+token come soonest". ``place`` predicts that, in prompt-token equivalents,
+for every candidate engine ``e``:
+
+    cost(e) = computed(e) + pull_token_cost * pulled(e) + busy_tokens * load(e)
+
+- ``computed``: the prompt's tokens ``e`` would compute: all but the longest
+  prefix it can reuse, its own (GPU or CPU tier) or, when engines pull from
+  each other, the longest any engine holds;
+- ``pulled``: tokens it would pull for that (the longest held elsewhere minus
+  its own); a pulled token costs ``pull_token_cost`` of a computed one;
+- ``load``: requests in flight on ``e`` (the larger of what this proxy sent it
+  and the load it heartbeats to the broker); each one ahead of the request
+  costs it ``busy_tokens`` of waiting.
+
+The cheapest engine is first, the rest follow in cost order (the failover
+order). Ties go to the less loaded engine, then to the rotation, so that new
+conversations spread out. A prompt whose longest held prefix is under
+``min_prefix_tokens`` is not steered by locality at all: it is balanced by
+load. Each placement says why (``reason``, one of the ``DP_*`` labels, a
+counter label in the proxy's /metrics and an attribute of the request's span)
+and how (``detail``, with the figures). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Why an engine was placed first (kvbroker_proxy_route_choices_total{reason}).
+DP_NOT_SCORED = "dp_not_scored"  # the prompt was not scored (no broker, not tokenizable): by load
+DP_BALANCE = "dp_balance_short_prefix"  # no engine holds a prefix worth steering for: by load
+DP_HOLDER = "dp_holder"  # the engine holding the longest prefix is the quickest
+DP_PULL = "dp_pull_busy_holder"  # the holder is busier than a pull costs: a free engine pulls
+DP_RECOMPUTE = "dp_recompute_busy_holder"  # the holder is busier than a recompute costs (no pulls)
+DP_ROUND_ROBIN = "dp_round_robin"  # the rule is round robin: neither load nor prefix counts
+DP_REASONS = (DP_NOT_SCORED, DP_BALANCE, DP_HOLDER, DP_PULL, DP_RECOMPUTE, DP_ROUND_ROBIN)
+
+
+@dataclass(frozen=True)
+class PlacementRule:
+    """The weights of ``place`` (documented in docs/serving.md, Data-parallel fleets)."""
+
+    busy_tokens: float = 256.0  # prompt tokens of waiting that one request in flight on an engine costs
+    pull_token_cost: float = 0.1  # a pulled token's cost, as a fraction of computing it
+    min_prefix_tokens: int = 64  # a longest held prefix under this is not steered for: balance by load
+    pull: bool = True  # engines pull prefixes from each other (our connector, kv_both)
+    round_robin: bool = False  # the baseline: each engine in turn, whatever it holds or runs
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One engine as ``place`` sees it."""
+
+    name: str
+    held_tokens: int  # prompt tokens it holds as a prefix (GPU or its CPU tier)
+    load: float  # requests in flight on it
+
+
+@dataclass(frozen=True)
+class Placement:
+    order: tuple[int, ...]  # indices into the candidates, the chosen one first
+    reason: str  # a DP_* label
+    detail: str  # the figures, for the span and logs
+    pull_from: str = ""  # the holder the first engine is expected to pull from ("" none)
+    costs: tuple[float, ...] = ()  # predicted cost per candidate (same indices), token equivalents
+
+
+def _by_load(candidates: Sequence[Candidate], rotation: int) -> list[int]:
+    n = len(candidates)
+    rotated = [(rotation + i) % n for i in range(n)]
+    return sorted(rotated, key=lambda i: candidates[i].load)  # stable: the rotation among equals
+
+
+def place(
+    num_tokens: int | None,
+    candidates: Sequence[Candidate],
+    rule: PlacementRule = PlacementRule(),
+    rotation: int = 0,
+) -> Placement:
+    """The candidates in order of predicted time to first token for a ``num_tokens`` prompt."""
+    if not candidates:
+        return Placement((), DP_NOT_SCORED, "no engine")
+    if rule.round_robin:
+        n = len(candidates)
+        return Placement(tuple((rotation + i) % n for i in range(n)), DP_ROUND_ROBIN, "round robin")
+    if num_tokens is None:
+        order = _by_load(candidates, rotation)
+        return Placement(tuple(order), DP_NOT_SCORED, "prompt not scored: least loaded engine")
+    held = [max(0, min(c.held_tokens, num_tokens)) for c in candidates]
+    longest = max(held)
+    if longest < rule.min_prefix_tokens:
+        order = _by_load(candidates, rotation)
+        detail = (
+            f"longest held prefix {longest} tokens < {rule.min_prefix_tokens}: least loaded engine "
+            f"(load {candidates[order[0]].load:g})"
+        )
+        return Placement(tuple(order), DP_BALANCE, detail)
+    costs: list[float] = []
+    sources: list[int | None] = []
+    for i, c in enumerate(candidates):
+        others = [j for j in range(len(candidates)) if j != i]
+        best = max(others, key=lambda j: held[j], default=None)
+        if rule.pull and best is not None and held[best] > held[i]:
+            reuse, pulled, source = held[best], held[best] - held[i], best
+        else:
+            reuse, pulled, source = held[i], 0, None
+        costs.append(
+            (num_tokens - reuse) + rule.pull_token_cost * pulled + rule.busy_tokens * max(0.0, c.load)
+        )
+        sources.append(source)
+    n = len(candidates)
+    rotated = [(rotation + i) % n for i in range(n)]
+    order = sorted(rotated, key=lambda i: (costs[i], candidates[i].load))
+    first = order[0]
+    holder = max(range(n), key=lambda j: (held[j], -candidates[j].load))
+    fig = (
+        f"{candidates[first].name}: cost {costs[first]:.0f} (holds {held[first]} of {num_tokens} tokens, "
+        f"load {candidates[first].load:g})"
+    )
+    if held[first] >= longest:
+        return Placement(tuple(order), DP_HOLDER, fig, costs=tuple(costs))
+    vs = (
+        f"; holder {candidates[holder].name}: cost {costs[holder]:.0f} (holds {held[holder]}, "
+        f"load {candidates[holder].load:g})"
+    )
+    source = sources[first]
+    if source is not None:
+        pulled = held[source] - held[first]
+        return Placement(
+            tuple(order),
+            DP_PULL,
+            f"{fig}, pulls {pulled} tokens from {candidates[source].name}{vs}",
+            pull_from=candidates[source].name,
+            costs=tuple(costs),
+        )
+    return Placement(tuple(order), DP_RECOMPUTE, f"{fig}, recomputes{vs}", costs=tuple(costs))

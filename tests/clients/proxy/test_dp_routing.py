@@ -1,0 +1,183 @@
+"""The proxy on a data-parallel fleet (--no-disaggregate): fake engines registered with a real
+in-process broker; the placement (placement.py) weighs each engine's load against its prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvbroker.clients.proxy import ProxyConfig, build_app
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.broker import RunningServer, running_broker
+from tests.clients.proxy.fake_engine import FakeEngine
+from tests.clients.proxy.test_routing import announce, engine_info
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[RunningServer]:
+    async with running_broker(session_ttl_ms=2_000, session_ttl_min_ms=100, shutdown_grace_s=0.2) as server:
+        yield server
+
+
+@pytest.fixture
+async def fleet(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
+    """Fake engines E1 and E2 (role both) and a proxy that serves them as a data-parallel fleet."""
+    from kvbroker.clients.aio import AsyncBrokerClient
+    from kvbroker.clients.engine_session import EngineSession
+
+    fakes = {name: await FakeEngine(name).start() for name in ("E1", "E2")}
+    sessions = {}
+    for name, fake in fakes.items():
+        session = EngineSession(broker.address, engine_info(name, "both", fake.url), ttl_ms=2_000)
+        await session.start(wait_connected_s=5)
+        sessions[name] = session
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    config = ProxyConfig(
+        broker=broker.address, refresh_interval_s=0.1, connect_timeout_s=1.0, disaggregate=False
+    )
+    server = TestServer(build_app(config, broker=AsyncBrokerClient(broker.address), tracer_provider=provider))
+    await server.start_server()
+    http = aiohttp.ClientSession()
+    yield {
+        "fakes": fakes,
+        "sessions": sessions,
+        "url": str(server.make_url("")).rstrip("/"),
+        "http": http,
+        "spans": exporter,
+    }
+    await http.close()
+    await server.close()
+    for s in sessions.values():
+        await s.close()
+    for f in fakes.values():
+        await f.stop()
+
+
+async def chat(fleet: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, str]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4}
+    async with fleet["http"].post(fleet["url"] + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+        return dict(resp.headers)
+
+
+async def proxy_load(fleet: dict[str, Any], engine: str) -> float:
+    async with fleet["http"].get(fleet["url"] + "/health") as resp:
+        data = json.loads(await resp.read())
+    return float(next(e["load"] for e in data["engines"] if e["engine_id"] == engine))
+
+
+async def wait_load(fleet: dict[str, Any], engine: str, at_least: float) -> None:
+    for _ in range(200):  # the proxy re-reads the broker's engine list every 0.1 s
+        if await proxy_load(fleet, engine) >= at_least:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the proxy never saw {engine}'s load reach {at_least}")
+
+
+async def route_choices(fleet: dict[str, Any]) -> dict[str, float]:
+    async with fleet["http"].get(fleet["url"] + "/metrics") as resp:
+        text = (await resp.read()).decode()
+    found = re.findall(r'kvbroker_proxy_route_choices_total\{reason="([^"]+)"\} ([\d.]+)', text)
+    return {reason: float(v) for reason, v in found}
+
+
+HISTORY = [
+    {"role": "user", "content": "what is a kv cache broker? " * 12},
+    {"role": "assistant", "content": "an index of blocks and leases over them " * 12},
+]
+TURN2 = [*HISTORY, {"role": "user", "content": "more"}]
+
+
+async def test_an_idle_holder_serves_its_conversation_whole(fleet: dict[str, Any]) -> None:
+    await announce(fleet, "E2", HISTORY, pb.TIER_GPU)
+    for _ in range(3):  # whatever the rotation
+        h = await chat(fleet, TURN2)
+        assert (h["X-KVBroker-Decode"], h["X-KVBroker-Mode"], h["X-KVBroker-Route"]) == (
+            "E2",
+            "dp",
+            "dp_holder",
+        )
+        assert "X-KVBroker-Prefill" not in h and "X-KVBroker-Fallback" not in h
+    # A whole request: no P/D hand-over in its body.
+    assert "kv_transfer_params" not in fleet["fakes"]["E2"].completions()[-1].body
+    assert not fleet["fakes"]["E1"].completions()
+
+
+async def test_a_busy_holder_sends_the_turn_to_a_free_engine_and_says_why(fleet: dict[str, Any]) -> None:
+    await announce(fleet, "E2", HISTORY, pb.TIER_GPU)
+    fleet["sessions"]["E2"].set_load(4)  # its heartbeat: 4 requests in its scheduler
+    await wait_load(fleet, "E2", 4)
+    before = await route_choices(fleet)
+    h = await chat(fleet, TURN2)
+    assert (h["X-KVBroker-Decode"], h["X-KVBroker-Route"]) == ("E1", "dp_pull_busy_holder")
+    assert (await route_choices(fleet)).get("dp_pull_busy_holder", 0) == before.get(
+        "dp_pull_busy_holder", 0
+    ) + 1
+    server = next(s for s in fleet["spans"].get_finished_spans() if s.name == "POST /v1/chat/completions")
+    assert server.attributes["kvbroker.route_reason"] == "dp_pull_busy_holder"
+    assert "pulls" in server.attributes["kvbroker.route_detail"]
+    assert "from E2" in server.attributes["kvbroker.route_detail"]
+    # Idle again: the holder gets its conversation back.
+    fleet["sessions"]["E2"].set_load(0)
+    for _ in range(200):
+        if await proxy_load(fleet, "E2") == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (await chat(fleet, TURN2))["X-KVBroker-Decode"] == "E2"
+
+
+async def test_short_prompts_nobody_holds_are_balanced(fleet: dict[str, Any]) -> None:
+    chosen = []
+    for i in range(4):
+        h = await chat(fleet, [{"role": "user", "content": f"question {i} " * 8}])
+        assert h["X-KVBroker-Route"] == "dp_balance_short_prefix"
+        chosen.append(h["X-KVBroker-Decode"])
+    assert set(chosen) == {"E1", "E2"}
+
+
+async def test_requests_in_flight_at_the_proxy_count_as_load(fleet: dict[str, Any]) -> None:
+    """Without any heartbeat, what the proxy itself has sent an engine spreads the next requests."""
+    await announce(fleet, "E2", HISTORY, pb.TIER_GPU)
+    e2 = fleet["fakes"]["E2"]
+    e2.mode, e2.delay_s = "slow", 4.0  # a slow answer: the proxy has it in flight meanwhile
+    first = asyncio.create_task(chat(fleet, TURN2))
+    await wait_load(fleet, "E2", 1)
+    # One request in flight on E2 costs 256 tokens of waiting; a pull of its prefix costs less.
+    h = await chat(fleet, TURN2)
+    assert (h["X-KVBroker-Decode"], h["X-KVBroker-Route"]) == ("E1", "dp_pull_busy_holder")
+    assert (await first)["X-KVBroker-Decode"] == "E2"
+    assert await proxy_load(fleet, "E2") == 0  # counted until its answer ended
+
+
+def test_an_engines_load_is_its_score_load_or_the_proxys_in_flight_count_whichever_is_larger() -> None:
+    from kvbroker.clients.proxy import EngineSpec
+    from kvbroker.clients.proxy.engines import EnginePool
+    from kvbroker.clients.proxy.routing import Route
+
+    a = EngineSpec("http://a", "both", "A")
+    pool = EnginePool([a])
+    route = Route([a], [a], loads={"A": 2.0})
+    assert route.load_of(a, pool) == 2.0  # the load the engine heartbeat, as Score answered it
+    for _ in range(3):
+        pool.started(a)
+    assert route.load_of(a, pool) == 3.0  # the proxy's own requests there, not yet reported
+    assert Route([a], [a]).load_of(a, pool) == 3.0  # unscored: the engine list's load (0 here)
+    for _ in range(3):
+        pool.ended(a)
+    pool.ended(a)  # one end too many does not go negative
+    assert pool.in_flight(a) == 0 and route.load_of(a, pool) == 2.0

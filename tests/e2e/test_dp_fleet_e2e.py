@@ -1,0 +1,171 @@
+"""A data-parallel fleet end to end: a busy prefix holder's request goes to a free engine that pulls.
+
+One real broker process, two real vLLM engines (CPU build, tiny model, real
+NIXL), both in ``kv_both`` with our connector and neither P nor D, and the
+proxy with ``--no-disaggregate`` (its load-aware placement, placement.py).
+A long prompt lands on one engine (A), which then caches its prefix. A is
+made busy with long requests sent to it directly (not through the proxy: the
+proxy learns A's load only from A's heartbeats to the broker). The next
+request sharing the prefix goes to the other engine (B), which pulls the
+prefix from A over NIXL, and its greedy output equals one engine computing
+the whole prompt itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+
+from kvbroker.clients.sync import BrokerClient
+from kvbroker.common.hashing import wire_chain
+from kvbroker.tools.launch import EngineProcess
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.engines import (
+    BLOCK_SIZE,
+    completion_request,
+    prompt_of,
+    read_stats,
+    recompute_reference,
+    start_engine,
+)
+from testkit.processes import BrokerProcess, ProxyProcess
+from testkit.waiting import wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(900)]
+
+PREFIX = 512  # 16 full blocks shared by both requests
+MAX_TOKENS = 8
+
+
+@dataclass
+class Fleet:
+    broker: BrokerProcess
+    engines: dict[str, EngineProcess]
+    stats: dict[str, Path]
+    proxy: ProxyProcess
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    from kvbroker.tools.tiny_model import build_tiny_model
+
+    log_dir = tmp_path_factory.mktemp("e2e-dp-fleet")
+    model = build_tiny_model(log_dir / "model")
+    broker = BrokerProcess(log_dir).start()
+    engines: dict[str, EngineProcess] = {}
+    stats: dict[str, Path] = {}
+    proxy: ProxyProcess | None = None
+    try:
+        for name in ("E1", "E2"):
+            # role both, no multi_turn: an engine's prefix cache is what it offers to the others.
+            engines[name], stats[name] = start_engine(
+                model, log_dir, name=name, broker_address=broker.address, role="both"
+            )
+        for engine in engines.values():
+            engine.wait_ready(timeout=600, progress=print)
+        proxy = ProxyProcess(
+            log_dir / "proxy.log",
+            engines={name: e.url for name, e in engines.items()},
+            broker=broker.address,
+            extra_args=["--no-disaggregate", "--refresh-interval-s", "0.2"],
+        ).start()
+        yield Fleet(broker, engines, stats, proxy)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for engine in engines.values():
+            engine.stop()
+        broker.stop()
+        print("e2e logs in", log_dir)
+
+
+def through_proxy(fleet: Fleet, prompt: list[int], request_id: str) -> tuple[list[int], dict[str, str]]:
+    engine = next(iter(fleet.engines.values()))
+    req = completion_request(engine, prompt, max_tokens=MAX_TOKENS)
+    proxied = urllib.request.Request(
+        fleet.proxy.url + "/v1/completions",
+        data=req.data,
+        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+    )
+    with urllib.request.urlopen(proxied, timeout=300) as resp:
+        answer = json.loads(resp.read())
+        return list(answer["choices"][0]["token_ids"]), dict(resp.headers)
+
+
+def proxy_get(fleet: Fleet, path: str) -> str:
+    with urllib.request.urlopen(fleet.proxy.url + path, timeout=30) as resp:
+        return str(resp.read().decode())
+
+
+def load_at_proxy(fleet: Fleet, name: str) -> float:
+    engines = json.loads(proxy_get(fleet, "/health"))["engines"]
+    return float(next(e["load"] for e in engines if e["engine_id"] == name))
+
+
+def holds(fleet: Fleet, name: str, chain: list[int]) -> bool:
+    with BrokerClient(fleet.broker.address) as client:
+        layout = next((e.layout_id for e in client.list_engines().engines if e.engine_id == name), "")
+        answer = client.resolve(namespace=pb.Namespace(layout_id=layout, tenant=""), block_hashes=chain)
+    return any(m.engine_id == name and m.matched_blocks >= len(chain) for m in answer.matches)
+
+
+def keep_busy(engine: EngineProcess, n: int, stop: threading.Event) -> list[threading.Thread]:
+    """`n` long streamed requests straight to `engine`, read until `stop` is set or they end."""
+
+    def run(seed: int) -> None:
+        req = completion_request(engine, prompt_of(64, seed=seed), max_tokens=1500, stream=True)
+        try:
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                while not stop.is_set() and resp.readline():
+                    pass
+        except OSError:
+            pass  # the engine stopped under it at teardown: no matter
+
+    threads = [threading.Thread(target=run, args=(100 + i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_a_busy_holder_sends_the_request_to_a_free_engine_that_pulls_the_prefix(fleet: Fleet) -> None:
+    prefix = prompt_of(PREFIX, seed=21)
+    first, headers = through_proxy(fleet, prefix + prompt_of(32, seed=22), "dp-e2e-1")
+    assert headers["X-KVBroker-Mode"] == "dp" and len(first) == MAX_TOKENS
+    holder = headers["X-KVBroker-Decode"]
+    (other,) = [name for name in fleet.engines if name != holder]
+    chain = wire_chain(prefix, BLOCK_SIZE)
+    assert wait_for(lambda: holds(fleet, holder, chain), 30), f"the broker names {holder} for the prefix"
+
+    stop = threading.Event()
+    busy = keep_busy(fleet.engines[holder], 3, stop)
+    try:
+        # The holder heartbeats its load to the broker; the proxy re-reads it every 0.2 s.
+        assert wait_for(lambda: load_at_proxy(fleet, holder) >= 2, 120), f"{holder} never reported busy"
+        pulled_before = read_stats(fleet.stats[other]).get("pulled_blocks", 0)
+        turn2 = prefix + prompt_of(32, seed=23)
+        out, headers = through_proxy(fleet, turn2, "dp-e2e-2")
+    finally:
+        stop.set()
+    assert (headers["X-KVBroker-Decode"], headers["X-KVBroker-Route"]) == (other, "dp_pull_busy_holder")
+    assert wait_for(
+        lambda: read_stats(fleet.stats[other]).get("pulled_blocks", 0) >= pulled_before + 8, 30
+    ), f"{other} pulled the prefix from {holder}: {read_stats(fleet.stats[other])}"
+    metrics = proxy_get(fleet, "/metrics")
+    counted = re.search(
+        r'kvbroker_proxy_route_choices_total\{reason="dp_pull_busy_holder"\} ([\d.]+)', metrics
+    )
+    assert counted is not None and float(counted.group(1)) >= 1
+    for t in busy:
+        t.join(60)
+    # Greedy: the same tokens as one engine computing the whole prompt itself.
+    assert out == recompute_reference(fleet.engines[other], turn2, MAX_TOKENS)

@@ -90,22 +90,41 @@ def test_one_tenant_cannot_take_every_watch_slot(pki: Pki, tmp_path: Path) -> No
             channels.append(channel)
             return s.Watch(pb.WatchRequest(engine_events=True), timeout=timeout)  # type: ignore[no-any-return]
 
+        def first_event(stream: Iterator[pb.WatchEvent], who: str, engine_id: str) -> pb.WatchEvent:
+            """The stream's first event, an engine of `who` registering; again until the broker
+            serves the Watch (its call may reach the broker after a registration: no event)."""
+            events: queue.Queue[pb.WatchEvent] = queue.Queue()
+            threading.Thread(target=_drain, args=(stream, events), daemon=True).start()
+            for _ in range(10):
+                sessions.append(_session(proc.address, pki, who, engine_id))
+                try:
+                    return events.get(timeout=3.0)
+                except queue.Empty:
+                    sessions.pop().close()
+            raise AssertionError(f"the Watch of {who!r}'s tenant never showed an event")
+
         try:
-            acme = watch("operator", 30)
-            sessions.append(_session(proc.address, pki, "p0"))
-            assert next(acme).engine_id == "p0"  # acme's one watcher is open
+            acme = watch("operator", 60)
+            assert first_event(acme, "p0", "p0").engine_id == "p0"  # acme's one watcher is open
             with pytest.raises(grpc.RpcError) as caught:
                 next(watch("operator", 10))
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
             assert "--quota-tenant-slots" in caught.value.details()  # type: ignore[attr-defined]
-            globex = watch("other_operator", 30)
-            sessions.append(_session(proc.address, pki, "other_engine", "g1"))
-            assert next(globex).engine_id == "g1"
+            globex = watch("other_operator", 60)
+            assert first_event(globex, "other_engine", "g1").engine_id == "g1"
         finally:
             for session in sessions:
                 session.close()
             for channel in channels:
                 channel.close()
+
+
+def _drain(stream: Iterator[pb.WatchEvent], into: queue.Queue[pb.WatchEvent]) -> None:
+    try:
+        for event in stream:
+            into.put(event)
+    except grpc.RpcError:
+        pass  # the test closed the channel
 
 
 def _pin_ok(command: pb.PinCommand) -> pb.PinResult:

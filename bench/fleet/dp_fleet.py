@@ -236,7 +236,9 @@ def pulled(stats: list[Path]) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.fleet.dp_fleet", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.fleet.dp_fleet", description=(__doc__ or "").split("\n\n")[0]
+    )
     ap.add_argument("--quick", action="store_true", help="rates 1 and 4 sessions/s, 8 sessions each")
     ap.add_argument("--engines", type=int, default=2, help="data-parallel engines (default 2)")
     ap.add_argument("--rates", type=float, nargs="*", default=None, help="session arrival rates per second")

@@ -79,6 +79,33 @@ _NOT_HERE = ("MOVED", "ASK", "NOSCRIPT", "TRYAGAIN", "CLUSTERDOWN")
 _TRANSIENT_IN_SCRIPT = ("access a non local key", "while the cluster is down")
 
 
+def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
+    """hiredis' packing, in C (redis-py's own is Python per argument); it comes with
+    kvbroker[redis], but redis-py works without it."""
+    try:
+        from hiredis import pack_command
+    except ImportError:  # pragma: no cover
+        return None
+    return pack_command
+
+
+_pack_command = _hiredis_packer()
+
+
+def _send(conn: Any, command: tuple[Any, ...]) -> None:
+    """Send one command on `conn`, packed by hiredis when it can (names without a space; str,
+    bytes, int and float arguments), else by redis-py."""
+    if _pack_command is not None and " " not in command[0]:
+        try:
+            packed = _pack_command(command)
+        except TypeError:
+            pass
+        else:
+            conn.send_packed_command([packed])
+            return
+    conn.send_command(*command)
+
+
 def _raw(answer: Any) -> Any:
     """One shape whatever parsed it (RESP3 or the client): HGETALL's map and SMEMBERS' set as lists."""
     if isinstance(answer, dict):
@@ -279,7 +306,7 @@ class RedisState:
                 return slow()
             conn = self._node_conns[node.name] = node.redis_connection.connection_pool.make_connection()
         try:
-            conn.send_command(*command)
+            _send(conn, command)
             return conn.read_response()
         except redis.ResponseError as err:
             if str(err).startswith(_NOT_HERE) or isinstance(err, (NoScriptError, AskError, ClusterError)):
@@ -307,7 +334,7 @@ class RedisState:
                     # Only connect() asks the Sentinels for the primary (send_command would dial
                     # the default address): after a failover this finds the new primary.
                     conn.connect()
-                conn.send_command(*command)
+                _send(conn, command)
                 return conn.read_response()
             except NoScriptError:  # first use, or a store restarted empty
                 if script is None or loaded:

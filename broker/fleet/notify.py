@@ -67,7 +67,7 @@ class FleetNotifier(StreamNotifier):
         to = None if kind in _TO_ALL else self._seen.replica_of(session_id)
         channel = f"{self._channel}:{to}" if to else self._channel
         try:
-            self._state.command("PUBLISH", channel, body)
+            self._state.publish(channel, body)
         except BrokerError as err:
             log.warning("cannot tell another replica (%s to session %s...): %s", kind, session_id[:8], err)
 

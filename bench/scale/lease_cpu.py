@@ -149,7 +149,7 @@ async def main_async(args: argparse.Namespace) -> int:
             store.stop()
     base = statistics.median(memory.per_cycle_us)
     two = statistics.median(replicas.per_cycle_us)
-    ratio = two / base
+    ratio = two / base if base else float("nan")  # a run too short for one clock tick
     load = load_note()
     print(
         f"broker CPU per lease cycle (median of {args.rounds} rounds of {args.cycles:,}): in-memory "
@@ -169,7 +169,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "two_replicas_median_us": two,
         "ratio": ratio,
     }
-    log(f"wrote {write_json(args.name, result)}")
+    log(f"wrote {write_json(args.name, result, Path(args.out_dir) if args.out_dir else None)}")
     return 0
 
 
@@ -181,6 +181,7 @@ def main() -> int:
     ap.add_argument("--profile", default="", help="a folder: cProfile the replicas, print the holder's")
     ap.add_argument("--top", type=int, default=30, help="functions printed from the profile")
     ap.add_argument("--name", default="lease_cpu", help="bench/results/NAME.json")
+    ap.add_argument("--out-dir", default="", help="write NAME.json here instead of bench/results")
     return asyncio.run(main_async(ap.parse_args()))
 
 

@@ -1,2 +1,3 @@
 """Scale: one in-memory broker against replicas over one Redis and over a Redis Cluster.
-Program: replicas; child program: mirror. docs/scale.md."""
+Programs: replicas, lease_cpu (lease-cycle CPU, two replicas against in-memory); child program:
+mirror. docs/scale.md."""

@@ -79,6 +79,33 @@ _NOT_HERE = ("MOVED", "ASK", "NOSCRIPT", "TRYAGAIN", "CLUSTERDOWN")
 _TRANSIENT_IN_SCRIPT = ("access a non local key", "while the cluster is down")
 
 
+def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
+    """hiredis' packing, in C (redis-py's own is Python per argument); it comes with
+    kvbroker[redis], but redis-py works without it."""
+    try:
+        from hiredis import pack_command
+    except ImportError:  # pragma: no cover
+        return None
+    return pack_command
+
+
+_pack_command = _hiredis_packer()
+
+
+def _send(conn: Any, command: tuple[Any, ...]) -> None:
+    """Send one command on `conn`, packed by hiredis when it can (names without a space; str,
+    bytes, int and float arguments), else by redis-py."""
+    if _pack_command is not None and " " not in command[0]:
+        try:
+            packed = _pack_command(command)
+        except TypeError:
+            pass
+        else:
+            conn.send_packed_command([packed])
+            return
+    conn.send_command(*command)
+
+
 def _raw(answer: Any) -> Any:
     """One shape whatever parsed it (RESP3 or the client): HGETALL's map and SMEMBERS' set as lists."""
     if isinstance(answer, dict):
@@ -154,6 +181,7 @@ class RedisState:
         self.client: Any  # redis.Redis or redis.RedisCluster: the same commands, scripts and pipelines
         self._conn: Any = None  # on one Redis: the connection `run` and `command` use
         self._node_conns: dict[str, Any] = {}  # on a Cluster: one per primary, by node name
+        self._unread = 0  # answers of commands sent on `_conn` without waiting (see `publish`)
         # Those connections carry one command at a time: only the thread that made this state
         # (the event loop's) uses them; any other goes through the client's pool.
         self._thread = threading.get_ident()
@@ -268,6 +296,42 @@ class RedisState:
         answer = self.call(self._on_node, command[1], command, lambda: self.client.execute_command(*command))
         return _raw(answer)
 
+    def publish(self, channel: str, body: str) -> None:
+        """PUBLISH without waiting for its answer (how many listened, which nobody uses): on one
+        Redis it goes over this replica's own connection and its answer is read before the next
+        command's, so the event loop does not wait a round trip for it. Elsewhere, `command`."""
+        if self.cluster or threading.get_ident() != self._thread:
+            self.command("PUBLISH", channel, body)
+            return
+        self.call(self._send_only, ("PUBLISH", channel, body))
+
+    def _send_only(self, command: tuple[Any, ...]) -> None:
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self.client.connection_pool.make_connection()
+        if self._sentinel is not None and conn._sock is None:
+            conn.connect()  # see _command: only connect() asks the Sentinels for the primary
+        self._read_unread(conn)
+        try:
+            _send(conn, command)
+        except BaseException:
+            conn.disconnect()
+            raise
+        self._unread += 1
+
+    def _read_unread(self, conn: Any) -> None:
+        """Read (and drop) the answers of commands sent without waiting, before the next one."""
+        while self._unread:
+            self._unread -= 1
+            try:
+                conn.read_response()
+            except redis.ResponseError:
+                pass  # an answer, read whole: the connection stays good
+            except BaseException:
+                self._unread = 0  # gone with the connection
+                conn.disconnect()
+                raise
+
     def _on_node(self, key: Any, command: tuple[Any, ...], slow: Callable[[], Any]) -> Any:
         """On a Cluster: straight to the key's primary. A redirect, an unknown script, a slot not
         served now or a node away is left to the client (`slow`): it follows redirects, refreshes
@@ -279,7 +343,7 @@ class RedisState:
                 return slow()
             conn = self._node_conns[node.name] = node.redis_connection.connection_pool.make_connection()
         try:
-            conn.send_command(*command)
+            _send(conn, command)
             return conn.read_response()
         except redis.ResponseError as err:
             if str(err).startswith(_NOT_HERE) or isinstance(err, (NoScriptError, AskError, ClusterError)):
@@ -307,7 +371,8 @@ class RedisState:
                     # Only connect() asks the Sentinels for the primary (send_command would dial
                     # the default address): after a failover this finds the new primary.
                     conn.connect()
-                conn.send_command(*command)
+                self._read_unread(conn)
+                _send(conn, command)
                 return conn.read_response()
             except NoScriptError:  # first use, or a store restarted empty
                 if script is None or loaded:

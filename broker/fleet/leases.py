@@ -205,6 +205,7 @@ return out
 )
 
 _Q = struct.Struct(">Q")
+_STATES = {str(int(s)).encode(): s for s in LeaseState}  # a lease hash's `st` field
 _I = struct.Struct(">I")
 
 
@@ -244,33 +245,33 @@ class RedisLeaseTable:
     # -- from Redis to Lease objects -------------------------------------------
 
     def _lease(self, flat: Sequence[bytes]) -> Lease:
-        f = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
-        lid = f["id"].decode()
-        state = LeaseState(int(f["st"]))
+        f = dict(zip(flat[::2], flat[1::2], strict=True))  # names stay bytes: no decode per field
+        lid = f[b"id"].decode()
+        state = _STATES[f[b"st"]]
         lease = self._cache.get(lid)
         if lease is None:
             lease = Lease(
                 lease_id=lid,
-                holder=f["h"].decode(),
+                holder=f[b"h"].decode(),
                 reader="",
-                namespace=Namespace(f["lay"].decode(), f["ten"].decode()),
-                tier=Tier(int(f["tier"])),
-                block_hashes=_unpack(f["bh"], HASH_CODE),
+                namespace=Namespace(f[b"lay"].decode(), f[b"ten"].decode()),
+                tier=Tier(int(f[b"tier"])),
+                block_hashes=_unpack(f[b"bh"], HASH_CODE),
                 block_ids=array(BLOCK_ID_CODE),
                 state=state,
                 ttl_s=0.0,
                 deadline=0.0,
-                request_id=f["q"].decode(),
+                request_id=f[b"q"].decode(),
             )
             self._cache[lid] = lease
-        lease.reader = f["r"].decode()
-        lease.block_ids = _unpack(f["bi"], BLOCK_ID_CODE)
+        lease.reader = f[b"r"].decode()
+        lease.block_ids = _unpack(f[b"bi"], BLOCK_ID_CODE)
         lease.state = state
-        lease.ttl_s = float(f["ttl"])
-        lease.deadline = float(f["dl"])
-        lease.epoch = int(f["ep"])
-        lease.cause = RevokeCause(int(f.get("c", b"0")))
-        lease.detail = f.get("d", b"").decode()
+        lease.ttl_s = float(f[b"ttl"])
+        lease.deadline = float(f[b"dl"])
+        lease.epoch = int(f[b"ep"])
+        lease.cause = RevokeCause(int(f.get(b"c", b"0")))
+        lease.detail = f.get(b"d", b"").decode()
         return lease
 
     def _run(self, op: str, lease_id: str, *args: Any) -> list[Any]:

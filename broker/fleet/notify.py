@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -66,7 +67,7 @@ class FleetNotifier(StreamNotifier):
         to = None if kind in _TO_ALL else self._seen.replica_of(session_id)
         channel = f"{self._channel}:{to}" if to else self._channel
         try:
-            self._state.command("PUBLISH", channel, body)
+            self._state.publish(channel, body)
         except BrokerError as err:
             log.warning("cannot tell another replica (%s to session %s...): %s", kind, session_id[:8], err)
 
@@ -223,9 +224,16 @@ class FleetNotifier(StreamNotifier):
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self._channel, self._mine)
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        self.deliver(json.loads(message["data"]))
+                conn = pubsub.connection
+                assert conn is not None  # subscribe() made it
+                while True:
+                    # Straight from the connection: redis-py's layers per message (retry, parse,
+                    # a dict per message) cost more CPU than delivering it. Subscribe
+                    # confirmations are the only other answers on it. No timeout: it waits for
+                    # the next message (its socket's timeout would end an idle subscription).
+                    answer = await conn.read_response(timeout=math.inf, push_request=True)
+                    if isinstance(answer, list) and len(answer) == 3 and answer[0] == b"message":
+                        self.deliver(json.loads(answer[2]))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
                 log.warning("fleet channel lost (%s); resubscribing", err)
                 await asyncio.sleep(0.5)

@@ -1,0 +1,60 @@
+"""PUBLISH without waiting for its answer (`RedisState.publish`): the notice arrives, and the
+answers the replica does wait for are never mixed up with the ones it did not read yet."""
+
+from __future__ import annotations
+
+import secrets
+
+import redis
+
+from testkit.redis_server import RedisServer
+from tests.broker.helpers import redis_state
+
+
+def test_published_notices_arrive_and_later_answers_stay_in_order(redis_server: RedisServer) -> None:
+    state = redis_state(redis_server)
+    listener = redis.Redis.from_url(redis_server.url).pubsub(ignore_subscribe_messages=True)
+    channel = f"ch-{secrets.token_hex(3)}"
+    key = f"k-{secrets.token_hex(3)}"
+    try:
+        listener.subscribe(channel)
+        listener.get_message(timeout=1.0)  # the subscription confirmed
+        for i in range(3):
+            state.publish(channel, f"notice {i}")
+        # Three answers (the listener counts, 1 each) are still unread: this one is SET's.
+        assert state.command("SET", key, "v") == b"OK"
+        assert state.command("GET", key) == b"v"
+        got = []
+        while len(got) < 3:
+            message = listener.get_message(timeout=2.0)
+            assert message is not None, got
+            got.append(message["data"])
+        assert got == [b"notice 0", b"notice 1", b"notice 2"]
+        script = state.script("return redis.call('GET', KEYS[1])")
+        state.publish(channel, "one more")
+        assert state.run(script, [key], []) == b"v"
+    finally:
+        listener.close()
+        state.close()
+
+
+def test_a_publish_whose_connection_broke_is_unavailable_then_the_next_call_reconnects(
+    redis_server: RedisServer,
+) -> None:
+    state = redis_state(redis_server)
+    try:
+        state.publish("ch", "first")  # opens the replica's own connection
+        assert state.command("PING") in (b"PONG", True)
+        admin = redis.Redis.from_url(redis_server.url)
+        mine = [c["id"] for c in admin.client_list() if c.get("cmd") in ("ping", "publish")]
+        assert mine
+        state.publish("ch", "second")  # its answer unread when the connection is cut
+        for client_id in mine:
+            admin.client_kill_filter(_id=client_id)
+        admin.close()
+        # The unread answer is gone with the connection: the call reconnects once and answers.
+        assert state.command("PING") in (b"PONG", True)
+        state.publish("ch", "third")
+        assert state.command("PING") in (b"PONG", True)
+    finally:
+        state.close()

@@ -1,7 +1,7 @@
 """Fleet benchmark: concurrent multi-turn agent sessions on N engines, one router per setup, several request rates.
 
     python -m bench.fleet.fleet                  # tiny model, 2 engines, every setup, rates 1,2,4,8 req/s
-    python -m bench.fleet.fleet --quick          # tiny model, fewer sessions, rates 2,6 (a few minutes)
+    python -m bench.fleet.fleet --quick          # tiny model, 12 sessions, rates 3,12 (a few minutes)
     python -m bench.fleet.fleet --model real --setups rr,prefix --rates 1,3    # SmolLM2-135M
     python -m bench.fleet.fleet --engines 4 --setups rr,prefix,ours-pd         # how routing scales
 
@@ -36,7 +36,7 @@ from bench.harness.plot import matplotlib_missing
 # The SLOs each model is judged by (TTFT ms, time per output token ms): the tiny model
 # answers in milliseconds, SmolLM2-135M on one CPU core in tens of them.
 SLO_DEFAULTS = {"tiny": (500.0, 50.0), "real": (2000.0, 150.0)}
-QUICK = {"sessions": 12, "rates": "2,6", "hot_turns": 4, "think_s": 0.5}
+QUICK = {"sessions": 12, "rates": "3,12", "hot_turns": 4, "think_s": 0.5}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -107,10 +107,11 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         "failed",
         "leases left",
     ]
-    rows = []
+    rows, notes = [], []
     for name, entry in results.items():
         if "unavailable" in entry:
-            rows.append([name, "-", "unavailable: " + entry["unavailable"], *[""] * 7])
+            rows.append([name, "-", "unavailable", *["-"] * 7])
+            notes.append(f"{name} unavailable: {entry['unavailable']}")
             continue
         for r in entry["runs"]:
             t = r["ttft_ms"]
@@ -128,7 +129,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                     "-" if r.get("leases_left") is None else str(r["leases_left"]),
                 ]
             )
-    return format_table(headers, rows)
+    return "\n".join([format_table(headers, rows), *notes])
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path, title: str, footnote: str) -> Path | None:

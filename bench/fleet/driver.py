@@ -149,6 +149,29 @@ async def _run(url: str, plan: Plan, model: str, salt: str, timeout_s: float) ->
     return record
 
 
+def warm_up(url: str, *, model: str, requests: int, prompt_tokens: int = 64) -> None:
+    """`requests` short requests one after another (a round robin reaches every engine), so that
+    no run's first turns pay for the engines' first steps; raises when one fails."""
+    import urllib.request
+
+    for i in range(requests):
+        body = {
+            "model": model,
+            "prompt": [10 + (i * 31 + k) % 300 for k in range(prompt_tokens)],
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "cache_salt": f"warm-up-{i}",
+        }
+        req = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", SESSION_HEADER: f"warm-up-{i}"},
+        )
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            resp.read()
+
+
 def drive(url: str, plan: Plan, *, model: str, salt: str, timeout_s: float = 300.0) -> RunRecord:
     """Run every session of `plan` against `url` (an OpenAI server or router); `salt` (vLLM's
     cache_salt) keeps this run's prefixes apart from every earlier run's on the same engines."""

@@ -1,7 +1,7 @@
 """Fleet benchmark: concurrent multi-turn agent sessions on N engines, one router per setup, several request rates.
 
     python -m bench.fleet.fleet                  # tiny model, 2 engines, every setup, rates 1,2,4,8 req/s
-    python -m bench.fleet.fleet --quick          # tiny model, 12 sessions, rates 3,12 (a few minutes)
+    python -m bench.fleet.fleet --quick          # tiny model, 24 sessions, rates 4,16 (a few minutes)
     python -m bench.fleet.fleet --model real --setups rr,prefix --rates 1,3    # SmolLM2-135M
     python -m bench.fleet.fleet --engines 4 --setups rr,prefix,ours-pd         # how routing scales
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.fleet import report
-from bench.fleet.driver import drive
+from bench.fleet.driver import drive, warm_up
 from bench.fleet.setups import HOLD_TTL_MS, SETUPS, Context, Running, Unavailable, start
 from bench.fleet.workload import Plan, WorkloadSpec, generate
 from bench.harness.engines import add_run_arguments
@@ -36,7 +36,7 @@ from bench.harness.plot import matplotlib_missing
 # The SLOs each model is judged by (TTFT ms, time per output token ms): the tiny model
 # answers in milliseconds, SmolLM2-135M on one CPU core in tens of them.
 SLO_DEFAULTS = {"tiny": (500.0, 50.0), "real": (2000.0, 150.0)}
-QUICK = {"sessions": 12, "rates": "3,12", "hot_turns": 4, "think_s": 0.5}
+QUICK = {"sessions": 24, "rates": "4,16", "hot_turns": 4, "think_s": 0.5}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -125,6 +125,7 @@ def differing_sessions(
 def run_setup(
     running: Running, plans: list[Plan], args: argparse.Namespace, ctx: Context, refs: dict[float, Any]
 ) -> list[dict[str, Any]]:
+    warm_up(running.url, model=ctx.model_name, requests=2 * len(running.engines))
     runs = []
     slo_ttft, slo_tpot = args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000
     for plan in plans:

@@ -133,12 +133,12 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path, title: str, footnote: str) -> Path | None:
-    goodput: dict[str, list[tuple[float, float]]] = {}
-    ttft: dict[str, list[tuple[float, float]]] = {}
+    goodput: dict[str, Sequence[tuple[float, float]]] = {}
+    ttft: dict[str, Sequence[tuple[float, float]]] = {}
     for name, entry in results.items():
         for r in entry.get("runs", []):
-            goodput.setdefault(name, []).append((r["rate_offered_rps"], r["goodput_rps"]))
-            ttft.setdefault(name, []).append((r["rate_offered_rps"], r["ttft_ms"]["p90"]))
+            goodput[name] = [*goodput.get(name, []), (r["rate_offered_rps"], r["goodput_rps"])]
+            ttft[name] = [*ttft.get(name, []), (r["rate_offered_rps"], r["ttft_ms"]["p90"])]
     if not goodput:
         return None
     return line_panels(

@@ -268,7 +268,7 @@ def _ours(ctx: Context, name: str, roles: list[tuple[str, str, dict[str, Any]]])
 
 def start_ours_pd(ctx: Context) -> Running:
     half = max(1, ctx.engines // 2)
-    roles = [(f"P{i}", "prefill", {}) for i in range(half)]
+    roles: list[tuple[str, str, dict[str, Any]]] = [(f"P{i}", "prefill", {}) for i in range(half)]
     roles += [(f"D{i}", "decode", {"multi_turn": True, "hold_ttl_ms": HOLD_TTL_MS}) for i in range(half)]
     running = _ours(ctx, "ours-pd", roles)
     try:

@@ -35,7 +35,7 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-from bench.chats.nixl_proxy import decode_request, prefill_request
+from bench.harness.baselines import decode_request, prefill_request
 
 POLICIES = ("rr", "prefix", "nixl-pd")
 

@@ -122,6 +122,18 @@ def differing_sessions(
     return sorted(out)
 
 
+def router_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The router's counts of one run (its /stats counts since it started)."""
+    out = dict(after)
+    if "routed" in after:
+        routed = before.get("routed", {})
+        out["routed"] = {k: v - routed.get(k, 0) for k, v in after["routed"].items()}
+    for key in ("scored_hits", "score_errors"):
+        if key in after:
+            out[key] = after[key] - before.get(key, 0)
+    return out
+
+
 def run_setup(
     running: Running, plans: list[Plan], args: argparse.Namespace, ctx: Context, refs: dict[float, Any]
 ) -> list[dict[str, Any]]:
@@ -132,6 +144,7 @@ def run_setup(
         salt = f"{running.name}-{plan.rate:g}-{time.time_ns()}"
         sources = running.prompt_sources()
         connector = running.connector_stats()
+        router_before = running.router_stats()
         log(
             f"{running.name} at {plan.rate:g} req/s: {len(plan.sessions)} sessions, {plan.requests} requests ..."
         )
@@ -149,7 +162,7 @@ def run_setup(
         ref = refs.setdefault(plan.rate, (running.name, record.outputs))
         summary["outputs_differ_from"] = ref[0]
         summary["sessions_differing"] = differing_sessions(record.outputs, ref[1])
-        summary["router"] = running.router_stats()
+        summary["router"] = router_delta(router_before, running.router_stats())
         log(
             f"  goodput {summary['goodput_rps']}/s, TTFT p90 {summary['ttft_ms']['p90']} ms, "
             f"reuse {summary['prefix_reuse']:.0%} (ideal {summary['ideal_reuse']:.0%}), failed {summary['failed']}"
@@ -231,7 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {path}")
     if not args.no_plot:
         missing = matplotlib_missing()
-        png = None if missing else report.plot(results, out_dir / f"{name}.png", "bench.fleet", load_note())
+        png = (
+            None
+            if missing
+            else report.plot(
+                results,
+                out_dir / f"{name}.png",
+                f"bench.fleet: {args.engines} engines, {args.model} model, {spec.sessions} sessions",
+                f"SLO: TTFT <= {args.slo_ttft_ms:g} ms, time per output token <= {args.slo_tpot_ms:g} ms; "
+                f"load average {load_note()}",
+            )
+        )
         log(f"plot: {png or missing}")
     failed = sum(r["failed"] + r["not_sent"] for e in results.values() for r in e.get("runs", []))
     leases = sum(e.get("leases_left") or 0 for e in results.values())

@@ -119,3 +119,51 @@ def test_pct_is_nearest_rank() -> None:
     assert pct([], 0.5) != pct([], 0.5)  # NaN
     assert pct([3.0, 1.0, 2.0], 0.5) == 2.0
     assert pct(list(range(1, 101)), 0.9) == 90 and pct(list(range(1, 101)), 0.99) == 99
+
+
+def test_router_counts_are_per_run() -> None:
+    from bench.fleet.fleet import router_delta
+
+    before = {"policy": "prefix", "routed": {"a": 3, "b": 1}, "scored_hits": 2, "score_errors": 0}
+    after = {"policy": "prefix", "routed": {"a": 5, "b": 4, "c": 1}, "scored_hits": 6, "score_errors": 1}
+    assert router_delta(before, after) == {
+        "policy": "prefix",
+        "routed": {"a": 2, "b": 3, "c": 1},
+        "scored_hits": 4,
+        "score_errors": 1,
+    }
+    assert router_delta({}, {}) == {}
+
+
+class _FakeScores:
+    """Score answers by engine id (what the broker would say), and the layout every engine has."""
+
+    def __init__(self, held: dict[str, int]) -> None:
+        self.held = held
+
+    async def list_engines(self) -> object:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(engines=[SimpleNamespace(engine_id=e, layout_id="L") for e in self.held])
+
+    async def score(self, **_: object) -> object:
+        from types import SimpleNamespace
+
+        scores = [SimpleNamespace(engine_id=e, gpu_blocks=n, cpu_blocks=0) for e, n in self.held.items()]
+        return SimpleNamespace(scores=scores)
+
+
+def test_prefix_router_sends_to_the_holder_and_breaks_ties_by_load() -> None:
+    import asyncio
+
+    from bench.fleet.router import Picker
+
+    picker = Picker({"a": "http://a", "b": "http://b"}, "prefix", "broker:1")
+    picker.client = _FakeScores({"a": 0, "b": 3})
+    body = {"prompt": [11, 12, 13], "cache_salt": "s"}
+    picker.in_flight["b"] = 5  # the holder is busy: the prefix policy still sends it there
+    assert asyncio.run(picker.pick(body)) == "b" and picker.scored_hits == 1
+    picker.client = _FakeScores({"a": 0, "b": 0})  # nobody holds it: the less busy engine
+    assert asyncio.run(picker.pick(body)) == "a"
+    rr = Picker({"a": "http://a", "b": "http://b"}, "rr")
+    assert [asyncio.run(rr.pick(body)) for _ in range(4)] == ["a", "b", "a", "b"]

@@ -128,9 +128,11 @@ def router_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     if "routed" in after:
         routed = before.get("routed", {})
         out["routed"] = {k: v - routed.get(k, 0) for k, v in after["routed"].items()}
-    for key in ("scored_hits", "score_errors"):
+    for key in ("scored_hits", "score_errors", "score_calls", "score_ms_total"):
         if key in after:
-            out[key] = after[key] - before.get(key, 0)
+            out[key] = round(after[key] - before.get(key, 0), 1)
+    if out.get("score_calls"):
+        out["score_ms_mean"] = round(out["score_ms_total"] / out["score_calls"], 2)
     return out
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import time
 from collections import Counter
 from typing import Any
 
@@ -52,6 +53,8 @@ class Picker:
         self.routed: Counter[str] = Counter()
         self.scored_hits = 0
         self.score_errors = 0
+        self.score_calls = 0
+        self.score_s = 0.0  # time spent waiting for Score answers, all calls
         self.client: Any = None
         self.layout_id = ""
 
@@ -78,7 +81,10 @@ class Picker:
                 layout = await self._layout()
                 if layout:
                     ns = pb.Namespace(layout_id=layout, tenant=str(body.get("cache_salt") or ""))
+                    asked = time.perf_counter()
                     answer = await self.client.score(namespace=ns, token_ids=body["prompt"], timeout=2.0)
+                    self.score_calls += 1
+                    self.score_s += time.perf_counter() - asked
                     held = {s.engine_id: s.gpu_blocks + s.cpu_blocks for s in answer.scores}
                     best = max(held.values(), default=0)
                     if best > 0:
@@ -151,6 +157,8 @@ def build_app(picker: Picker, prefill: str = "", decode: str = "") -> web.Applic
                 "routed": dict(picker.routed),
                 "scored_hits": picker.scored_hits,
                 "score_errors": picker.score_errors,
+                "score_calls": picker.score_calls,
+                "score_ms_total": round(picker.score_s * 1000, 1),
             }
         )
 

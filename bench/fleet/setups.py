@@ -19,7 +19,8 @@ the setup raises `Unavailable` with that reason, and the benchmark reports it so
 Every engine: the run's model, block size 32, `--enable-prompt-tokens-details` (usage
 reports cached tokens), vLLM's stats on (its /metrics counts prompt tokens by source:
 computed, local cache hit, external KV transfer). Engines are pinned apart
-(`pin_apart`): with N engines on C cores, engine i gets the same C/N cores in every setup.
+(`pin_apart`): with N engines on C >= N cores, engine i gets the same C/N cores in every
+setup; with fewer cores than engines none is pinned.
 The stock engines of `rr` and `prefix` are started once and shared by both (`Fleet`);
 each run uses a fresh cache_salt, so no run reuses another's cache.
 """

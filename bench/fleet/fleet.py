@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     payload = {
         "mode": "quick" if args.quick else "full",
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        # Where it worked is this machine's business: no paths in the record.
+        "config": {k: v for k, v in vars(args).items() if k not in ("workdir", "out_dir")},
         "workload": vars(spec) | {"requests": base.requests, "ideal_reuse": round(base.ideal_reuse(), 4)},
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
         "rates": rates,

@@ -7,14 +7,17 @@
               (decode `multi_turn`), our proxy (clients/proxy, every turn prefilled on P)
     nixl-pd   vLLM's NixlConnector P/D (bench/harness/baselines.py), P + D (N = 2 only),
               behind bench.fleet.router's nixl-pd policy
-    ours-dp   our proxy in data-parallel mode over N engines in kv_both with our connector,
-              each pulling a prefix from whichever engine holds it
+    ours-dp   our proxy in data-parallel mode (--no-disaggregate --placement load) over N
+              engines in kv_both with our connector, each pulling a prefix from whichever
+              engine holds it
 
-`ours-dp` is written against the interface the proxy's data-parallel mode is expected to
-have (issue 26 item 3, another branch): a `topology` field on
-`kvbroker.clients.proxy.config.ProxyConfig` (flag `--topology`) that accepts `dp`, with
-the engines given as `--engine ID=URL` (role both). While the proxy has no such field
-the setup raises `Unavailable` with that reason, and the benchmark reports it so.
+`ours-dp` is written against the proxy's data-parallel mode as merged on main from the
+fleet26 branch (docs/serving.md, "data-parallel fleets"; not yet in this branch's proxy):
+engines with our connector, role `both` (kv_both), given as `--engine ID=URL`, and the proxy
+with `--no-disaggregate --placement load` (its `placement` setting; engines pull prefixes
+from each other, `dp_pull` on by default), as tools/demo_stack.py's `dp:N` topology starts
+them. While `ProxyConfig` has no `placement` field the setup raises `Unavailable` with that
+reason, and the benchmark reports it so.
 
 Every engine: the run's model, block size 32, `--enable-prompt-tokens-details` (usage
 reports cached tokens), vLLM's stats on (its /metrics counts prompt tokens by source:
@@ -329,10 +332,10 @@ def proxy_dp_missing() -> str | None:
     except ImportError as e:
         return f"the proxy does not import ({e})"
     names = {f.name for f in dataclasses.fields(ProxyConfig)}
-    if "topology" not in names:
+    if not {"placement", "dp_pull"} <= names:
         return (
-            "our proxy has no data-parallel mode yet (ProxyConfig has no `topology` field, flag "
-            "`--topology dp`; issue 26 item 3)"
+            "our proxy has no data-parallel placement yet (ProxyConfig has no `placement` / `dp_pull` "
+            "fields, flags `--placement load`, `--dp-pull`; issue 26 items 2-3, branch fleet26)"
         )
     return None
 
@@ -341,14 +344,14 @@ def start_ours_dp(ctx: Context) -> Running:
     reason = proxy_dp_missing()
     if reason:
         raise Unavailable(reason)
-    roles = [(f"E{i}", "both", {"multi_turn": True, "hold_ttl_ms": HOLD_TTL_MS}) for i in range(ctx.engines)]
+    roles: list[tuple[str, str, dict[str, Any]]] = [(f"E{i}", "both", {}) for i in range(ctx.engines)]
     running = _ours(ctx, "ours-dp", roles)
     try:
         proxy = ProxyProcess(
             ctx.work / "proxy-ours-dp.log",
             engines={e.name: e.url for e in running.engines},
             broker=running.broker.address if running.broker else "",
-            extra_args=["--topology", "dp"],
+            extra_args=["--no-disaggregate", "--placement", "load"],
         )
         running.children.append(proxy.start(timeout=60))
         running.url = proxy.url

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.fleet.workload import Plan, Session
+from bench.fleet.agent_sessions import Plan, Session
 
 SESSION_HEADER = "X-Conversation-Id"  # bench.chats.nixl_proxy and bench.fleet.router key turns by it
 

@@ -7,7 +7,7 @@
 
 For each setup (bench/fleet/setups.py: rr, prefix, ours-pd, nixl-pd, ours-dp) it starts
 the engines (pinned apart: the same cores per engine in every setup) and the router,
-then runs the same sessions (bench/fleet/workload.py) at each rate, every run under a
+then runs the same sessions (bench/fleet/agent_sessions.py) at each rate, every run under a
 fresh cache_salt, and reports per setup and rate: goodput at the SLO, TTFT p50/p90/p99,
 throughput, prefix reuse against the workload's ideal, tokens recomputed, tokens and
 bytes pulled, failed requests; and per setup the leases left once the holds' TTL passed.
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.fleet import report
+from bench.fleet.agent_sessions import Plan, WorkloadSpec, generate
 from bench.fleet.driver import drive, warm_up
 from bench.fleet.setups import HOLD_TTL_MS, SETUPS, Context, Running, Unavailable, start
-from bench.fleet.workload import Plan, WorkloadSpec, generate
 from bench.harness.engines import add_run_arguments
 from bench.harness.output import RESULTS_DIR, load_note, log, write_json
 from bench.harness.plot import matplotlib_missing

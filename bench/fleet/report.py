@@ -10,7 +10,7 @@ Definitions (printed with the table and in docs/bench.md):
   the setup, so in P/D both P's prefill and D's last token);
 - prefix reuse: 1 - recomputed / prompt tokens sent: the share of prompt tokens no engine
   computed for this request (served from a local prefix cache or pulled), against the
-  ideal for the workload (bench.fleet.workload: a perfect fleet-wide cache);
+  ideal for the workload (bench.fleet.agent_sessions: a perfect fleet-wide cache);
 - cached tokens (client): the sum of `usage.prompt_tokens_details.cached_tokens` the
   client saw (in P/D that is D's, where the handed-over prompt counts as cached);
 - pulled tokens: `vllm:prompt_tokens_by_source{source="external_kv_transfer"}` summed over
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.fleet.agent_sessions import Plan
 from bench.fleet.driver import RunRecord
-from bench.fleet.workload import Plan
 from bench.harness.output import format_table
 from bench.harness.plot import line_panels
 

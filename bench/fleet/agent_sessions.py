@@ -24,7 +24,7 @@ the same sessions with the same messages.
 `ideal_cached_tokens` is what a perfect fleet-wide prefix cache could serve of each
 request (block-aligned, as vLLM caches whole blocks, and never the prompt's last token):
 the previous turn's prompt and answer for a later turn, the system prompt for a first
-turn of a class already seen. Pure and deterministic: tests/bench/fleet/test_workload.py.
+turn of a class already seen. Pure and deterministic: tests/bench/test_fleet_agent_sessions.py.
 """
 
 from __future__ import annotations

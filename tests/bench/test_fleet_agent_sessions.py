@@ -1,4 +1,4 @@
-"""bench.fleet's workload generator and figures, without engines: seeded, skewed, bursty, growing."""
+"""bench.fleet.fleet's agent sessions (bench/fleet/agent_sessions.py) and figures, without engines: seeded, skewed, bursty, growing."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
+from bench.fleet.agent_sessions import TOKEN_BASE, WorkloadSpec, burst_arrivals, generate
 from bench.fleet.driver import RunRecord, Turn
 from bench.fleet.report import pct, summarize
-from bench.fleet.workload import TOKEN_BASE, WorkloadSpec, burst_arrivals, generate
 
 SPEC = WorkloadSpec(sessions=400, classes=4, class_skew=1.2, think_s=1.0, seed=7)
 

@@ -36,9 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.chats.workload import CONVERSATION_HEADER
+from bench.harness.baselines import decode_request, prefill_request
 
-# Request keys that make no sense for the one-token prefill call.
-PREFILL_DROP_KEYS = ("stream", "stream_options", "min_tokens", "logprobs", "top_logprobs", "n")
 REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
 
 
@@ -88,24 +87,6 @@ class ConversationBook:
         self._params.move_to_end(conversation)
         while len(self._params) > self.max_conversations:
             self._params.popitem(last=False)
-
-
-def prefill_request(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in body.items() if k not in PREFILL_DROP_KEYS}
-    out["max_tokens"] = 1
-    out.pop("max_completion_tokens", None)
-    out["stream"] = False
-    out["kv_transfer_params"] = dict(params)
-    return out
-
-
-def decode_request(body: Mapping[str, Any], params: Mapping[str, Any], stream: bool) -> dict[str, Any]:
-    out = dict(body)
-    out["kv_transfer_params"] = dict(params)
-    out["stream"] = stream
-    if not stream:
-        out.pop("stream_options", None)
-    return out
 
 
 def as_stream_chunks(answer: Mapping[str, Any]) -> list[bytes]:

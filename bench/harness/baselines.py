@@ -17,6 +17,7 @@ the name means one setup in every result table:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +69,26 @@ def nixl_engine(model: Path, work: Path, name: str, **engine_args: Any) -> Engin
         log_path=work / f"{name}.log",
         **engine_args,
     )
+
+
+# How a router drives the baseline's P/D (bench.chats.nixl_proxy for chats, bench.fleet.router
+# for completions). Request keys that make no sense for the one-token prefill call:
+PREFILL_DROP_KEYS = ("stream", "stream_options", "min_tokens", "logprobs", "top_logprobs", "n")
+
+
+def prefill_request(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in body.items() if k not in PREFILL_DROP_KEYS}
+    out["max_tokens"] = 1
+    out.pop("max_completion_tokens", None)
+    out["stream"] = False
+    out["kv_transfer_params"] = dict(params)
+    return out
+
+
+def decode_request(body: Mapping[str, Any], params: Mapping[str, Any], stream: bool) -> dict[str, Any]:
+    out = dict(body)
+    out["kv_transfer_params"] = dict(params)
+    out["stream"] = stream
+    if not stream:
+        out.pop("stream_options", None)
+    return out

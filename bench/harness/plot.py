@@ -79,3 +79,40 @@ def bar_panels(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def line_panels(
+    path: Path,
+    title: str,
+    panels: Sequence[tuple[str, str, str, dict[str, Sequence[tuple[float, float]]]]],
+    footnote: str = "",
+) -> Path | None:
+    """One line chart per (panel title, x label, y label, {series: [(x, y), ...]}), side by side.
+
+    Returns the path written, or None when matplotlib is missing."""
+    if matplotlib_missing():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.0 * len(panels), 4.2), squeeze=False)
+    for ax, (ptitle, xlabel, ylabel, series) in zip(axes[0], panels, strict=True):
+        for label, points in series.items():
+            pts = sorted(p for p in points if p[1] == p[1])  # NaN: no figure at that x
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_title(ptitle, fontsize=10)
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    if footnote:
+        fig.text(0.01, 0.01, footnote, fontsize=7, alpha=0.8)
+    fig.tight_layout(rect=(0, 0.05 if footnote else 0, 1, 0.94))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,152 @@
+"""The fleet benchmark's figures: one run (a setup at a rate) summarized, the table, the plot.
+
+Definitions (printed with the table and in docs/bench.md):
+
+- goodput: completed requests whose TTFT <= the TTFT SLO and whose time per output
+  token after the first <= the TPOT SLO, per second of the run's wall time;
+- throughput: completed requests (and output tokens) per second of wall time;
+- recomputed tokens: prompt tokens the engines computed (vLLM's
+  `vllm:prompt_tokens_by_source{source="local_compute"}`, summed over every engine of
+  the setup, so in P/D both P's prefill and D's last token);
+- prefix reuse: 1 - recomputed / prompt tokens sent: the share of prompt tokens no engine
+  computed for this request (served from a local prefix cache or pulled), against the
+  ideal for the workload (bench.fleet.agent_sessions: a perfect fleet-wide cache);
+- cached tokens (client): the sum of `usage.prompt_tokens_details.cached_tokens` the
+  client saw (in P/D that is D's, where the handed-over prompt counts as cached);
+- pulled tokens: `vllm:prompt_tokens_by_source{source="external_kv_transfer"}` summed over
+  the engines (every connector, ours and NixlConnector); pulled blocks and bytes: our
+  connector's own counters (its stats file); for NixlConnector the bytes are estimated
+  from the tokens and the model's KV bytes per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.fleet.agent_sessions import Plan
+from bench.fleet.driver import RunRecord
+from bench.harness.output import format_table
+from bench.harness.plot import line_panels
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-quantile (nearest rank) of `values`; NaN when there are none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return int(after.get(key, 0)) - int(before.get(key, 0))
+
+
+def summarize(
+    record: RunRecord,
+    plan: Plan,
+    *,
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+    sources: tuple[dict[str, int], dict[str, int]],
+    connector: tuple[dict[str, int], dict[str, int]],
+    kv_bytes_per_token: int,
+) -> dict[str, Any]:
+    ok = [t for t in record.turns if not t.error]
+    good = [t for t in ok if t.ttft_s <= slo_ttft_s and t.tpot_s <= slo_tpot_s]
+    wall = max(record.wall_s, 1e-9)
+    prompt = sum(t.prompt_tokens for t in record.turns)
+    ideal_map = plan.ideal_cached_tokens()
+    ideal = sum(ideal_map[(t.sid, t.turn)] for t in record.turns)
+    before, after = sources
+    recomputed = _delta(after, before, "local_compute")
+    pulled = _delta(after, before, "external_kv_transfer")
+    pulled_bytes = _delta(connector[1], connector[0], "pulled_bytes")
+    reuse = max(0.0, 1.0 - recomputed / prompt) if prompt else float("nan")
+    ideal_share = ideal / prompt if prompt else float("nan")
+    ttfts = [t.ttft_s * 1000 for t in ok]
+    return {
+        "rate_offered_rps": plan.rate,
+        "requests_sent": len(record.turns),
+        "completed": len(ok),
+        "failed": len(record.turns) - len(ok),
+        "not_sent": record.not_sent,
+        "errors": sorted({t.error for t in record.turns if t.error})[:5],
+        "wall_s": round(record.wall_s, 2),
+        "goodput_rps": round(len(good) / wall, 3),
+        "throughput_rps": round(len(ok) / wall, 3),
+        "output_tokens_per_s": round(sum(t.output_tokens for t in ok) / wall, 1),
+        "ttft_ms": {q: round(pct(ttfts, v), 1) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
+        "tpot_ms_p50": round(pct([t.tpot_s * 1000 for t in ok], 0.5), 2),
+        "prompt_tokens": prompt,
+        "recomputed_tokens": recomputed,
+        "local_cache_hit_tokens": _delta(after, before, "local_cache_hit"),
+        "client_cached_tokens": sum(t.cached_tokens for t in ok),
+        "prefix_reuse": round(reuse, 4),
+        "ideal_reuse": round(ideal_share, 4),
+        "reuse_of_ideal": round(reuse / ideal_share, 3) if ideal_share else float("nan"),
+        "pulled_tokens": pulled,
+        "pulled_blocks": _delta(connector[1], connector[0], "pulled_blocks"),
+        "pulled_bytes": pulled_bytes if pulled_bytes else pulled * kv_bytes_per_token,
+        "pulled_bytes_estimated": not pulled_bytes and pulled > 0,
+    }
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    headers = [
+        "setup",
+        "rate/s",
+        "goodput/s",
+        "req/s",
+        "TTFT p50/p90/p99 ms",
+        "reuse (ideal)",
+        "recomputed",
+        "pulled tok (bytes)",
+        "failed",
+        "leases left",
+    ]
+    rows, notes = [], []
+    for name, entry in results.items():
+        if "unavailable" in entry:
+            rows.append([name, "-", "unavailable", *["-"] * 7])
+            notes.append(f"{name} unavailable: {entry['unavailable']}")
+            continue
+        for r in entry["runs"]:
+            t = r["ttft_ms"]
+            rows.append(
+                [
+                    name,
+                    f"{r['rate_offered_rps']:g}",
+                    f"{r['goodput_rps']:.2f}",
+                    f"{r['throughput_rps']:.2f}",
+                    f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f}",
+                    f"{r['prefix_reuse']:.0%} ({r['ideal_reuse']:.0%})",
+                    str(r["recomputed_tokens"]),
+                    f"{r['pulled_tokens']} ({r['pulled_bytes'] / 2**20:.1f} MiB)",
+                    f"{r['failed']}+{r['not_sent']} not sent",
+                    "-" if r.get("leases_left") is None else str(r["leases_left"]),
+                ]
+            )
+    return "\n".join([format_table(headers, rows), *notes])
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str, footnote: str) -> Path | None:
+    goodput: dict[str, Sequence[tuple[float, float]]] = {}
+    ttft: dict[str, Sequence[tuple[float, float]]] = {}
+    for name, entry in results.items():
+        for r in entry.get("runs", []):
+            goodput[name] = [*goodput.get(name, []), (r["rate_offered_rps"], r["goodput_rps"])]
+            ttft[name] = [*ttft.get(name, []), (r["rate_offered_rps"], r["ttft_ms"]["p90"])]
+    if not goodput:
+        return None
+    return line_panels(
+        path,
+        title,
+        [
+            ("goodput at the SLO", "offered requests/s", "requests/s meeting the SLO", goodput),
+            ("p90 TTFT", "offered requests/s", "ms", ttft),
+        ],
+        footnote,
+    )

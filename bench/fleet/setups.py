@@ -1,0 +1,383 @@
+"""The fleet benchmark's setups: each starts its engines and router and gives one URL for OpenAI requests.
+
+    rr        N stock vLLM engines (no connector) behind bench.fleet.router's round robin
+    prefix    the same engines publishing KV events to our broker (`--kv-events`), behind
+              bench.fleet.router's prefix policy (the broker's Score: longest cached prefix)
+    ours-pd   our P/D: a broker, N/2 prefill and N/2 decode engines with our connector
+              (decode `multi_turn`), our proxy (clients/proxy, every turn prefilled on P)
+    nixl-pd   vLLM's NixlConnector P/D (bench/harness/baselines.py), P + D (N = 2 only),
+              behind bench.fleet.router's nixl-pd policy
+    ours-dp   our proxy in data-parallel mode (--no-disaggregate --placement load) over N
+              engines in kv_both with our connector, each pulling a prefix from whichever
+              engine holds it
+
+`ours-dp` is written against the proxy's data-parallel mode as merged on main from the
+fleet26 branch (docs/serving.md, "data-parallel fleets"; not yet in this branch's proxy):
+engines with our connector, role `both` (kv_both), given as `--engine ID=URL`, and the proxy
+with `--no-disaggregate --placement load` (its `placement` setting; engines pull prefixes
+from each other, `dp_pull` on by default), as tools/demo_stack.py's `dp:N` topology starts
+them. While `ProxyConfig` has no `placement` field the setup raises `Unavailable` with that
+reason, and the benchmark reports it so.
+
+Every engine: the run's model, block size 32, `--enable-prompt-tokens-details` (usage
+reports cached tokens), vLLM's stats on (its /metrics counts prompt tokens by source:
+computed, local cache hit, external KV transfer). Engines are pinned apart
+(`pin_apart`): with N engines on C >= N cores, engine i gets the same C/N cores in every
+setup; with fewer cores than engines none is pinned.
+The stock engines of `rr` and `prefix` are started once and shared by both (`Fleet`);
+each run uses a fresh cache_salt, so no run reuses another's cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.harness.baselines import nixl_engine
+from bench.harness.output import log
+from kvbroker.tools.launch import EngineProcess, connector_config, free_port, pin_apart
+from testkit.engines import ACQUIRE_WAIT_MS, BLOCK_SIZE, RESOLVE_WAIT_MS, read_stats
+from testkit.processes import REPO_ROOT, BrokerProcess, ChildProcess, ProxyProcess, python_env
+
+SETUPS = ("rr", "prefix", "ours-pd", "nixl-pd", "ours-dp")
+ENGINE_ARGS = ["--enable-prompt-tokens-details"]
+HOLD_TTL_MS = 5000  # decode's multi-turn holds: leases must be gone this long after the run (+ slack)
+
+
+class Unavailable(Exception):
+    """A setup that cannot run here (the reason is printed and recorded instead of its figures)."""
+
+
+@dataclass
+class Context:
+    model: Path
+    work: Path
+    engines: int
+    start_timeout_s: float
+    served_name: str | None = None
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 256 << 20
+    shared: dict[str, Any] = field(default_factory=dict)  # the stock fleet of rr and prefix
+
+    def engine(self, name: str, **kw: Any) -> EngineProcess:
+        extra = ENGINE_ARGS + list(kw.pop("extra_args", ()))
+        return EngineProcess(
+            self.model,
+            name=name,
+            block_size=BLOCK_SIZE,
+            max_model_len=self.max_model_len,
+            kv_cache_bytes=self.kv_cache_bytes,
+            served_model_name=self.served_name,
+            extra_args=extra,
+            log_stats=True,
+            log_path=self.work / f"{name}.log",
+            **kw,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_name or str(self.model)
+
+    def release_shared(self) -> None:
+        fleet = self.shared.pop("stock", None)
+        if fleet is not None:
+            fleet.stop()
+
+
+@dataclass
+class Running:
+    """One started setup: its URL, and what the benchmark reads from it around a run."""
+
+    name: str
+    url: str
+    engines: list[EngineProcess]
+    children: list[ChildProcess] = field(default_factory=list)
+    broker: BrokerProcess | None = None
+    stats_paths: dict[str, Path] = field(default_factory=dict)  # our connector's counters
+    owns_engines: bool = True
+    holds_leases: bool = False  # engines with our connector: leases are counted after the run
+    note: str = ""
+
+    def prompt_sources(self) -> dict[str, int]:
+        """Prompt tokens by source, summed over the engines (vLLM's /metrics)."""
+        out: dict[str, int] = {}
+        for engine in self.engines:
+            for source, n in _by_source(engine.url).items():
+                out[source] = out.get(source, 0) + n
+        return out
+
+    def connector_stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for path in self.stats_paths.values():
+            stats = read_stats(path, settle=False)
+            for key in ("pulled_blocks", "pulled_tokens", "pulled_bytes"):
+                out[key] = out.get(key, 0) + int(stats.get(key, 0))
+        return out
+
+    def router_stats(self) -> dict[str, Any]:
+        for child in self.children:
+            if child.name == "router":
+                with urllib.request.urlopen(self.url + "/stats", timeout=10) as resp:
+                    return dict(json.loads(resp.read()))
+        return {}
+
+    def leases_active(self, wait_s: float) -> int | None:
+        """Leases the broker still has once `wait_s` passed or none is left; None without our connector."""
+        if self.broker is None or not self.holds_leases:
+            return None
+        from kvbroker.clients.sync import BrokerClient
+        from testkit.waiting import wait_for
+
+        with BrokerClient(self.broker.address) as client:
+            wait_for(lambda: not client.list_leases().leases, wait_s, interval=0.5)
+            return len(client.list_leases().leases)
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop()
+        if self.owns_engines:
+            for engine in self.engines:
+                engine.stop()
+            if self.broker is not None:
+                self.broker.stop()
+
+
+def _by_source(url: str) -> dict[str, int]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            labels, _, value = line.rpartition(" ")
+            source = labels.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0) + int(float(value))
+    return out
+
+
+def _ready(ctx: Context, engines: list[EngineProcess]) -> None:
+    for engine in engines:
+        engine.wait_ready(timeout=ctx.start_timeout_s, progress=log)
+    pin_apart(engines, log)
+
+
+def _router(ctx: Context, name: str, args: list[str]) -> tuple[ChildProcess, str]:
+    """bench.fleet.router with `args`, answering; returns it and its URL."""
+    port = free_port()
+    router = ChildProcess(
+        "router",
+        [sys.executable, "-m", "bench.fleet.router", "--port", str(port), *args],
+        ctx.work / f"router-{name}.log",
+        env=python_env(),
+        cwd=REPO_ROOT,
+    ).start()
+    url = f"http://127.0.0.1:{port}"
+    router.wait_http(url + "/health", 60)
+    return router, url
+
+
+@dataclass
+class _Stock:
+    broker: BrokerProcess
+    engines: list[EngineProcess]
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+        self.broker.stop()
+
+
+def _stock(ctx: Context) -> _Stock:
+    """N stock engines publishing KV events, and a broker following them (started once, shared)."""
+    if "stock" in ctx.shared:
+        return ctx.shared["stock"]  # type: ignore[no-any-return]
+    engines, specs = [], []
+    for i in range(ctx.engines):
+        port = free_port()
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+        engine = ctx.engine(f"vllm-{i}", extra_args=["--kv-events-config", json.dumps(events)])
+        engines.append(engine)
+        specs.append(
+            f"vllm-{i}=tcp://127.0.0.1:{port}?model={ctx.model_name}&block_size={BLOCK_SIZE}&url={engine.url}"
+        )
+    broker = BrokerProcess(ctx.work, ["--kv-events", ",".join(specs)], log_name="broker-stock.log").start()
+    stock = _Stock(broker, engines)
+    try:
+        for engine in engines:
+            engine.start()
+        _ready(ctx, engines)
+    except BaseException:
+        stock.stop()
+        raise
+    ctx.shared["stock"] = stock
+    return stock
+
+
+def start_rr(ctx: Context) -> Running:
+    stock = _stock(ctx)
+    router, url = _router(
+        ctx, "rr", ["--policy", "rr", *(f"--engine={e.name}={e.url}" for e in stock.engines)]
+    )
+    return Running("rr", url, stock.engines, [router], stock.broker, owns_engines=False)
+
+
+def start_prefix(ctx: Context) -> Running:
+    stock = _stock(ctx)
+    from kvbroker.clients.sync import BrokerClient
+    from testkit.waiting import wait_for
+
+    with BrokerClient(stock.broker.address) as client:
+        names = {e.name for e in stock.engines}
+        if not wait_for(lambda: names <= {e.engine_id for e in client.list_engines().engines}, 60):
+            raise RuntimeError(
+                f"the broker does not follow every engine's KV events:\n{stock.broker.log_tail()}"
+            )
+    args = ["--policy", "prefix", "--broker", stock.broker.address]
+    router, url = _router(ctx, "prefix", args + [f"--engine={e.name}={e.url}" for e in stock.engines])
+    return Running("prefix", url, stock.engines, [router], stock.broker, owns_engines=False)
+
+
+def _ours(ctx: Context, name: str, roles: list[tuple[str, str, dict[str, Any]]]) -> Running:
+    """A broker and engines with our connector (name, role, extra connector options each)."""
+    broker = BrokerProcess(ctx.work, log_name=f"broker-{name}.log").start()
+    running = Running(name, "", [], broker=broker, holds_leases=True)
+    try:
+        for eng_name, role, extra in roles:
+            stats = ctx.work / f"{eng_name}-stats.json"
+            config = connector_config(
+                broker_address=broker.address,
+                engine_id=eng_name,
+                role=role,
+                session_ttl_ms=5000,
+                resolve_wait_ms=RESOLVE_WAIT_MS,
+                acquire_wait_ms=ACQUIRE_WAIT_MS,
+                stats_path=str(stats),
+                **extra,
+            )
+            config["kv_load_failure_policy"] = "recompute"
+            running.engines.append(ctx.engine(eng_name, kv_transfer_config=config).start())
+            running.stats_paths[eng_name] = stats
+        _ready(ctx, running.engines)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def start_ours_pd(ctx: Context) -> Running:
+    half = max(1, ctx.engines // 2)
+    roles: list[tuple[str, str, dict[str, Any]]] = [(f"P{i}", "prefill", {}) for i in range(half)]
+    roles += [(f"D{i}", "decode", {"multi_turn": True, "hold_ttl_ms": HOLD_TTL_MS}) for i in range(half)]
+    running = _ours(ctx, "ours-pd", roles)
+    try:
+        engines = {e.name: e.url for e in running.engines}
+        proxy = ProxyProcess(
+            ctx.work / "proxy-ours-pd.log",
+            prefill={n: u for n, u in engines.items() if n.startswith("P")},
+            decode={n: u for n, u in engines.items() if n.startswith("D")},
+            broker=running.broker.address if running.broker else "",
+            local_prefill_tokens=0,
+        )
+        running.children.append(proxy.start(timeout=60))
+        running.url = proxy.url
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def start_nixl_pd(ctx: Context) -> Running:
+    if ctx.engines != 2:
+        raise Unavailable(
+            f"nixl-pd is one P and one D (bench/harness/baselines.py): 2 engines, not {ctx.engines}"
+        )
+    engines = [
+        nixl_engine(
+            ctx.model,
+            ctx.work,
+            name,
+            max_model_len=ctx.max_model_len,
+            kv_cache_bytes=ctx.kv_cache_bytes,
+            served_model_name=ctx.served_name,
+            extra_args=list(ENGINE_ARGS),
+        )
+        for name in ("P-nixl", "D-nixl")
+    ]
+    running = Running("nixl-pd", "", engines)
+    try:
+        for engine in engines:
+            engine.start()
+        _ready(ctx, engines)
+        p, d = engines
+        router, running.url = _router(
+            ctx, "nixl-pd", ["--policy", "nixl-pd", "--prefill", p.url, "--decode", d.url]
+        )
+        running.children.append(router)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def proxy_dp_missing() -> str | None:
+    """Why our proxy cannot run the data-parallel setup yet, or None when it can (see the module doc)."""
+    try:
+        from kvbroker.clients.proxy.config import ProxyConfig
+    except ImportError as e:
+        return f"the proxy does not import ({e})"
+    names = {f.name for f in dataclasses.fields(ProxyConfig)}
+    if not {"placement", "dp_pull"} <= names:
+        return (
+            "our proxy has no data-parallel placement yet (ProxyConfig has no `placement` / `dp_pull` "
+            "fields, flags `--placement load`, `--dp-pull`; issue 26 items 2-3, branch fleet26)"
+        )
+    return None
+
+
+def start_ours_dp(ctx: Context) -> Running:
+    reason = proxy_dp_missing()
+    if reason:
+        raise Unavailable(reason)
+    roles: list[tuple[str, str, dict[str, Any]]] = [(f"E{i}", "both", {}) for i in range(ctx.engines)]
+    running = _ours(ctx, "ours-dp", roles)
+    try:
+        proxy = ProxyProcess(
+            ctx.work / "proxy-ours-dp.log",
+            engines={e.name: e.url for e in running.engines},
+            broker=running.broker.address if running.broker else "",
+            extra_args=["--no-disaggregate", "--placement", "load"],
+        )
+        running.children.append(proxy.start(timeout=60))
+        running.url = proxy.url
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+STARTERS: dict[str, Callable[[Context], Running]] = {
+    "rr": start_rr,
+    "prefix": start_prefix,
+    "ours-pd": start_ours_pd,
+    "nixl-pd": start_nixl_pd,
+    "ours-dp": start_ours_dp,
+}
+SHARES_STOCK = ("rr", "prefix")
+
+
+def start(name: str, ctx: Context) -> Running:
+    """Start setup `name` (one of SETUPS); raises Unavailable with the reason when it cannot run here."""
+    if name not in STARTERS:
+        raise ValueError(f"unknown setup {name!r}; one of {SETUPS}")
+    if name not in SHARES_STOCK:
+        ctx.release_shared()  # the stock engines' cores and memory go to this setup's engines
+    started = time.monotonic()
+    running = STARTERS[name](ctx)
+    log(f"{name}: up in {time.monotonic() - started:.0f} s at {running.url}")
+    return running

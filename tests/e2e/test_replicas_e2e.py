@@ -261,6 +261,14 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
         {"role": "user", "content": "and?"},
     ]
     time.sleep(1.0)  # D's hold of that turn is announced and in P's index mirror
+    # P's load as the broker last heard it is the load's until P's next heartbeat (up to a third of
+    # its TTL later on a loaded host): while P reads as busy the proxy rightly serves the turn on D.
+    with BrokerClient(fleet.b.address) as client:
+
+        def p_idle() -> bool:
+            return all(e.load == 0 for e in client.list_engines().engines if e.engine_id == "prefill-0")
+
+        assert wait_for(p_idle, 30, 0.1), "P still reads as busy long after the load"
     second = stream_chat(fleet.proxy_url, history, "after-history")
     assert second.header("X-KVBroker-Mode") == "pd"
     assert fleet.stat("P", "pulled_tokens") > before["P"], "P pulled no history after the failover"

@@ -181,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     payload = {
         "mode": "quick" if args.quick else "full",
-        "config": vars(args)
-        | {"out_dir": str(args.out_dir), "hold_ttl_ms": HOLD_TTL_MS, "model": "SmolLM2-135M-Instruct"},
+        # Where the results went is this machine's business, not the result's.
+        "config": {k: v for k, v in vars(args).items() if k != "out_dir"}
+        | {"hold_ttl_ms": HOLD_TTL_MS, "model": "SmolLM2-135M-Instruct"},
         "per_turn": {"pd": pd_turns, "single": ref_turns},
         "totals": totals,
         "pulled_blocks": pulled,

@@ -24,7 +24,6 @@ import random
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from kvbroker.common.index_budget import KEY_BYTES, shard_cap
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
+from testkit.metrics import scrape
 from testkit.ports import free_port
 from testkit.processes import SERVE, BrokerProcess
 
@@ -47,14 +47,7 @@ SHARDS = 256
 
 
 def _metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {
-        name: float(value)
-        for line in text.splitlines()
-        if line.startswith("kvbroker_index_") and " " in line
-        for name, value in [line.rsplit(" ", 1)]
-    }
+    return scrape(port, "kvbroker_index_", timeout=30)
 
 
 async def run_one(mib: int, blocks: int, log_dir: Path) -> dict[str, Any]:

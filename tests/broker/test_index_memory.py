@@ -6,7 +6,6 @@ still reads and releases."""
 from __future__ import annotations
 
 import random
-import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from kvbroker.clients.engine_session import EngineSession
 from kvbroker.common.index_budget import shard_cap
 from kvbroker.v1 import broker_pb2 as pb
 from testkit import builders
+from testkit.metrics import scrape
 from testkit.ports import free_port
 from testkit.processes import SERVE, BrokerProcess
 
@@ -30,14 +30,7 @@ CHAIN = 64
 
 
 def _metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        name: float(value)
-        for line in text.splitlines()
-        if line.startswith("kvbroker_index_") and " " in line
-        for name, value in [line.rsplit(" ", 1)]
-    }
+    return scrape(port, "kvbroker_index_", timeout=10)
 
 
 @pytest.fixture

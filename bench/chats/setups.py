@@ -22,10 +22,10 @@ from typing import Any
 
 from bench.chats.workload import ROOT, SERVED_MODEL
 from bench.harness.baselines import nixl_engine
-from bench.harness.engines import pin_pair
+from bench.harness.engines import broker_connector_config, pin_pair
 from bench.harness.output import log
-from kvbroker.tools.launch import EngineProcess, connector_config, engine_environment, free_port
-from testkit.engines import ACQUIRE_WAIT_MS, BLOCK_SIZE, RESOLVE_WAIT_MS, read_stats
+from kvbroker.tools.launch import EngineProcess, engine_environment, free_port
+from testkit.engines import BLOCK_SIZE, read_stats
 from testkit.processes import BrokerProcess, ChildProcess, ProxyProcess, python_env
 
 SETUPS = ("single", "nocache", "nixl", "broker", "broker-local")
@@ -167,17 +167,7 @@ def _start_broker(setup: Setup, model: Path, work: Path, start_timeout_s: float,
     engines = []
     for eng_name, role, role_extra in (("P", "prefill", {}), ("D", "decode", {"multi_turn": True})):
         stats = work / f"{eng_name}-stats.json"
-        config = connector_config(
-            broker_address=setup.broker.address,
-            engine_id=eng_name,
-            role=role,
-            session_ttl_ms=5000,
-            resolve_wait_ms=RESOLVE_WAIT_MS,
-            acquire_wait_ms=ACQUIRE_WAIT_MS,
-            stats_path=str(stats),
-            **role_extra,
-        )
-        config["kv_load_failure_policy"] = "recompute"
+        config = broker_connector_config(setup.broker.address, eng_name, role, stats, **role_extra)
         engines.append(
             _engine(model, work, eng_name, kv_cache_bytes=kv_cache_bytes, kv_transfer_config=config)
         )

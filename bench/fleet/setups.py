@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.baselines import nixl_engine
+from bench.harness.engines import broker_connector_config
 from bench.harness.output import log
-from kvbroker.tools.launch import EngineProcess, connector_config, free_port, pin_apart
-from testkit.engines import ACQUIRE_WAIT_MS, BLOCK_SIZE, RESOLVE_WAIT_MS, read_stats
+from kvbroker.tools.launch import EngineProcess, free_port, pin_apart
+from testkit.engines import BLOCK_SIZE, read_stats
 from testkit.processes import REPO_ROOT, BrokerProcess, ChildProcess, ProxyProcess, python_env
 
 SETUPS = ("rr", "prefix", "ours-pd", "nixl-pd", "ours-dp")
@@ -250,17 +251,7 @@ def _ours(ctx: Context, name: str, roles: list[tuple[str, str, dict[str, Any]]])
     try:
         for eng_name, role, extra in roles:
             stats = ctx.work / f"{eng_name}-stats.json"
-            config = connector_config(
-                broker_address=broker.address,
-                engine_id=eng_name,
-                role=role,
-                session_ttl_ms=5000,
-                resolve_wait_ms=RESOLVE_WAIT_MS,
-                acquire_wait_ms=ACQUIRE_WAIT_MS,
-                stats_path=str(stats),
-                **extra,
-            )
-            config["kv_load_failure_policy"] = "recompute"
+            config = broker_connector_config(broker.address, eng_name, role, stats, **extra)
             running.engines.append(ctx.engine(eng_name, kv_transfer_config=config).start())
             running.stats_paths[eng_name] = stats
         _ready(ctx, running.engines)

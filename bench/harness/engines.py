@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.output import load_note, log
-from kvbroker.tools.launch import EngineProcess, pin_apart
+from kvbroker.tools.launch import EngineProcess, connector_config, pin_apart
 from kvbroker.tools.tiny_model import build_tiny_model
 from testkit.engines import (
+    ACQUIRE_WAIT_MS,
     BLOCK_SIZE,
+    RESOLVE_WAIT_MS,
     complete,
     completion_request,
     output_ids,
@@ -81,6 +83,26 @@ def broker_engine(
         load_failure_policy="recompute",
         **extra,
     )
+
+
+def broker_connector_config(
+    broker_address: str, engine_id: str, role: str, stats_path: Path, **extra: Any
+) -> dict[str, Any]:
+    """Our connector's kv_transfer_config as the benchmarks that build their own engines run it:
+    a 5 s session TTL, the test suite's lookup and lease budgets, counters in `stats_path`, and a
+    failed load recomputed (kv_load_failure_policy=recompute)."""
+    config = connector_config(
+        broker_address=broker_address,
+        engine_id=engine_id,
+        role=role,
+        session_ttl_ms=5000,
+        resolve_wait_ms=RESOLVE_WAIT_MS,
+        acquire_wait_ms=ACQUIRE_WAIT_MS,
+        stats_path=str(stats_path),
+        **extra,
+    )
+    config["kv_load_failure_policy"] = "recompute"
+    return config
 
 
 def pin_pair(p: EngineProcess, d: EngineProcess) -> None:

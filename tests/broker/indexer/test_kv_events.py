@@ -348,11 +348,12 @@ def test_lost_batches_degrade_the_engine_everywhere_until_a_clear(tmp_path: Path
             assert 'kvbroker_engines_by_exactness{exactness="degraded"} 1.0' in text
             assert 'kvbroker_engines_by_exactness{exactness="exact"} 0.0' in text
             assert _cli(broker.address, "engines").splitlines()[1].split()[7] == "degraded"
-            # The engine starts its picture again from nothing: exact.
+            # The engine starts its picture again from nothing: exact. The clear and the
+            # store are two batches: exactness returns with the first, the block with the second.
             publisher.send({"type": "AllBlocksCleared"})
             publisher.send(_stored(PROMPT, hashes, 0, 1))
-            assert wait_for(lambda: score().exactness == pb.INDEX_EXACT, 10)
-            assert score(require_exact=True).gpu_blocks == 1
+            assert wait_for(lambda: score(require_exact=True).gpu_blocks == 1, 10)
+            assert score().exactness == pb.INDEX_EXACT
     finally:
         publisher.close()
 

@@ -99,7 +99,7 @@ class ProxyConfig:
         "load",
         "without disaggregation (a data-parallel fleet): load = the engine with the lowest predicted time "
         "to first token, weighing its load against the prefix it holds and a pull from the holder "
-        "(placement.py); prefix = the engine holding the longest prefix first, whatever its load; "
+        "(common/placement.py); prefix = the engine holding the longest prefix first, whatever its load; "
         "round_robin = each engine in turn (a baseline)",
         choices=("load", "prefix", "round_robin"),
     )

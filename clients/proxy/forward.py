@@ -50,9 +50,9 @@ from kvbroker.clients.proxy.outcome import (
 )
 from kvbroker.clients.proxy.p_queue import PrefillQueues
 from kvbroker.clients.proxy.pd_bodies import decode_body, prefill_body
-from kvbroker.clients.proxy.placement import PlacementRule
 from kvbroker.clients.proxy.routing import Route, dp_order
 from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
+from kvbroker.common.placement import PlacementRule
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -75,7 +75,7 @@ class Forwarder:
         on_retry: RetryHook | None = None,
         placement: PlacementRule | None = None,
     ) -> None:
-        # Without disaggregation: how one engine is picked (placement.py); None: the prefix order.
+        # Without disaggregation: how one engine is picked (common/placement.py); None: the prefix order.
         self.placement = placement
         self._rotation = 0
         self.tracer = tracer or get_tracer()
@@ -379,7 +379,7 @@ class Forwarder:
         """Send the request to `engine` and relay its answer; EngineFailure before anything was relayed."""
         attributes = {"kvbroker.engine": engine.label, "server.address": engine.url, "kvbroker.mode": mode}
         with (
-            self.pool.serving(engine),  # in flight, for the placement (placement.py)
+            self.pool.serving(engine),  # in flight, for the placement (common/placement.py)
             self.tracer.start_as_current_span(
                 "proxy.decode" if mode == "pd" else "proxy.single",
                 kind=SpanKind.CLIENT,

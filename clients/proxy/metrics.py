@@ -15,7 +15,7 @@ answer: once the stream ended):
 - ``kvbroker_proxy_route_choices_total{reason}``: local on D or P then pull, and why
   (``local_few_tokens``, ``local_p_busy``, ``pd_p_idle``, ``pd_p_quicker``, ...; p_queue.py);
   on a data-parallel fleet, why the engine was placed first (``dp_holder``,
-  ``dp_pull_busy_holder``, ``dp_balance_short_prefix``, ...; placement.py);
+  ``dp_pull_busy_holder``, ``dp_balance_short_prefix``, ...; common/placement.py);
 - ``kvbroker_proxy_engine_failures_total{engine, step, kind}``: a step (prefill,
   decode, single, stream) that failed on an engine; ``kind`` is ``hung`` (no first
   byte within the budget, liveness check failed: a timeout), ``unreachable`` or
@@ -114,7 +114,7 @@ class ProxyMetrics:
         self.route_choices = Counter(
             "kvbroker_proxy_route_choices",
             "Requests by the proxy's routing choice and why: local on D or P then pull (p_queue.py), or the "
-            "engine a data-parallel placement put first (dp_*, placement.py)",
+            "engine a data-parallel placement put first (dp_*, common/placement.py)",
             ["reason"],
             registry=self.registry,
         )

@@ -28,11 +28,11 @@ from kvbroker.clients.proxy.errors import json_errors
 from kvbroker.clients.proxy.forward import Forwarder
 from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
 from kvbroker.clients.proxy.outcome import EngineFailure, Outcome, RequestRejected, openai_error
-from kvbroker.clients.proxy.placement import PlacementRule
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
 from kvbroker.clients.proxy.validate import InvalidRequest, check_sampling
+from kvbroker.common.placement import PlacementRule
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -154,7 +154,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         if outcome.fallback_reason:
             span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
         if outcome.route_reason:
-            # Local on D or P then pull (p_queue.py), or a data-parallel placement (placement.py), and why.
+            # Local on D or P then pull (p_queue.py), or a data-parallel placement (common/placement.py), and why.
             span.set_attribute("kvbroker.route_reason", outcome.route_reason)
             span.set_attribute("kvbroker.route_detail", outcome.route_detail)
         if response.status >= 500:

@@ -1,5 +1,5 @@
 """The proxy on a data-parallel fleet (--no-disaggregate): fake engines registered with a real
-in-process broker; the placement (placement.py) weighs each engine's load against its prefix."""
+in-process broker; the placement (common/placement.py) weighs each engine's load against its prefix."""
 
 from __future__ import annotations
 

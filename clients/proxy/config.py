@@ -118,6 +118,11 @@ class ProxyConfig:
         "placement load: engines pull prefixes from each other (our connector, kv_both); off: an engine "
         "without the prefix recomputes it (engines without the connector)",
     )
+    placement_learn: bool = setting(
+        False,
+        "placement load: fit busy_tokens and pull_token_cost to the first-token times of streamed "
+        "answers (each kept within 8x of its setting; placement_learner.py); off: the settings as given",
+    )
     local_prefill_tokens: int = setting(
         256,
         "a request whose first-choice decode engine already holds its prompt but for at most this many "

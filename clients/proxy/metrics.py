@@ -57,6 +57,7 @@ from prometheus_client import (
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.outcome import Outcome
+from kvbroker.clients.proxy.placement_learner import PlacementLearner
 
 access_log = logging.getLogger("kvbroker.proxy.access")
 
@@ -151,6 +152,24 @@ class ProxyMetrics:
             registry=self.registry,
         )
         info.labels(version, platform.python_version()).set(1)
+
+    def placement_weights(self, learner: PlacementLearner) -> None:
+        """Gauges of the weights the data-parallel placement uses now (learned or as set)."""
+        weight = Gauge(
+            "kvbroker_proxy_placement_weight",
+            "The data-parallel placement's weights in use: busy_tokens and pull_token_cost, fitted to "
+            "first-token times with --placement-learn, else as set (placement_learner.py)",
+            ["weight"],
+            registry=self.registry,
+        )
+        weight.labels("busy_tokens").set_function(lambda: learner.rule().busy_tokens)
+        weight.labels("pull_token_cost").set_function(lambda: learner.rule().pull_token_cost)
+        samples = Gauge(
+            "kvbroker_proxy_placement_samples",
+            "Streamed answers the placement's fit has learned from",
+            registry=self.registry,
+        )
+        samples.set_function(lambda: learner.samples)
 
     def engine_failed(self, engine: EngineSpec, step: str, kind: str) -> None:
         self.engine_failures.labels(engine.label, step, kind).inc()

@@ -28,6 +28,7 @@ from kvbroker.clients.proxy.errors import json_errors
 from kvbroker.clients.proxy.forward import Forwarder
 from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
 from kvbroker.clients.proxy.outcome import EngineFailure, Outcome, RequestRejected, openai_error
+from kvbroker.clients.proxy.placement_learner import PlacementLearner
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
@@ -291,17 +292,18 @@ async def _on_cleanup(app: web.Application) -> None:
         await state.broker.close()
 
 
-def placement_rule(config: ProxyConfig) -> PlacementRule | None:
+def placement_rule(config: ProxyConfig) -> PlacementLearner | None:
     """How one engine is picked without disaggregation (None: the longest prefix first)."""
     if config.placement == "prefix":
         return None
-    return PlacementRule(
+    rule = PlacementRule(
         busy_tokens=config.dp_busy_tokens,
         pull_token_cost=config.dp_pull_token_cost,
         min_prefix_tokens=config.dp_min_prefix_tokens,
         pull=config.dp_pull,
         round_robin=config.placement == "round_robin",
     )
+    return PlacementLearner(rule, learn=config.placement_learn and config.placement == "load")
 
 
 def build_app(
@@ -364,6 +366,8 @@ def build_app(
     app[STATE_KEY] = state
     if metrics is not None and config.metrics:
         app.router.add_get("/metrics", metrics.handle_metrics)
+        if state.forwarder.placement is not None:
+            metrics.placement_weights(state.forwarder.placement)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_post(CHAT_COMPLETIONS, chat_completions)
     app.router.add_get("/health", health)

@@ -120,6 +120,15 @@ class SessionNotifier(Notifier, Protocol):
 
     def watcher_count(self) -> int: ...
 
+    def watch_position(self) -> str:
+        """The cursor a Watch heartbeat carries: every event before it was handed to the watchers
+        registered then ("" where events have no cursor)."""
+        ...
+
+    def watch_since(self, after: str, categories: frozenset[str]) -> tuple[list[pb.WatchEvent], bool]:
+        """The events of `categories` after cursor `after`, and whether they are all of them."""
+        ...
+
 
 class StreamNotifier:
     """The in-memory SessionNotifier: every session's stream is on this broker."""
@@ -214,6 +223,12 @@ class StreamNotifier:
 
     def watching(self, category: str) -> bool:
         return self._watching.get(category, 0) > 0
+
+    def watch_position(self) -> str:
+        return ""  # one broker: a Watch that reconnects starts over (nothing to resume from)
+
+    def watch_since(self, after: str, categories: frozenset[str]) -> tuple[list[pb.WatchEvent], bool]:
+        return [], False  # no shared stream keeps past events
 
     def event(self, event: WatchEvent) -> None:
         if any(event.category in w.categories for w in self._watchers):

@@ -36,6 +36,7 @@ from kvbroker.broker.fleet.watch import FleetWatch
 from kvbroker.broker.leases import Lease, LeaseTable, packed_block_ids, packed_hashes
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
 
@@ -136,6 +137,12 @@ class FleetNotifier(StreamNotifier):
     def remove_watcher(self, watcher: Watcher) -> None:
         super().remove_watcher(watcher)
         self.watch.watchers_changed(self._watched())
+
+    def watch_position(self) -> str:
+        return self.watch.position()
+
+    def watch_since(self, after: str, categories: frozenset[str]) -> tuple[list[pb.WatchEvent], bool]:
+        return self.watch.since(after, categories)
 
     def _watched(self) -> frozenset[str]:
         return frozenset(c for c, n in self._watching.items() if n > 0)

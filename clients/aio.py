@@ -59,13 +59,17 @@ RequestT = TypeVar("RequestT", bound=Message)
 # Calls that only read: with several replicas, one that did not answer in its share of the
 # caller's deadline is tried on the next replica (a Resolve that acquires is not a read).
 READS = frozenset({"Score", "Resolve", "ListEngines", "ListLeases", "Stats"})
+# Writes whose repeat changes nothing: a Decline sent again (its first try took effect but the
+# answer was lost) finds the hold ended, or claimed by its reader, and only leaves a note that
+# expires unused. So a router's Decline reaches a live replica when its own is frozen.
+REPEATABLE = frozenset({"Decline"})
 # What a replica that is away, frozen or cut off answers: the next call goes to another one.
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 def retries_elsewhere(method: str, request: Message) -> bool:
     """Whether ``method`` may be sent again to another replica after no answer came."""
-    return method in READS and not getattr(request, "acquire", False)
+    return method in REPEATABLE or (method in READS and not getattr(request, "acquire", False))
 
 
 def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:

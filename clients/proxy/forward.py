@@ -56,6 +56,9 @@ from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
 
 log = logging.getLogger("kvbroker.proxy")
 
+# A background Decline's deadline; a replica silent for its share (half, with two) is left for the next.
+DECLINE_TIMEOUT_S = 5.0
+
 
 class Forwarder:
     def __init__(
@@ -262,7 +265,10 @@ class Forwarder:
     async def _send_decline(self, holder: str, request_id: str, reason: str) -> None:
         try:
             await self.broker.decline(  # type: ignore[union-attr]
-                holder_engine_id=holder, request_id=request_id, reason=f"proxy: {reason}", timeout=5.0
+                holder_engine_id=holder,
+                request_id=request_id,
+                reason=f"proxy: {reason}",
+                timeout=DECLINE_TIMEOUT_S,
             )
             log.info("declined %s's hold of request %s: %s", holder, request_id, reason)
         except BrokerError as e:

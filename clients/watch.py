@@ -51,7 +51,8 @@ class _Client(Protocol):
     ) -> tuple[broker_pb2_grpc.KVBrokerStub, grpc.aio.Channel]: ...
 
 
-def _backoff(rounds: int) -> float:
+def backoff(rounds: int) -> float:
+    """Seconds before another round over every replica."""
     return min(2.0, 0.1 * 2**rounds)
 
 
@@ -127,4 +128,4 @@ class WatchFollower:
             endpoints.fail_over(address)
             self.moves += 1
             log.warning("Watch on %s given up (%s); resuming on %s", address, why, endpoints.current)
-            await asyncio.sleep(endpoints.retry_delay(failures, _backoff))
+            await asyncio.sleep(endpoints.retry_delay(failures, backoff))

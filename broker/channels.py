@@ -130,6 +130,22 @@ class SessionNotifier(Notifier, Protocol):
         ...
 
 
+def revoked_down(lease: Lease, now: float) -> pb.SessionDown:
+    """To a reader: its lease ended without a committed read."""
+    return pb.SessionDown(
+        revoked=pb.LeaseRevoked(
+            lease=codec.lease_pb(lease, now),
+            cause=int(lease.cause),  # type: ignore[arg-type]
+            detail=lease.detail,
+        )
+    )
+
+
+def ended_down(lease: Lease, now: float) -> pb.SessionDown:
+    """To a holder: a lease on its blocks ended."""
+    return pb.SessionDown(lease_ended=pb.LeaseEnded(lease=codec.lease_pb(lease, now)))
+
+
 class StreamNotifier:
     """The in-memory SessionNotifier: every session's stream is on this broker."""
 
@@ -159,20 +175,10 @@ class StreamNotifier:
             channel.put(msg)
 
     def lease_revoked(self, session_id: str, lease: Lease) -> None:
-        down = pb.SessionDown(
-            revoked=pb.LeaseRevoked(
-                lease=codec.lease_pb(lease, self._clock.now()),
-                cause=int(lease.cause),  # type: ignore[arg-type]
-                detail=lease.detail,
-            )
-        )
-        self._send(session_id, down)
+        self._send(session_id, revoked_down(lease, self._clock.now()))
 
     def lease_ended(self, session_id: str, lease: Lease) -> None:
-        self._send(
-            session_id,
-            pb.SessionDown(lease_ended=pb.LeaseEnded(lease=codec.lease_pb(lease, self._clock.now()))),
-        )
+        self._send(session_id, ended_down(lease, self._clock.now()))
 
     def pin(self, session_id: str, lease: Lease) -> None:
         self._send(

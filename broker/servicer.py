@@ -20,7 +20,7 @@ from typing import NoReturn
 import grpc
 from opentelemetry.trace import Tracer
 
-from kvbroker.broker import codec, lease_calls, listing, placement_order
+from kvbroker.broker import codec, lease_calls, listing, placement_order, watch_stream
 from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, SessionChannel, SessionNotifier
 from kvbroker.broker.core import BrokerCore
@@ -414,9 +414,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             )
         watcher = self.notifier.add_watcher(frozenset(wanted), self.core.config.watch_buffer_bytes)
         try:
-            while True:
-                item = await watcher.queue.get()
-                watcher.taken(item)
+            async for item in watch_stream.watch_items(self.notifier, watcher, request):
                 if isinstance(item, Close):
                     code = grpc.StatusCode[item.code]
                     if item.cause:
@@ -424,6 +422,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                     await context.abort(code, item.message)
                 else:
                     yield item
+        except BrokerError as err:  # a bad resume_after, or the store away while reading it back
+            await _abort(context, err)
         finally:
             self.notifier.remove_watcher(watcher)
 

@@ -1900,19 +1900,33 @@ class WatchRequest(_message.Message):
     INDEX_EVENTS_FIELD_NUMBER: _builtins.int
     LEASE_EVENTS_FIELD_NUMBER: _builtins.int
     ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_MS_FIELD_NUMBER: _builtins.int
+    RESUME_AFTER_FIELD_NUMBER: _builtins.int
     index_events: _builtins.bool
     lease_events: _builtins.bool
     engine_events: _builtins.bool
+    heartbeat_ms: _builtins.int
+    """Ask for a `heartbeat` event whenever the stream had nothing to send for this long (0: none;
+    at least 100 ms). A client that hears nothing for a few of them knows its replica is frozen
+    or cut off and moves to another one.
+    """
+    resume_after: _builtins.str
+    """Resume after the event (or heartbeat) with this cursor, on any replica of the same fleet:
+    the events after it come first, then live ones. When they cannot all be given (trimmed,
+    store restarted, a broker without a shared store) an `events_missed` event says so first.
+    """
     def __init__(
         self,
         *,
         index_events: _builtins.bool = ...,
         lease_events: _builtins.bool = ...,
         engine_events: _builtins.bool = ...,
+        heartbeat_ms: _builtins.int = ...,
+        resume_after: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events", "index_events", b"index_events", "lease_events", b"lease_events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events", "heartbeat_ms", b"heartbeat_ms", "index_events", b"index_events", "lease_events", b"lease_events", "resume_after", b"resume_after"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1929,6 +1943,7 @@ class WatchEvent(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     TIME_UNIX_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """e.g. engine_registered, lease_revoked, blocks_stored"""
     engine_id: _builtins.str
@@ -1937,6 +1952,8 @@ class WatchEvent(_message.Message):
     detail: _builtins.str
     time_unix: _builtins.float
     """for display only; never used for expiry"""
+    cursor: _builtins.str
+    """where this event is in the fleet's watch stream (resume_after); "" without one"""
     @_builtins.property
     def lease(self) -> Global___Lease: ...
     def __init__(
@@ -1949,10 +1966,11 @@ class WatchEvent(_message.Message):
         tier: Global___Tier.ValueType = ...,
         detail: _builtins.str = ...,
         time_unix: _builtins.float = ...,
+        cursor: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "detail", b"detail", "engine_id", b"engine_id", "kind", b"kind", "lease", b"lease", "tier", b"tier", "time_unix", b"time_unix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cursor", b"cursor", "detail", b"detail", "engine_id", b"engine_id", "kind", b"kind", "lease", b"lease", "tier", b"tier", "time_unix", b"time_unix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -74,6 +74,7 @@ class Retention:
         key: str = "",
         lease_id: str = "",
         replaces: str = "",
+        tier_wanted: int = 0,
     ) -> Retained:
         """A new retention (PENDING until its holder pins), or, with `lease_id`, one renewed."""
         core = self.core
@@ -97,7 +98,9 @@ class Retention:
             )
         if replaces:
             self._retention(replaces, "replace")
-        holder, tier, matched = self._holder(ns, chain, engine_id)
+        holder, tier, matched = self._holder(
+            ns, chain, engine_id, check.tier(tier_wanted) if tier_wanted else None
+        )
         check.lease_blocks(matched)
         self._check_quota(ns.tenant)
         now = core.clock.now()
@@ -117,8 +120,12 @@ class Retention:
         core.notifier.pin(holder.session_id, lease)
         return Retained(lease, len(chain), pending=True)
 
-    def _holder(self, ns: Namespace, chain: Sequence[int], engine_id: str) -> tuple[EngineRecord, Tier, int]:
-        """The engine to pin on, its tier and how many blocks it holds from block 0."""
+    def _holder(
+        self, ns: Namespace, chain: Sequence[int], engine_id: str, tier: Tier | None
+    ) -> tuple[EngineRecord, Tier, int]:
+        """The engine to pin on, the tier of its copy to pin and how many blocks that copy has from
+        block 0. None: its CPU-tier copy where that has as much as its GPU copy (GPU memory stays
+        vLLM's to evict and the pinned CPU copy serves the next turn), else its GPU copy."""
         core = self.core
         if engine_id:
             rec = core.registry.get(engine_id)  # NOT_FOUND unknown_engine
@@ -129,10 +136,18 @@ class Retention:
                 )
         now = core.clock.now()
         matches = find_holders(core.index, core.registry, core.leases, None, ns, chain, now)
-        for m in matches:
-            if m.matched and (not engine_id or m.engine_id == engine_id):
-                return core.registry.get(m.engine_id), m.tier, m.matched
+        if not engine_id and matches:
+            engine_id = matches[0].engine_id  # the best holder (longest prefix, least loaded)
+        held = {m.tier: m.matched for m in matches if m.engine_id == engine_id and m.matched}
+        asked = tier
+        if tier is None:
+            cpu, gpu = held.get(Tier.CPU, 0), held.get(Tier.GPU, 0)
+            tier = Tier.CPU if cpu and cpu >= gpu else Tier.GPU
+        if held.get(tier):
+            return core.registry.get(engine_id), tier, held[tier]
         where = f"engine {shown(engine_id)} does not hold" if engine_id else "no ready engine holds"
+        if asked is not None:
+            where += f" (on tier {asked.name})"
         raise NotFound(
             f"{where} the first of the {len(chain)} blocks to retain in namespace "
             f"(layout {shown(ns.layout_id)}, tenant {shown(ns.tenant)}); retain after the turn finished, "

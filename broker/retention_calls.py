@@ -51,6 +51,7 @@ class RetentionCalls:
                 key=request.key,
                 lease_id=request.lease_id,
                 replaces=request.replaces_lease_id,
+                tier_wanted=request.tier,
             )
             lease, replaced = done.lease, False
             if done.pending:

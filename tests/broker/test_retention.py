@@ -119,6 +119,21 @@ def test_a_newer_retention_replaces_the_older_once_pinned():
     assert not retention.settled(new, old.lease_id)  # already ended: nothing to replace
 
 
+def test_with_a_cpu_copy_as_long_it_pins_that_and_leaves_gpu_memory_to_vllm():
+    core, _clock, notes, p, _d, ns, retention = setup()
+    core.update_inventory(p, ns, Tier.CPU, H[:10], [])
+    assert retention.retain(ns, H, [], 60_000).lease.tier is Tier.CPU
+    assert retention.retain(ns, H, [], 60_000, tier_wanted=int(Tier.GPU)).lease.tier is Tier.GPU
+    core.update_inventory(p, ns, Tier.CPU, [], H[4:10])  # the CPU copy is shorter: the GPU copy it is
+    assert retention.retain(ns, H, [], 60_000).lease.tier is Tier.GPU
+    core.update_inventory(p, ns, Tier.CPU, [], H[:4])
+    with pytest.raises(NotFound, match="on tier CPU") as exc:
+        retention.retain(ns, H, [], 60_000, tier_wanted=int(Tier.CPU))
+    assert exc.value.cause == Cause.NOT_CACHED
+    with pytest.raises(InvalidArgument, match="tier 7"):
+        retention.retain(ns, H, [], 60_000, tier_wanted=7)
+
+
 def test_it_pins_the_cpu_tier_when_the_engine_keeps_the_prefix_only_there():
     core, _clock, notes, p, _d, ns, retention = setup()
     core.update_inventory(p, ns, Tier.GPU, [], H[:10])

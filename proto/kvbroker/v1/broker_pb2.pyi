@@ -2023,6 +2023,7 @@ class RetainRequest(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     REPLACES_LEASE_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
     ttl_ms: _builtins.int
     """required: how long to keep it, within the lease TTL range"""
     engine_id: _builtins.str
@@ -2033,6 +2034,11 @@ class RetainRequest(_message.Message):
     """renew this retention instead: its TTL restarts at ttl_ms"""
     replaces_lease_id: _builtins.str
     """an older retention of the conversation, ended once this one is pinned"""
+    tier: Global___Tier.ValueType
+    """Which copy to pin. Unspecified: the engine's CPU-tier copy where it has at
+    least as much of the prefix there as on GPU (GPU memory stays vLLM's to
+    evict; the next turn restores from the pinned CPU copy), else the GPU copy.
+    """
     @_builtins.property
     def namespace(self) -> Global___Namespace: ...
     @_builtins.property
@@ -2054,10 +2060,11 @@ class RetainRequest(_message.Message):
         key: _builtins.str = ...,
         lease_id: _builtins.str = ...,
         replaces_lease_id: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "engine_id", b"engine_id", "key", b"key", "lease_id", b"lease_id", "namespace", b"namespace", "replaces_lease_id", b"replaces_lease_id", "token_ids", b"token_ids", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "engine_id", b"engine_id", "key", b"key", "lease_id", b"lease_id", "namespace", b"namespace", "replaces_lease_id", b"replaces_lease_id", "tier", b"tier", "token_ids", b"token_ids", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -120,7 +120,7 @@ def test_a_newer_retention_replaces_the_older_once_pinned():
 
 
 def test_with_a_cpu_copy_as_long_it_pins_that_and_leaves_gpu_memory_to_vllm():
-    core, _clock, notes, p, _d, ns, retention = setup()
+    core, _clock, _notes, p, _d, ns, retention = setup()
     core.update_inventory(p, ns, Tier.CPU, H[:10], [])
     assert retention.retain(ns, H, [], 60_000).lease.tier is Tier.CPU
     assert retention.retain(ns, H, [], 60_000, tier_wanted=int(Tier.GPU)).lease.tier is Tier.GPU

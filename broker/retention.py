@@ -31,6 +31,7 @@ so it works on every state backend (in memory, Redis, Redis Cluster).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,7 +98,8 @@ class Retention:
                 "retain names no full block: give the prompt's block_hashes or at least one block of token_ids"
             )
         if replaces:
-            self._retention(replaces, "replace")
+            with contextlib.suppress(NotFound, FailedPrecondition):  # ended already: nothing to replace
+                self._retention(replaces, "replace")  # but a lease that is no retention is refused
         holder, tier, matched = self._holder(
             ns, chain, engine_id, check.tier(tier_wanted) if tier_wanted else None
         )

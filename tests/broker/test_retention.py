@@ -117,6 +117,12 @@ def test_a_newer_retention_replaces_the_older_once_pinned():
     pinned(core, p, new)
     assert retention.settled(new, old.lease_id) and old.state is LeaseState.RELEASED
     assert not retention.settled(new, old.lease_id)  # already ended: nothing to replace
+    # A previous retention that ended (its TTL, its holder) does not stop the next one.
+    third = retention.retain(ns, H, [], 60_000, key="c", replaces=old.lease_id).lease
+    assert third.state is LeaseState.PENDING
+    hold = core.hold("P", ns, Tier.GPU, H[:2], [1, 2], 10_000)
+    with pytest.raises(InvalidArgument, match="not a retention"):
+        retention.retain(ns, H, [], 60_000, replaces=hold.lease_id)
 
 
 def test_with_a_cpu_copy_as_long_it_pins_that_and_leaves_gpu_memory_to_vllm():

@@ -201,7 +201,9 @@ def test_a_retained_prefix_survives_eviction_pressure_that_drops_an_unretained_o
         )
         lease = answer.lease
         assert (lease.state, lease.tier, len(lease.block_hashes)) == (pb.LEASE_ACTIVE, pb.TIER_GPU, 6)
-        assert pair.stat("P", "gpu_pins") == pins + 1  # P took a pool reference on its cached blocks
+        assert wait_for(
+            lambda: pair.stat("P", "gpu_pins") == pins + 1, 10
+        )  # P took a pool reference on its cached blocks
         pressure(lambda: _named_blocks(client, "P", dropped) == 0)
         assert wait_for(lambda: _named_blocks(client, "P", dropped) == 0, 10), "no eviction pressure on P"
         assert _named_blocks(client, "P", kept) == 6, "vLLM evicted a retained block"

@@ -170,6 +170,15 @@ class Retention:
                 metadata={"tenant": tenant, "limit": str(limit)},
             )
 
+    def live_by_tier(self) -> dict[Tier, int]:
+        """Live retentions (pinned or waiting for the pin) per tier, for /metrics."""
+        out = dict.fromkeys(Tier, 0)
+        for rec in self.core.registry.all():
+            for lease in self.core.leases.by_holder(rec.engine_id):
+                if is_retention(lease):
+                    out[lease.tier] += 1
+        return out
+
     def count(self, tenant: str) -> int:
         """Live retentions of `tenant`: walks the holders' leases (a per-holder index on every backend)."""
         core = self.core

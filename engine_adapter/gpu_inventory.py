@@ -258,7 +258,7 @@ class GpuInventory:
             "kvbroker: pinned %d cached GPU blocks for lease %s (reader %s)",
             len(blocks),
             lease.lease_id,
-            lease.reader_engine_id,
+            lease.reader_engine_id or "none: a retention",
         )
         return pb.PinResult(lease_id=lease.lease_id, ok=True, block_ids=[b.block_id for b in blocks])
 

@@ -214,3 +214,15 @@ def test_quotas_per_tenant_and_per_engine():
     retention2.retain(ns2, H, [], 60_000)
     with pytest.raises(ResourceExhausted, match="--max-leases-per-engine"):
         retention2.retain(ns2, H, [], 60_000)
+
+
+def test_live_retentions_are_a_gauge_by_tier():
+    from kvbroker.broker.metrics import BrokerCollector
+
+    core, _clock, _notes, p, _d, ns, retention = setup()
+    pinned(core, p, retention.retain(ns, H, [], 60_000).lease)
+    core.update_inventory(p, ns, Tier.CPU, H[:10], [])
+    retention.retain(ns, H, [], 60_000)  # pending its pin: counted too
+    core.hold("P", ns, Tier.GPU, H[:2], [1, 2], 10_000)  # a hold is no retention
+    [family] = [m for m in BrokerCollector(core).collect() if m.name == "kvbroker_retentions"]
+    assert {s.labels["tier"]: s.value for s in family.samples} == {"gpu": 1, "cpu": 1}

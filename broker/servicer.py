@@ -20,7 +20,7 @@ from typing import NoReturn
 import grpc
 from opentelemetry.trace import Tracer
 
-from kvbroker.broker import codec, lease_calls, listing
+from kvbroker.broker import codec, lease_calls, listing, placement_order
 from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, SessionChannel, SessionNotifier
 from kvbroker.broker.core import BrokerCore
@@ -361,9 +361,9 @@ class BrokerServicer(
                 request.candidates,
                 request.require_exact,
             )
+            return placement_order.score_answer(result, request)  # prefix order unless asked otherwise
         except BrokerError as err:
             await _abort(context, err)
-        return codec.score_pb(result)
 
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext

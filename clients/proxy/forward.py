@@ -50,7 +50,7 @@ from kvbroker.clients.proxy.outcome import (
 )
 from kvbroker.clients.proxy.p_queue import PrefillQueues
 from kvbroker.clients.proxy.pd_bodies import decode_body, prefill_body
-from kvbroker.clients.proxy.placement import PlacementRule
+from kvbroker.clients.proxy.placement_learner import PlacementLearner
 from kvbroker.clients.proxy.routing import Route, dp_order
 from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
 
@@ -73,9 +73,9 @@ class Forwarder:
         probe_timeout_s: float = 2.0,
         on_failure: FailureHook | None = None,
         on_retry: RetryHook | None = None,
-        placement: PlacementRule | None = None,
+        placement: PlacementLearner | None = None,
     ) -> None:
-        # Without disaggregation: how one engine is picked (placement.py); None: the prefix order.
+        # Without disaggregation: how one engine is picked (common/placement.py); None: the prefix order.
         self.placement = placement
         self._rotation = 0
         self.tracer = tracer or get_tracer()
@@ -164,10 +164,14 @@ class Forwarder:
             # each one's load against the prefix it holds (and a pull of it from the holder).
             self._rotation += 1
             engines = _single_order([*d_list, *p_list], [])
-            order, placed = dp_order(route, engines, self.pool, self.placement, self._rotation)
+            order, placed = dp_order(route, engines, self.pool, self.placement.rule(), self._rotation)
             if placed is not None:  # why: on the span, in the metrics, in a response header
                 outcome.route_reason, outcome.route_detail = placed.reason, placed.detail
-            return await self._serve_single(request, endpoint, body, order, outcome, tried, "dp")
+            sent = time.perf_counter()
+            answer = await self._serve_single(request, endpoint, body, order, outcome, tried, "dp")
+            ttft = outcome.first_byte_at - sent if outcome.first_byte_at is not None else None
+            self.placement.served(placed, outcome.decode is order[0], bool(body.get("stream")), ttft)
+            return answer
         else:
             if not disaggregate:
                 outcome.fallback_reason = "disaggregation off"
@@ -379,7 +383,7 @@ class Forwarder:
         """Send the request to `engine` and relay its answer; EngineFailure before anything was relayed."""
         attributes = {"kvbroker.engine": engine.label, "server.address": engine.url, "kvbroker.mode": mode}
         with (
-            self.pool.serving(engine),  # in flight, for the placement (placement.py)
+            self.pool.serving(engine),  # in flight, for the placement (common/placement.py)
             self.tracer.start_as_current_span(
                 "proxy.decode" if mode == "pd" else "proxy.single",
                 kind=SpanKind.CLIENT,

@@ -19,8 +19,8 @@ import aiohttp
 
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
-from kvbroker.clients.proxy.placement import Candidate, Placement, PlacementRule, place
 from kvbroker.common.hashing import wire_chain
+from kvbroker.common.placement import Candidate, Placement, PlacementRule, place
 from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker.proxy")
@@ -113,7 +113,7 @@ def order_engines(
 def dp_order(
     route: Route, engines: Sequence[EngineSpec], pool: EnginePool, rule: PlacementRule, rotation: int
 ) -> tuple[list[EngineSpec], Placement | None]:
-    """Engines for a whole request on a data-parallel fleet, in placement order (placement.py):
+    """Engines for a whole request on a data-parallel fleet, in placement order (common/placement.py):
     healthy ones by predicted time to first token, then those cooling down after a failure."""
     # A fixed base order (the route's lists come rotated already): the placement rotates ties.
     healthy = sorted((e for e in engines if not pool.is_cooling_down(e)), key=lambda e: e.url)

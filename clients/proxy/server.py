@@ -28,12 +28,13 @@ from kvbroker.clients.proxy.errors import json_errors
 from kvbroker.clients.proxy.forward import Forwarder
 from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
 from kvbroker.clients.proxy.outcome import EngineFailure, Outcome, RequestRejected, openai_error
-from kvbroker.clients.proxy.placement import PlacementRule
+from kvbroker.clients.proxy.placement_learner import PlacementLearner
 from kvbroker.clients.proxy.retain import Retainer, retain_request
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
 from kvbroker.clients.proxy.validate import InvalidRequest, check_sampling
+from kvbroker.common.placement import PlacementRule
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -160,7 +161,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         if outcome.fallback_reason:
             span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
         if outcome.route_reason:
-            # Local on D or P then pull (p_queue.py), or a data-parallel placement (placement.py), and why.
+            # Local on D or P then pull (p_queue.py), or a data-parallel placement (common/placement.py), and why.
             span.set_attribute("kvbroker.route_reason", outcome.route_reason)
             span.set_attribute("kvbroker.route_detail", outcome.route_detail)
         if response.status >= 500:
@@ -299,17 +300,18 @@ async def _on_cleanup(app: web.Application) -> None:
         await state.broker.close()
 
 
-def placement_rule(config: ProxyConfig) -> PlacementRule | None:
+def placement_rule(config: ProxyConfig) -> PlacementLearner | None:
     """How one engine is picked without disaggregation (None: the longest prefix first)."""
     if config.placement == "prefix":
         return None
-    return PlacementRule(
+    rule = PlacementRule(
         busy_tokens=config.dp_busy_tokens,
         pull_token_cost=config.dp_pull_token_cost,
         min_prefix_tokens=config.dp_min_prefix_tokens,
         pull=config.dp_pull,
         round_robin=config.placement == "round_robin",
     )
+    return PlacementLearner(rule, learn=config.placement_learn and config.placement == "load")
 
 
 def build_app(
@@ -373,6 +375,8 @@ def build_app(
     app[STATE_KEY] = state
     if metrics is not None and config.metrics:
         app.router.add_get("/metrics", metrics.handle_metrics)
+        if state.forwarder.placement is not None:
+            metrics.placement_weights(state.forwarder.placement)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_post(CHAT_COMPLETIONS, chat_completions)
     app.router.add_get("/health", health)

@@ -188,6 +188,30 @@ REVOKE_DECLINED: RevokeCause.ValueType  # 8
 """the reader will not read it (it recomputed, or its request failed)"""
 Global___RevokeCause: _TypeAlias = RevokeCause  # noqa: Y015
 
+class _ScoreOrder:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ScoreOrderEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ScoreOrder.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SCORE_ORDER_PREFIX: _ScoreOrder.ValueType  # 0
+    """not draining, longest prefix, more on GPU, lower load"""
+    SCORE_ORDER_PLACEMENT: _ScoreOrder.ValueType  # 1
+    """lowest predicted cost first (EngineScore.predicted_cost)"""
+
+class ScoreOrder(_ScoreOrder, metaclass=_ScoreOrderEnumTypeWrapper):
+    """How a Score answer is ordered. PLACEMENT is the proxy's data-parallel rule
+    (common/placement.py): predicted time to first token in prompt-token
+    equivalents, weighing each engine's load against the prefix it holds and the
+    cost of pulling the longest held prefix from another engine.
+    """
+
+SCORE_ORDER_PREFIX: ScoreOrder.ValueType  # 0
+"""not draining, longest prefix, more on GPU, lower load"""
+SCORE_ORDER_PLACEMENT: ScoreOrder.ValueType  # 1
+"""lowest predicted cost first (EngineScore.predicted_cost)"""
+Global___ScoreOrder: _TypeAlias = ScoreOrder  # noqa: Y015
+
 @_typing.final
 class LayoutFingerprint(_message.Message):
     """The KV layout of an engine. Engines whose layout ids are equal may read
@@ -1473,8 +1497,12 @@ class ScoreRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
     REQUIRE_EXACT_FIELD_NUMBER: _builtins.int
+    ORDER_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
     require_exact: _builtins.bool
     """count only blocks of engines whose entries are INDEX_EXACT"""
+    order: Global___ScoreOrder.ValueType
+    """how `scores` are ordered (default: longest prefix first)"""
     @_builtins.property
     def namespace(self) -> Global___Namespace: ...
     @_builtins.property
@@ -1489,6 +1517,10 @@ class ScoreRequest(_message.Message):
     def candidates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """engine ids; empty = all compatible engines"""
 
+    @_builtins.property
+    def weights(self) -> Global___PlacementWeights:
+        """for SCORE_ORDER_PLACEMENT; unset fields take the defaults"""
+
     def __init__(
         self,
         *,
@@ -1497,14 +1529,50 @@ class ScoreRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         candidates: _abc.Iterable[_builtins.str] | None = ...,
         require_exact: _builtins.bool = ...,
+        order: Global___ScoreOrder.ValueType = ...,
+        weights: Global___PlacementWeights | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "candidates", b"candidates", "namespace", b"namespace", "require_exact", b"require_exact", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "candidates", b"candidates", "namespace", b"namespace", "order", b"order", "require_exact", b"require_exact", "token_ids", b"token_ids", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScoreRequest: _TypeAlias = ScoreRequest  # noqa: Y015
+
+@_typing.final
+class PlacementWeights(_message.Message):
+    """The placement rule's weights; 0 / unset means the default in brackets."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUSY_TOKENS_FIELD_NUMBER: _builtins.int
+    PULL_TOKEN_COST_FIELD_NUMBER: _builtins.int
+    MIN_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    NO_PULL_FIELD_NUMBER: _builtins.int
+    busy_tokens: _builtins.float
+    """prompt tokens of waiting one request in flight costs [256]"""
+    pull_token_cost: _builtins.float
+    """a pulled token's cost as a fraction of computing it [0.1]"""
+    min_prefix_tokens: _builtins.int
+    """a longest held prefix under this is ignored: balance by load [64]"""
+    no_pull: _builtins.bool
+    """engines do not pull from each other (no kv_both connector)"""
+    def __init__(
+        self,
+        *,
+        busy_tokens: _builtins.float = ...,
+        pull_token_cost: _builtins.float = ...,
+        min_prefix_tokens: _builtins.int = ...,
+        no_pull: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_tokens", b"busy_tokens", "min_prefix_tokens", b"min_prefix_tokens", "no_pull", b"no_pull", "pull_token_cost", b"pull_token_cost"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementWeights: _TypeAlias = PlacementWeights  # noqa: Y015
 
 @_typing.final
 class EngineScore(_message.Message):
@@ -1516,6 +1584,7 @@ class EngineScore(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     EXACTNESS_FIELD_NUMBER: _builtins.int
+    PREDICTED_COST_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     gpu_blocks: _builtins.int
     cpu_blocks: _builtins.int
@@ -1523,6 +1592,8 @@ class EngineScore(_message.Message):
     draining: _builtins.bool
     exactness: Global___IndexExactness.ValueType
     """how exact the counts above are for this engine"""
+    predicted_cost: _builtins.float
+    """SCORE_ORDER_PLACEMENT: predicted cost, prompt-token equivalents"""
     def __init__(
         self,
         *,
@@ -1532,10 +1603,11 @@ class EngineScore(_message.Message):
         load: _builtins.float = ...,
         draining: _builtins.bool = ...,
         exactness: Global___IndexExactness.ValueType = ...,
+        predicted_cost: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_blocks", b"cpu_blocks", "draining", b"draining", "engine_id", b"engine_id", "exactness", b"exactness", "gpu_blocks", b"gpu_blocks", "load", b"load"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_blocks", b"cpu_blocks", "draining", b"draining", "engine_id", b"engine_id", "exactness", b"exactness", "gpu_blocks", b"gpu_blocks", "load", b"load", "predicted_cost", b"predicted_cost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1548,8 +1620,17 @@ class ScoreResponse(_message.Message):
     SCORES_FIELD_NUMBER: _builtins.int
     TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    PLACEMENT_REASON_FIELD_NUMBER: _builtins.int
+    PLACEMENT_DETAIL_FIELD_NUMBER: _builtins.int
+    PULL_FROM_FIELD_NUMBER: _builtins.int
     total_blocks: _builtins.int
     block_size: _builtins.int
+    placement_reason: _builtins.str
+    """SCORE_ORDER_PLACEMENT only: why the first engine is first (a dp_* label of
+    common/placement.py), the figures, and the engine it would pull from ("": none).
+    """
+    placement_detail: _builtins.str
+    pull_from: _builtins.str
     @_builtins.property
     def scores(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineScore]:
         """best first"""
@@ -1560,10 +1641,13 @@ class ScoreResponse(_message.Message):
         scores: _abc.Iterable[Global___EngineScore] | None = ...,
         total_blocks: _builtins.int = ...,
         block_size: _builtins.int = ...,
+        placement_reason: _builtins.str = ...,
+        placement_detail: _builtins.str = ...,
+        pull_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "scores", b"scores", "total_blocks", b"total_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "placement_detail", b"placement_detail", "placement_reason", b"placement_reason", "pull_from", b"pull_from", "scores", b"scores", "total_blocks", b"total_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,6 +29,7 @@ from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult, Stats
+from kvbroker.broker.retention_calls import RetentionCalls
 from kvbroker.broker.servicer_parts import EngineCheck, StreamObserver
 from kvbroker.broker.status import abort, answer, status_of, trailers
 from kvbroker.broker.tracing import command_span
@@ -54,7 +55,9 @@ def _session_error(seq: int, err: BrokerError) -> pb.SessionDown:
     )
 
 
-class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
+class BrokerServicer(
+    RetentionCalls, broker_pb2_grpc.KVBrokerServicer
+):  # Retain, Unretain: retention_calls.py
     def __init__(
         self,
         core: BrokerCore,

@@ -323,6 +323,19 @@ class AsyncBrokerClient:
     ) -> pb.ScoreResponse:
         return await self._unary("Score", build_request(pb.ScoreRequest, request, fields), timeout)
 
+    async def retain(
+        self, request: pb.RetainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.RetainResponse:
+        """Keep a prompt's prefix on its holder for ttl_ms (docs/clients.md, "Retention"); answered once
+        the holder pinned it. Not retried on another replica: a second try would make a second lease."""
+        return await self._unary("Retain", build_request(pb.RetainRequest, request, fields), timeout)
+
+    async def unretain(
+        self, request: pb.UnretainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        """End a retention now (lease_id): its holder unpins the blocks."""
+        return await self._unary("Unretain", build_request(pb.UnretainRequest, request, fields), timeout)
+
     # Operators.
     async def list_engines(
         self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any

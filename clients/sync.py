@@ -245,6 +245,19 @@ class BrokerClient:
     ) -> pb.ScoreResponse:
         return self._unary("Score", build_request(pb.ScoreRequest, request, fields), timeout)
 
+    def retain(
+        self, request: pb.RetainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.RetainResponse:
+        """Keep a prompt's prefix on its holder for ttl_ms (docs/clients.md, "Retention"); answered once
+        the holder pinned it. Not retried on another replica: a second try would make a second lease."""
+        return self._unary("Retain", build_request(pb.RetainRequest, request, fields), timeout)
+
+    def unretain(
+        self, request: pb.UnretainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        """End a retention now (lease_id): its holder unpins the blocks."""
+        return self._unary("Unretain", build_request(pb.UnretainRequest, request, fields), timeout)
+
     # Operators.
     def list_engines(
         self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any

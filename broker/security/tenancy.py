@@ -138,6 +138,16 @@ class TenantGuard:
             self.namespace(who, request.namespace, "resolve")
             if request.acquire:  # a resolve that leases counts against the lease quota like a hold
                 self.quotas.check_leases(who, self._live_leases(who.tenant))
+        elif isinstance(request, pb.RetainRequest):
+            self.namespace(who, request.namespace, "retain")
+            for lease_id in (request.lease_id, request.replaces_lease_id):
+                if lease_id:
+                    self.lease_in_tenant(who, lease_id, "retain")
+            self.engine_in_tenant(who, request.engine_id, "retain on")
+            if not request.lease_id:  # a new retention is a lease of the tenant, like a hold
+                self.quotas.check_leases(who, self._live_leases(who.tenant))
+        elif isinstance(request, pb.UnretainRequest):
+            self.lease_in_tenant(who, request.lease_id, "unretain")
         elif isinstance(request, pb.ScoreRequest):
             self.namespace(who, request.namespace, "score")
         elif isinstance(request, pb.StatsRequest):

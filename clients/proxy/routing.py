@@ -56,6 +56,8 @@ class Route:
     scored: bool = False
     note: str = ""  # why there are no scores, when there are none
     block_size: int = 0  # of the layout the prompt was hashed for
+    hashes: list[int] = field(default_factory=list)  # the prompt's chain, as scored (retain.py)
+    namespace: pb.Namespace | None = None  # the namespace it was scored in
 
     def held_tokens(self, engine: EngineSpec) -> int:
         """Tokens of the prompt `engine` holds (GPU or its CPU tier), as the broker scored it."""
@@ -287,10 +289,12 @@ class Router:
             for e in everyone
             if (lo := self.pool.layout_of(e)) and lo.layout_id == layout.layout_id
         ]
+        route.hashes = hashes
+        route.namespace = pb.Namespace(
+            layout_id=layout.layout_id, tenant=namespace_tenant(self.tenant, body.get("cache_salt"))
+        )
         response = await self.broker.score(
-            namespace=pb.Namespace(
-                layout_id=layout.layout_id, tenant=namespace_tenant(self.tenant, body.get("cache_salt"))
-            ),
+            namespace=route.namespace,
             block_hashes=hashes,
             candidates=same_layout,
             require_exact=self.require_exact,

@@ -29,6 +29,7 @@ from kvbroker.clients.proxy.forward import Forwarder
 from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
 from kvbroker.clients.proxy.outcome import EngineFailure, Outcome, RequestRejected, openai_error
 from kvbroker.clients.proxy.placement_learner import PlacementLearner
+from kvbroker.clients.proxy.retain import Retainer, retain_request
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
@@ -56,6 +57,7 @@ class ProxyState:
     broker: Any | None  # clients.aio.AsyncBrokerClient
     tracer: trace.Tracer
     api_keys: ApiKeys | None = None
+    retainer: Retainer | None = None  # X-KV-Retain-Seconds (retain.py); None without a broker
     refresh_task: asyncio.Task[None] | None = None
 
 
@@ -113,6 +115,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         return body
     try:
         check_sampling(body)  # before P prefills it (validate.py)
+        retain = retain_request(request.headers)  # X-KV-Retain-Seconds (retain.py)
     except InvalidRequest as e:
         return openai_error(400, str(e), "invalid_request_error", param=e.param)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -147,6 +150,9 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
                 headers={"X-Request-Id": request_id},
             )
         span.set_attribute("http.response.status_code", response.status)
+        if retain is not None and response.status < 400 and state.retainer is not None:
+            engine = outcome.decode or outcome.prefill  # the engine that now holds the conversation
+            state.retainer.after_turn(engine, route.namespace, route.hashes, *retain)
         span.set_attribute("kvbroker.mode", outcome.mode)
         if outcome.prefill is not None:
             span.set_attribute("kvbroker.prefill_engine", outcome.prefill.label)
@@ -287,6 +293,8 @@ async def _on_cleanup(app: web.Application) -> None:
         state.refresh_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await state.refresh_task
+    if state.retainer is not None:
+        await state.retainer.close()
     await state.http.close()
     if state.broker is not None:
         await state.broker.close()
@@ -357,6 +365,7 @@ def build_app(
         broker=broker,
         tracer=tracer,
         api_keys=ApiKeys(config.api_keys_file) if config.api_keys_file else None,
+        retainer=Retainer(broker) if broker is not None else None,
     )
     middlewares = []
     if metrics is not None:

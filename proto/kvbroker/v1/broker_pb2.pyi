@@ -30,7 +30,7 @@ Causes are stable lowercase words; a new one may be added, none is renamed:
                   holder_refused, drain, superseded, declined (the
                   RevokeCause names, lowercase, without REVOKE_), released
   lease misuse    stale_epoch, wrong_lease_state, not_party, not_holder
-  names, layouts  unknown_engine, unknown_lease, unknown_layout,
+  names, layouts  unknown_engine, unknown_lease, unknown_layout, not_cached,
                   layout_mismatch, incompatible, draining
   requests        bad_request, out_of_range
   streams ended   session_superseded, session_expired, shutting_down,
@@ -2099,3 +2099,125 @@ class MirrorUpdate(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MirrorUpdate: _TypeAlias = MirrorUpdate  # noqa: Y015
+
+@_typing.final
+class RetainRequest(_message.Message):
+    """---------------------------------------------------------------------------
+    Retention (docs/broker.md, "Retention"): keep a conversation's prefix on the
+    engine that holds it for a while, with no reader yet. The broker makes a
+    lease with an empty reader (request_id "retain:KEY") and sends the holder a
+    PinCommand, as for a reader's pin of cached blocks; the lease ends at its
+    TTL (TTL_EXPIRED), by Unretain (RELEASED), or when the holder's session ends
+    (HOLDER_GONE: the pin is lost, as a later Retain naming the lease answers
+    and as the lease_revoked event on Watch shows). Compatibility: new calls and
+    messages only; an older broker answers UNIMPLEMENTED, and engines need no
+    change (they answer the PinCommand as they answer a reader's).
+    ---------------------------------------------------------------------------
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    REPLACES_LEASE_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    ttl_ms: _builtins.int
+    """required: how long to keep it, within the lease TTL range"""
+    engine_id: _builtins.str
+    """the holder to pin on; empty: the engine holding the longest prefix"""
+    key: _builtins.str
+    """the caller's name for the conversation (the lease's request_id "retain:KEY")"""
+    lease_id: _builtins.str
+    """renew this retention instead: its TTL restarts at ttl_ms"""
+    replaces_lease_id: _builtins.str
+    """an older retention of the conversation, ended once this one is pinned"""
+    tier: Global___Tier.ValueType
+    """Which copy to pin. Unspecified: the engine's CPU-tier copy where it has at
+    least as much of the prefix there as on GPU (GPU memory stays vLLM's to
+    evict; the next turn restores from the pinned CPU copy), else the GPU copy.
+    """
+    @_builtins.property
+    def namespace(self) -> Global___Namespace: ...
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the prompt's chain: either hashes ..."""
+
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """... or its token ids (hashed by the broker, as Score does)"""
+
+    def __init__(
+        self,
+        *,
+        namespace: Global___Namespace | None = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ttl_ms: _builtins.int = ...,
+        engine_id: _builtins.str = ...,
+        key: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
+        replaces_lease_id: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "engine_id", b"engine_id", "key", b"key", "lease_id", b"lease_id", "namespace", b"namespace", "replaces_lease_id", b"replaces_lease_id", "tier", b"tier", "token_ids", b"token_ids", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetainRequest: _TypeAlias = RetainRequest  # noqa: Y015
+
+@_typing.final
+class RetainResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: _builtins.int
+    REQUESTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
+    requested_blocks: _builtins.int
+    """full blocks asked for; the lease covers the held prefix of them"""
+    replaced: _builtins.bool
+    """replaces_lease_id was ended"""
+    @_builtins.property
+    def lease(self) -> Global___Lease:
+        """the retention lease (reader empty), ACTIVE: the holder pinned its blocks"""
+
+    def __init__(
+        self,
+        *,
+        lease: Global___Lease | None = ...,
+        requested_blocks: _builtins.int = ...,
+        replaced: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "replaced", b"replaced", "requested_blocks", b"requested_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetainResponse: _TypeAlias = RetainResponse  # noqa: Y015
+
+@_typing.final
+class UnretainRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    """a lease Retain made"""
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnretainRequest: _TypeAlias = UnretainRequest  # noqa: Y015

@@ -11,13 +11,10 @@
               engines in kv_both with our connector, each pulling a prefix from whichever
               engine holds it
 
-`ours-dp` is written against the proxy's data-parallel mode as merged on main from the
-fleet26 branch (docs/serving.md, "data-parallel fleets"; not yet in this branch's proxy):
+`ours-dp` is the proxy's data-parallel mode (docs/serving.md, "Data-parallel fleets"):
 engines with our connector, role `both` (kv_both), given as `--engine ID=URL`, and the proxy
-with `--no-disaggregate --placement load` (its `placement` setting; engines pull prefixes
-from each other, `dp_pull` on by default), as tools/demo_stack.py's `dp:N` topology starts
-them. While `ProxyConfig` has no `placement` field the setup raises `Unavailable` with that
-reason, and the benchmark reports it so.
+with `--no-disaggregate --placement load` (engines pull prefixes from each other), as
+tools/demo_stack.py's `dp:N` topology starts them.
 
 Every engine: the run's model, block size 32, `--enable-prompt-tokens-details` (usage
 reports cached tokens), vLLM's stats on (its /metrics counts prompt tokens by source:
@@ -30,7 +27,6 @@ each run uses a fresh cache_salt, so no run reuses another's cache.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -316,25 +312,7 @@ def start_nixl_pd(ctx: Context) -> Running:
     return running
 
 
-def proxy_dp_missing() -> str | None:
-    """Why our proxy cannot run the data-parallel setup yet, or None when it can (see the module doc)."""
-    try:
-        from kvbroker.clients.proxy.config import ProxyConfig
-    except ImportError as e:
-        return f"the proxy does not import ({e})"
-    names = {f.name for f in dataclasses.fields(ProxyConfig)}
-    if not {"placement", "dp_pull"} <= names:
-        return (
-            "our proxy has no data-parallel placement yet (ProxyConfig has no `placement` / `dp_pull` "
-            "fields, flags `--placement load`, `--dp-pull`; issue 26 items 2-3, branch fleet26)"
-        )
-    return None
-
-
 def start_ours_dp(ctx: Context) -> Running:
-    reason = proxy_dp_missing()
-    if reason:
-        raise Unavailable(reason)
     roles: list[tuple[str, str, dict[str, Any]]] = [(f"E{i}", "both", {}) for i in range(ctx.engines)]
     running = _ours(ctx, "ours-dp", roles)
     try:

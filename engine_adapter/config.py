@@ -73,6 +73,13 @@ class AdapterConfig:
         0,
         "Slots (blocks) of the CPU offload tier, per rank (0 = off). Finished requests' full blocks are copied there and announced as tier CPU.",
     )
+    verify_bytes: bool = setting(
+        False,
+        "Verified bytes: as a holder, state a CRC32 per block and layer of what it holds for readers; as a "
+        "reader, check every pulled block against it before the release commits, and recompute on a "
+        "mismatch or when the holder states none. CPU (DRAM) KV memory only; costs a CRC32 of the bytes "
+        "on both sides (docs/data_path.md).",
+    )
     tenant: str = setting("", "Tenant added to the namespace (with the request's cache_salt).")
     tls_ca: str = setting(
         "",

@@ -210,6 +210,7 @@ class AdapterScheduler:
             commits=self.loads.take_commits(),
             frees=self._ctx.take_frees(),
             stores=self.stores.take_specs(),
+            digests=self._ctx.take_digests(),
         )
         self._report_load()
         self._publish_stats()
@@ -286,7 +287,10 @@ class AdapterScheduler:
         if command.lease.tier == pb.TIER_GPU and self.gpu.bound:
             return self.gpu.pin(command)
         with self._lock:
-            return self.stores.pin(command)
+            result = self.stores.pin(command)
+        if result.ok and self.config.verify_bytes:
+            self.gpu.wake_engine()  # the next step states the pinned slots' digests
+        return result
 
     def unpin_blocks(self, lease_id: str) -> None:
         """A lease ended (session thread): its CPU-tier slots may be evicted again, its GPU blocks freed."""

@@ -225,3 +225,28 @@ def test_holds_and_pins_state_their_digests_only_when_verifying() -> None:
     off, _, _ = make()
     off._ctx.state_digests(pb.TIER_GPU, [1, 2], [11, 12])
     assert off.build_connector_meta().digests == []
+
+
+def test_a_hold_has_its_blocks_digests_stated_at_the_next_step() -> None:
+    sched, _, _ = make(multi_turn=True, verify_bytes=True)
+    sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
+    assert sched.build_connector_meta().digests == [
+        DigestSpec(pb.TIER_GPU, (1, 2, 3, 4), tuple(wire(i) for i in range(4)))
+    ]
+
+
+def test_a_pin_of_cpu_tier_slots_has_their_digests_stated_at_the_next_step() -> None:
+    sched, link, _ = make(verify_bytes=True, cpu_tier_blocks=4)
+    sched.request_finished(
+        FakeRequest("a", num_tokens=3 * 32 + 5, num_computed_tokens=3 * 32 + 4), [1, 2, 3, 4]
+    )
+    assert [s.slot_ids for s in sched.build_connector_meta().stores] == [(0, 1, 2)]
+    sched.update_connector_output(
+        worker_meta=ReadOutcomes(stores_done={1: 1}), finished_sending=None, finished_recving=None
+    )
+    ns = pb.Namespace(layout_id=link.layout_id, tenant="")
+    lease = pb.Lease(lease_id="l1", tier=pb.TIER_CPU, namespace=ns, block_hashes=[wire(0), wire(1)])
+    assert link.pin_handler is not None
+    result = link.pin_handler(pb.PinCommand(lease=lease))
+    assert isinstance(result, pb.PinResult) and result.ok
+    assert sched.build_connector_meta().digests == [DigestSpec(pb.TIER_CPU, (0, 1), (wire(0), wire(1)))]

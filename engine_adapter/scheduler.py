@@ -135,8 +135,9 @@ class AdapterScheduler:
         self.gpu.wake = wake
 
     def has_pool_returns(self) -> bool:
-        """Work only the scheduler thread may do: ended holds' blocks, pins of cached blocks."""
-        return self.holds.has_pool_returns() or self.gpu.has_work()
+        """Work only the scheduler thread may do: ended holds' blocks, pins of cached blocks, and
+        digests the workers are to state (verify_bytes), which go out with a step's metadata."""
+        return self.holds.has_pool_returns() or self.gpu.has_work() or bool(self._ctx.pending_digests)
 
     def read_cache_events(self) -> None:
         """vLLM's KV cache events since the last look: evicted blocks are announced removed."""

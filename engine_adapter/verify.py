@@ -34,6 +34,8 @@ from kvbroker.v1 import broker_pb2 as pb
 # How long a reader waits for a holder to state the digests of blocks it read (the holder states
 # them at its next scheduler step after the hold or pin; an idle engine is woken for it).
 VERIFY_WAIT_S = 5.0
+# How often a reader reads entries not stated yet again (it steps every few ms while it waits).
+VERIFY_RETRY_S = 0.01
 
 
 class VerifyUnsupportedError(ValueError):
@@ -47,6 +49,7 @@ class PendingCheck:
     reads: list[LayerRead]
     deadline: float
     tries: int = 1
+    next_try: float = 0.0
 
 
 class ByteVerifier:

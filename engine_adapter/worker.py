@@ -29,7 +29,13 @@ from kvbroker.engine_adapter.metadata import (
 )
 from kvbroker.engine_adapter.peer_agents import PeerAgents
 from kvbroker.engine_adapter.topology import LayerRead, TopologyError, plan_layer_reads
-from kvbroker.engine_adapter.verify import VERIFY_WAIT_S, ByteVerifier, PendingCheck, mismatch_reason
+from kvbroker.engine_adapter.verify import (
+    VERIFY_RETRY_S,
+    VERIFY_WAIT_S,
+    ByteVerifier,
+    PendingCheck,
+    mismatch_reason,
+)
 from kvbroker.v1 import broker_pb2 as pb
 
 logger = logging.getLogger("vllm.kvbroker.worker")
@@ -371,9 +377,11 @@ class AdapterWorker:
             self._outcomes.mismatched[req_id] = len(found.mismatched)
             reading.failure = mismatch_reason(found, spec)
         elif found.unstated and self._clock() < pending.deadline:
-            # The holder states them at its next step: read its entries again.
-            pending.tries += 1
-            self._start_digest_reads(reading, pending.reads)
+            # The holder states them at its next step: read its entries again, now and then.
+            if self._clock() >= pending.next_try:
+                pending.tries += 1
+                pending.next_try = self._clock() + VERIFY_RETRY_S
+                self._start_digest_reads(reading, pending.reads)
             return bool(reading.failure)
         elif found.unstated:
             reading.failure = (

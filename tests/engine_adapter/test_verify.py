@@ -23,7 +23,7 @@ from kvbroker.engine_adapter.metadata import (
     ReadOutcomes,
     RegionSpec,
 )
-from kvbroker.engine_adapter.verify import VERIFY_WAIT_S, VerifyUnsupportedError
+from kvbroker.engine_adapter.verify import VERIFY_RETRY_S, VERIFY_WAIT_S, VerifyUnsupportedError
 from kvbroker.engine_adapter.worker import AdapterWorker
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.clock import FakeClock
@@ -60,6 +60,7 @@ class Pair:
     def outcomes(self, polls: int = 3) -> ReadOutcomes:
         for _ in range(polls):  # a re-read of the digests is copied when started, seen next poll
             self.reader.poll()
+            self.clock.advance(VERIFY_RETRY_S)
             outcomes = self.reader.take_outcomes()
             if outcomes is not None:
                 return outcomes
@@ -230,9 +231,12 @@ def test_holds_and_pins_state_their_digests_only_when_verifying() -> None:
 def test_a_hold_has_its_blocks_digests_stated_at_the_next_step() -> None:
     sched, _, _ = make(multi_turn=True, verify_bytes=True)
     sched.request_finished(FakeRequest("a", num_tokens=141, num_computed_tokens=140), [1, 2, 3, 4, 5])
+    # Work for a step: a woken idle engine asks this (has_pending_push_work) before it steps.
+    assert sched.has_pool_returns()
     assert sched.build_connector_meta().digests == [
         DigestSpec(pb.TIER_GPU, (1, 2, 3, 4), tuple(wire(i) for i in range(4)))
     ]
+    assert not sched.has_pool_returns()
 
 
 def test_a_pin_of_cpu_tier_slots_has_their_digests_stated_at_the_next_step() -> None:

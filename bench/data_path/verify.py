@@ -11,7 +11,9 @@ worker's own path (``LoadSpec`` in, ``poll`` until its outcome):
 
 - plain:    the NIXL read of the blocks;
 - verified: the same read, plus the read of the holder's digest entries and the
-            check (CRC32 of every byte that landed, compared per block and layer).
+            check (CRC32 of every byte that landed, compared per block and layer);
+- check:    the check alone, timed again after a verified pull (what of the
+            verified pull's extra time is the CRC32, the rest being the entries' read).
 
 Every verified pull must report all its blocks verified (that is also the byte
 check: the reader's CRC32 of what landed equals the holder's of what it holds).
@@ -123,6 +125,7 @@ def pull(worker: Any, spec: Any) -> tuple[float, Any]:
 def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     from kvbroker.engine_adapter.lease_reads import holder_ranks
     from kvbroker.engine_adapter.metadata import LoadSpec
+    from kvbroker.engine_adapter.topology import plan_layer_reads
     from kvbroker.v1 import broker_pb2 as pb
 
     rows = []
@@ -139,7 +142,7 @@ def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]
             verified = _worker(f"verified-{model}-{layout}", verified_kv, verify=True)
             for history in args.histories:
                 n = history // shape.block_size
-                times: dict[str, list[float]] = {"plain": [], "verified": []}
+                times: dict[str, list[float]] = {"plain": [], "verified": [], "check": []}
                 for rep in range(args.reps + 1):  # the first of each is a warm-up (connection set-up)
                     for name, worker in (("plain", plain), ("verified", verified)):
                         spec = LoadSpec(
@@ -159,6 +162,13 @@ def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]
                             raise RuntimeError(f"verified pull checked {outcomes.verified} of {n} blocks")
                         if rep:
                             times[name].append(ms)
+                        if rep and name == "verified":
+                            reads = plan_layer_reads(
+                                tp_rank=0, local_layers=worker.local_layers, holder_ranks=spec.holder_ranks
+                            )
+                            t0 = time.perf_counter()
+                            assert worker.verifier.check(spec, reads).ok
+                            times["check"].append((time.perf_counter() - t0) * 1000)
                 plain_ms = statistics.median(times["plain"])
                 verified_ms = statistics.median(times["verified"])
                 state_ms = statistics.median(info[(model, layout)]["state_ms"][history])
@@ -170,6 +180,7 @@ def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]
                     "bytes": n * shape.block_bytes,
                     "plain_ms": round(plain_ms, 3),
                     "verified_ms": round(verified_ms, 3),
+                    "check_ms": round(statistics.median(times["check"]), 3),
                     "reader_extra_share": round((verified_ms - plain_ms) / plain_ms, 3),
                     "holder_state_ms": round(state_ms, 3),
                     "holder_state_share": round(state_ms / plain_ms, 3),
@@ -187,7 +198,17 @@ def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    headers = ["model", "layout", "tokens", "MB", "plain ms", "verified ms", "reader extra", "holder ms"]
+    headers = [
+        "model",
+        "layout",
+        "tokens",
+        "MB",
+        "plain ms",
+        "verified ms",
+        "reader extra",
+        "check ms",
+        "holder ms",
+    ]
     body = [
         [
             r["model"],
@@ -197,6 +218,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['plain_ms']:.2f}",
             f"{r['verified_ms']:.2f}",
             f"{r['reader_extra_share']:+.0%}",
+            f"{r['check_ms']:.2f}",
             f"{r['holder_state_ms']:.2f}",
         ]
         for r in rows

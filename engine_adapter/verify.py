@@ -1,8 +1,10 @@
 """One rank's verified bytes (``verify_bytes``): its digest tables as a holder, its checks as a reader.
 
 As a holder, each registered tier gets a digest table (engine_adapter/digests.py)
-registered with NIXL beside it; ``state`` fills it for a ``DigestSpec`` (blocks
-now held or pinned for a reader). As a reader, every NIXL read of a load is
+registered with NIXL beside it; ``submit`` fills it for a ``DigestSpec`` (blocks
+now held or pinned for a reader) on a thread of its own, in order, so that
+vLLM's step does not wait for the CRC32 (``zlib.crc32`` releases the GIL). A
+reader that comes first finds the entries unstated and reads them again. As a reader, every NIXL read of a load is
 paired with a read of the holder rank's entries for the same blocks and layers
 into this rank's inbox; when both are done, ``check`` compares them with the
 CRC32 of the bytes that landed. Entries not stated yet are read again until
@@ -15,7 +17,9 @@ refused at registration, with the reason, instead of being read wrongly.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +34,8 @@ from kvbroker.engine_adapter.digests import (
 from kvbroker.engine_adapter.metadata import DigestSpec, LoadSpec, ReadOutcomes, RegionSpec
 from kvbroker.engine_adapter.topology import LayerRead
 from kvbroker.v1 import broker_pb2 as pb
+
+logger = logging.getLogger("vllm.kvbroker.worker")
 
 # How long a reader waits for a holder to state the digests of blocks it read (the holder states
 # them at its next scheduler step after the hold or pin; an idle engine is woken for it).
@@ -58,6 +64,8 @@ class ByteVerifier:
         self._sources: dict[int, BlockBytes] = {}
         self._tables: dict[int, DigestTable] = {}
         self._inbox: DigestTable | None = None
+        self._stater: ThreadPoolExecutor | None = None  # one thread: specs are stated in order
+        self._stating: list[Future[int]] = []
 
     def register(
         self, mover: Any, tier: int, mem_type: str, regions: Sequence[Any], num_blocks: int
@@ -81,6 +89,32 @@ class ByteVerifier:
     # ------------------------------------------------------------------
     # holder
     # ------------------------------------------------------------------
+
+    def submit(self, spec: DigestSpec) -> None:
+        """State a DigestSpec's entries on the stater thread (``take_stated`` counts them)."""
+        if self._stater is None:
+            self._stater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbroker-digests")
+        self._stating.append(self._stater.submit(self.state, spec))
+
+    def take_stated(self) -> int:
+        """Blocks stated since the last call. A spec that failed is logged: its readers recompute."""
+        done: list[Future[int]] = []
+        pending: list[Future[int]] = []
+        for f in self._stating:
+            (done if f.done() else pending).append(f)
+        self._stating = pending
+        blocks = 0
+        for f in done:
+            error = f.exception()
+            if error is None:
+                blocks += f.result()
+            else:
+                logger.warning("kvbroker: cannot state digests: %s", error)
+        return blocks
+
+    def close(self) -> None:
+        if self._stater is not None:
+            self._stater.shutdown(wait=True, cancel_futures=True)
 
     def state(self, spec: DigestSpec) -> int:
         """Compute and publish the entries of a DigestSpec's blocks; returns how many blocks."""

@@ -255,13 +255,9 @@ class AdapterWorker:
         self._settle_commits()
 
     def _state_digests(self, spec: Any) -> None:
-        """Holder: blocks now held or pinned for a reader get their digests (verify_bytes)."""
-        if self.verifier is None:
-            return
-        try:
-            self._outcomes.blocks_digested += self.verifier.state(spec)
-        except Exception as e:  # never take the engine down: a reader that verifies recomputes
-            logger.warning("kvbroker: cannot state the digests of %d blocks: %s", len(spec.block_ids), e)
+        """Holder: blocks now held or pinned for a reader get their digests (verify_bytes), off the step."""
+        if self.verifier is not None:
+            self.verifier.submit(spec)
 
     def _start_store(self, spec: StoreSpec) -> None:
         if self.cpu_tier is None or self._kv_caches is None:
@@ -478,6 +474,8 @@ class AdapterWorker:
         return errors
 
     def take_outcomes(self) -> ReadOutcomes | None:
+        if self.verifier is not None:
+            self._outcomes.blocks_digested += self.verifier.take_stated()
         o = self._outcomes
         if not (o.done or o.failed or o.stores_done or o.stores_failed or o.blocks_digested):
             return None
@@ -489,6 +487,8 @@ class AdapterWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self.verifier is not None:
+            self.verifier.close()  # its thread reads the tiers' memory: done before they go
         if self.cpu_tier is not None:
             self.cpu_tier.close()
         if self.mover is not None:

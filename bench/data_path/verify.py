@@ -4,8 +4,8 @@ Two processes, each with real ``AdapterWorker``s (the adapter's own worker side:
 BlockMover, one NIXL agent each, UCX). The holder builds KV caches in the
 layouts engines use (bench/data_path/kv_layouts.py) for the tiny test model and
 SmolLM2-135M, with verify_bytes on, and states the digests of a history's
-blocks (timed: the holder's part, on its scheduler step, not on the reader's
-path). The reader has two workers on identical caches, one without and one with
+blocks (timed: the holder's part, on a thread of its worker, not on its
+step nor on the reader's path). The reader has two workers on identical caches, one without and one with
 verify_bytes, and pulls the history with each in turn, interleaved, through the
 worker's own path (``LoadSpec`` in, ``poll`` until its outcome):
 
@@ -97,6 +97,8 @@ def holder_main(conn: Connection, plan: list[tuple[str, str]], histories: list[i
             for _ in range(reps):
                 t0 = time.perf_counter()
                 worker.start_load_kv(AdapterMetadata(digests=[spec]))
+                while worker.take_outcomes() is None:  # stated on the worker's stater thread
+                    time.sleep(0.0002)
                 state_ms.setdefault(history, []).append((time.perf_counter() - t0) * 1000)
         assert worker.rank_info is not None
         info[(model, layout)] = {"rank": worker.rank_info.SerializeToString(), "state_ms": state_ms}

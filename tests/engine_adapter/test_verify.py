@@ -7,6 +7,7 @@ which the scheduler then recomputes (and counts, and puts on the pull's span).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -54,8 +55,15 @@ class Pair:
         assert reason is None
         return LoadSpec("r1", "lease-1", "h", pb.TIER_GPU, REMOTE, LOCAL, tuple(ranks), block_hashes=HASHES)
 
-    def state(self) -> None:
+    def state(self) -> ReadOutcomes:
+        """The holder states the blocks' digests (on its stater thread: wait for it)."""
         self.holder.start_load_kv(AdapterMetadata(digests=[DigestSpec(pb.TIER_GPU, REMOTE, HASHES)]))
+        for _ in range(500):
+            stated = self.holder.take_outcomes()
+            if stated is not None:
+                return stated
+            time.sleep(0.01)
+        raise AssertionError("the holder never stated the digests")
 
     def outcomes(self, polls: int = 3) -> ReadOutcomes:
         for _ in range(polls):  # a re-read of the digests is copied when started, seen next poll
@@ -114,9 +122,7 @@ def test_the_holder_publishes_its_digest_table_with_the_tier(pair: Pair) -> None
 
 
 def test_verified_read_reports_every_block_checked(pair: Pair) -> None:
-    pair.state()
-    stated = pair.holder.take_outcomes()
-    assert stated is not None and stated.blocks_digested == 3
+    assert pair.state().blocks_digested == 3
     pair.reader.start_load_kv(AdapterMetadata(loads=[pair.load()]))
     outcomes = pair.outcomes()
     assert outcomes.failed == {} and outcomes.done == {"r1": 1} and outcomes.verified == {"r1": 3}
@@ -254,3 +260,13 @@ def test_a_pin_of_cpu_tier_slots_has_their_digests_stated_at_the_next_step() -> 
     result = link.pin_handler(pb.PinCommand(lease=lease))
     assert isinstance(result, pb.PinResult) and result.ok
     assert sched.build_connector_meta().digests == [DigestSpec(pb.TIER_CPU, (0, 1), (wire(0), wire(1)))]
+
+
+def test_a_spec_that_cannot_be_stated_is_logged_and_counts_nothing(
+    pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    pair.holder.start_load_kv(AdapterMetadata(digests=[DigestSpec(pb.TIER_CPU, (1,), (5,))]))  # no CPU tier
+    assert pair.holder.verifier is not None
+    pair.holder.verifier.close()  # waits for the stater thread
+    assert pair.holder.take_outcomes() is None
+    assert "cannot state digests: no digest table for tier 2" in caplog.text

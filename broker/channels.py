@@ -120,6 +120,31 @@ class SessionNotifier(Notifier, Protocol):
 
     def watcher_count(self) -> int: ...
 
+    def watch_position(self) -> str:
+        """The cursor a Watch heartbeat carries: every event before it was handed to the watchers
+        registered then ("" where events have no cursor)."""
+        ...
+
+    def watch_since(self, after: str, categories: frozenset[str]) -> tuple[list[pb.WatchEvent], bool]:
+        """The events of `categories` after cursor `after`, and whether they are all of them."""
+        ...
+
+
+def revoked_down(lease: Lease, now: float) -> pb.SessionDown:
+    """To a reader: its lease ended without a committed read."""
+    return pb.SessionDown(
+        revoked=pb.LeaseRevoked(
+            lease=codec.lease_pb(lease, now),
+            cause=int(lease.cause),  # type: ignore[arg-type]
+            detail=lease.detail,
+        )
+    )
+
+
+def ended_down(lease: Lease, now: float) -> pb.SessionDown:
+    """To a holder: a lease on its blocks ended."""
+    return pb.SessionDown(lease_ended=pb.LeaseEnded(lease=codec.lease_pb(lease, now)))
+
 
 class StreamNotifier:
     """The in-memory SessionNotifier: every session's stream is on this broker."""
@@ -150,20 +175,10 @@ class StreamNotifier:
             channel.put(msg)
 
     def lease_revoked(self, session_id: str, lease: Lease) -> None:
-        down = pb.SessionDown(
-            revoked=pb.LeaseRevoked(
-                lease=codec.lease_pb(lease, self._clock.now()),
-                cause=int(lease.cause),  # type: ignore[arg-type]
-                detail=lease.detail,
-            )
-        )
-        self._send(session_id, down)
+        self._send(session_id, revoked_down(lease, self._clock.now()))
 
     def lease_ended(self, session_id: str, lease: Lease) -> None:
-        self._send(
-            session_id,
-            pb.SessionDown(lease_ended=pb.LeaseEnded(lease=codec.lease_pb(lease, self._clock.now()))),
-        )
+        self._send(session_id, ended_down(lease, self._clock.now()))
 
     def pin(self, session_id: str, lease: Lease) -> None:
         self._send(
@@ -214,6 +229,12 @@ class StreamNotifier:
 
     def watching(self, category: str) -> bool:
         return self._watching.get(category, 0) > 0
+
+    def watch_position(self) -> str:
+        return ""  # one broker: a Watch that reconnects starts over (nothing to resume from)
+
+    def watch_since(self, after: str, categories: frozenset[str]) -> tuple[list[pb.WatchEvent], bool]:
+        return [], False  # no shared stream keeps past events
 
     def event(self, event: WatchEvent) -> None:
         if any(event.category in w.categories for w in self._watchers):

@@ -76,6 +76,11 @@ class BrokerConfig:
         "holding the most first; counted in kvbroker_index_forgotten_total (docs/broker.md#index-memory). "
         "In-memory index only: refused with --state",
     )
+    max_retentions_per_tenant: int = setting(
+        1_024,
+        "most live retentions (Retain: a conversation's prefix kept with no reader) per tenant "
+        "(RESOURCE_EXHAUSTED, cause quota_exceeded, beyond; 0 = no limit); each is also a lease of its holder",
+    )
     max_leases_per_engine: int = setting(
         0,
         "most live leases an engine may hold, and most it may read (RESOURCE_EXHAUSTED beyond); "

@@ -23,6 +23,7 @@ from kvbroker.broker.lease_stats import LeaseStats, ReadReport
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
 from kvbroker.broker.mirror import MirrorHub, Mirrors
 from kvbroker.broker.observed import ObservedIndex, ObservedLeaseTable, ObservedRegistry, Publisher
+from kvbroker.broker.prompts import prompt_chain
 from kvbroker.broker.registry import EngineRecord, EngineRegistry, Registry
 from kvbroker.broker.results import ResolveResult, ScoreResult, Stats
 from kvbroker.common.causes import Cause
@@ -420,23 +421,9 @@ class BrokerCore:
         require_exact: bool = False,
     ) -> ScoreResult:
         self.check.namespace(ns)
-        if hashes and token_ids:
-            raise InvalidArgument("give either block_hashes or token_ids, not both")
-        self.check.hashes(len(hashes), "block_hashes")
-        block_size = 0
+        hashes = prompt_chain(self.registry, self.check, ns, hashes, token_ids)
         fp = self.registry.find_fingerprint(ns.layout_id)
-        if fp is not None:
-            block_size = fp.block_size
-        if token_ids:
-            if fp is None:
-                raise NotFound(
-                    f"no engine has registered layout_id {shown(ns.layout_id)}; cannot hash token ids",
-                    Cause.UNKNOWN_LAYOUT,
-                )
-            self.check.hashes(len(token_ids) // block_size, "token_ids (in blocks)")
-            from kvbroker.common.hashing import wire_chain  # imported late: written by the clients area
-
-            hashes = wire_chain(token_ids, block_size, fp.hash_algo or "sha256", ns.tenant or None)
+        block_size = fp.block_size if fp is not None else 0
         if candidates:
             self.check.hashes(len(candidates), "candidates")
             records = [self.registry.get(engine_id) for engine_id in candidates]

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvbroker.broker.leases import Lease
+from kvbroker.common import watch
 from kvbroker.common.model import Tier
 
 INDEX, LEASE, ENGINE = "index", "lease", "engine"
-# A Watch of a broker fleet lost events (the shared store was away too long, or restarted empty).
-EVENTS_MISSED = "events_missed"
+EVENTS_MISSED, HEARTBEAT = watch.EVENTS_MISSED, watch.HEARTBEAT  # kinds clients act on
 
 
 @dataclass(slots=True, frozen=True)

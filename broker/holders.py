@@ -74,7 +74,7 @@ def covering_hold(
     best_len = 0
     reads = 0
     for lease in leases.by_holder(m.engine_id):
-        if lease.state is LeaseState.ACTIVE and lease.tier == m.tier:
+        if lease.state is LeaseState.ACTIVE and lease.tier == m.tier and lease.reader:  # not a retention
             reads += 1
         elif (
             lease.state is LeaseState.HELD

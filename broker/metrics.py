@@ -41,6 +41,7 @@ from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.exactness import census
 from kvbroker.broker.results import Stats
+from kvbroker.broker.retention import Retention
 
 log = logging.getLogger("kvbroker.metrics")
 
@@ -82,6 +83,12 @@ class BrokerCollector(Collector):
             (ended if state in ("released", "revoked") else live).add_metric([state], n)
         yield live
         yield ended
+        retained = GaugeMetricFamily(
+            "kvbroker_retentions", "Live retentions (Retain: leases with no reader) by tier", labels=["tier"]
+        )
+        for tier, n in Retention(self._core).live_by_tier().items():
+            retained.add_metric([tier.name.lower()], n)
+        yield retained
         revoked = CounterMetricFamily("kvbroker_revocations", "Lease revocations by cause", labels=["cause"])
         for cause, n in stats.revocations_by_cause.items():
             revoked.add_metric([cause], n)

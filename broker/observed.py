@@ -15,6 +15,7 @@ engine event is published on exit, after the `lease_revoked` events it caused.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -28,6 +29,8 @@ from kvbroker.common.index_budget import IndexMemory
 from kvbroker.common.model import EVENT_FED, LeaseState, Namespace, RevokeCause, Tier, is_event_fed
 from kvbroker.common.scoring import load_changed
 from kvbroker.v1 import broker_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 # An engine's load reaches its layout's mirrors at most this often (broker clock): heartbeats
 # of many engines, or a client that heartbeats in a loop, must not flood every mirror.
@@ -269,6 +272,7 @@ class ObservedRegistry:
     @contextmanager
     def removing(self, rec: EngineRecord, why: str) -> Iterator[None]:
         """Remove the engine; its mirrors drop it now, watchers hear `engine_gone` after the block."""
+        log.info("engine %s (session %s) removed: %s", rec.engine_id, rec.session_id, why)
         self._registry.remove(rec)
         self._publish.mirrors.engine(rec.layout_id, None, rec.engine_id)
         yield

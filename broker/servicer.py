@@ -20,7 +20,7 @@ from typing import NoReturn
 import grpc
 from opentelemetry.trace import Tracer
 
-from kvbroker.broker import codec, lease_calls, listing
+from kvbroker.broker import codec, lease_calls, listing, placement_order, watch_stream
 from kvbroker.broker import events as ev
 from kvbroker.broker.channels import Close, SessionChannel, SessionNotifier
 from kvbroker.broker.core import BrokerCore
@@ -29,6 +29,7 @@ from kvbroker.broker.leases import Lease
 from kvbroker.broker.mirror import mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult, Stats
+from kvbroker.broker.retention_calls import RetentionCalls
 from kvbroker.broker.servicer_parts import EngineCheck, StreamObserver
 from kvbroker.broker.status import abort, answer, status_of, trailers
 from kvbroker.broker.tracing import command_span
@@ -54,7 +55,9 @@ def _session_error(seq: int, err: BrokerError) -> pb.SessionDown:
     )
 
 
-class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
+class BrokerServicer(
+    RetentionCalls, broker_pb2_grpc.KVBrokerServicer
+):  # Retain, Unretain: retention_calls.py
     def __init__(
         self,
         core: BrokerCore,
@@ -358,9 +361,9 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                 request.candidates,
                 request.require_exact,
             )
+            return placement_order.score_answer(result, request)  # prefix order unless asked otherwise
         except BrokerError as err:
             await _abort(context, err)
-        return codec.score_pb(result)
 
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
@@ -414,9 +417,7 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
             )
         watcher = self.notifier.add_watcher(frozenset(wanted), self.core.config.watch_buffer_bytes)
         try:
-            while True:
-                item = await watcher.queue.get()
-                watcher.taken(item)
+            async for item in watch_stream.watch_items(self.notifier, watcher, request):
                 if isinstance(item, Close):
                     code = grpc.StatusCode[item.code]
                     if item.cause:
@@ -424,6 +425,8 @@ class BrokerServicer(broker_pb2_grpc.KVBrokerServicer):
                     await context.abort(code, item.message)
                 else:
                     yield item
+        except BrokerError as err:  # a bad resume_after, or the store away while reading it back
+            await _abort(context, err)
         finally:
             self.notifier.remove_watcher(watcher)
 

@@ -28,6 +28,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvbroker.clients import errors
 from kvbroker.clients.credentials import ClientSecurity, FileStamp, aio_channel, replica_options
 from kvbroker.clients.endpoints import Endpoints, split_addresses
+from kvbroker.clients.watch import DEFAULT_HEARTBEAT_S, WatchFollower
 from kvbroker.common import keepalive
 from kvbroker.common.metadata import ENGINE_ID_METADATA, SESSION_ID_METADATA
 from kvbroker.v1 import broker_pb2 as pb
@@ -58,13 +59,17 @@ RequestT = TypeVar("RequestT", bound=Message)
 # Calls that only read: with several replicas, one that did not answer in its share of the
 # caller's deadline is tried on the next replica (a Resolve that acquires is not a read).
 READS = frozenset({"Score", "Resolve", "ListEngines", "ListLeases", "Stats"})
+# Writes whose repeat changes nothing: a Decline sent again (its first try took effect but the
+# answer was lost) finds the hold ended, or claimed by its reader, and only leaves a note that
+# expires unused. So a router's Decline reaches a live replica when its own is frozen.
+REPEATABLE = frozenset({"Decline"})
 # What a replica that is away, frozen or cut off answers: the next call goes to another one.
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 def retries_elsewhere(method: str, request: Message) -> bool:
     """Whether ``method`` may be sent again to another replica after no answer came."""
-    return method in READS and not getattr(request, "acquire", False)
+    return method in REPEATABLE or (method in READS and not getattr(request, "acquire", False))
 
 
 def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
@@ -318,6 +323,19 @@ class AsyncBrokerClient:
     ) -> pb.ScoreResponse:
         return await self._unary("Score", build_request(pb.ScoreRequest, request, fields), timeout)
 
+    async def retain(
+        self, request: pb.RetainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.RetainResponse:
+        """Keep a prompt's prefix on its holder for ttl_ms (docs/clients.md, "Retention"); answered once
+        the holder pinned it. Not retried on another replica: a second try would make a second lease."""
+        return await self._unary("Retain", build_request(pb.RetainRequest, request, fields), timeout)
+
+    async def unretain(
+        self, request: pb.UnretainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        """End a retention now (lease_id): its holder unpins the blocks."""
+        return await self._unary("Unretain", build_request(pb.UnretainRequest, request, fields), timeout)
+
     # Operators.
     async def list_engines(
         self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any
@@ -367,10 +385,22 @@ class AsyncBrokerClient:
         return await self._unary("Drain", build_request(pb.DrainRequest, request, fields), timeout)
 
     async def watch(
-        self, request: pb.WatchRequest | None = None, **fields: Any
+        self, request: pb.WatchRequest | None = None, *, heartbeat_s: float | None = None, **fields: Any
     ) -> AsyncIterator[pb.WatchEvent]:
-        """Events until the caller stops iterating or the broker ends the stream."""
-        call = self.stub.Watch(build_request(pb.WatchRequest, request, fields), metadata=trace_metadata())
+        """Events until the caller stops iterating or the broker ends the stream.
+
+        With several replicas (or ``heartbeat_s`` given) the Watch follows the fleet: a replica
+        silent for a few heartbeats (``heartbeat_s``, default 0.5 s) or unreachable is left for
+        the next, which resumes the stream where it was (``kvbroker.clients.watch``)."""
+        req = build_request(pb.WatchRequest, request, fields)
+        if heartbeat_s is not None or len(self._endpoints) > 1:
+            follower = WatchFollower(
+                self, req, heartbeat_s=heartbeat_s or DEFAULT_HEARTBEAT_S, metadata=trace_metadata()
+            )
+            async for event in follower.events():
+                yield event
+            return
+        call = self.stub.Watch(req, metadata=trace_metadata())
         try:
             async for event in call:
                 yield event

@@ -26,6 +26,8 @@ from kvbroker.clients.aio import (
 )
 from kvbroker.clients.credentials import ClientSecurity, FileStamp, replica_options, sync_channel
 from kvbroker.clients.endpoints import Endpoints, split_addresses
+from kvbroker.clients.watch import DEFAULT_HEARTBEAT_S
+from kvbroker.clients.watch_sync import BlockingWatchFollower
 from kvbroker.common.metadata import ENGINE_ID_METADATA, SESSION_ID_METADATA
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
@@ -243,6 +245,19 @@ class BrokerClient:
     ) -> pb.ScoreResponse:
         return self._unary("Score", build_request(pb.ScoreRequest, request, fields), timeout)
 
+    def retain(
+        self, request: pb.RetainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.RetainResponse:
+        """Keep a prompt's prefix on its holder for ttl_ms (docs/clients.md, "Retention"); answered once
+        the holder pinned it. Not retried on another replica: a second try would make a second lease."""
+        return self._unary("Retain", build_request(pb.RetainRequest, request, fields), timeout)
+
+    def unretain(
+        self, request: pb.UnretainRequest | None = None, *, timeout: float | None = None, **fields: Any
+    ) -> pb.LeaseResponse:
+        """End a retention now (lease_id): its holder unpins the blocks."""
+        return self._unary("Unretain", build_request(pb.UnretainRequest, request, fields), timeout)
+
     # Operators.
     def list_engines(
         self, request: pb.ListEnginesRequest | None = None, *, timeout: float | None = None, **fields: Any
@@ -291,9 +306,19 @@ class BrokerClient:
     ) -> pb.DrainResponse:
         return self._unary("Drain", build_request(pb.DrainRequest, request, fields), timeout)
 
-    def watch(self, request: pb.WatchRequest | None = None, **fields: Any) -> Iterator[pb.WatchEvent]:
-        """Events until the caller stops iterating or the broker ends the stream."""
-        call = self.stub.Watch(build_request(pb.WatchRequest, request, fields), metadata=trace_metadata())
+    def watch(
+        self, request: pb.WatchRequest | None = None, *, heartbeat_s: float | None = None, **fields: Any
+    ) -> Iterator[pb.WatchEvent]:
+        """Events until the caller stops iterating or the broker ends the stream; with several
+        replicas (or ``heartbeat_s``) it follows the fleet as the async client's does."""
+        req = build_request(pb.WatchRequest, request, fields)
+        if heartbeat_s is not None or len(self._endpoints) > 1:
+            follower = BlockingWatchFollower(
+                self, req, heartbeat_s=heartbeat_s or DEFAULT_HEARTBEAT_S, metadata=trace_metadata()
+            )
+            yield from follower.events()
+            return
+        call = self.stub.Watch(req, metadata=trace_metadata())
         try:
             yield from call
         except grpc.RpcError as err:

@@ -49,6 +49,7 @@ class Cause(StrEnum):
     LAYOUT_MISMATCH = "layout_mismatch"
     INCOMPATIBLE = "incompatible"
     DRAINING = "draining"
+    NOT_CACHED = "not_cached"
 
     # Malformed requests (the message names the field and the limit).
     BAD_REQUEST = "bad_request"
@@ -154,6 +155,11 @@ CAUSES: dict[Cause, CauseInfo] = {
         "NOT_FOUND",
         "no such lease: it never existed, or ended longer ago than the broker's history keeps",
         "treat the lease as ended: discard and recompute",
+    ),
+    Cause.NOT_CACHED: CauseInfo(
+        "NOT_FOUND",
+        "retain found no engine (or not the engine it named) holding the prompt's first block in its namespace",
+        "retain after the turn finished, on the engine that ran it, in the same namespace (tenant, cache_salt)",
     ),
     Cause.UNKNOWN_LAYOUT: CauseInfo(
         "NOT_FOUND",

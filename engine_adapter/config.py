@@ -80,6 +80,11 @@ class AdapterConfig:
         "mismatch or when the holder states none. CPU (DRAM) KV memory only; costs a CRC32 of the bytes "
         "on both sides (docs/data_path.md).",
     )
+    retain_gpu_fraction: float = setting(
+        0.5,
+        "Most of the GPU KV cache that retentions (the broker's Retain: blocks kept with no reader) may pin "
+        "at once; a retention beyond it is refused (holder_refused) so that vLLM keeps room to run. 0: none.",
+    )
     tenant: str = setting("", "Tenant added to the namespace (with the request's cache_salt).")
     tls_ca: str = setting(
         "",
@@ -127,6 +132,11 @@ class AdapterConfig:
         for name in ("kv_recompute_threshold", "resolve_wait_ms", "acquire_wait_ms", "cpu_tier_blocks"):
             if getattr(self, name) < 0:
                 raise AdapterConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
+
+        if not 0.0 <= self.retain_gpu_fraction <= 1.0:
+            raise AdapterConfigError(
+                f"retain_gpu_fraction must be in [0, 1] (got {self.retain_gpu_fraction})"
+            )
 
     @property
     def broker_enabled(self) -> bool:

@@ -46,6 +46,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvbroker.common.linalg import solve
 from kvbroker.v1 import broker_pb2 as pb
 
 # A pull that was never observed is assumed to cost this much plus its bytes at
@@ -83,23 +84,6 @@ _MIN_S_PER_MB = 1e-5
 
 def _decay(half_life_s: float, dt: float) -> float:
     return 0.5 ** (max(0.0, dt) / half_life_s)
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
-    n = len(v)
-    a = [[*row, v[i]] for i, row in enumerate(m)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-12:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(n):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                for k in range(col, n + 1):
-                    a[r][k] -= f * a[col][k]
-    return [a[i][n] / a[i][i] for i in range(n)]
 
 
 def attention_pairs(new_tokens: int, context_tokens: int) -> float:
@@ -158,7 +142,7 @@ class PrefillModel:
         # as a prompt grows.
         for keep in ((0, 1, 2), (0, 1), (1,)) if self.steps >= MIN_STEPS else ((1,),):
             m = [[self._xtx[i][j] + (_RIDGE if i == j else 0.0) for j in keep] for i in keep]
-            sol = _solve(m, [self._xty[i] for i in keep])
+            sol = solve(m, [self._xty[i] for i in keep])
             if sol is not None and all(s >= 0 for s in sol):
                 coef = [0.0, 0.0, 0.0]
                 for i, s in zip(keep, sol, strict=True):
@@ -228,7 +212,7 @@ class _PullFit:
         y1 = p0 + p1 * x1
         m = [[self.w * f + 2 * h, self.sx * f + h * x1], [self.sx * f + h * x1, self.sxx * f + h * x1 * x1]]
         v = [self.sy * f + h * (p0 + y1), self.sxy * f + h * x1 * y1]
-        sol = _solve(m, v)
+        sol = solve(m, v)
         if sol is None:
             return prior
         return max(0.0, sol[0]), max(_MIN_S_PER_MB, sol[1])

@@ -124,7 +124,7 @@ class CpuStores:
             "kvbroker: pinned %d CPU-tier blocks for lease %s (reader %s)",
             len(slots),
             lease.lease_id,
-            lease.reader_engine_id,
+            lease.reader_engine_id or "none: a retention",
         )
         return pb.PinResult(lease_id=lease.lease_id, ok=True, block_ids=slots)
 

@@ -61,6 +61,8 @@ class GpuInventory:
         self._requests_lock = threading.Lock()
         self._requests: list[tuple[pb.PinCommand | None, str, Future[pb.PinResult] | None]] = []
         self._pinned: dict[str, list[Any]] = {}
+        # Blocks pinned for retentions (a lease with no reader), by lease: bounded by retain_gpu_fraction.
+        self._retained: dict[str, int] = {}
 
     # ------------------------------------------------------------------
     # vLLM's block pool
@@ -211,6 +213,7 @@ class GpuInventory:
         for command, lease_id, future in requests:
             if command is None:
                 blocks = self._pinned.pop(lease_id, None)
+                self._retained.pop(lease_id, None)
                 if blocks is not None:
                     pool.free_blocks(reversed(blocks))
                 continue
@@ -254,13 +257,25 @@ class GpuInventory:
             if block is None:
                 return refused
             blocks.append(block)
+        if not lease.reader_engine_id:  # a retention (broker/retention.py): a bounded share of the pool
+            share = self._ctx.config.retain_gpu_fraction
+            budget = int(share * pool.num_gpu_blocks)
+            kept = sum(self._retained.values())
+            if kept + len(blocks) > budget:
+                return pb.PinResult(
+                    lease_id=lease.lease_id,
+                    ok=False,
+                    error=f"retentions would pin {kept + len(blocks)} of this engine's {pool.num_gpu_blocks} GPU "
+                    f"blocks, over its retain_gpu_fraction {share:g} ({budget} blocks); a CPU tier keeps them there",
+                )
+            self._retained[lease.lease_id] = len(blocks)
         pool.touch(blocks)
         self._pinned[lease.lease_id] = blocks
         logger.info(
             "kvbroker: pinned %d cached GPU blocks for lease %s (reader %s)",
             len(blocks),
             lease.lease_id,
-            lease.reader_engine_id,
+            lease.reader_engine_id or "none: a retention",
         )
         return pb.PinResult(lease_id=lease.lease_id, ok=True, block_ids=[b.block_id for b in blocks])
 

@@ -188,6 +188,7 @@ def cmd_score(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> in
         namespace=pb.Namespace(layout_id=args.layout_id, tenant=args.tenant),
         candidates=args.candidate or [],
         require_exact=args.require_exact,
+        order=pb.SCORE_ORDER_PLACEMENT if args.placement else pb.SCORE_ORDER_PREFIX,
     )
     if args.tokens is not None:
         request.token_ids.extend(_int_list(args.tokens, "--tokens"))
@@ -210,12 +211,15 @@ def cmd_score(client: BrokerClient, args: argparse.Namespace, out: TextIO) -> in
             "yes" if s.draining else "no",
             EVENT_FED if s.engine_id in event_fed else "connector",
             exactness_name(s.exactness),
+            *([f"{s.predicted_cost:.0f}"] if args.placement else []),
         ]
         for s in response.scores
     ]
     headers = ["ENGINE", "GPU_BLOCKS", "CPU_BLOCKS", "PREFIX", "LOAD", "DRAINING", "SOURCE", "INDEX"]
-    print(format_table(headers, rows), file=out)
+    print(format_table(headers + (["COST"] if args.placement else []), rows), file=out)
     print(f"{total} full block(s) of {response.block_size} tokens in the prompt", file=out)
+    if args.placement:
+        print(f"placement: {response.placement_reason}: {response.placement_detail}", file=out)
     return 0
 
 

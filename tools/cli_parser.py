@@ -208,5 +208,12 @@ def build_parser(
         action="store_true",
         help="count only blocks of engines whose index entries are exact (not lagging or degraded)",
     )
+    score.add_argument(
+        "--placement",
+        action="store_true",
+        help="order by predicted time to first token (each engine's load against the prefix it holds "
+        "and the cost of pulling it; the proxy's data-parallel rule) and show each engine's cost and "
+        "why the first is first; default: longest prefix first",
+    )
     score.set_defaults(handler=cmd_score)
     return parser

@@ -5,7 +5,7 @@ in its own process group with its log in the work directory. Two topologies:
 - `dp:N`: N engines that are neither P nor D (each serves whole requests, in
   kv_both, pulling a prefix from whichever engine holds it) behind the proxy in
   its data-parallel mode (`--no-disaggregate`: each request goes to the engine
-  with the lowest predicted time to first token, clients/proxy/placement.py).
+  with the lowest predicted time to first token, common/placement.py).
 
 `start_stack(workdir, model="real" | "tiny", ...)` starts it and returns a `Stack`
 whose `stop()` ends everything (also registered with atexit). The broker is

@@ -78,12 +78,13 @@ class Setup:
                 await s.close()
 
 
-# `kvbroker serve` under cProfile counting CPU time (process_time), not wall time: a replica waits on
+# `kvbroker serve` under cProfile counting the main thread's CPU time (thread_time: not the gRPC
+# threads' time while it waits), not wall time: a replica waits on
 # Redis most of the wall time. Stats are written at its graceful stop (SIGTERM).
 _PROFILED = """
 import cProfile, runpy, sys, time
 sys.argv = sys.argv[1:]
-profile = cProfile.Profile(time.process_time)
+profile = cProfile.Profile(time.thread_time)
 profile.enable()
 try:
     runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

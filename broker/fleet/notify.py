@@ -22,11 +22,13 @@ import json
 import logging
 import math
 import time
+from base64 import b64decode, b64encode
 from typing import Any
 
 import redis
+from google.protobuf.message import DecodeError
 
-from kvbroker.broker.channels import StreamNotifier, Watcher
+from kvbroker.broker.channels import StreamNotifier, Watcher, ended_down, revoked_down
 from kvbroker.broker.clock import Clock
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.events import WatchEvent
@@ -36,6 +38,7 @@ from kvbroker.broker.fleet.watch import FleetWatch
 from kvbroker.broker.leases import Lease, LeaseTable, packed_block_ids, packed_hashes
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
 
@@ -89,8 +92,14 @@ class FleetNotifier(StreamNotifier):
     def _publish_lease(self, kind: str, session_id: str, lease: Lease) -> None:
         if lease.state.live:
             self._publish(kind, session_id, lease=lease.lease_id)
-        else:  # it ended: it changes no more, so it travels with the notice (no read there)
-            self._publish(kind, session_id, lease=lease.lease_id, ended=_ended_wire(lease))
+            return
+        # It ended: it changes no more, so it travels with the notice (no read there), as the
+        # session's message itself, encoded once here; the replica serving the session only
+        # decodes it (cheaper than rebuilding a Lease from JSON fields and encoding it there).
+        down = (revoked_down if kind == "revoked" else ended_down)(lease, self._clock.now())
+        self._publish(
+            kind, session_id, lease=lease.lease_id, down=b64encode(down.SerializeToString()).decode()
+        )
 
     def engine_changed(self, engine_id: str) -> None:
         """An engine registered, added a rank or ended here: others drop their copy of its record."""
@@ -136,6 +145,12 @@ class FleetNotifier(StreamNotifier):
     def remove_watcher(self, watcher: Watcher) -> None:
         super().remove_watcher(watcher)
         self.watch.watchers_changed(self._watched())
+
+    def watch_position(self) -> str:
+        return self.watch.position()
+
+    def watch_since(self, after: str, categories: frozenset[str]) -> tuple[list[pb.WatchEvent], bool]:
+        return self.watch.since(after, categories)
 
     def _watched(self) -> frozenset[str]:
         return frozenset(c for c, n in self._watching.items() if n > 0)
@@ -191,7 +206,16 @@ class FleetNotifier(StreamNotifier):
             cause = Cause(msg["cause"]) if msg.get("cause") else None
             super().close_session(sid, str(msg.get("code", "")), str(msg.get("message", "")), cause)
             return
-        ended = msg.get("ended")
+        down = msg.get("down")
+        if isinstance(down, str) and kind in ("revoked", "ended"):
+            try:
+                ready = pb.SessionDown.FromString(b64decode(down, validate=True))
+            except (ValueError, DecodeError):
+                return  # not a notice this version wrote
+            self.delivered += 1
+            self._send(sid, ready)
+            return
+        ended = msg.get("ended")  # how replicas before the encoded notice sent an ended lease
         if isinstance(ended, dict) and kind in ("revoked", "ended"):
             try:
                 lease = _ended_lease(str(msg.get("lease", "")), ended)
@@ -239,24 +263,6 @@ class FleetNotifier(StreamNotifier):
                 await asyncio.sleep(0.5)
             finally:
                 await client.aclose()
-
-
-def _ended_wire(lease: Lease) -> dict[str, Any]:
-    """An ended lease's fields for a notice (JSON)."""
-    ns = lease.namespace
-    return {
-        "h": lease.holder,
-        "r": lease.reader,
-        "ns": [ns.layout_id, ns.tenant],
-        "t": int(lease.tier),
-        "bh": list(lease.block_hashes),
-        "bi": list(lease.block_ids),
-        "st": int(lease.state),
-        "ep": lease.epoch,
-        "c": int(lease.cause),
-        "d": lease.detail,
-        "q": lease.request_id,
-    }
 
 
 def _ended_lease(lease_id: str, f: dict[str, Any]) -> Lease:

@@ -21,6 +21,12 @@ watching a category also says so on the fleet channel, so the others start
 appending within milliseconds rather than at their next refresh. Events the
 other replicas make in that moment before they hear of a new Watch are not in
 it. With nobody watching, nothing is appended.
+
+Each event a replica hands out carries its cursor (`<entry id>/<number>`), and
+so does each heartbeat (where this replica's reading of the stream stands). A
+Watch that moved to another replica (its own was frozen or cut off) names the
+last cursor it saw, and `since` reads the entries after it back from the
+stream, so the move loses no event that the stream still keeps.
 """
 
 from __future__ import annotations
@@ -28,13 +34,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from kvbroker.broker import codec
 from kvbroker.broker.channels import StreamNotifier
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.events import EVENTS_MISSED, WatchEvent
 from kvbroker.broker.fleet.conn import RedisState
-from kvbroker.broker.fleet.mirror import MirrorStreams
+from kvbroker.broker.fleet.mirror import LayoutReader, MirrorStreams
+from kvbroker.broker.watch_stream import cursor, parse_cursor
 from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
@@ -42,6 +50,10 @@ log = logging.getLogger("kvbroker")
 FLEET = "fleet"  # the one "layout" of the watch stream
 REFRESH_S = 1.0  # how often a replica renews its watchers' record and reads the fleet's
 LAPSE_S = 5.0  # a replica that stopped renewing (it died) counts as not watching after this
+REPLAY_PAGE = 1000  # entries read back per XRANGE when a Watch resumes
+
+
+Event = Callable[[str, bytes, str], None]  # category, serialized pb.WatchEvent, cursor
 
 
 class WatchStreams(MirrorStreams):
@@ -51,9 +63,35 @@ class WatchStreams(MirrorStreams):
     apply_own = True  # a replica's own events reach its watchers through the stream too: one order
     apply_after_gap = True  # after `events_missed`, the event that showed the gap
 
+    def __init__(
+        self,
+        state: RedisState,
+        replica: str,
+        event: Event,
+        missed: Callable[[str], None],
+        block_ms: int = 1000,
+    ) -> None:
+        super().__init__(state, replica, lambda *_: None, missed, block_ms)
+        self._event = event
+
     def keys(self, layout_id: str) -> list[str]:
         base = f"{self._state.prefix}:{{watch}}:"
         return [base + "s", base + "n"]
+
+    def _deliver(self, reader: LayoutReader, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """Every entry to the watchers, with its cursor; a gap is told first (`events_missed`)."""
+        n = int(fields[b"n"])
+        if n != reader.last_n + 1:
+            self._resync(reader.layout_id)
+        reader.last_id, reader.last_n = entry_id, n
+        self._event(fields[b"t"].decode(), fields[b"b"], cursor(entry_id, n))
+
+    def position(self) -> str:
+        """The cursor of the last entry read (all before it handed out), or "" when not known."""
+        reader = self.readers.get(FLEET)
+        if reader is None or reader.last_n < 0:
+            return ""
+        return cursor(reader.last_id, reader.last_n)
 
 
 class FleetWatch:
@@ -73,6 +111,7 @@ class FleetWatch:
         self._announce = announce  # tells the other replicas at once (the fleet channel)
         self._key = f"{state.prefix}:{{fleet}}:watching"
         self.stream = WatchStreams(state, replica, self._apply, self._missed, block_ms)
+        self.replayed = 0  # events read back for Watch streams that resumed here
         self.fleet: frozenset[str] = frozenset()  # categories some replica's watchers want
         self._mine: frozenset[str] = frozenset()  # categories this replica's watchers want
 
@@ -134,8 +173,40 @@ class FleetWatch:
 
     # -- from the stream to this replica's watchers ------------------------------------------
 
-    def _apply(self, layout_id: str, category: str, body: bytes) -> None:
-        self._local.offer(category, pb.WatchEvent.FromString(body))
+    def _apply(self, category: str, body: bytes, at: str) -> None:
+        msg = pb.WatchEvent.FromString(body)
+        msg.cursor = at
+        self._local.offer(category, msg)
+
+    def since(self, after: str, categories: frozenset[str]) -> tuple[list[pb.WatchEvent], bool]:
+        """The events of `categories` after cursor `after` that the stream still keeps, and whether
+        that is all of them (False: some were trimmed away or the store restarted since)."""
+        start, n = parse_cursor(after)
+        key, counter = self.stream.keys(FLEET)
+        client = self._state.client
+        out: list[pb.WatchEvent] = []
+        expected, whole = n + 1, True
+        low = f"({start[0]}-{start[1]}"
+        while True:
+            page: Any = self._state.call(client.xrange, key, low, "+", count=REPLAY_PAGE)
+            for entry_id, fields in page:
+                number = int(fields[b"n"])
+                whole = whole and number == expected
+                expected = number + 1
+                if fields[b"t"].decode() in categories:
+                    msg = pb.WatchEvent.FromString(fields[b"b"])
+                    msg.cursor = cursor(entry_id, number)
+                    out.append(msg)
+            if len(page) < REPLAY_PAGE:
+                break
+            low = "(" + page[-1][0].decode()
+        if expected == n + 1:  # nothing after it: the counter says whether entries were trimmed
+            whole = int(self._state.call(client.get, counter) or 0) == n
+        self.replayed += len(out)
+        return out, whole
+
+    def position(self) -> str:
+        return self.stream.position()
 
     def _missed(self, layout_id: str) -> None:
         log.warning("watch events of the fleet were missed: telling this replica's watchers")

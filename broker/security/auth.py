@@ -56,6 +56,8 @@ ROLES_OF_METHOD: dict[str, frozenset[Role]] = {
     "Revoke": frozenset({OPS}),
     "Drain": frozenset({OPS}),
     "Watch": frozenset({OPS}),
+    "Retain": frozenset({RTR, OPS}),
+    "Unretain": frozenset({RTR, OPS}),
 }
 STREAMS = ("Watch", "Mirror")
 # An engine's unary housekeeping: never refused by a rate quota (a refused release or renew

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import NotFound, PermissionDenied
-from kvbroker.broker.events import EVENTS_MISSED
+from kvbroker.broker.events import EVENTS_MISSED, HEARTBEAT
 from kvbroker.broker.namespaces import ALL_TENANTS, namespace_tenant
 from kvbroker.broker.security.engine_identity import EngineIdentity
 from kvbroker.broker.security.identity import Identity, Role
@@ -138,6 +138,16 @@ class TenantGuard:
             self.namespace(who, request.namespace, "resolve")
             if request.acquire:  # a resolve that leases counts against the lease quota like a hold
                 self.quotas.check_leases(who, self._live_leases(who.tenant))
+        elif isinstance(request, pb.RetainRequest):
+            self.namespace(who, request.namespace, "retain")
+            for lease_id in (request.lease_id, request.replaces_lease_id):
+                if lease_id:
+                    self.lease_in_tenant(who, lease_id, "retain")
+            self.engine_in_tenant(who, request.engine_id, "retain on")
+            if not request.lease_id:  # a new retention is a lease of the tenant, like a hold
+                self.quotas.check_leases(who, self._live_leases(who.tenant))
+        elif isinstance(request, pb.UnretainRequest):
+            self.lease_in_tenant(who, request.lease_id, "unretain")
         elif isinstance(request, pb.ScoreRequest):
             self.namespace(who, request.namespace, "score")
         elif isinstance(request, pb.StatsRequest):
@@ -211,8 +221,8 @@ class TenantGuard:
         if isinstance(item, pb.WatchEvent):
             if item.HasField("lease"):
                 return item if who.owns_tenant(item.lease.namespace.tenant) else None
-            if item.kind == EVENTS_MISSED:
-                return item  # names nobody: every watcher must know its stream has a hole
+            if item.kind in (EVENTS_MISSED, HEARTBEAT):
+                return item  # names nobody: every watcher must know its stream has a hole (or lives)
             return item if item.engine_id and self.sees_engine(who, item.engine_id) else None
         if isinstance(item, pb.MirrorUpdate):
             engines = [e for e in item.engines if self.sees_engine(who, e.engine.engine_id)]

@@ -99,7 +99,7 @@ class ProxyConfig:
         "load",
         "without disaggregation (a data-parallel fleet): load = the engine with the lowest predicted time "
         "to first token, weighing its load against the prefix it holds and a pull from the holder "
-        "(placement.py); prefix = the engine holding the longest prefix first, whatever its load; "
+        "(common/placement.py); prefix = the engine holding the longest prefix first, whatever its load; "
         "round_robin = each engine in turn (a baseline)",
         choices=("load", "prefix", "round_robin"),
     )
@@ -117,6 +117,11 @@ class ProxyConfig:
         True,
         "placement load: engines pull prefixes from each other (our connector, kv_both); off: an engine "
         "without the prefix recomputes it (engines without the connector)",
+    )
+    placement_learn: bool = setting(
+        False,
+        "placement load: fit busy_tokens and pull_token_cost to the first-token times of streamed "
+        "answers (each kept within 8x of its setting; placement_learner.py); off: the settings as given",
     )
     local_prefill_tokens: int = setting(
         256,

@@ -34,8 +34,8 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
-from kvbroker.clients.errors import BrokerError
 from kvbroker.clients.proxy.config import EngineSpec
+from kvbroker.clients.proxy.declines import HoldDeclines
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.liveness import EngineHung, FirstByteWatch
 from kvbroker.clients.proxy.outcome import (
@@ -50,7 +50,7 @@ from kvbroker.clients.proxy.outcome import (
 )
 from kvbroker.clients.proxy.p_queue import PrefillQueues
 from kvbroker.clients.proxy.pd_bodies import decode_body, prefill_body
-from kvbroker.clients.proxy.placement import PlacementRule
+from kvbroker.clients.proxy.placement_learner import PlacementLearner
 from kvbroker.clients.proxy.routing import Route, dp_order
 from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
 
@@ -73,9 +73,9 @@ class Forwarder:
         probe_timeout_s: float = 2.0,
         on_failure: FailureHook | None = None,
         on_retry: RetryHook | None = None,
-        placement: PlacementRule | None = None,
+        placement: PlacementLearner | None = None,
     ) -> None:
-        # Without disaggregation: how one engine is picked (placement.py); None: the prefix order.
+        # Without disaggregation: how one engine is picked (common/placement.py); None: the prefix order.
         self.placement = placement
         self._rotation = 0
         self.tracer = tracer or get_tracer()
@@ -88,7 +88,7 @@ class Forwarder:
         self.on_retry = on_retry
         # clients.aio.AsyncBrokerClient: to decline P's hold when no D will read it.
         self.broker = broker
-        self._declines: set[asyncio.Task[None]] = set()
+        self.declines = HoldDeclines(broker)
         # P's prefill queues as this proxy sees them, and P's prefill timing (p_queue.py).
         self.queues = PrefillQueues()
         self.max_attempts = max_attempts
@@ -148,12 +148,12 @@ class Forwarder:
                         e.status,
                         e.body[:300].decode(errors="replace"),
                     )
-                    self._decline_hold(params, f"the decode engine rejected the request (HTTP {e.status})")
+                    self.declines.decline(params, f"the decode engine rejected the request (HTTP {e.status})")
                     raise e.as_client_sent(decode_body(body, params, {}), body) from None
                 except asyncio.CancelledError:
-                    self._decline_hold(params, "the client went away before decode")
+                    self.declines.decline(params, "the client went away before decode")
                     raise
-                self._decline_hold(params, "no decode engine answered")
+                self.declines.decline(params, "no decode engine answered")
                 outcome.fallback_reason = "no decode engine answered"
                 single = [p, *d_list, *p_list]
             else:
@@ -164,10 +164,14 @@ class Forwarder:
             # each one's load against the prefix it holds (and a pull of it from the holder).
             self._rotation += 1
             engines = _single_order([*d_list, *p_list], [])
-            order, placed = dp_order(route, engines, self.pool, self.placement, self._rotation)
+            order, placed = dp_order(route, engines, self.pool, self.placement.rule(), self._rotation)
             if placed is not None:  # why: on the span, in the metrics, in a response header
                 outcome.route_reason, outcome.route_detail = placed.reason, placed.detail
-            return await self._serve_single(request, endpoint, body, order, outcome, tried, "dp")
+            sent = time.perf_counter()
+            answer = await self._serve_single(request, endpoint, body, order, outcome, tried, "dp")
+            ttft = outcome.first_byte_at - sent if outcome.first_byte_at is not None else None
+            self.placement.served(placed, outcome.decode is order[0], bool(body.get("stream")), ttft)
+            return answer
         else:
             if not disaggregate:
                 outcome.fallback_reason = "disaggregation off"
@@ -242,31 +246,6 @@ class Forwarder:
                 504, f"no engine answered in time (every engine tried is hung): {detail}", "timeout"
             )
         return openai_error(503, f"no engine could serve the request: {detail}", "service_unavailable")
-
-    def _decline_hold(self, params: dict[str, Any] | None, reason: str) -> None:
-        """No D will read P's hold: tell the broker, so P frees the blocks now, not at the hold's TTL.
-
-        In the background: the client's answer does not wait on the broker. A D
-        that already claimed the hold keeps it (the broker refuses the decline).
-        """
-        part = params.get("kvbroker") if isinstance(params, dict) else None
-        if self.broker is None or not isinstance(part, dict):
-            return
-        holder, request_id = part.get("holder_engine_id"), part.get("hold_request_id")
-        if not (isinstance(holder, str) and holder and isinstance(request_id, str) and request_id):
-            return
-        task = asyncio.get_running_loop().create_task(self._send_decline(holder, request_id, reason))
-        self._declines.add(task)
-        task.add_done_callback(self._declines.discard)
-
-    async def _send_decline(self, holder: str, request_id: str, reason: str) -> None:
-        try:
-            await self.broker.decline(  # type: ignore[union-attr]
-                holder_engine_id=holder, request_id=request_id, reason=f"proxy: {reason}", timeout=5.0
-            )
-            log.info("declined %s's hold of request %s: %s", holder, request_id, reason)
-        except BrokerError as e:
-            log.warning("could not decline %s's hold of request %s (%s): %s", holder, request_id, reason, e)
 
     def _failed(self, e: EngineFailure, outcome: Outcome, tried: list[EngineSpec], step: str = "") -> None:
         log.warning("request %s: %s", outcome.request_id, e)
@@ -379,7 +358,7 @@ class Forwarder:
         """Send the request to `engine` and relay its answer; EngineFailure before anything was relayed."""
         attributes = {"kvbroker.engine": engine.label, "server.address": engine.url, "kvbroker.mode": mode}
         with (
-            self.pool.serving(engine),  # in flight, for the placement (placement.py)
+            self.pool.serving(engine),  # in flight, for the placement (common/placement.py)
             self.tracer.start_as_current_span(
                 "proxy.decode" if mode == "pd" else "proxy.single",
                 kind=SpanKind.CLIENT,

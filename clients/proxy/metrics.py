@@ -15,7 +15,7 @@ answer: once the stream ended):
 - ``kvbroker_proxy_route_choices_total{reason}``: local on D or P then pull, and why
   (``local_few_tokens``, ``local_p_busy``, ``pd_p_idle``, ``pd_p_quicker``, ...; p_queue.py);
   on a data-parallel fleet, why the engine was placed first (``dp_holder``,
-  ``dp_pull_busy_holder``, ``dp_balance_short_prefix``, ...; placement.py);
+  ``dp_pull_busy_holder``, ``dp_balance_short_prefix``, ...; common/placement.py);
 - ``kvbroker_proxy_engine_failures_total{engine, step, kind}``: a step (prefill,
   decode, single, stream) that failed on an engine; ``kind`` is ``hung`` (no first
   byte within the budget, liveness check failed: a timeout), ``unreachable`` or
@@ -57,6 +57,7 @@ from prometheus_client import (
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.outcome import Outcome
+from kvbroker.clients.proxy.placement_learner import PlacementLearner
 
 access_log = logging.getLogger("kvbroker.proxy.access")
 
@@ -114,7 +115,7 @@ class ProxyMetrics:
         self.route_choices = Counter(
             "kvbroker_proxy_route_choices",
             "Requests by the proxy's routing choice and why: local on D or P then pull (p_queue.py), or the "
-            "engine a data-parallel placement put first (dp_*, placement.py)",
+            "engine a data-parallel placement put first (dp_*, common/placement.py)",
             ["reason"],
             registry=self.registry,
         )
@@ -151,6 +152,24 @@ class ProxyMetrics:
             registry=self.registry,
         )
         info.labels(version, platform.python_version()).set(1)
+
+    def placement_weights(self, learner: PlacementLearner) -> None:
+        """Gauges of the weights the data-parallel placement uses now (learned or as set)."""
+        weight = Gauge(
+            "kvbroker_proxy_placement_weight",
+            "The data-parallel placement's weights in use: busy_tokens and pull_token_cost, fitted to "
+            "first-token times with --placement-learn, else as set (placement_learner.py)",
+            ["weight"],
+            registry=self.registry,
+        )
+        weight.labels("busy_tokens").set_function(lambda: learner.rule().busy_tokens)
+        weight.labels("pull_token_cost").set_function(lambda: learner.rule().pull_token_cost)
+        samples = Gauge(
+            "kvbroker_proxy_placement_samples",
+            "Streamed answers the placement's fit has learned from",
+            registry=self.registry,
+        )
+        samples.set_function(lambda: learner.samples)
 
     def engine_failed(self, engine: EngineSpec, step: str, kind: str) -> None:
         self.engine_failures.labels(engine.label, step, kind).inc()

@@ -19,8 +19,8 @@ import aiohttp
 
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
-from kvbroker.clients.proxy.placement import Candidate, Placement, PlacementRule, place
 from kvbroker.common.hashing import wire_chain
+from kvbroker.common.placement import Candidate, Placement, PlacementRule, place
 from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker.proxy")
@@ -56,6 +56,8 @@ class Route:
     scored: bool = False
     note: str = ""  # why there are no scores, when there are none
     block_size: int = 0  # of the layout the prompt was hashed for
+    hashes: list[int] = field(default_factory=list)  # the prompt's chain, as scored (retain.py)
+    namespace: pb.Namespace | None = None  # the namespace it was scored in
 
     def held_tokens(self, engine: EngineSpec) -> int:
         """Tokens of the prompt `engine` holds (GPU or its CPU tier), as the broker scored it."""
@@ -111,7 +113,7 @@ def order_engines(
 def dp_order(
     route: Route, engines: Sequence[EngineSpec], pool: EnginePool, rule: PlacementRule, rotation: int
 ) -> tuple[list[EngineSpec], Placement | None]:
-    """Engines for a whole request on a data-parallel fleet, in placement order (placement.py):
+    """Engines for a whole request on a data-parallel fleet, in placement order (common/placement.py):
     healthy ones by predicted time to first token, then those cooling down after a failure."""
     # A fixed base order (the route's lists come rotated already): the placement rotates ties.
     healthy = sorted((e for e in engines if not pool.is_cooling_down(e)), key=lambda e: e.url)
@@ -287,10 +289,12 @@ class Router:
             for e in everyone
             if (lo := self.pool.layout_of(e)) and lo.layout_id == layout.layout_id
         ]
+        route.hashes = hashes
+        route.namespace = pb.Namespace(
+            layout_id=layout.layout_id, tenant=namespace_tenant(self.tenant, body.get("cache_salt"))
+        )
         response = await self.broker.score(
-            namespace=pb.Namespace(
-                layout_id=layout.layout_id, tenant=namespace_tenant(self.tenant, body.get("cache_salt"))
-            ),
+            namespace=route.namespace,
             block_hashes=hashes,
             candidates=same_layout,
             require_exact=self.require_exact,

@@ -28,11 +28,13 @@ from kvbroker.clients.proxy.errors import json_errors
 from kvbroker.clients.proxy.forward import Forwarder
 from kvbroker.clients.proxy.metrics import OUTCOME_KEY, ProxyMetrics
 from kvbroker.clients.proxy.outcome import EngineFailure, Outcome, RequestRejected, openai_error
-from kvbroker.clients.proxy.placement import PlacementRule
+from kvbroker.clients.proxy.placement_learner import PlacementLearner
+from kvbroker.clients.proxy.retain import Retainer, retain_request
 from kvbroker.clients.proxy.routing import Route, Router
 from kvbroker.clients.proxy.tenants import ApiKeys, TenantRefused
 from kvbroker.clients.proxy.tracing import get_tracer
 from kvbroker.clients.proxy.validate import InvalidRequest, check_sampling
+from kvbroker.common.placement import PlacementRule
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -55,6 +57,7 @@ class ProxyState:
     broker: Any | None  # clients.aio.AsyncBrokerClient
     tracer: trace.Tracer
     api_keys: ApiKeys | None = None
+    retainer: Retainer | None = None  # X-KV-Retain-Seconds (retain.py); None without a broker
     refresh_task: asyncio.Task[None] | None = None
 
 
@@ -112,6 +115,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         return body
     try:
         check_sampling(body)  # before P prefills it (validate.py)
+        retain = retain_request(request.headers)  # X-KV-Retain-Seconds (retain.py)
     except InvalidRequest as e:
         return openai_error(400, str(e), "invalid_request_error", param=e.param)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -146,6 +150,9 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
                 headers={"X-Request-Id": request_id},
             )
         span.set_attribute("http.response.status_code", response.status)
+        if retain is not None and response.status < 400 and state.retainer is not None:
+            engine = outcome.decode or outcome.prefill  # the engine that now holds the conversation
+            state.retainer.after_turn(engine, route.namespace, route.hashes, *retain)
         span.set_attribute("kvbroker.mode", outcome.mode)
         if outcome.prefill is not None:
             span.set_attribute("kvbroker.prefill_engine", outcome.prefill.label)
@@ -154,7 +161,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         if outcome.fallback_reason:
             span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
         if outcome.route_reason:
-            # Local on D or P then pull (p_queue.py), or a data-parallel placement (placement.py), and why.
+            # Local on D or P then pull (p_queue.py), or a data-parallel placement (common/placement.py), and why.
             span.set_attribute("kvbroker.route_reason", outcome.route_reason)
             span.set_attribute("kvbroker.route_detail", outcome.route_detail)
         if response.status >= 500:
@@ -286,22 +293,25 @@ async def _on_cleanup(app: web.Application) -> None:
         state.refresh_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await state.refresh_task
+    if state.retainer is not None:
+        await state.retainer.close()
     await state.http.close()
     if state.broker is not None:
         await state.broker.close()
 
 
-def placement_rule(config: ProxyConfig) -> PlacementRule | None:
+def placement_rule(config: ProxyConfig) -> PlacementLearner | None:
     """How one engine is picked without disaggregation (None: the longest prefix first)."""
     if config.placement == "prefix":
         return None
-    return PlacementRule(
+    rule = PlacementRule(
         busy_tokens=config.dp_busy_tokens,
         pull_token_cost=config.dp_pull_token_cost,
         min_prefix_tokens=config.dp_min_prefix_tokens,
         pull=config.dp_pull,
         round_robin=config.placement == "round_robin",
     )
+    return PlacementLearner(rule, learn=config.placement_learn and config.placement == "load")
 
 
 def build_app(
@@ -355,6 +365,7 @@ def build_app(
         broker=broker,
         tracer=tracer,
         api_keys=ApiKeys(config.api_keys_file) if config.api_keys_file else None,
+        retainer=Retainer(broker) if broker is not None else None,
     )
     middlewares = []
     if metrics is not None:
@@ -364,6 +375,8 @@ def build_app(
     app[STATE_KEY] = state
     if metrics is not None and config.metrics:
         app.router.add_get("/metrics", metrics.handle_metrics)
+        if state.forwarder.placement is not None:
+            metrics.placement_weights(state.forwarder.placement)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_post(CHAT_COMPLETIONS, chat_completions)
     app.router.add_get("/health", health)

@@ -133,6 +133,8 @@ def action(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
                 "raw_bytes",
                 "huge",
                 "mirror",
+                "retain",
+                "unretain",
             ]
         )
     )
@@ -265,6 +267,24 @@ async def apply(h: Harness, name: str, a: dict[str, Any]) -> grpc.StatusCode:
                 assert first.reset, first
             finally:
                 call.cancel()
+        elif name == "retain":
+            # No session answers pins here: a new retention ends at the pin timeout (holder_refused).
+            resp = await stub.Retain(
+                pb.RetainRequest(
+                    namespace=ns,
+                    block_hashes=[] if a["flag"] else a["hashes"],
+                    token_ids=a["tokens"] if a["flag"] else [],
+                    ttl_ms=clamp(a["ttl"]),
+                    engine_id=a["other"] if a["lease"] % 2 else "",
+                    tier=a["tier"],
+                    lease_id=lease_id if a["lease"] % 5 == 0 else "",
+                    replaces_lease_id=lease_id if a["lease"] % 7 == 0 else "",
+                ),
+                timeout=20,
+            )
+            h.lease_ids.append(resp.lease.lease_id)
+        elif name == "unretain":
+            await stub.Unretain(pb.UnretainRequest(lease_id=lease_id))
         elif name == "huge":
             await stub.Resolve(pb.ResolveRequest(namespace=ns, block_hashes=list(range(20_000))))
     except grpc.aio.AioRpcError as err:

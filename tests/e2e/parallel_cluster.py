@@ -39,10 +39,12 @@ MAX_TOKENS = 6
 # Small per rank: the engines' worker processes share the machine.
 KV_CACHE_BYTES = 32 * 1024 * 1024
 MAX_MODEL_LEN = 1024
-# Six times the other e2e modules' TTL: five engines (nine workers) share two
-# cores with whatever else runs, and a starved session thread that misses its
-# heartbeats ends the session (and turns a pull into a recompute).
-SESSION_TTL_MS = 30000
+# Far above the other e2e modules' TTL: five engines (nine workers) share two
+# cores with whatever else runs in CI, and a session whose heartbeats go unread
+# for a TTL ends (and turns a pull into a recompute). At 30 s this happened twice
+# in CI runs (once a holder, once a reader) with neither side's timers reporting
+# a stall of their own. Nothing in these modules waits for a session to expire.
+SESSION_TTL_MS = 120000
 # Reads here can stall for tens of seconds: five engines' idle TP/PP workers poll
 # vLLM's shared-memory queues and starve two cores (load average 80; reads took
 # 13.7 s and 31 s in CI, and one hit the 60 s read timeout). A starved read must
@@ -95,7 +97,11 @@ class Cluster:
         """The reader's own words for each pull that failed (why it recomputed), and what its
         broker session went through (a lost session fails a release)."""
         said = ("failed, recomputing them", "session of", "broker reported on session", "broker refused")
-        return [line for line in self.log(name).splitlines() if any(words in line for words in said)]
+        own = [line for line in self.log(name).splitlines() if any(words in line for words in said)]
+        # The broker's side: its stalls, and what it logged about this engine's session.
+        broker_said = ("did not run for", f"engine {name} (session")
+        log = self.broker.log_path.read_text(errors="replace") if self.broker.log_path.exists() else ""
+        return own + [f"broker: {line}" for line in log.splitlines() if any(w in line for w in broker_said)]
 
 
 def _start(model: Path, log_dir: Path, name: str, broker_address: str) -> EngineProcess:

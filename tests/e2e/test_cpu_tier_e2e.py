@@ -214,3 +214,44 @@ def test_engine_restores_a_prefix_from_its_own_cpu_tier(pair: Pair) -> None:
         pair.stats["A"]
     )
     assert pair.stat("A", "pulled_blocks") == pulled, "nothing was read from another engine"
+
+
+def test_a_retention_pins_the_cpu_tier_copy_through_pressure_that_evicts_an_unretained_one(
+    pair: Pair,
+) -> None:
+    """Retain on an engine with a CPU tier pins its CPU copy (GPU memory stays vLLM's to evict): the
+    conversation survives traffic that overflows A's CPU tier and evicts another one from it, and
+    after its GPU copy is gone A restores it from the pinned copy instead of recomputing."""
+    kept, dropped = prompt_of(200, seed=61), prompt_of(200, seed=62)
+    full_blocks = len(kept) // BLOCK_SIZE
+    reference = recompute_reference(pair.b, kept + prompt_of(20, seed=63), MAX_TOKENS)
+    for prompt in (kept, dropped):
+        complete(pair.a, prompt, max_tokens=1)
+    on_cpu = lambda p: max((m[2] for m in broker_matches(pair, p) if m[:2] == ("A", pb.TIER_CPU)), default=0)  # noqa: E731
+    assert wait_for(lambda: on_cpu(kept) == on_cpu(dropped) == full_blocks, 30), "A's CPU tier never had them"
+    with BrokerClient(pair.broker.address) as client:
+        layout = next(e.layout_id for e in client.list_engines().engines if e.engine_id == "A")
+        pins = pair.stat("A", "cpu_pins")
+        lease = client.retain(
+            namespace=pb.Namespace(layout_id=layout), token_ids=kept, ttl_ms=300_000, key="agent-cpu"
+        ).lease
+        assert (lease.holder_engine_id, lease.tier, len(lease.block_hashes)) == (
+            "A",
+            pb.TIER_CPU,
+            full_blocks,
+        )
+        # Other prompts, more than A's CPU tier holds: its least recently used slots go, the pinned ones stay.
+        for seed in range(70, 70 + 2 * CPU_TIER_BLOCKS // 12):
+            complete(pair.a, prompt_of(12 * BLOCK_SIZE + 1, seed=seed), max_tokens=1)
+        assert wait_for(lambda: on_cpu(dropped) == 0, 30), "no pressure on A's CPU tier"
+        assert on_cpu(kept) == full_blocks, "a retained CPU-tier block was evicted"
+        # A pinned the slots on its session thread; its counters went out with its next step.
+        assert (
+            pair.stat("A", "cpu_pins") == pins + 1 and pair.stat("A", "cpu_tier_pinned_slots") == full_blocks
+        )
+        # The GPU copy goes too; the conversation comes back from the pinned CPU copy.
+        reset_prefix_cache(pair.a)
+        restored = pair.stat("A", "cpu_restored_blocks")
+        assert output_ids(complete(pair.a, kept + prompt_of(20, seed=63), max_tokens=MAX_TOKENS)) == reference
+        assert wait_for(lambda: pair.stat("A", "cpu_restored_blocks") == restored + full_blocks, 15)
+        client.unretain(lease_id=lease.lease_id)

@@ -2,7 +2,7 @@
 
 One real broker process, two real vLLM engines (CPU build, tiny model, real
 NIXL), both in ``kv_both`` with our connector and neither P nor D, and the
-proxy with ``--no-disaggregate`` (its load-aware placement, placement.py).
+proxy with ``--no-disaggregate`` (its load-aware placement, common/placement.py).
 A long prompt lands on one engine (A), which then caches its prefix. A is
 made busy with long requests sent to it directly (not through the proxy: the
 proxy learns A's load only from A's heartbeats to the broker). The next

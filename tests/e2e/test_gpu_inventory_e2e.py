@@ -6,14 +6,15 @@ second; P has a small KV cache, so vLLM evicts from it. A conversation idle
 for longer than its hold is still scored to D and pulled from there (pinned on
 demand through D's session); a block vLLM evicts stops being named within a
 second; P's own /metrics shows the pull. Unit tests with vLLM's real block
-pool: tests/engine_adapter/test_gpu_inventory.py.
+pool: tests/engine_adapter/test_gpu_inventory.py. A retained conversation (Retain) outlives
+eviction pressure on P that drops an unretained one.
 """
 
 from __future__ import annotations
 
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,3 +160,62 @@ def test_a_block_vllm_evicts_stops_being_named_within_a_second(pair: Pair) -> No
             f"still named {time.monotonic() - done:.2f} s after vLLM evicted it"
         )
     assert pair.stat("P", "gpu_evicted_blocks") > evicted_before
+
+
+def _prefix_hits(engine: EngineProcess) -> float:
+    """Tokens vLLM's prefix cache supplied so far (its own /metrics counter)."""
+    text = urllib.request.urlopen(f"{engine.url}/metrics", timeout=5).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total{")
+    )
+
+
+def test_a_retained_prefix_survives_eviction_pressure_that_drops_an_unretained_one(pair: Pair) -> None:
+    """Retain (broker/retention.py): the broker pins P's cached blocks of one conversation with no
+    reader; filler traffic twice P's KV cache evicts another conversation but not that one, whose
+    next turn P serves from its prefix cache; once unretained, the same pressure evicts it too."""
+    kept, dropped = prompt_of(6 * BLOCK_SIZE + 1, seed=61), prompt_of(6 * BLOCK_SIZE + 1, seed=62)
+    for prompt in (kept, dropped):
+        complete(pair.p, prompt, max_tokens=1)
+    seeds = iter(range(70, 200))
+
+    def pressure(until: Callable[[], bool]) -> None:
+        """Other prompts on P until `until` (at most 4 times P's KV cache of them)."""
+        for _ in range(4 * P_BLOCKS // 12):
+            complete(pair.p, prompt_of(12 * BLOCK_SIZE + 1, seed=next(seeds)), max_tokens=1)
+            if until():
+                return
+
+    with BrokerClient(pair.broker.address) as client:
+        assert wait_for(lambda: min(_named_blocks(client, "P", p) for p in (kept, dropped)) == 6, 10)
+        layout = next(e.layout_id for e in client.list_engines().engines if e.engine_id == "P")
+        pins = pair.stat("P", "gpu_pins")
+        answer = client.retain(
+            namespace=pb.Namespace(layout_id=layout),
+            token_ids=kept,
+            ttl_ms=300_000,
+            engine_id="P",
+            key="agent-1",
+        )
+        lease = answer.lease
+        assert (lease.state, lease.tier, len(lease.block_hashes)) == (pb.LEASE_ACTIVE, pb.TIER_GPU, 6)
+        assert wait_for(
+            lambda: pair.stat("P", "gpu_pins") == pins + 1, 10
+        )  # P took a pool reference on its cached blocks
+        pressure(lambda: _named_blocks(client, "P", dropped) == 0)
+        assert wait_for(lambda: _named_blocks(client, "P", dropped) == 0, 10), "no eviction pressure on P"
+        assert _named_blocks(client, "P", kept) == 6, "vLLM evicted a retained block"
+        # The conversation comes back: P serves its prefix from its own cache.
+        hits = _prefix_hits(pair.p)
+        complete(pair.p, kept + prompt_of(20, seed=63), max_tokens=2)
+        assert wait_for(lambda: _prefix_hits(pair.p) - hits >= 6 * BLOCK_SIZE, 10)
+        hits = _prefix_hits(pair.p)
+        complete(pair.p, dropped + prompt_of(20, seed=64), max_tokens=2)  # recomputed: nothing kept it
+        assert wait_for(lambda: _named_blocks(client, "P", dropped) > 0, 10)
+        assert _prefix_hits(pair.p) - hits < BLOCK_SIZE
+        # Unretained, the blocks are vLLM's again: the same pressure evicts them.
+        assert client.unretain(lease_id=lease.lease_id).lease.state == pb.LEASE_RELEASED
+        pressure(lambda: _named_blocks(client, "P", kept) == 0)
+        assert wait_for(lambda: _named_blocks(client, "P", kept) == 0, 10), "the pin outlived its retention"

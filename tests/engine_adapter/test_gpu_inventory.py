@@ -176,6 +176,30 @@ def test_a_lost_stream_refuses_waiting_pins_and_a_new_session_frees_pinned_block
     assert pool.blocks[ids[0]].ref_cnt == 0
 
 
+def test_retentions_pin_at_most_their_share_of_the_pool_and_give_it_back() -> None:
+    sched, link, pool, _ = _bound(num_blocks=16, retain_gpu_fraction=0.25)  # 4 blocks for retentions
+    req, ids = _cached_request(pool, "a", 6 * BS + 1)
+    _finish(sched, pool, req, ids)
+    ns = pb.Namespace(layout_id=link.layout_id)
+
+    def pin(lease_id: str, n: int, reader: str = "") -> pb.PinResult:
+        hashes = [wire(i) for i in range(n)]
+        lease = pb.Lease(
+            lease_id=lease_id, tier=pb.TIER_GPU, namespace=ns, block_hashes=hashes, reader_engine_id=reader
+        )
+        answer = sched.pin_blocks(pb.PinCommand(lease=lease))
+        sched.build_connector_meta()
+        return answer.result(0)  # type: ignore[union-attr]
+
+    assert pin("R1", 3).ok  # a retention (no reader): 3 of 4
+    refused = pin("R2", 2)
+    assert not refused.ok and "retain_gpu_fraction 0.25 (4 blocks)" in refused.error
+    assert pin("L1", 6, reader="d").ok  # a reader's pin is not a retention: not bounded by it
+    sched.unpin_blocks("R1")  # the retention ended: its share is free again
+    sched.build_connector_meta()
+    assert pin("R3", 4).ok
+
+
 def test_with_verify_bytes_a_pin_of_cached_blocks_has_their_digests_stated_in_its_step() -> None:
     sched, link, pool, _ = _bound(verify_bytes=True)
     req, ids = _cached_request(pool, "a", 3 * BS + 1)

@@ -222,6 +222,12 @@ async def test_score_by_tokens_agrees_with_our_hashes(broker: Any, engines: dict
     rows = {line.split()[0]: line.split() for line in text.splitlines()[1:-1]}
     assert rows["p0"][1:3] == ["2", "0"]
     assert text.splitlines()[-1] == "3 full block(s) of 32 tokens in the prompt"
+    code, text = await run_cli(
+        "--broker", broker.address, "score", "--layout-id", p0.layout_id, "--tokens", tokens, "--placement"
+    )
+    assert code == 0, text
+    assert text.splitlines()[0].split()[-1] == "COST"
+    assert text.splitlines()[-1].startswith("placement: dp_"), text
     hashes = " ".join(hex(h) for h in wire_chain(TOKENS, 32))
     code, text = await run_cli(
         "--broker", broker.address, "--json", "score", "--layout-id", p0.layout_id, "--hashes", hashes

@@ -30,7 +30,7 @@ Causes are stable lowercase words; a new one may be added, none is renamed:
                   holder_refused, drain, superseded, declined (the
                   RevokeCause names, lowercase, without REVOKE_), released
   lease misuse    stale_epoch, wrong_lease_state, not_party, not_holder
-  names, layouts  unknown_engine, unknown_lease, unknown_layout,
+  names, layouts  unknown_engine, unknown_lease, unknown_layout, not_cached,
                   layout_mismatch, incompatible, draining
   requests        bad_request, out_of_range
   streams ended   session_superseded, session_expired, shutting_down,
@@ -187,6 +187,30 @@ REVOKE_SUPERSEDED: RevokeCause.ValueType  # 7
 REVOKE_DECLINED: RevokeCause.ValueType  # 8
 """the reader will not read it (it recomputed, or its request failed)"""
 Global___RevokeCause: _TypeAlias = RevokeCause  # noqa: Y015
+
+class _ScoreOrder:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ScoreOrderEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ScoreOrder.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SCORE_ORDER_PREFIX: _ScoreOrder.ValueType  # 0
+    """not draining, longest prefix, more on GPU, lower load"""
+    SCORE_ORDER_PLACEMENT: _ScoreOrder.ValueType  # 1
+    """lowest predicted cost first (EngineScore.predicted_cost)"""
+
+class ScoreOrder(_ScoreOrder, metaclass=_ScoreOrderEnumTypeWrapper):
+    """How a Score answer is ordered. PLACEMENT is the proxy's data-parallel rule
+    (common/placement.py): predicted time to first token in prompt-token
+    equivalents, weighing each engine's load against the prefix it holds and the
+    cost of pulling the longest held prefix from another engine.
+    """
+
+SCORE_ORDER_PREFIX: ScoreOrder.ValueType  # 0
+"""not draining, longest prefix, more on GPU, lower load"""
+SCORE_ORDER_PLACEMENT: ScoreOrder.ValueType  # 1
+"""lowest predicted cost first (EngineScore.predicted_cost)"""
+Global___ScoreOrder: _TypeAlias = ScoreOrder  # noqa: Y015
 
 @_typing.final
 class LayoutFingerprint(_message.Message):
@@ -1482,8 +1506,12 @@ class ScoreRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
     REQUIRE_EXACT_FIELD_NUMBER: _builtins.int
+    ORDER_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
     require_exact: _builtins.bool
     """count only blocks of engines whose entries are INDEX_EXACT"""
+    order: Global___ScoreOrder.ValueType
+    """how `scores` are ordered (default: longest prefix first)"""
     @_builtins.property
     def namespace(self) -> Global___Namespace: ...
     @_builtins.property
@@ -1498,6 +1526,10 @@ class ScoreRequest(_message.Message):
     def candidates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """engine ids; empty = all compatible engines"""
 
+    @_builtins.property
+    def weights(self) -> Global___PlacementWeights:
+        """for SCORE_ORDER_PLACEMENT; unset fields take the defaults"""
+
     def __init__(
         self,
         *,
@@ -1506,14 +1538,50 @@ class ScoreRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         candidates: _abc.Iterable[_builtins.str] | None = ...,
         require_exact: _builtins.bool = ...,
+        order: Global___ScoreOrder.ValueType = ...,
+        weights: Global___PlacementWeights | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "candidates", b"candidates", "namespace", b"namespace", "require_exact", b"require_exact", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "candidates", b"candidates", "namespace", b"namespace", "order", b"order", "require_exact", b"require_exact", "token_ids", b"token_ids", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScoreRequest: _TypeAlias = ScoreRequest  # noqa: Y015
+
+@_typing.final
+class PlacementWeights(_message.Message):
+    """The placement rule's weights; 0 / unset means the default in brackets."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUSY_TOKENS_FIELD_NUMBER: _builtins.int
+    PULL_TOKEN_COST_FIELD_NUMBER: _builtins.int
+    MIN_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    NO_PULL_FIELD_NUMBER: _builtins.int
+    busy_tokens: _builtins.float
+    """prompt tokens of waiting one request in flight costs [256]"""
+    pull_token_cost: _builtins.float
+    """a pulled token's cost as a fraction of computing it [0.1]"""
+    min_prefix_tokens: _builtins.int
+    """a longest held prefix under this is ignored: balance by load [64]"""
+    no_pull: _builtins.bool
+    """engines do not pull from each other (no kv_both connector)"""
+    def __init__(
+        self,
+        *,
+        busy_tokens: _builtins.float = ...,
+        pull_token_cost: _builtins.float = ...,
+        min_prefix_tokens: _builtins.int = ...,
+        no_pull: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_tokens", b"busy_tokens", "min_prefix_tokens", b"min_prefix_tokens", "no_pull", b"no_pull", "pull_token_cost", b"pull_token_cost"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementWeights: _TypeAlias = PlacementWeights  # noqa: Y015
 
 @_typing.final
 class EngineScore(_message.Message):
@@ -1525,6 +1593,7 @@ class EngineScore(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     EXACTNESS_FIELD_NUMBER: _builtins.int
+    PREDICTED_COST_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     gpu_blocks: _builtins.int
     cpu_blocks: _builtins.int
@@ -1532,6 +1601,8 @@ class EngineScore(_message.Message):
     draining: _builtins.bool
     exactness: Global___IndexExactness.ValueType
     """how exact the counts above are for this engine"""
+    predicted_cost: _builtins.float
+    """SCORE_ORDER_PLACEMENT: predicted cost, prompt-token equivalents"""
     def __init__(
         self,
         *,
@@ -1541,10 +1612,11 @@ class EngineScore(_message.Message):
         load: _builtins.float = ...,
         draining: _builtins.bool = ...,
         exactness: Global___IndexExactness.ValueType = ...,
+        predicted_cost: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_blocks", b"cpu_blocks", "draining", b"draining", "engine_id", b"engine_id", "exactness", b"exactness", "gpu_blocks", b"gpu_blocks", "load", b"load"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_blocks", b"cpu_blocks", "draining", b"draining", "engine_id", b"engine_id", "exactness", b"exactness", "gpu_blocks", b"gpu_blocks", "load", b"load", "predicted_cost", b"predicted_cost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1557,8 +1629,17 @@ class ScoreResponse(_message.Message):
     SCORES_FIELD_NUMBER: _builtins.int
     TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    PLACEMENT_REASON_FIELD_NUMBER: _builtins.int
+    PLACEMENT_DETAIL_FIELD_NUMBER: _builtins.int
+    PULL_FROM_FIELD_NUMBER: _builtins.int
     total_blocks: _builtins.int
     block_size: _builtins.int
+    placement_reason: _builtins.str
+    """SCORE_ORDER_PLACEMENT only: why the first engine is first (a dp_* label of
+    common/placement.py), the figures, and the engine it would pull from ("": none).
+    """
+    placement_detail: _builtins.str
+    pull_from: _builtins.str
     @_builtins.property
     def scores(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineScore]:
         """best first"""
@@ -1569,10 +1650,13 @@ class ScoreResponse(_message.Message):
         scores: _abc.Iterable[Global___EngineScore] | None = ...,
         total_blocks: _builtins.int = ...,
         block_size: _builtins.int = ...,
+        placement_reason: _builtins.str = ...,
+        placement_detail: _builtins.str = ...,
+        pull_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "scores", b"scores", "total_blocks", b"total_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "placement_detail", b"placement_detail", "placement_reason", b"placement_reason", "pull_from", b"pull_from", "scores", b"scores", "total_blocks", b"total_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1825,19 +1909,33 @@ class WatchRequest(_message.Message):
     INDEX_EVENTS_FIELD_NUMBER: _builtins.int
     LEASE_EVENTS_FIELD_NUMBER: _builtins.int
     ENGINE_EVENTS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_MS_FIELD_NUMBER: _builtins.int
+    RESUME_AFTER_FIELD_NUMBER: _builtins.int
     index_events: _builtins.bool
     lease_events: _builtins.bool
     engine_events: _builtins.bool
+    heartbeat_ms: _builtins.int
+    """Ask for a `heartbeat` event whenever the stream had nothing to send for this long (0: none;
+    at least 100 ms). A client that hears nothing for a few of them knows its replica is frozen
+    or cut off and moves to another one.
+    """
+    resume_after: _builtins.str
+    """Resume after the event (or heartbeat) with this cursor, on any replica of the same fleet:
+    the events after it come first, then live ones. When they cannot all be given (trimmed,
+    store restarted, a broker without a shared store) an `events_missed` event says so first.
+    """
     def __init__(
         self,
         *,
         index_events: _builtins.bool = ...,
         lease_events: _builtins.bool = ...,
         engine_events: _builtins.bool = ...,
+        heartbeat_ms: _builtins.int = ...,
+        resume_after: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events", "index_events", b"index_events", "lease_events", b"lease_events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_events", b"engine_events", "heartbeat_ms", b"heartbeat_ms", "index_events", b"index_events", "lease_events", b"lease_events", "resume_after", b"resume_after"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1854,6 +1952,7 @@ class WatchEvent(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     TIME_UNIX_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """e.g. engine_registered, lease_revoked, blocks_stored"""
     engine_id: _builtins.str
@@ -1862,6 +1961,8 @@ class WatchEvent(_message.Message):
     detail: _builtins.str
     time_unix: _builtins.float
     """for display only; never used for expiry"""
+    cursor: _builtins.str
+    """where this event is in the fleet's watch stream (resume_after); "" without one"""
     @_builtins.property
     def lease(self) -> Global___Lease: ...
     def __init__(
@@ -1874,10 +1975,11 @@ class WatchEvent(_message.Message):
         tier: Global___Tier.ValueType = ...,
         detail: _builtins.str = ...,
         time_unix: _builtins.float = ...,
+        cursor: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "detail", b"detail", "engine_id", b"engine_id", "kind", b"kind", "lease", b"lease", "tier", b"tier", "time_unix", b"time_unix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "cursor", b"cursor", "detail", b"detail", "engine_id", b"engine_id", "kind", b"kind", "lease", b"lease", "tier", b"tier", "time_unix", b"time_unix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2006,3 +2108,125 @@ class MirrorUpdate(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MirrorUpdate: _TypeAlias = MirrorUpdate  # noqa: Y015
+
+@_typing.final
+class RetainRequest(_message.Message):
+    """---------------------------------------------------------------------------
+    Retention (docs/broker.md, "Retention"): keep a conversation's prefix on the
+    engine that holds it for a while, with no reader yet. The broker makes a
+    lease with an empty reader (request_id "retain:KEY") and sends the holder a
+    PinCommand, as for a reader's pin of cached blocks; the lease ends at its
+    TTL (TTL_EXPIRED), by Unretain (RELEASED), or when the holder's session ends
+    (HOLDER_GONE: the pin is lost, as a later Retain naming the lease answers
+    and as the lease_revoked event on Watch shows). Compatibility: new calls and
+    messages only; an older broker answers UNIMPLEMENTED, and engines need no
+    change (they answer the PinCommand as they answer a reader's).
+    ---------------------------------------------------------------------------
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    REPLACES_LEASE_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    ttl_ms: _builtins.int
+    """required: how long to keep it, within the lease TTL range"""
+    engine_id: _builtins.str
+    """the holder to pin on; empty: the engine holding the longest prefix"""
+    key: _builtins.str
+    """the caller's name for the conversation (the lease's request_id "retain:KEY")"""
+    lease_id: _builtins.str
+    """renew this retention instead: its TTL restarts at ttl_ms"""
+    replaces_lease_id: _builtins.str
+    """an older retention of the conversation, ended once this one is pinned"""
+    tier: Global___Tier.ValueType
+    """Which copy to pin. Unspecified: the engine's CPU-tier copy where it has at
+    least as much of the prefix there as on GPU (GPU memory stays vLLM's to
+    evict; the next turn restores from the pinned CPU copy), else the GPU copy.
+    """
+    @_builtins.property
+    def namespace(self) -> Global___Namespace: ...
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the prompt's chain: either hashes ..."""
+
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """... or its token ids (hashed by the broker, as Score does)"""
+
+    def __init__(
+        self,
+        *,
+        namespace: Global___Namespace | None = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ttl_ms: _builtins.int = ...,
+        engine_id: _builtins.str = ...,
+        key: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
+        replaces_lease_id: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "engine_id", b"engine_id", "key", b"key", "lease_id", b"lease_id", "namespace", b"namespace", "replaces_lease_id", b"replaces_lease_id", "tier", b"tier", "token_ids", b"token_ids", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetainRequest: _TypeAlias = RetainRequest  # noqa: Y015
+
+@_typing.final
+class RetainResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: _builtins.int
+    REQUESTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
+    requested_blocks: _builtins.int
+    """full blocks asked for; the lease covers the held prefix of them"""
+    replaced: _builtins.bool
+    """replaces_lease_id was ended"""
+    @_builtins.property
+    def lease(self) -> Global___Lease:
+        """the retention lease (reader empty), ACTIVE: the holder pinned its blocks"""
+
+    def __init__(
+        self,
+        *,
+        lease: Global___Lease | None = ...,
+        requested_blocks: _builtins.int = ...,
+        replaced: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "replaced", b"replaced", "requested_blocks", b"requested_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetainResponse: _TypeAlias = RetainResponse  # noqa: Y015
+
+@_typing.final
+class UnretainRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    """a lease Retain made"""
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnretainRequest: _TypeAlias = UnretainRequest  # noqa: Y015

@@ -114,6 +114,16 @@ class KVBrokerStub:
                 request_serializer=kvbroker_dot_v1_dot_broker__pb2.MirrorRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_broker__pb2.MirrorUpdate.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/kvbroker.v1.KVBroker/Retain',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.RetainRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.RetainResponse.FromString,
+                _registered_method=True)
+        self.Unretain = channel.unary_unary(
+                '/kvbroker.v1.KVBroker/Unretain',
+                request_serializer=kvbroker_dot_v1_dot_broker__pb2.UnretainRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__pb2.LeaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVBrokerServicer:
@@ -219,6 +229,19 @@ class KVBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Retain(self, request, context):
+        """Routers and agent frameworks: retention (see above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unretain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -301,6 +324,16 @@ def add_KVBrokerServicer_to_server(servicer, server):
                     servicer.Mirror,
                     request_deserializer=kvbroker_dot_v1_dot_broker__pb2.MirrorRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_broker__pb2.MirrorUpdate.SerializeToString,
+            ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.RetainRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.RetainResponse.SerializeToString,
+            ),
+            'Unretain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unretain,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__pb2.UnretainRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__pb2.LeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -735,6 +768,60 @@ class KVBroker:
             '/kvbroker.v1.KVBroker/Mirror',
             kvbroker_dot_v1_dot_broker__pb2.MirrorRequest.SerializeToString,
             kvbroker_dot_v1_dot_broker__pb2.MirrorUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KVBroker/Retain',
+            kvbroker_dot_v1_dot_broker__pb2.RetainRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.RetainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unretain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.KVBroker/Unretain',
+            kvbroker_dot_v1_dot_broker__pb2.UnretainRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__pb2.LeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

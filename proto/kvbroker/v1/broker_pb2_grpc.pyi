@@ -30,7 +30,7 @@ Causes are stable lowercase words; a new one may be added, none is renamed:
                   holder_refused, drain, superseded, declined (the
                   RevokeCause names, lowercase, without REVOKE_), released
   lease misuse    stale_epoch, wrong_lease_state, not_party, not_holder
-  names, layouts  unknown_engine, unknown_lease, unknown_layout,
+  names, layouts  unknown_engine, unknown_lease, unknown_layout, not_cached,
                   layout_mismatch, incompatible, draining
   requests        bad_request, out_of_range
   streams ended   session_superseded, session_expired, shutting_down,
@@ -93,6 +93,9 @@ class KVBrokerStub:
     Drain: _grpc.UnaryUnaryMultiCallable[_broker_pb2.DrainRequest, _broker_pb2.DrainResponse]
     Watch: _grpc.UnaryStreamMultiCallable[_broker_pb2.WatchRequest, _broker_pb2.WatchEvent]
     Mirror: _grpc.UnaryStreamMultiCallable[_broker_pb2.MirrorRequest, _broker_pb2.MirrorUpdate]
+    Retain: _grpc.UnaryUnaryMultiCallable[_broker_pb2.RetainRequest, _broker_pb2.RetainResponse]
+    """Routers and agent frameworks: retention (see above)."""
+    Unretain: _grpc.UnaryUnaryMultiCallable[_broker_pb2.UnretainRequest, _broker_pb2.LeaseResponse]
 
 @_typing.type_check_only
 class KVBrokerAsyncStub(KVBrokerStub):
@@ -117,6 +120,9 @@ class KVBrokerAsyncStub(KVBrokerStub):
     Drain: _aio.UnaryUnaryMultiCallable[_broker_pb2.DrainRequest, _broker_pb2.DrainResponse]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_broker_pb2.WatchRequest, _broker_pb2.WatchEvent]  # type: ignore[assignment]
     Mirror: _aio.UnaryStreamMultiCallable[_broker_pb2.MirrorRequest, _broker_pb2.MirrorUpdate]  # type: ignore[assignment]
+    Retain: _aio.UnaryUnaryMultiCallable[_broker_pb2.RetainRequest, _broker_pb2.RetainResponse]  # type: ignore[assignment]
+    """Routers and agent frameworks: retention (see above)."""
+    Unretain: _aio.UnaryUnaryMultiCallable[_broker_pb2.UnretainRequest, _broker_pb2.LeaseResponse]  # type: ignore[assignment]
 
 class KVBrokerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -234,5 +240,20 @@ class KVBrokerServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.MirrorRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_broker_pb2.MirrorUpdate], _abc.AsyncIterator[_broker_pb2.MirrorUpdate]]: ...
+
+    @_abc_1.abstractmethod
+    def Retain(
+        self,
+        request: _broker_pb2.RetainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.RetainResponse, _abc.Awaitable[_broker_pb2.RetainResponse]]:
+        """Routers and agent frameworks: retention (see above)."""
+
+    @_abc_1.abstractmethod
+    def Unretain(
+        self,
+        request: _broker_pb2.UnretainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.LeaseResponse, _abc.Awaitable[_broker_pb2.LeaseResponse]]: ...
 
 def add_KVBrokerServicer_to_server(servicer: KVBrokerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

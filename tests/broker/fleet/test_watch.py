@@ -145,4 +145,49 @@ def test_every_watcher_hears_of_missed_events_whatever_its_tenant() -> None:
     globex = Identity("globex", Role.OPERATOR, "ops")
     missed = pb.WatchEvent(kind=MISSED, detail="events of the broker fleet were missed")
     assert guard.stream_item(globex, missed) is missed
+    beat = pb.WatchEvent(kind=ev.HEARTBEAT, cursor="1-0/1")  # its Watch must not fall silent either
+    assert guard.stream_item(globex, beat) is beat
     assert guard.stream_item(globex, pb.WatchEvent(kind="engine_registered", engine_id="p0")) is None
+
+
+async def test_a_watch_resumes_on_another_replica_after_its_last_cursor(
+    store: RedisServer | RedisCluster,
+) -> None:
+    """Events carry their cursor; another replica gives back those after a cursor (of the categories
+    asked for), says when some are no longer kept, and knows where its own reading stands."""
+    state = redis_state(store)
+    a, b = replica(state, "a"), replica(state, "b")
+    watcher = a.add_watcher(frozenset({ev.ENGINE}))
+    try:
+        b.watch._record()
+        for name in ("P", "Q", "R"):
+            b.event(engine_event("engine_registered", name))
+            b.event(WatchEvent(ev.LEASE, "lease_held", engine_id=name))  # a watches no lease events
+        await until(lambda: watcher.queue.qsize() >= 3, message="a's watcher missed events")
+        got = [watcher.queue.get_nowait() for _ in range(3)]
+        assert all(isinstance(m, pb.WatchEvent) and m.cursor for m in got)
+        first = got[0]
+        assert isinstance(first, pb.WatchEvent) and first.engine_id == "P"
+
+        again, whole = b.watch_since(first.cursor, frozenset({ev.ENGINE}))
+        assert whole and [(m.kind, m.engine_id) for m in again] == [
+            ("engine_registered", "Q"),
+            ("engine_registered", "R"),
+        ]
+        assert [m.cursor for m in again] == [m.cursor for m in got[1:]]  # type: ignore[union-attr]
+        last = got[-1]
+        assert isinstance(last, pb.WatchEvent)
+        assert b.watch_since(last.cursor, frozenset({ev.ENGINE})) == ([], True)
+        # a's reading stands at its last entry (lease events, which nobody watches, were not appended).
+        assert a.watch_position() == last.cursor
+
+        # Trimmed away: the resume says it cannot give them all.
+        state.call(state.client.xtrim, b.watch.stream.keys("")[0], maxlen=0)
+        b.event(engine_event("engine_gone", "P"))
+        again, whole = b.watch_since(first.cursor, frozenset({ev.ENGINE}))
+        assert not whole and [(m.kind, m.engine_id) for m in again] == [("engine_gone", "P")]
+        again, whole = b.watch_since(last.cursor, frozenset({ev.ENGINE}))  # the one after it is kept
+        assert whole and [(m.kind, m.engine_id) for m in again] == [("engine_gone", "P")]
+    finally:
+        a.remove_watcher(watcher)
+        await a.watch.stop()

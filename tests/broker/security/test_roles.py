@@ -71,6 +71,10 @@ def calls(world: World, me: str) -> dict[str, Callable[[Any], object]]:
         "Revoke": lambda s: s.Revoke(pb.RevokeRequest(lease_id=world.revoke_lease_id), timeout=5),
         "Drain": lambda s: s.Drain(pb.DrainRequest(engine_id="p1"), timeout=5),
         "Watch": lambda s: _first(s.Watch(pb.WatchRequest(), timeout=0.5)),
+        "Retain": lambda s: s.Retain(
+            pb.RetainRequest(namespace=ns, block_hashes=hashes, ttl_ms=1000), timeout=5
+        ),
+        "Unretain": lambda s: s.Unretain(pb.UnretainRequest(lease_id=world.lease_id), timeout=5),
     }
 
 
@@ -107,6 +111,8 @@ ACME_EXPECTED = {
     "Revoke": ("role_denied", "role_denied", "ok"),
     "Drain": ("role_denied", "role_denied", "ok"),
     "Watch": ("role_denied", "role_denied", "ok"),
+    "Retain": ("role_denied", "ok", "ok"),
+    "Unretain": ("role_denied", "ok", "ok"),
 }
 # Another tenant's identity, of a role the call is for: refused wherever the request names acme's things;
 # its own registration and the lists and streams (filtered: see test_isolation) are answered.

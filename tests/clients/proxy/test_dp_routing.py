@@ -1,5 +1,5 @@
 """The proxy on a data-parallel fleet (--no-disaggregate): fake engines registered with a real
-in-process broker; the placement (placement.py) weighs each engine's load against its prefix."""
+in-process broker; the placement (common/placement.py) weighs each engine's load against its prefix."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ async def broker() -> AsyncIterator[RunningServer]:
 
 
 @pytest.fixture
-async def fleet(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
-    """Fake engines E1 and E2 (role both) and a proxy that serves them as a data-parallel fleet."""
+async def fleet(broker: RunningServer, request: pytest.FixtureRequest) -> AsyncIterator[dict[str, Any]]:
+    """Fake engines E1 and E2 (role both) and a proxy that serves them as a data-parallel fleet
+    (more ProxyConfig settings by indirect parametrization)."""
     from kvbroker.clients.aio import AsyncBrokerClient
     from kvbroker.clients.engine_session import EngineSession
 
@@ -47,7 +48,11 @@ async def fleet(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = ProxyConfig(
-        broker=broker.address, refresh_interval_s=0.1, connect_timeout_s=1.0, disaggregate=False
+        broker=broker.address,
+        refresh_interval_s=0.1,
+        connect_timeout_s=1.0,
+        disaggregate=False,
+        **getattr(request, "param", {}),
     )
     server = TestServer(build_app(config, broker=AsyncBrokerClient(broker.address), tracer_provider=provider))
     await server.start_server()

@@ -71,6 +71,8 @@ class Placement:
     detail: str  # the figures, for the span and logs
     pull_from: str = ""  # the holder the first engine is expected to pull from ("" none)
     costs: tuple[float, ...] = ()  # predicted cost per candidate (same indices), token equivalents
+    # Per candidate (same indices): (tokens computed, tokens pulled, load), the terms of its cost.
+    terms: tuple[tuple[int, int, float], ...] = ()
 
 
 def _by_load(candidates: Sequence[Candidate], rotation: int) -> list[int]:
@@ -102,9 +104,11 @@ def place(
             f"longest held prefix {longest} tokens < {rule.min_prefix_tokens}: least loaded engine "
             f"(load {candidates[order[0]].load:g})"
         )
-        return Placement(tuple(order), DP_BALANCE, detail)
+        balanced = tuple((num_tokens - h, 0, max(0.0, c.load)) for h, c in zip(held, candidates, strict=True))
+        return Placement(tuple(order), DP_BALANCE, detail, terms=balanced)
     costs: list[float] = []
     sources: list[int | None] = []
+    terms: list[tuple[int, int, float]] = []
     for i, c in enumerate(candidates):
         others = [j for j in range(len(candidates)) if j != i]
         best = max(others, key=lambda j: held[j], default=None)
@@ -112,9 +116,8 @@ def place(
             reuse, pulled, source = held[best], held[best] - held[i], best
         else:
             reuse, pulled, source = held[i], 0, None
-        costs.append(
-            (num_tokens - reuse) + rule.pull_token_cost * pulled + rule.busy_tokens * max(0.0, c.load)
-        )
+        terms.append((num_tokens - reuse, pulled, max(0.0, c.load)))
+        costs.append(terms[i][0] + rule.pull_token_cost * pulled + rule.busy_tokens * terms[i][2])
         sources.append(source)
     n = len(candidates)
     rotated = [(rotation + i) % n for i in range(n)]
@@ -126,7 +129,7 @@ def place(
         f"load {candidates[first].load:g})"
     )
     if held[first] >= longest:
-        return Placement(tuple(order), DP_HOLDER, fig, costs=tuple(costs))
+        return Placement(tuple(order), DP_HOLDER, fig, costs=tuple(costs), terms=tuple(terms))
     vs = (
         f"; holder {candidates[holder].name}: cost {costs[holder]:.0f} (holds {held[holder]}, "
         f"load {candidates[holder].load:g})"
@@ -140,5 +143,8 @@ def place(
             f"{fig}, pulls {pulled} tokens from {candidates[source].name}{vs}",
             pull_from=candidates[source].name,
             costs=tuple(costs),
+            terms=tuple(terms),
         )
-    return Placement(tuple(order), DP_RECOMPUTE, f"{fig}, recomputes{vs}", costs=tuple(costs))
+    return Placement(
+        tuple(order), DP_RECOMPUTE, f"{fig}, recomputes{vs}", costs=tuple(costs), terms=tuple(terms)
+    )

@@ -1,8 +1,8 @@
-"""Data-parallel placement (clients/proxy/placement.py): load against locality, a pure function."""
+"""Data-parallel placement (common/placement.py): load against locality, a pure function."""
 
 from __future__ import annotations
 
-from kvbroker.clients.proxy.placement import (
+from kvbroker.common.placement import (
     DP_BALANCE,
     DP_HOLDER,
     DP_NOT_SCORED,

@@ -1,0 +1,74 @@
+"""A lease's end told across replicas (broker/fleet/notify.py): the notice carries the session's
+message encoded once, the replica serving the session passes it on as is; a notice in the JSON
+fields older replicas send is still read, and one that does not decode is dropped. The same
+across real replicas and pub/sub: tests/broker/fleet/test_shared_state.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvbroker.broker.channels import ended_down, revoked_down
+from kvbroker.broker.fleet.leases import RedisLeaseTable
+from kvbroker.broker.fleet.notify import FleetNotifier
+from kvbroker.broker.fleet.registry import SeenRecords
+from kvbroker.broker.leases import Lease, packed_block_ids, packed_hashes
+from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.clock import FakeClock
+from testkit.redis_server import RedisServer
+from tests.broker.helpers import redis_state
+
+
+def ended_lease(state: LeaseState, cause: RevokeCause = RevokeCause.NONE) -> Lease:
+    lease = Lease(
+        "l-1", "P", "D", Namespace("lay", "acme"), Tier.GPU, packed_hashes([7, 8]), packed_block_ids([1, 2]),
+        state, 0.0, 0.0,
+    )  # fmt: skip
+    lease.epoch, lease.cause, lease.detail, lease.request_id = 3, cause, "why", "req-9"
+    return lease
+
+
+def notices(notifier: FleetNotifier) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+    notifier._state.publish = lambda channel, body: sent.append(json.loads(body))  # type: ignore[method-assign]
+    return sent
+
+
+@pytest.mark.parametrize("kind", ["ended", "revoked"])
+async def test_an_ended_lease_reaches_the_session_on_another_replica_as_encoded(
+    redis_server: RedisServer, kind: str
+) -> None:
+    state = redis_state(redis_server)
+    clock = FakeClock()
+    a = FleetNotifier(clock, state, "a", SeenRecords(), RedisLeaseTable(state, history=4))
+    b = FleetNotifier(clock, state, "b", SeenRecords(), RedisLeaseTable(state, history=4))
+    channel = b.attach("s-1")
+    sent = notices(a)
+    if kind == "ended":
+        lease = ended_lease(LeaseState.RELEASED)
+        a.lease_ended("s-1", lease)
+        expected = ended_down(lease, clock.now())
+    else:
+        lease = ended_lease(LeaseState.REVOKED, RevokeCause.DECLINED)
+        a.lease_revoked("s-1", lease)
+        expected = revoked_down(lease, clock.now())
+    assert [(n["k"], n["s"], "down" in n, "ended" in n) for n in sent] == [(kind, "s-1", True, False)]
+    b.deliver(sent[0])
+    assert channel.queue.get_nowait() == expected
+    assert b.delivered == 1
+
+    # An older replica's notice (the lease as JSON fields) is still read ...
+    old = {
+        "k": "ended", "s": "s-1", "rep": "old", "lease": "l-1",
+        "ended": {"h": "P", "r": "D", "ns": ["lay", "acme"], "t": 1, "bh": [7, 8], "bi": [1, 2],
+                  "st": int(LeaseState.RELEASED), "ep": 3, "c": 0, "d": "why", "q": "req-9"},
+    }  # fmt: skip
+    b.deliver(old)
+    got = channel.queue.get_nowait()
+    assert isinstance(got, pb.SessionDown) and got.lease_ended.lease.block_hashes == [7, 8]
+    # ... and one that does not decode is dropped, not delivered half.
+    b.deliver({"k": "ended", "s": "s-1", "rep": "x", "lease": "l-1", "down": "not base64!"})
+    assert channel.queue.empty() and b.delivered == 2

@@ -1,0 +1,134 @@
+"""X-KV-Retain-Seconds (clients/proxy/retain.py): after the turn, the proxy retains the prompt's
+prefix on the engine that holds it, through a real in-process broker, with fake engines whose
+broker sessions pin what the broker asks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from kvbroker.clients.proxy import ProxyConfig, build_app
+from kvbroker.clients.proxy.server import STATE_KEY
+from kvbroker.common.hashing import wire_chain
+from kvbroker.v1 import broker_pb2 as pb
+from testkit.broker import running_broker
+from tests.clients.proxy.fake_engine import FakeEngine, chat_text, fake_tokens
+from tests.clients.proxy.test_routing import BLOCK, engine_info
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.asynccontextmanager
+async def stack() -> AsyncIterator[dict[str, Any]]:
+    from kvbroker.clients.aio import AsyncBrokerClient
+    from kvbroker.clients.engine_session import EngineSession
+
+    async with running_broker(session_ttl_ms=5_000, session_ttl_min_ms=100, shutdown_grace_s=0.2) as broker:
+        fakes = {name: await FakeEngine(name).start() for name in ("P", "D")}
+        pins: list[pb.Lease] = []
+
+        def pin(command: pb.PinCommand) -> pb.PinResult:  # as an engine pins its cached blocks
+            pins.append(command.lease)
+            return pb.PinResult(
+                lease_id=command.lease.lease_id, ok=True, block_ids=range(len(command.lease.block_hashes))
+            )
+
+        sessions = {}
+        for name, fake in fakes.items():
+            info = engine_info(name, "prefill" if name == "P" else "decode", fake.url)
+            sessions[name] = EngineSession(broker.address, info, ttl_ms=5_000, on_pin=pin)
+            await sessions[name].start(wait_connected_s=5)
+        config = ProxyConfig(
+            broker=broker.address, refresh_interval_s=0.2, connect_timeout_s=1.0, local_prefill_tokens=0
+        )
+        app = build_app(config, broker=AsyncBrokerClient(broker.address))
+        server = TestServer(app)
+        await server.start_server()
+        http = aiohttp.ClientSession()
+        try:
+            yield {
+                "broker": broker,
+                "sessions": sessions,
+                "pins": pins,
+                "url": str(server.make_url("")).rstrip("/"),
+                "http": http,
+                "retainer": app[STATE_KEY].retainer,
+            }
+        finally:
+            await http.close()
+            await server.close()
+            for s in sessions.values():
+                await s.close()
+            for f in fakes.values():
+                await f.stop()
+
+
+async def turn(
+    s: dict[str, Any], messages: list[dict[str, str]], headers: dict[str, str]
+) -> aiohttp.ClientResponse:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4}
+    async with s["http"].post(s["url"] + "/v1/chat/completions", json=body, headers=headers) as resp:
+        await resp.read()
+        return resp
+
+
+async def d_caches(s: dict[str, Any], messages: list[dict[str, str]]) -> None:
+    """D announces the turn's prompt as cached, as the adapter does once vLLM finished it."""
+    session = s["sessions"]["D"]
+    hashes = wire_chain(fake_tokens(chat_text(messages)), BLOCK)
+    session.announce_stored(pb.Namespace(layout_id=session.layout_id, tenant=""), pb.TIER_GPU, hashes)
+    session.flush()
+    await session.applied()
+
+
+async def retentions(s: dict[str, Any]) -> list[pb.Lease]:
+    core = s["broker"].core
+    return [lease for lease in core.leases.by_holder("D") if lease.request_id.startswith("retain:")]
+
+
+async def test_a_turn_with_the_header_is_retained_on_its_decode_engine_and_the_next_turn_replaces_it() -> (
+    None
+):
+    async with stack() as s:
+        messages = [{"role": "user", "content": "a question about retention " * 4}]
+        resp = await turn(s, messages, {"X-KV-Retain-Seconds": "600", "X-KV-Retain-Key": "conv-1"})
+        assert resp.status == 200 and resp.headers["X-KVBroker-Decode"] == "D"
+        await d_caches(s, messages)  # announced after the answer: the proxy waits for it
+        await s["retainer"].drain()
+        [first] = await retentions(s)
+        assert (first.reader, first.request_id, first.ttl_s) == ("", "retain:conv-1", 600)
+        assert len(first.block_hashes) == len(fake_tokens(chat_text(messages))) // BLOCK
+        assert s["pins"][-1].lease_id == first.lease_id  # D pinned it
+        # The next turn of the conversation: retained again, the first retention ended.
+        messages += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+        await turn(s, messages, {"X-KV-Retain-Seconds": "600", "X-KV-Retain-Key": "conv-1"})
+        await d_caches(s, messages)
+        await s["retainer"].drain()
+        [second] = await retentions(s)
+        assert second.lease_id != first.lease_id and len(second.block_hashes) > len(first.block_hashes)
+        assert s["broker"].core.leases.get(first.lease_id).state.label == "released"
+        assert s["retainer"].counts["retained"] == 2 and s["retainer"].counts["replaced"] == 1
+        # Without the header nothing is retained.
+        await turn(s, [{"role": "user", "content": "no retention asked " * 4}], {})
+        await s["retainer"].drain()
+        assert s["retainer"].counts["retained"] == 2
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan", "inf"])
+async def test_a_bad_retain_header_is_refused_before_any_engine_works(value: str) -> None:
+    async with stack() as s:
+        resp = await turn(s, [{"role": "user", "content": "hello " * 10}], {"X-KV-Retain-Seconds": value})
+        assert resp.status == 400
+        async with s["http"].post(
+            s["url"] + "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+            headers={"X-KV-Retain-Seconds": value},
+        ) as again:
+            error = (await again.json())["error"]
+        assert error["param"] == "X-KV-Retain-Seconds" and "positive number of seconds" in error["message"]
+        assert s["retainer"].counts == {}

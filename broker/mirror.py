@@ -41,6 +41,7 @@ def mirror_engine_info(info: pb.EngineInfo) -> pb.EngineInfo:
         rank.ClearField("agent_metadata")
         for tier in rank.tiers:
             tier.ClearField("regions")
+            tier.ClearField("digest_regions")
     return out
 
 

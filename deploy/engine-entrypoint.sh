@@ -10,6 +10,8 @@ BROKER_ADDRESS="${BROKER_ADDRESS:-broker:50051}"
 ENGINE_URL="${ENGINE_URL:-http://${ENGINE_ID}:${PORT}}"
 KV_RECOMPUTE_THRESHOLD="${KV_RECOMPUTE_THRESHOLD:-64}"
 MULTI_TURN="${MULTI_TURN:-false}"
+# Verified bytes (docs/data_path.md#verified-bytes): true on holders and readers alike.
+VERIFY_BYTES="${VERIFY_BYTES:-false}"
 BLOCK_SIZE="${BLOCK_SIZE:-32}"
 # The tenant of this engine's identity (mutual TLS: KVBROKER_TLS_CA/CERT/KEY, read by the adapter).
 TENANT="${TENANT:-}"
@@ -18,7 +20,7 @@ KV_CONFIG=$(cat <<JSON
  "kv_role": "kv_both",
  "kv_connector_extra_config": {"broker_address": "${BROKER_ADDRESS}", "engine_id": "${ENGINE_ID}",
    "role": "${ROLE}", "url": "${ENGINE_URL}", "kv_recompute_threshold": ${KV_RECOMPUTE_THRESHOLD},
-   "multi_turn": ${MULTI_TURN}, "tenant": "${TENANT}"}}
+   "multi_turn": ${MULTI_TURN}, "verify_bytes": ${VERIFY_BYTES}, "tenant": "${TENANT}"}}
 JSON
 )
 # vLLM's own request spans go to the OTLP endpoint our spans go to, unless

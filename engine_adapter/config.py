@@ -73,6 +73,13 @@ class AdapterConfig:
         0,
         "Slots (blocks) of the CPU offload tier, per rank (0 = off). Finished requests' full blocks are copied there and announced as tier CPU.",
     )
+    verify_bytes: bool = setting(
+        False,
+        "Verified bytes: as a holder, state a CRC32 per block and layer of what it holds for readers; as a "
+        "reader, check every pulled block against it before the release commits, and recompute on a "
+        "mismatch or when the holder states none. CPU (DRAM) KV memory only; costs a CRC32 of the bytes "
+        "on both sides (docs/data_path.md).",
+    )
     retain_gpu_fraction: float = setting(
         0.5,
         "Most of the GPU KV cache that retentions (the broker's Retain: blocks kept with no reader) may pin "

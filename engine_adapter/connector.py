@@ -174,6 +174,7 @@ class BrokerConnector(KVConnectorBase_V1):
             rank_registrar=registrar,
             cpu_tier_slots=config.cpu_tier_blocks,
             cpu_tier_factory=_make_cpu_tier,
+            verify_bytes=config.verify_bytes,
         )
 
     # ------------------------------------------------------------------

@@ -119,6 +119,7 @@ class CpuStores:
             return pb.PinResult(
                 lease_id=lease.lease_id, ok=False, error="blocks are not (or no longer) on the CPU tier"
             )
+        self._ctx.state_digests(pb.TIER_CPU, slots, lease.block_hashes)
         logger.info(
             "kvbroker: pinned %d CPU-tier blocks for lease %s (reader %s)",
             len(slots),

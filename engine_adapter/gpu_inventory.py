@@ -220,6 +220,8 @@ class GpuInventory:
             assert future is not None
             result = self._pin_now(command)
             self._ctx.stats.count("gpu_pins" if result.ok else "gpu_pins_refused")
+            if result.ok:  # this step's metadata carries them to the workers (verify_bytes)
+                self._ctx.state_digests(pb.TIER_GPU, result.block_ids, command.lease.block_hashes)
             future.set_result(result)
 
     def unpin_all(self) -> None:

@@ -175,6 +175,9 @@ class Holds:
             pin = HoldPin.BLOCK_POOL
         held = Held(req_id, namespace, hashes, held_ids, ctx.clock(), future, pin)
         self._held[req_id] = held
+        if ctx.config.verify_bytes:
+            ctx.state_digests(pb.TIER_GPU, held_ids, hashes)
+            self._inventory.wake_engine()  # an engine that only holds states them at once
         ctx.stats.count("holds_requested")
         # The reply may come while vLLM is idle: settle it on the session thread then.
         future.add_done_callback(lambda _: self._on_reply())

@@ -21,12 +21,14 @@ from enum import StrEnum
 from typing import Any
 
 from kvbroker.engine_adapter.decisions import PullPlan
+from kvbroker.engine_adapter.lease_reads import holder_ranks, remote_block_ids
 from kvbroker.engine_adapter.lookups import Budget, Lookup
-from kvbroker.engine_adapter.metadata import Commit, HolderRank, LoadSpec, ReadOutcomes, RegionSpec
+from kvbroker.engine_adapter.metadata import Commit, LoadSpec, ReadOutcomes
 from kvbroker.engine_adapter.pull_timeline import PullTimeline
 from kvbroker.engine_adapter.scheduler_context import SchedulerContext, tier_name
 from kvbroker.engine_adapter.topology import check_sizes
 from kvbroker.engine_adapter.tracing import Span, current, end_span, start_span
+from kvbroker.engine_adapter.verify import record_verification
 from kvbroker.v1 import broker_pb2 as pb
 
 # Under "vllm." so that vLLM's logging configuration prints our lines.
@@ -160,6 +162,8 @@ class Loads:
         """The worker ranks' read results; a load's reads are done when every rank reported."""
         self._ctx.stats.count("reads_refused_replaced_holder", outcomes.stale_refused)  # 0: not counted
         self._ctx.stats.count("holder_agents_replaced", outcomes.peers_replaced)
+        # verify_bytes: counts, and each pull's span (a mismatch also fails the pull below).
+        record_verification(self._ctx.stats, outcomes, lambda r: getattr(self.active.get(r), "span", None))
         for req_id, reason in outcomes.failed.items():
             load = self.active.get(req_id)
             if load is not None and not load.failure:
@@ -284,9 +288,9 @@ class Loads:
             holder_pp=holder.layout.pp_size or 1,
         )
         if reason is None:
-            remote_ids, reason = _remote_block_ids(lease, load.hashes, load.plan)
+            remote_ids, reason = remote_block_ids(lease, load.hashes, load.plan)
         if reason is None:
-            ranks, reason = _holder_ranks(holder, lease.tier)
+            ranks, reason = holder_ranks(holder, lease.tier)
         if reason is not None:
             self._fail(load, f"holder {holder.engine_id or lease.holder_engine_id} incompatible: {reason}")
             return
@@ -311,6 +315,7 @@ class Loads:
                 local_block_ids=load.local_block_ids,
                 holder_ranks=tuple(ranks),
                 holder_generation=int(holder.generation),
+                block_hashes=tuple(load.hashes[load.plan.first_block :][: len(remote_ids)]),
             )
         )
 
@@ -472,48 +477,3 @@ class Loads:
         lease = future.result().lease
         if lease.lease_id:
             link.release(lease.lease_id, lease.epoch, (0, 0))  # nothing was read under it
-
-
-def _remote_block_ids(lease: pb.Lease, hashes: list[int], plan: PullPlan) -> tuple[list[int], str | None]:
-    """Holder block ids for the planned chain positions, matched by hash."""
-    if len(lease.block_ids) != len(lease.block_hashes):
-        return [], f"lease has {len(lease.block_hashes)} hashes but {len(lease.block_ids)} block ids"
-    by_hash = dict(zip(lease.block_hashes, lease.block_ids, strict=True))
-    ids: list[int] = []
-    for pos in range(plan.first_block, plan.first_block + plan.num_blocks):
-        block_id = by_hash.get(hashes[pos]) if pos < len(hashes) else None
-        if block_id is None:
-            return [], f"the lease does not cover block {pos} of the prompt"
-        ids.append(block_id)
-    return ids, None
-
-
-def _holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], str | None]:
-    ranks: list[HolderRank] = []
-    for rank in holder.ranks:
-        capacity = max((int(t.num_blocks) for t in rank.tiers if t.tier == tier), default=0)
-        regions = [
-            RegionSpec(r.layer, r.base_addr, r.block_stride, r.block_bytes, r.device_id)
-            for t in rank.tiers
-            if t.tier == tier
-            for r in t.regions
-        ]
-        if not rank.agent_name or not regions:
-            continue
-        mem_type = next((t.mem_type for t in rank.tiers if t.tier == tier), "")
-        ranks.append(
-            HolderRank(
-                pp_rank=rank.pp_rank,
-                tp_rank=rank.tp_rank,
-                agent_name=rank.agent_name,
-                agent_metadata=bytes(rank.agent_metadata),
-                start_layer=rank.start_layer,
-                end_layer=rank.end_layer,
-                regions=tuple(regions),
-                num_blocks=capacity,
-                mem_type=mem_type,
-            )
-        )
-    if not ranks:
-        return [], f"the holder has registered no rank with memory on tier {tier_name(tier)}"
-    return ranks, None

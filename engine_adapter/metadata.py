@@ -18,6 +18,11 @@ The CPU tier (``cpu_tier_blocks`` > 0): ``StoreSpec`` (scheduler -> workers)
 copies a finished request's blocks into CPU-tier slots; the workers answer in
 ``ReadOutcomes.stores_done`` / ``stores_failed``. A request with a store in
 flight is not reported freed to vLLM until its copy is done.
+
+Verified bytes (``verify_bytes``, engine_adapter/digests.py): ``DigestSpec``
+(scheduler -> workers) states the digests of blocks a reader may now read;
+``LoadSpec.block_hashes`` lets the reader check them; ``ReadOutcomes.verified``
+/ ``mismatched`` say what it found.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 #   2: the CPU tier: StoreSpec, ReadOutcomes.stores_done / stores_failed and
 #      HolderRank.mem_type. (HolderRank.num_blocks came later with a default:
 #      both sides are one install, so an added defaulted field needs no bump.)
+#   3: LoadSpec.holder_generation. Later, defaulted: DigestSpec, LoadSpec.block_hashes,
+#      HolderRank.digest_regions, ReadOutcomes.verified / mismatched / blocks_digested.
 VERSION = 3
 
 
@@ -64,6 +71,8 @@ class HolderRank:
     regions: tuple[RegionSpec, ...]
     num_blocks: int = 0  # capacity of the holder's tier (0 = unknown)
     mem_type: str = ""  # NIXL memory type of the holder's tier ("" = same as ours)
+    # The holder rank's digest table of this tier (TierInfo.digest_regions); () = states none.
+    digest_regions: tuple[RegionSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,8 @@ class LoadSpec:
     # EngineInfo.generation of the holder the lease was granted on (0: unknown). A worker never
     # reads under a generation older than one it has loaded the agent of (docs/engine_adapter.md).
     holder_generation: int = 0
+    # The lease's hashes of remote_block_ids (verify_bytes: they stamp the holder's digests).
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,15 @@ class StoreSpec:
     request_id: str
     gpu_block_ids: tuple[int, ...]
     slot_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DigestSpec:
+    """State the digests of `block_ids` of `tier` (blocks whose hashes these are): a reader may read them."""
+
+    tier: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -106,6 +126,7 @@ class AdapterMetadata(KVConnectorMetadata):
     # Held requests whose lease ended: their blocks go back to vLLM now.
     frees: list[str] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    digests: list[DigestSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -124,6 +145,11 @@ class ReadOutcomes(KVConnectorWorkerMetadata):
     # and peers whose cached agent was dropped for a newer generation, on every rank together.
     stale_refused: int = 0
     peers_replaced: int = 0
+    # verify_bytes, per request: blocks whose bytes matched the holder's digests (every layer this
+    # rank read), and blocks whose bytes did not; blocks whose digests this rank stated as holder.
+    verified: dict[str, int] = field(default_factory=dict)
+    mismatched: dict[str, int] = field(default_factory=dict)
+    blocks_digested: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, ReadOutcomes)
@@ -136,6 +162,9 @@ class ReadOutcomes(KVConnectorWorkerMetadata):
             dict(self.read_s),
             self.stale_refused + other.stale_refused,
             self.peers_replaced + other.peers_replaced,
+            dict(self.verified),
+            dict(self.mismatched),
+            self.blocks_digested + other.blocks_digested,
         )
         for req_id, count in other.done.items():
             merged.done[req_id] = merged.done.get(req_id, 0) + count
@@ -147,6 +176,9 @@ class ReadOutcomes(KVConnectorWorkerMetadata):
             merged.stores_done[store_id] = merged.stores_done.get(store_id, 0) + count
         for store_id, reason in other.stores_failed.items():
             merged.stores_failed.setdefault(store_id, reason)
+        for counts, more in ((merged.verified, other.verified), (merged.mismatched, other.mismatched)):
+            for req_id, n in more.items():
+                counts[req_id] = counts.get(req_id, 0) + n
         for req_id, seconds in other.read_s.items():
             merged.read_s[req_id] = max(seconds, merged.read_s.get(req_id, 0.0))
         return merged

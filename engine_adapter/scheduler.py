@@ -135,8 +135,9 @@ class AdapterScheduler:
         self.gpu.wake = wake
 
     def has_pool_returns(self) -> bool:
-        """Work only the scheduler thread may do: ended holds' blocks, pins of cached blocks."""
-        return self.holds.has_pool_returns() or self.gpu.has_work()
+        """Work only the scheduler thread may do: ended holds' blocks, pins of cached blocks, and
+        digests the workers are to state (verify_bytes), which go out with a step's metadata."""
+        return self.holds.has_pool_returns() or self.gpu.has_work() or bool(self._ctx.pending_digests)
 
     def read_cache_events(self) -> None:
         """vLLM's KV cache events since the last look: evicted blocks are announced removed."""
@@ -210,6 +211,7 @@ class AdapterScheduler:
             commits=self.loads.take_commits(),
             frees=self._ctx.take_frees(),
             stores=self.stores.take_specs(),
+            digests=self._ctx.take_digests(),
         )
         self._report_load()
         self._publish_stats()
@@ -286,7 +288,10 @@ class AdapterScheduler:
         if command.lease.tier == pb.TIER_GPU and self.gpu.bound:
             return self.gpu.pin(command)
         with self._lock:
-            return self.stores.pin(command)
+            result = self.stores.pin(command)
+        if result.ok and self.config.verify_bytes:
+            self.gpu.wake_engine()  # the next step states the pinned slots' digests
+        return result
 
     def unpin_blocks(self, lease_id: str) -> None:
         """A lease ended (session thread): its CPU-tier slots may be evicted again, its GPU blocks freed."""

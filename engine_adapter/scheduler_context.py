@@ -10,7 +10,7 @@ scheduler's lock.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ from kvbroker.engine_adapter.broker_link import BrokerLink
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.cost_model import CostModel
 from kvbroker.engine_adapter.cpu_directory import CpuDirectory
+from kvbroker.engine_adapter.metadata import DigestSpec
 from kvbroker.engine_adapter.stats import SchedulerStats
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -38,6 +39,8 @@ class SchedulerContext:
     # Requests the worker is to report freed in the next step: ended delay_free
     # holds (holds.py) and finished CPU-tier copies (cpu_stores.py).
     pending_frees: list[str] = field(default_factory=list)
+    # verify_bytes: blocks now held or pinned for a reader, whose digests the workers state next step.
+    pending_digests: list[DigestSpec] = field(default_factory=list)
     # Scheduler steps so far (build_connector_meta calls): pull timelines count steps with it.
     step: int = 0
     # Loads under way per holder engine (loads.py): they share its bandwidth (pull_policy.py).
@@ -47,6 +50,17 @@ class SchedulerContext:
     def expected_ranks(self) -> int:
         """Worker ranks that each report a read or a copy before it counts as done."""
         return self.tp_size * self.pp_size
+
+    def state_digests(self, tier: int, block_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """verify_bytes: have the workers state these blocks' digests (no-op when off)."""
+        if self.config.verify_bytes and block_ids:
+            self.pending_digests.append(
+                DigestSpec(tier, tuple(block_ids), tuple(int(h) for h in block_hashes))
+            )
+
+    def take_digests(self) -> list[DigestSpec]:
+        digests, self.pending_digests = self.pending_digests, []
+        return digests
 
     def take_frees(self) -> list[str]:
         frees, self.pending_frees = self.pending_frees, []

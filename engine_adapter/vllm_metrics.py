@@ -7,16 +7,17 @@ carries them to its API server process (only while it logs stats, its
 default), where ``BrokerPromMetrics`` (made by the connector's
 ``build_prom_metrics``) adds them to Prometheus series:
 
-======================================  ============================================
-``vllm:kvbroker_pulls_total``           pulls whose release committed the read
-``vllm:kvbroker_pulled_blocks_total``   blocks those pulls read
-``vllm:kvbroker_pulled_bytes_total``    bytes those pulls read
-``vllm:kvbroker_pull_failures_total``   pulls that failed and were recomputed
-``vllm:kvbroker_skips_total{reason}``   prompts recomputed instead of pulled, by reason
-``vllm:kvbroker_events_total{event}``   every other counter of the adapter, by name
-``vllm:kvbroker_held_blocks``           blocks held for readers now (gauge)
-``vllm:kvbroker_held_requests``         requests whose blocks are held now (gauge)
-======================================  ============================================
+=========================================  ============================================
+``vllm:kvbroker_pulls_total``              pulls whose release committed the read
+``vllm:kvbroker_pulled_blocks_total``      blocks those pulls read
+``vllm:kvbroker_pulled_bytes_total``       bytes those pulls read
+``vllm:kvbroker_pull_failures_total``      pulls that failed and were recomputed
+``vllm:kvbroker_verify_mismatches_total``  pulls whose bytes failed verification (recomputed)
+``vllm:kvbroker_skips_total{reason}``      prompts recomputed instead of pulled, by reason
+``vllm:kvbroker_events_total{event}``      every other counter of the adapter, by name
+``vllm:kvbroker_held_blocks``              blocks held for readers now (gauge)
+``vllm:kvbroker_held_requests``            requests whose blocks are held now (gauge)
+=========================================  ============================================
 
 Every series carries vLLM's own labels (``model_name``, ``engine``).
 """
@@ -40,6 +41,10 @@ DEDICATED = {
     "pulled_blocks": ("vllm:kvbroker_pulled_blocks", "KV blocks read by committed pulls."),
     "pulled_bytes": ("vllm:kvbroker_pulled_bytes", "Bytes read by committed pulls."),
     "pulls_failed": ("vllm:kvbroker_pull_failures", "Pulls that failed; their blocks were recomputed."),
+    "verify_mismatches": (
+        "vllm:kvbroker_verify_mismatches",
+        "Pulls whose bytes differed from the holder's digests (verify_bytes); they were recomputed.",
+    ),
 }
 GAUGES = {
     "held_blocks": ("vllm:kvbroker_held_blocks", "KV blocks this engine holds for readers now."),

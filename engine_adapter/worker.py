@@ -28,7 +28,14 @@ from kvbroker.engine_adapter.metadata import (
     StoreSpec,
 )
 from kvbroker.engine_adapter.peer_agents import PeerAgents
-from kvbroker.engine_adapter.topology import TopologyError, plan_layer_reads
+from kvbroker.engine_adapter.topology import LayerRead, TopologyError, plan_layer_reads
+from kvbroker.engine_adapter.verify import (
+    VERIFY_RETRY_S,
+    VERIFY_WAIT_S,
+    ByteVerifier,
+    PendingCheck,
+    mismatch_reason,
+)
 from kvbroker.v1 import broker_pb2 as pb
 
 logger = logging.getLogger("vllm.kvbroker.worker")
@@ -82,6 +89,8 @@ class _Reading:
     started: float = 0.0
     # The first read from a peer: its time includes NIXL's connection set-up, so it is no bandwidth.
     first_from_peer: bool = False
+    # verify_bytes: the holder's digests of these blocks are read too, and checked once all is done.
+    check: PendingCheck | None = None
 
 
 FIRST_READ_NOTE = "first read from this peer: includes the connection set-up"
@@ -105,6 +114,7 @@ class AdapterWorker:
         clock: Callable[[], float] = time.monotonic,
         cpu_tier_slots: int = 0,
         cpu_tier_factory: Callable[[list[Any], int], CpuTierLike] | None = None,
+        verify_bytes: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.pp_rank = pp_rank
@@ -137,6 +147,8 @@ class AdapterWorker:
         self._store_of_handle: dict[int, tuple[int, str]] = {}  # copy handle -> (store id, request id)
         self._restore_of_handle: dict[int, str] = {}  # copy handle (CPU tier -> KV) -> request id
         self._storing: dict[str, int] = {}  # request id -> copies in flight (its blocks stay allocated)
+        # verify_bytes: digest tables as holder, digest checks as reader (engine_adapter/verify.py).
+        self.verifier = ByteVerifier(region_factory) if verify_bytes else None
 
     # ------------------------------------------------------------------
     # setup
@@ -149,6 +161,9 @@ class AdapterWorker:
         self.mover = self._mover_factory(self.agent_name)
         self.mover.register_tier(pb.TIER_GPU, mem_type, list(regions), num_blocks)
         tiers = [_tier_info(pb.TIER_GPU, mem_type, num_blocks, regions)]
+        if self.verifier is not None:
+            digests = self.verifier.register(self.mover, pb.TIER_GPU, mem_type, regions, num_blocks)
+            tiers[0].digest_regions.extend(digests)
         if self._cpu_tier_slots > 0 and self._cpu_tier_factory is not None:
             self._kv_caches = kv_caches
             self.cpu_tier = self._cpu_tier_factory(list(regions), self._cpu_tier_slots)
@@ -159,6 +174,12 @@ class AdapterWorker:
             tiers.append(
                 _tier_info(pb.TIER_CPU, self.cpu_tier.mem_type, self.cpu_tier.num_slots, cpu_regions)
             )
+            if self.verifier is not None:
+                tiers[-1].digest_regions.extend(
+                    self.verifier.register(
+                        self.mover, pb.TIER_CPU, self.cpu_tier.mem_type, cpu_regions, self.cpu_tier.num_slots
+                    )
+                )
             logger.info(
                 "kvbroker: rank pp=%d tp=%d CPU tier: %d slots (%s) registered with NIXL",
                 self.pp_rank,
@@ -229,7 +250,14 @@ class AdapterWorker:
             self._start(spec)
         for store in meta.stores:
             self._start_store(store)
+        for digest in meta.digests:
+            self._state_digests(digest)
         self._settle_commits()
+
+    def _state_digests(self, spec: Any) -> None:
+        """Holder: blocks now held or pinned for a reader get their digests (verify_bytes), off the step."""
+        if self.verifier is not None:
+            self.verifier.submit(spec)
 
     def _start_store(self, spec: StoreSpec) -> None:
         if self.cpu_tier is None or self._kv_caches is None:
@@ -313,6 +341,52 @@ class AdapterWorker:
             reading.bytes_total += sum(
                 self.block_bytes_per_layer.get(layer, 0) for layer in read.layers
             ) * len(spec.local_block_ids)
+        if self.verifier is not None:
+            reading.failure = self.verifier.unverifiable(spec, reads)
+            if not reading.failure:
+                reading.check = PendingCheck(list(reads), self._clock() + VERIFY_WAIT_S)
+                self._start_digest_reads(reading, reads)
+
+    def _start_digest_reads(self, reading: _Reading, reads: Sequence[LayerRead]) -> None:
+        assert self.verifier is not None and self.mover is not None
+        try:
+            handles = self.verifier.start_reads(self.mover, reading.spec, reads)
+        except Exception as e:  # as for the block reads: the load fails, the engine serves on
+            reading.failure = f"cannot start the read of the holder's digests: {e}"
+            return
+        for handle in handles:
+            reading.handles.add(handle)
+            self._handle_owner[handle] = reading.spec.request_id
+
+    def _checked(self, req_id: str, reading: _Reading) -> bool:
+        """verify_bytes: compare what was read with the holder's digests. False: read again."""
+        pending = reading.check
+        if pending is None or reading.failure or self.verifier is None:
+            return True
+        spec = reading.spec
+        try:
+            found = self.verifier.check(spec, pending.reads)
+        except Exception as e:  # a check that cannot run is no verification: recompute
+            reading.failure = f"verify_bytes: cannot check the digests: {e}"
+            return True
+        if found.mismatched:
+            self._outcomes.mismatched[req_id] = len(found.mismatched)
+            reading.failure = mismatch_reason(found, spec)
+        elif found.unstated and self._clock() < pending.deadline:
+            # The holder states them at its next step: read its entries again, now and then.
+            if self._clock() >= pending.next_try:
+                pending.tries += 1
+                pending.next_try = self._clock() + VERIFY_RETRY_S
+                self._start_digest_reads(reading, pending.reads)
+            return bool(reading.failure)
+        elif found.unstated:
+            reading.failure = (
+                f"verify_bytes: the holder stated no digests for {len(found.unstated)} of "
+                f"{found.blocks} blocks within {VERIFY_WAIT_S:.0f} s ({pending.tries} reads)"
+            )
+        else:
+            self._outcomes.verified[req_id] = found.blocks
+        return True
 
     def _start_restore(self, spec: LoadSpec, reading: _Reading) -> None:
         """Our own CPU tier's slots (spec.remote_block_ids) back into KV blocks: a local copy."""
@@ -338,7 +412,7 @@ class AdapterWorker:
             for handle, reason in failed.items():
                 self._handle_done(handle, reason or "NIXL transfer failed")
         for req_id, reading in list(self._reading.items()):
-            if reading.handles:
+            if reading.handles or not self._checked(req_id, reading):
                 continue
             if reading.failure:
                 self._outcomes.failed[req_id] = reading.failure
@@ -400,8 +474,10 @@ class AdapterWorker:
         return errors
 
     def take_outcomes(self) -> ReadOutcomes | None:
+        if self.verifier is not None:
+            self._outcomes.blocks_digested += self.verifier.take_stated()
         o = self._outcomes
-        if not (o.done or o.failed or o.stores_done or o.stores_failed):
+        if not (o.done or o.failed or o.stores_done or o.stores_failed or o.blocks_digested):
             return None
         outcomes, self._outcomes = self._outcomes, ReadOutcomes()
         # A replacement is counted with the read that caused it (always an outcome of its own).
@@ -411,6 +487,8 @@ class AdapterWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self.verifier is not None:
+            self.verifier.close()  # its thread reads the tiers' memory: done before they go
         if self.cpu_tier is not None:
             self.cpu_tier.close()
         if self.mover is not None:

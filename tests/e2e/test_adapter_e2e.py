@@ -5,6 +5,10 @@ P prefills, D decodes (multi_turn: it keeps finished conversations for the
 next turn), X is a spare reader that the death test kills. Engines start once
 for the module; the death tests run last because they kill engines.
 
+Every engine verifies what it pulls (verify_bytes): holders state a CRC32 per
+block and layer, readers check it before the release commits, so every pull
+below is a verified one, and one test corrupts held bytes on purpose.
+
 Every output is compared token for token with a recompute on one engine: the
 same prompt under a fresh cache_salt, a namespace nobody holds, so neither a
 local prefix hit nor a pull can supply any of it.
@@ -78,13 +82,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     engines: list[EngineProcess] = []
     running: Cluster | None = None
     try:
-        p, p_stats = start_engine(model, log_dir, name="P", broker_address=broker.address, role="prefill")
+        p, p_stats = start_engine(
+            model, log_dir, name="P", broker_address=broker.address, role="prefill", verify_bytes=True
+        )
         engines.append(p)
         d, d_stats = start_engine(
-            model, log_dir, name="D", broker_address=broker.address, role="decode", multi_turn=True
+            model,
+            log_dir,
+            name="D",
+            broker_address=broker.address,
+            role="decode",
+            multi_turn=True,
+            verify_bytes=True,
         )
         engines.append(d)
-        x, x_stats = start_engine(model, log_dir, name="X", broker_address=broker.address, role="decode")
+        x, x_stats = start_engine(
+            model, log_dir, name="X", broker_address=broker.address, role="decode", verify_bytes=True
+        )
         engines.append(x)
         for engine in engines:
             engine.wait_ready(timeout=400, progress=print)
@@ -172,6 +186,59 @@ def test_a_reader_that_has_the_prompt_declines_the_hold_and_the_holder_frees_at_
     hold_request_id = params["kvbroker"]["hold_request_id"]
     (lease,) = [le for le in leases if le.request_id == hold_request_id]
     assert lease.state == pb.LEASE_REVOKED and lease.cause == pb.REVOKE_DECLINED
+
+
+def test_held_bytes_corrupted_before_the_read_are_recomputed_counted_and_logged(cluster: Cluster) -> None:
+    """Verified bytes: P states its held blocks' digests; the test then flips bytes of one held
+    block in P's memory (through /proc/PID/mem, at the address P registered). D reads it, finds
+    the mismatch before its release commits, recomputes (its output equals a recompute) and
+    counts it; a clean pull before it checks every block it read."""
+    from testkit import process_memory
+
+    clean = prompt_of(140, seed=141)
+    verified_before = cluster.stat("D", "verify_verified_blocks")
+    _, params = _p_to_d(cluster, clean)
+    assert output_ids(complete(cluster.d, clean, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == (
+        recompute_reference(cluster.d, clean, MAX_TOKENS)
+    )
+    assert cluster.stat("D", "verify_verified_blocks") - verified_before == handover_blocks(len(clean))
+
+    prompt = prompt_of(150, seed=153)
+    reference = recompute_reference(cluster.d, prompt, MAX_TOKENS)
+    mismatches_before = cluster.stat("D", "verify_mismatches")
+    failed_before = cluster.stat("D", "pulls_failed")
+    _, params = _p_to_d(cluster, prompt)
+    with BrokerClient(cluster.broker.address) as client:
+
+        def hold() -> list[pb.Lease]:
+            leases = client.list_leases(engine_id="P").leases
+            return [le for le in leases if le.request_id == params["kvbroker"]["hold_request_id"]]
+
+        assert wait_for(lambda: bool(hold()), 10), "P's hold never reached the broker"
+        (lease,) = hold()
+        p_info = next(e for e in client.list_engines().engines if e.engine_id == "P")
+    (gpu,) = [t for t in p_info.ranks[0].tiers if t.tier == pb.TIER_GPU]
+    block_id, block_hash = lease.block_ids[1], lease.block_hashes[1]
+    pids = process_memory.descendants(cluster.p.pid or 0)
+
+    def stated() -> int | None:  # the process with P's KV memory, once it stated the block's digest
+        return process_memory.stated_block(pids, gpu, block_id, block_hash)
+
+    assert wait_for(lambda: stated() is not None, 10), "P never stated the held block's digest"
+    pid = stated()
+    assert pid is not None
+    region = gpu.regions[0]
+    addr = region.base_addr + block_id * region.block_stride + 64
+    original = process_memory.read(pid, addr, 16)
+    process_memory.write(pid, addr, bytes(b ^ 0x5A for b in original))
+    try:
+        answer = complete(cluster.d, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    finally:
+        process_memory.write(pid, addr, original)  # P's prefix cache keeps this prompt's block
+    assert output_ids(answer) == reference
+    assert cluster.stat("D", "verify_mismatches") == mismatches_before + 1
+    assert cluster.stat("D", "pulls_failed") == failed_before + 1
+    assert f"differ from the holder's digests (first: holder block {block_id}, layer 0)" in cluster.log("D")
 
 
 # --------------------------------------------------------------------------- 2. multi-turn D -> P

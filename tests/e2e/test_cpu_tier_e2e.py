@@ -7,7 +7,8 @@ the broker knows the prompt's blocks only on A's CPU tier. B then gets the
 same prompt: it resolves, the broker names A on tier CPU, B's lease makes A
 pin the CPU-tier slots (PinCommand -> PinResult with slot ids), B NIXL-READs
 A's CPU tier into its own KV cache, releases, and its greedy output must equal
-a recompute token for token.
+a recompute token for token. Both run with verify_bytes: B's pull from A's CPU
+tier is checked against the digests A states when it pins the slots.
 """
 
 from __future__ import annotations
@@ -75,10 +76,17 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             role="both",
             cpu_tier_blocks=CPU_TIER_BLOCKS,
             env=dev_env,
+            verify_bytes=True,
         )
         engines.append(a)
         b, b_stats = start_engine(
-            model, log_dir, name="B", broker_address=broker.address, role="both", env=dev_env
+            model,
+            log_dir,
+            name="B",
+            broker_address=broker.address,
+            role="both",
+            env=dev_env,
+            verify_bytes=True,
         )
         engines.append(b)
         for engine in engines:
@@ -132,6 +140,8 @@ def test_reader_pulls_a_prefix_held_only_on_the_holders_cpu_tier(pair: Pair) -> 
         pair.stats["B"]
     )
     assert pair.stat("B", "pulls_failed") == 0
+    # verify_bytes: A stated its CPU-tier slots' digests when it pinned them; B checked every block.
+    assert pair.stat("B", "verify_verified_blocks") == full_blocks
 
     with BrokerClient(pair.broker.address) as client:
         leases = client.list_leases(engine_id="B", include_ended=True).leases

@@ -198,3 +198,17 @@ def test_retentions_pin_at_most_their_share_of_the_pool_and_give_it_back() -> No
     sched.unpin_blocks("R1")  # the retention ended: its share is free again
     sched.build_connector_meta()
     assert pin("R3", 4).ok
+
+
+def test_with_verify_bytes_a_pin_of_cached_blocks_has_their_digests_stated_in_its_step() -> None:
+    sched, link, pool, _ = _bound(verify_bytes=True)
+    req, ids = _cached_request(pool, "a", 3 * BS + 1)
+    _finish(sched, pool, req, ids)
+    ns = pb.Namespace(layout_id=link.layout_id, tenant="")
+    lease = pb.Lease(lease_id="L1", tier=pb.TIER_GPU, namespace=ns, block_hashes=[wire(0), wire(1)])
+    answer = sched.pin_blocks(pb.PinCommand(lease=lease))
+    meta = sched.build_connector_meta()
+    assert not isinstance(answer, pb.PinResult) and answer.result(0).ok
+    assert [(d.tier, d.block_ids, d.block_hashes) for d in meta.digests] == [
+        (pb.TIER_GPU, tuple(ids[:2]), (wire(0), wire(1)))
+    ]

@@ -348,6 +348,7 @@ class TierInfo(_message.Message):
     MEM_TYPE_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
+    DIGEST_REGIONS_FIELD_NUMBER: _builtins.int
     tier: Global___Tier.ValueType
     mem_type: _builtins.str
     """NIXL memory type: VRAM or DRAM"""
@@ -355,6 +356,13 @@ class TierInfo(_message.Message):
     """capacity in blocks"""
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryRegion]: ...
+    @_builtins.property
+    def digest_regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryRegion]:
+        """Verified bytes (docs/data_path.md): the holder's digest table of this tier, one 8-byte
+        entry (stamp | crc32 << 32) per block, one region per layer. Empty: the rank states no
+        digests (verify_bytes off, or an older adapter); a reader that verifies then recomputes.
+        """
+
     def __init__(
         self,
         *,
@@ -362,10 +370,11 @@ class TierInfo(_message.Message):
         mem_type: _builtins.str = ...,
         num_blocks: _builtins.int = ...,
         regions: _abc.Iterable[Global___MemoryRegion] | None = ...,
+        digest_regions: _abc.Iterable[Global___MemoryRegion] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mem_type", b"mem_type", "num_blocks", b"num_blocks", "regions", b"regions", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_regions", b"digest_regions", "mem_type", b"mem_type", "num_blocks", b"num_blocks", "regions", b"regions", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

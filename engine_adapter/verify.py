@@ -1,0 +1,192 @@
+"""One rank's verified bytes (``verify_bytes``): its digest tables as a holder, its checks as a reader.
+
+As a holder, each registered tier gets a digest table (engine_adapter/digests.py)
+registered with NIXL beside it; ``submit`` fills it for a ``DigestSpec`` (blocks
+now held or pinned for a reader) on a thread of its own, in order, so that
+vLLM's step does not wait for the CRC32 (``zlib.crc32`` releases the GIL). A
+reader that comes first finds the entries unstated and reads them again. As a reader, every NIXL read of a load is
+paired with a read of the holder rank's entries for the same blocks and layers
+into this rank's inbox; when both are done, ``check`` compares them with the
+CRC32 of the bytes that landed. Entries not stated yet are read again until
+``VERIFY_WAIT_S`` has passed; a block whose bytes differ fails the load, which
+the scheduler then recomputes (the pull-failed path).
+
+Only memory the CPU addresses (DRAM) can be digested here: a VRAM tier is
+refused at registration, with the reason, instead of being read wrongly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvbroker.engine_adapter.digests import (
+    INBOX_TIER,
+    BlockBytes,
+    Check,
+    DigestTable,
+    check,
+    digest_tier,
+)
+from kvbroker.engine_adapter.metadata import DigestSpec, LoadSpec, ReadOutcomes, RegionSpec
+from kvbroker.engine_adapter.topology import LayerRead
+from kvbroker.v1 import broker_pb2 as pb
+
+logger = logging.getLogger("vllm.kvbroker.worker")
+
+# How long a reader waits for a holder to state the digests of blocks it read (the holder states
+# them at its next scheduler step after the hold or pin; an idle engine is woken for it).
+VERIFY_WAIT_S = 5.0
+# How often a reader reads entries not stated yet again (it steps every few ms while it waits).
+VERIFY_RETRY_S = 0.01
+
+
+class VerifyUnsupportedError(ValueError):
+    """verify_bytes cannot digest this memory (e.g. VRAM)."""
+
+
+@dataclass
+class PendingCheck:
+    """A load whose digest entries are (being) read; checked when its reads are all done."""
+
+    reads: list[LayerRead]
+    deadline: float
+    tries: int = 1
+    next_try: float = 0.0
+
+
+class ByteVerifier:
+    def __init__(self, region_factory: Callable[[RegionSpec], Any]) -> None:
+        self._region_factory = region_factory
+        self._sources: dict[int, BlockBytes] = {}
+        self._tables: dict[int, DigestTable] = {}
+        self._inbox: DigestTable | None = None
+        self._stater: ThreadPoolExecutor | None = None  # one thread: specs are stated in order
+        self._stating: list[Future[int]] = []
+
+    def register(
+        self, mover: Any, tier: int, mem_type: str, regions: Sequence[Any], num_blocks: int
+    ) -> list[pb.MemoryRegion]:
+        """A tier's digest table (and, for the KV cache, the inbox), registered with NIXL.
+        Returns the table's regions, for TierInfo.digest_regions."""
+        if mem_type != "DRAM":
+            raise VerifyUnsupportedError(
+                f"verify_bytes digests KV memory the CPU can address (DRAM); this rank's tier "
+                f"{pb.Tier.Name(tier)} (type {tier}) is {mem_type}: turn verify_bytes off for GPU engines"  # type: ignore[arg-type]
+            )
+        source = BlockBytes(regions, num_blocks)
+        table = DigestTable(num_blocks, source.layers)
+        mover.register_tier(digest_tier(tier), "DRAM", table.regions(), num_blocks)
+        self._sources[tier], self._tables[tier] = source, table
+        if tier == pb.TIER_GPU:
+            self._inbox = DigestTable(num_blocks, source.layers)
+            mover.register_tier(INBOX_TIER, "DRAM", self._inbox.regions(), num_blocks)
+        return [r.to_proto() for r in table.regions()]
+
+    # ------------------------------------------------------------------
+    # holder
+    # ------------------------------------------------------------------
+
+    def submit(self, spec: DigestSpec) -> None:
+        """State a DigestSpec's entries on the stater thread (``take_stated`` counts them)."""
+        if self._stater is None:
+            self._stater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbroker-digests")
+        self._stating.append(self._stater.submit(self.state, spec))
+
+    def take_stated(self) -> int:
+        """Blocks stated since the last call. A spec that failed is logged: its readers recompute."""
+        done: list[Future[int]] = []
+        pending: list[Future[int]] = []
+        for f in self._stating:
+            (done if f.done() else pending).append(f)
+        self._stating = pending
+        blocks = 0
+        for f in done:
+            error = f.exception()
+            if error is None:
+                blocks += f.result()
+            else:
+                logger.warning("kvbroker: cannot state digests: %s", error)
+        return blocks
+
+    def close(self) -> None:
+        if self._stater is not None:
+            self._stater.shutdown(wait=True, cancel_futures=True)
+
+    def state(self, spec: DigestSpec) -> int:
+        """Compute and publish the entries of a DigestSpec's blocks; returns how many blocks."""
+        table, source = self._tables.get(spec.tier), self._sources.get(spec.tier)
+        if table is None or source is None:
+            raise ValueError(f"no digest table for tier {spec.tier} on this rank")
+        table.state(source, spec.block_ids, spec.block_hashes)
+        return len(spec.block_ids)
+
+    # ------------------------------------------------------------------
+    # reader
+    # ------------------------------------------------------------------
+
+    def unverifiable(self, spec: LoadSpec, reads: Sequence[LayerRead]) -> str:
+        """Why this load cannot be verified ("" if it can)."""
+        if self._inbox is None:
+            return "verify_bytes: this rank has no digest inbox"
+        if len(spec.block_hashes) != len(spec.remote_block_ids):
+            return "verify_bytes: the load names no block hashes to check the holder's digests against"
+        for read in reads:
+            if not read.holder.digest_regions:
+                return (
+                    f"verify_bytes: holder rank {read.holder.agent_name} states no digests "
+                    "(verify_bytes off there, or an older adapter)"
+                )
+        return ""
+
+    def start_reads(self, mover: Any, spec: LoadSpec, reads: Sequence[LayerRead]) -> list[int]:
+        """Read the holder ranks' entries of the load's blocks into the inbox at its local ids."""
+        handles = []
+        for read in reads:
+            holder = read.holder
+            handles.append(
+                mover.start_read(
+                    holder.agent_name,
+                    [self._region_factory(r) for r in holder.digest_regions if r.layer in read.layers],
+                    spec.remote_block_ids,
+                    INBOX_TIER,
+                    spec.local_block_ids,
+                    layers=read.layers,
+                    peer_num_blocks=holder.num_blocks or None,
+                    peer_mem_type="DRAM",
+                )
+            )
+        return handles
+
+    def check(self, spec: LoadSpec, reads: Sequence[LayerRead]) -> Check:
+        assert self._inbox is not None
+        layers = [layer for read in reads for layer in read.layers]
+        return check(self._inbox, self._sources[pb.TIER_GPU], spec.local_block_ids, spec.block_hashes, layers)
+
+
+def mismatch_reason(found: Check, spec: LoadSpec) -> str:
+    first = ""
+    if found.first_mismatch is not None:
+        pos, layer = found.first_mismatch
+        first = f" (first: holder block {spec.remote_block_ids[pos]}, layer {layer})"
+    return (
+        f"verify_bytes: {len(found.mismatched)} of {found.blocks} blocks read differ from the "
+        f"holder's digests{first}"
+    )
+
+
+def record_verification(stats: Any, outcomes: ReadOutcomes, span_of: Callable[[str], Any]) -> None:
+    """Scheduler side: count what the ranks' checks found, and put it on each pull's span.
+    A mismatched pull also fails (its reason names the mismatch), so vLLM recomputes it."""
+    stats.count("blocks_digested", outcomes.blocks_digested)
+    for key, counts in (("verified", outcomes.verified), ("mismatched", outcomes.mismatched)):
+        for req_id, blocks in counts.items():
+            if key == "mismatched":
+                stats.count("verify_mismatches")  # pulls; kvbroker_verify_mismatches_total
+            stats.count(f"verify_{key}_blocks", blocks)
+            span = span_of(req_id)
+            if span is not None:
+                span.set_attribute(f"kvbroker.verify.{key}_blocks", blocks)

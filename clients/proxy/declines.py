@@ -17,7 +17,7 @@ from typing import Any
 
 from kvbroker.clients.errors import BrokerError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvbroker.proxy")  # the proxy's one logger name (forward.py)
 
 # All tries of one background Decline together (the client divides it among the replicas).
 DECLINE_TIMEOUT_S = 5.0

@@ -249,6 +249,14 @@ async def _unknown_lease(w: World) -> errors.BrokerError:
     return err
 
 
+@scenario(Cause.NOT_CACHED)
+async def _not_cached(w: World) -> errors.BrokerError:
+    # Retain a prompt no engine holds a block of: nothing to pin.
+    return await refused(
+        w.client.retain(namespace=w.ns, block_hashes=H[:4], ttl_ms=5_000, key="nobody-has-it")
+    )
+
+
 @scenario(Cause.UNKNOWN_LAYOUT)
 async def _unknown_layout(w: World) -> errors.BrokerError:
     return await refused(w.client.score(namespace=pb.Namespace(layout_id="0" * 16), token_ids=[1] * 64))

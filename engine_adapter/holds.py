@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -97,6 +98,10 @@ class Holds:
         self._pool_returns: list[list[int]] = []
         # Runs a callback after some seconds, on another thread (tests replace it).
         self.call_later: Callable[[float, Callable[[], None]], None] = _call_later
+        # When the one pending backstop timer fires (inf: none): an idle engine runs no step, and a
+        # hold whose lease-end notice was lost (at most once, e.g. across a replica's death) must
+        # still be freed at its backstop.
+        self._timer_at = math.inf
 
     # ------------------------------------------------------------------
     # vLLM's block pool
@@ -206,8 +211,6 @@ class Holds:
                             error,
                             len(held.block_ids),
                         )
-                        # An idle engine runs no step: look again at the backstop all the same.
-                        self.call_later(max(0.0, held.started + backstop - now) + 0.1, self._on_reply)
                 elif not lease_id:
                     logger.warning(
                         "kvbroker: request %s: hold refused, freeing %d blocks: %s",
@@ -224,6 +227,14 @@ class Holds:
             if now - held.started > backstop:
                 # Every lease ends: if no notice ever came, do not pin blocks forever.
                 self._free(held, "no lease-end notice within hold TTL + 2 session TTLs")
+        due = min((h.started + backstop for h in self._held.values() if not h.freed), default=math.inf)
+        if due < self._timer_at:  # an idle engine runs no step: look again at the backstop all the same
+            self._timer_at = due
+            self.call_later(max(0.0, due - now) + 0.1, self._backstop_due)
+
+    def _backstop_due(self) -> None:
+        self._timer_at = math.inf
+        self._on_reply()  # settles on the session thread, under the scheduler's lock: advance again
 
     def take_lease_ends(self) -> None:
         """Free the holds whose lease ended. Call right after ``advance`` (one lock hold).

@@ -9,32 +9,19 @@ reported with a reason, which the test checks instead.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.run import run_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def run_bench(module: str, result: str, out_dir: Path, *extra: str) -> tuple[str, dict[str, Any]]:
     """Run `module` in tiny mode; its JSON is `result`-tiny.json (the result keeps its name)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-m", module, "--tiny", "--no-plot", "--out-dir", str(out_dir), *extra],
-        cwd=str(REPO),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
+    proc = run_module(module, "--tiny", "--no-plot", "--out-dir", str(out_dir), *extra, timeout=100)
     assert proc.returncode == 0, f"{module} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     doc = json.loads((out_dir / f"{result}-tiny.json").read_text())
     assert_checked(proc.stdout, doc)
@@ -120,18 +107,8 @@ def test_broker_bench_tiny(tmp_path: Path) -> None:
 
 def test_tls_bench_quick(tmp_path: Path) -> None:
     """bench/control_plane/tls.py runs its three transports and writes every figure for each."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     out = tmp_path / "tls.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.control_plane.tls", "--quick", "--rounds", "1", "--out", str(out)],
-        cwd=str(REPO),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
+    proc = run_module("bench.control_plane.tls", "--quick", "--rounds", "1", "--out", str(out), timeout=100)
     assert proc.returncode == 0, f"bench.control_plane.tls failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     doc = json.loads(out.read_text())
     assert set(doc["results"]) == {"plaintext", "tls", "mtls"}

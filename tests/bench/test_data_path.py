@@ -6,16 +6,12 @@ Never asserts on speed: figures at this size mean nothing.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvbroker.engine_adapter.nixl_agent import nixl_available
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.run import run_module
 
 pytestmark = [
     pytest.mark.nixl,
@@ -25,19 +21,9 @@ pytestmark = [
 
 
 def test_bench_runs_and_writes_json(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     args = ["--models", "tiny", "--layouts", "cpu,blhnc", "--histories", "256", "--reps", "2"]
     args += ["--out-dir", str(tmp_path), "--name", "dp-smoke"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.data_path.reads", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
+    proc = run_module("bench.data_path.reads", *args, timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ad/contig" in proc.stdout
     doc = json.loads((tmp_path / "dp-smoke.json").read_text())

@@ -4,16 +4,12 @@ all its blocks (the benchmark raises otherwise), and it writes its JSON. Never a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvbroker.engine_adapter.nixl_agent import nixl_available
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.run import run_module
 
 pytestmark = [
     pytest.mark.nixl,
@@ -23,19 +19,9 @@ pytestmark = [
 
 
 def test_verify_bench_runs_and_writes_json(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     args = ["--models", "tiny", "--layouts", "cpu,kv_split", "--histories", "256", "--reps", "2"]
     args += ["--out-dir", str(tmp_path), "--name", "vb-smoke"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.data_path.verify", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_module("bench.data_path.verify", *args, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "reader extra" in proc.stdout
     doc = json.loads((tmp_path / "vb-smoke.json").read_text())

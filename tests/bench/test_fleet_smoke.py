@@ -9,17 +9,15 @@ the JSON every setup and rate is read from, with 0 failed requests. Never assert
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench.run import run_module
+
 pytest.importorskip("vllm")
 pytest.importorskip("zmq")
 
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -39,27 +37,9 @@ RUN_KEYS = {
 
 
 def test_quick_mode_smallest(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     argv = ["--quick", "--setups", "rr,prefix", "--rates", "4", "--sessions", "4", "--no-plot"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.fleet.fleet",
-            *argv,
-            "--name",
-            "fleet-smoke",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        cwd=str(REPO),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=840,
-        check=False,
-    )
+    argv += ["--name", "fleet-smoke", "--out-dir", str(tmp_path)]
+    proc = run_module("bench.fleet.fleet", *argv, timeout=840)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     doc = json.loads((tmp_path / "fleet-smoke.json").read_text())
     assert doc["slo"]["ttft_ms"] > 0 and doc["rates"] == [4.0]

@@ -5,31 +5,18 @@ noise is as large as the budget (the recorded run is in bench/results/index_budg
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.run import run_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def test_index_budget_tiny(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     tiny = ["--quick", "--budgets", "1", "--factor", "3", "--no-reference", "--repetitions", "1"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.scale.index_budget", *tiny, "--out-dir", str(tmp_path)],
-        cwd=str(REPO),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
+    proc = run_module("bench.scale.index_budget", *tiny, "--out-dir", str(tmp_path), timeout=100)
     assert proc.returncode == 0, f"failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "growth/budget" in proc.stdout and "target: RSS growth within 10% of the budget" in proc.stdout
     assert "index alone (in process)" in proc.stdout

@@ -6,16 +6,12 @@ nothing."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from testkit.redis_server import missing_reason
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.run import run_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -24,17 +20,8 @@ def test_lease_cpu_tiny(tmp_path: Path) -> None:
     reason = missing_reason()
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     args = ["--cycles", "100", "--rounds", "2", "--warmup", "5", "--out-dir", str(tmp_path), "--name", "tiny"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.scale.lease_cpu", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    proc = run_module("bench.scale.lease_cpu", *args, timeout=110)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "broker CPU per lease cycle" in proc.stdout and "load average" in proc.stdout, proc.stdout
     doc = json.loads((tmp_path / "tiny.json").read_text())

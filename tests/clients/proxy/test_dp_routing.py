@@ -9,18 +9,14 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvbroker.clients.proxy import ProxyConfig, build_app
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.broker import RunningServer, running_broker
-from tests.clients.proxy.fake_engine import FakeEngine
-from tests.clients.proxy.test_routing import announce, engine_info
+from tests.clients.proxy.test_routing import announce, proxy_stack
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,41 +31,12 @@ async def broker() -> AsyncIterator[RunningServer]:
 async def fleet(broker: RunningServer, request: pytest.FixtureRequest) -> AsyncIterator[dict[str, Any]]:
     """Fake engines E1 and E2 (role both) and a proxy that serves them as a data-parallel fleet
     (more ProxyConfig settings by indirect parametrization)."""
-    from kvbroker.clients.aio import AsyncBrokerClient
-    from kvbroker.clients.engine_session import EngineSession
-
-    fakes = {name: await FakeEngine(name).start() for name in ("E1", "E2")}
-    sessions = {}
-    for name, fake in fakes.items():
-        session = EngineSession(broker.address, engine_info(name, "both", fake.url), ttl_ms=2_000)
-        await session.start(wait_connected_s=5)
-        sessions[name] = session
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    config = ProxyConfig(
-        broker=broker.address,
-        refresh_interval_s=0.1,
-        connect_timeout_s=1.0,
-        disaggregate=False,
-        **getattr(request, "param", {}),
-    )
-    server = TestServer(build_app(config, broker=AsyncBrokerClient(broker.address), tracer_provider=provider))
-    await server.start_server()
-    http = aiohttp.ClientSession()
-    yield {
-        "fakes": fakes,
-        "sessions": sessions,
-        "url": str(server.make_url("")).rstrip("/"),
-        "http": http,
-        "spans": exporter,
-    }
-    await http.close()
-    await server.close()
-    for s in sessions.values():
-        await s.close()
-    for f in fakes.values():
-        await f.stop()
+    settings = {"refresh_interval_s": 0.1, "disaggregate": False, **getattr(request, "param", {})}
+    async with proxy_stack(broker, {"E1": "both", "E2": "both"}, tracer_provider=provider, **settings) as s:
+        yield {**s, "spans": exporter}
 
 
 async def chat(fleet: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, str]:

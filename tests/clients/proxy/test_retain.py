@@ -10,26 +10,21 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from kvbroker.clients.proxy import ProxyConfig, build_app
 from kvbroker.clients.proxy.server import STATE_KEY
 from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.broker import running_broker
-from tests.clients.proxy.fake_engine import FakeEngine, chat_text, fake_tokens
-from tests.clients.proxy.test_routing import BLOCK, engine_info
+from tests.clients.proxy.fake_engine import chat_text, fake_tokens
+from tests.clients.proxy.test_routing import BLOCK, proxy_stack
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @contextlib.asynccontextmanager
 async def stack() -> AsyncIterator[dict[str, Any]]:
-    from kvbroker.clients.aio import AsyncBrokerClient
-    from kvbroker.clients.engine_session import EngineSession
 
     async with running_broker(session_ttl_ms=5_000, session_ttl_min_ms=100, shutdown_grace_s=0.2) as broker:
-        fakes = {name: await FakeEngine(name).start() for name in ("P", "D")}
         pins: list[pb.Lease] = []
 
         def pin(command: pb.PinCommand) -> pb.PinResult:  # as an engine pins its cached blocks
@@ -38,34 +33,9 @@ async def stack() -> AsyncIterator[dict[str, Any]]:
                 lease_id=command.lease.lease_id, ok=True, block_ids=range(len(command.lease.block_hashes))
             )
 
-        sessions = {}
-        for name, fake in fakes.items():
-            info = engine_info(name, "prefill" if name == "P" else "decode", fake.url)
-            sessions[name] = EngineSession(broker.address, info, ttl_ms=5_000, on_pin=pin)
-            await sessions[name].start(wait_connected_s=5)
-        config = ProxyConfig(
-            broker=broker.address, refresh_interval_s=0.2, connect_timeout_s=1.0, local_prefill_tokens=0
-        )
-        app = build_app(config, broker=AsyncBrokerClient(broker.address))
-        server = TestServer(app)
-        await server.start_server()
-        http = aiohttp.ClientSession()
-        try:
-            yield {
-                "broker": broker,
-                "sessions": sessions,
-                "pins": pins,
-                "url": str(server.make_url("")).rstrip("/"),
-                "http": http,
-                "retainer": app[STATE_KEY].retainer,
-            }
-        finally:
-            await http.close()
-            await server.close()
-            for s in sessions.values():
-                await s.close()
-            for f in fakes.values():
-                await f.stop()
+        roles = {"P": "prefill", "D": "decode"}
+        async with proxy_stack(broker, roles, ttl_ms=5_000, on_pin=pin, local_prefill_tokens=0) as s:
+            yield {**s, "broker": broker, "pins": pins, "retainer": s["app"][STATE_KEY].retainer}
 
 
 async def turn(

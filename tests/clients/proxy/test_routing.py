@@ -67,28 +67,58 @@ async def local_stack(broker: RunningServer) -> AsyncIterator[dict[str, Any]]:
 
 @contextlib.asynccontextmanager
 async def _stack(broker: RunningServer, **config: Any) -> AsyncIterator[dict[str, Any]]:
+    roles = {"P": "prefill", "D1": "decode", "D2": "decode"}
+    async with proxy_stack(broker, roles, **config) as s:
+        yield s
+
+
+@contextlib.asynccontextmanager
+async def proxy_stack(
+    broker: RunningServer,
+    roles: dict[str, str],
+    *,
+    ttl_ms: int = 2_000,
+    on_pin: Any = None,
+    tracer_provider: Any = None,
+    **config: Any,
+) -> AsyncIterator[dict[str, Any]]:
+    """Fake engines (name -> role) registered with the real broker (labels role, url) and a proxy
+    that discovers them (ProxyConfig: refresh every 0.2 s, connect timeout 1 s, then `config`).
+    Yields fakes, sessions, url, http and the proxy's app."""
     from kvbroker.clients.aio import AsyncBrokerClient
     from kvbroker.clients.engine_session import EngineSession
 
-    fakes = {name: await FakeEngine(name).start() for name in ("P", "D1", "D2")}
+    fakes = {name: await FakeEngine(name).start() for name in roles}
     sessions = {}
     for name, fake in fakes.items():
-        role = "prefill" if name == "P" else "decode"
-        session = EngineSession(broker.address, engine_info(name, role, fake.url), ttl_ms=2_000)
+        info = engine_info(name, roles[name], fake.url)
+        session = EngineSession(broker.address, info, ttl_ms=ttl_ms, on_pin=on_pin)
         await session.start(wait_connected_s=5)
         sessions[name] = session
-    client = AsyncBrokerClient(broker.address)
-    proxy_config = ProxyConfig(broker=broker.address, refresh_interval_s=0.2, connect_timeout_s=1.0, **config)
-    server = TestServer(build_app(proxy_config, broker=client))
+    settings: dict[str, Any] = {"refresh_interval_s": 0.2, "connect_timeout_s": 1.0, **config}
+    app = build_app(
+        ProxyConfig(broker=broker.address, **settings),
+        broker=AsyncBrokerClient(broker.address),
+        tracer_provider=tracer_provider,
+    )
+    server = TestServer(app)
     await server.start_server()
     http = aiohttp.ClientSession()
-    yield {"fakes": fakes, "sessions": sessions, "url": str(server.make_url("")).rstrip("/"), "http": http}
-    await http.close()
-    await server.close()
-    for s in sessions.values():
-        await s.close()
-    for f in fakes.values():
-        await f.stop()
+    try:
+        yield {
+            "fakes": fakes,
+            "sessions": sessions,
+            "url": str(server.make_url("")).rstrip("/"),
+            "http": http,
+            "app": app,
+        }
+    finally:
+        await http.close()
+        await server.close()
+        for s in sessions.values():
+            await s.close()
+        for f in fakes.values():
+            await f.stop()
 
 
 async def chat(stack: dict[str, Any], messages: list[dict[str, str]]) -> tuple[str, str, str]:

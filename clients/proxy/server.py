@@ -307,6 +307,8 @@ def placement_rule(config: ProxyConfig) -> PlacementLearner | None:
     rule = PlacementRule(
         busy_tokens=config.dp_busy_tokens,
         pull_token_cost=config.dp_pull_token_cost,
+        pull_fixed_tokens=config.dp_pull_fixed_tokens,
+        neighbour_cost=config.dp_neighbour_cost,
         min_prefix_tokens=config.dp_min_prefix_tokens,
         pull=config.dp_pull,
         round_robin=config.placement == "round_robin",

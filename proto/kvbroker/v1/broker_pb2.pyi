@@ -1559,6 +1559,8 @@ class PlacementWeights(_message.Message):
     PULL_TOKEN_COST_FIELD_NUMBER: _builtins.int
     MIN_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
     NO_PULL_FIELD_NUMBER: _builtins.int
+    PULL_FIXED_TOKENS_FIELD_NUMBER: _builtins.int
+    NEIGHBOUR_COST_FIELD_NUMBER: _builtins.int
     busy_tokens: _builtins.float
     """prompt tokens of waiting one request in flight costs [256]"""
     pull_token_cost: _builtins.float
@@ -1567,6 +1569,12 @@ class PlacementWeights(_message.Message):
     """a longest held prefix under this is ignored: balance by load [64]"""
     no_pull: _builtins.bool
     """engines do not pull from each other (no kv_both connector)"""
+    pull_fixed_tokens: _builtins.float
+    """Unset means the default in brackets; these two may be set to 0.
+    a pull's own wait, in prompt tokens [160]
+    """
+    neighbour_cost: _builtins.float
+    """per request in flight, per prompt token computed [1]"""
     def __init__(
         self,
         *,
@@ -1574,12 +1582,21 @@ class PlacementWeights(_message.Message):
         pull_token_cost: _builtins.float = ...,
         min_prefix_tokens: _builtins.int = ...,
         no_pull: _builtins.bool = ...,
+        pull_fixed_tokens: _builtins.float | None = ...,
+        neighbour_cost: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_neighbour_cost", b"_neighbour_cost", "_pull_fixed_tokens", b"_pull_fixed_tokens", "neighbour_cost", b"neighbour_cost", "pull_fixed_tokens", b"pull_fixed_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_tokens", b"busy_tokens", "min_prefix_tokens", b"min_prefix_tokens", "no_pull", b"no_pull", "pull_token_cost", b"pull_token_cost"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_neighbour_cost", b"_neighbour_cost", "_pull_fixed_tokens", b"_pull_fixed_tokens", "busy_tokens", b"busy_tokens", "min_prefix_tokens", b"min_prefix_tokens", "neighbour_cost", b"neighbour_cost", "no_pull", b"no_pull", "pull_fixed_tokens", b"pull_fixed_tokens", "pull_token_cost", b"pull_token_cost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__neighbour_cost: _TypeAlias = _typing.Literal["neighbour_cost"]  # noqa: Y015
+    _WhichOneofArgType__neighbour_cost: _TypeAlias = _typing.Literal["_neighbour_cost", b"_neighbour_cost"]  # noqa: Y015
+    _WhichOneofReturnType__pull_fixed_tokens: _TypeAlias = _typing.Literal["pull_fixed_tokens"]  # noqa: Y015
+    _WhichOneofArgType__pull_fixed_tokens: _TypeAlias = _typing.Literal["_pull_fixed_tokens", b"_pull_fixed_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__neighbour_cost) -> _WhichOneofReturnType__neighbour_cost | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pull_fixed_tokens) -> _WhichOneofReturnType__pull_fixed_tokens | None: ...
 
 Global___PlacementWeights: _TypeAlias = PlacementWeights  # noqa: Y015
 

@@ -55,7 +55,9 @@ def placement_rule(weights: pb.PlacementWeights) -> PlacementRule:
         pull_fixed_tokens=(
             weights.pull_fixed_tokens if weights.HasField("pull_fixed_tokens") else default.pull_fixed_tokens
         ),
-        neighbour_cost=weights.neighbour_cost if weights.HasField("neighbour_cost") else default.neighbour_cost,
+        neighbour_cost=weights.neighbour_cost
+        if weights.HasField("neighbour_cost")
+        else default.neighbour_cost,
     )
 
 

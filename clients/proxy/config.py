@@ -221,7 +221,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raise SystemExit("error: --max-attempts must be at least 1")
     if args.local_prefill_tokens < 0:
         raise SystemExit("error: --local-prefill-tokens must be >= 0")
-    weights = (args.dp_busy_tokens, args.dp_pull_token_cost, args.dp_pull_fixed_tokens, args.dp_neighbour_cost)
+    weights = (
+        args.dp_busy_tokens,
+        args.dp_pull_token_cost,
+        args.dp_pull_fixed_tokens,
+        args.dp_neighbour_cost,
+    )
     if min(weights) < 0 or args.dp_min_prefix_tokens < 0:
         raise SystemExit(
             "error: --dp-busy-tokens, --dp-pull-token-cost, --dp-pull-fixed-tokens, --dp-neighbour-cost "

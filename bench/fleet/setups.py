@@ -28,6 +28,7 @@ each run uses a fresh cache_salt, so no run reuses another's cache.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import urllib.request
@@ -119,10 +120,19 @@ class Running:
         return out
 
     def router_stats(self) -> dict[str, Any]:
+        """The router's counts since it started: bench.fleet.router's /stats, or our proxy's
+        routing choices by reason (its /metrics; the data-parallel placement's dp_* labels)."""
         for child in self.children:
             if child.name == "router":
                 with urllib.request.urlopen(self.url + "/stats", timeout=10) as resp:
                     return dict(json.loads(resp.read()))
+            if isinstance(child, ProxyProcess):
+                with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+                    text = resp.read().decode()
+                found = re.findall(
+                    r'kvbroker_proxy_route_choices_total\{reason="([^"]+)"\} ([0-9.e+]+)', text
+                )
+                return {"route_reasons": {reason: int(float(n)) for reason, n in found}}
         return {}
 
     def leases_active(self, wait_s: float) -> int | None:

@@ -9,7 +9,7 @@ the proxy answers is not "who holds the prefix" but "where does the first
 token come soonest". ``place`` predicts that, in prompt-token equivalents,
 for every candidate engine ``e``:
 
-    cost(e) = computed(e) + pull(e) + busy_tokens * load(e) + neighbour_cost * computed(e) * load(e)
+    cost(e) = computed(e) + pull(e) + backlog(e) + busy_tokens * load(e) + neighbour_cost * computed(e) * load(e)
 
 - ``computed``: the prompt's tokens ``e`` would compute: all but the longest
   prefix it can reuse, its own (GPU or CPU tier) or, when engines pull from
@@ -19,6 +19,9 @@ for every candidate engine ``e``:
   notice, each at one of its own scheduler steps) plus ``pull_token_cost``
   per pulled token. Where that is more than computing those tokens, ``e``
   computes them instead, as the connector's adaptive policy would;
+- ``backlog``: prompt tokens of the requests sent to ``e`` that it has not
+  yet computed (their first byte has not come; the proxy's own count): a
+  prefill queued ahead delays the request token for token;
 - ``load``: requests in flight on ``e`` (the larger of what this proxy sent it
   and the load it heartbeats to the broker); each one ahead of the request
   costs it ``busy_tokens`` of waiting;
@@ -72,6 +75,7 @@ class Candidate:
     name: str
     held_tokens: int  # prompt tokens it holds as a prefix (GPU or its CPU tier)
     load: float  # requests in flight on it
+    backlog_tokens: float = 0.0  # prompt tokens of requests sent to it that it has yet to compute
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,9 @@ def place(
         load = max(0.0, c.load)
         terms.append((num_tokens - reuse, pulled, load))
         computed = terms[i][0]
-        costs.append(computed + pull_cost + rule.busy_tokens * load + rule.neighbour_cost * computed * load)
+        queued = max(0.0, c.backlog_tokens)
+        own = computed + pull_cost + queued + rule.busy_tokens * load
+        costs.append(own + rule.neighbour_cost * computed * load)
         sources.append(source)
     n = len(candidates)
     rotated = [(rotation + i) % n for i in range(n)]

@@ -224,6 +224,8 @@ async def health(request: web.Request) -> web.Response:
                     "cooling_down": state.pool.is_cooling_down(e),
                     # Requests on it: this proxy's in flight, or the load it heartbeats if larger.
                     "load": state.pool.busy_of(e),
+                    # Prompt tokens this proxy's requests there have yet to compute (placement's backlog).
+                    "backlog_tokens": state.pool.backlog_of(e),
                 }
                 for e in engines
             ],

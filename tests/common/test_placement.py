@@ -85,6 +85,14 @@ def test_what_a_request_costs_the_requests_running_beside_it_keeps_a_turn_off_a_
     assert names(idle, place(1200, idle, social).order)[0] == "B"
 
 
+def test_a_prefill_queued_on_an_engine_delays_a_request_token_for_token() -> None:
+    # Both hold the whole prompt and run nothing else, but A has 1,000 tokens still to compute.
+    engines = [Candidate("A", 512, 1, backlog_tokens=1000), Candidate("B", 512, 1)]
+    p = place(544, engines, RULE)
+    assert names(engines, p.order) == ["B", "A"]
+    assert p.costs == (32 + 1000 + 256, 32 + 256)
+
+
 def test_without_pulls_a_busy_holder_loses_to_a_recompute_only_when_its_queue_is_longer() -> None:
     rule = PlacementRule(busy_tokens=256, pull_token_cost=0.1, min_prefix_tokens=64, pull=False)
     busy = [Candidate("A", 512, 3), Candidate("B", 0, 0)]

@@ -38,6 +38,12 @@ class AdapterConfig:
         "kv_recompute_threshold tokens). Setting kv_recompute_threshold without pull_policy selects threshold.",
         choices=("adaptive", "threshold"),
     )
+    recompute_neighbour_cost: float = setting(
+        1.0,
+        "The adaptive policy counts what computing costs the requests already running on this engine: each "
+        "second of prefill here also costs this many seconds per running request (they wait while it "
+        "computes; a pull's wait does not stop them). 0 = the request's own first token only.",
+    )
     kv_recompute_threshold: int = setting(
         64,
         "The fixed rule: pull only when the remote prefix beyond the local hit has at least this many tokens. "
@@ -129,6 +135,10 @@ class AdapterConfig:
         for name in ("session_ttl_ms", "hold_ttl_ms", "lease_ttl_ms"):
             if getattr(self, name) <= 0:
                 raise AdapterConfigError(f"{name} must be > 0 (got {getattr(self, name)})")
+        if not self.recompute_neighbour_cost >= 0:  # NaN too
+            raise AdapterConfigError(
+                f"recompute_neighbour_cost must be >= 0 (got {self.recompute_neighbour_cost})"
+            )
         for name in ("kv_recompute_threshold", "resolve_wait_ms", "acquire_wait_ms", "cpu_tier_blocks"):
             if getattr(self, name) < 0:
                 raise AdapterConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")

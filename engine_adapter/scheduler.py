@@ -176,6 +176,7 @@ class AdapterScheduler:
     ) -> None:
         req_id = request.request_id
         self.own_load.allocated(req_id)
+        self._ctx.running = self.own_load.running
         lookup, named = self.lookups.pop(req_id)
         if req_id in self.loads.active:
             return
@@ -254,6 +255,7 @@ class AdapterScheduler:
         req_id = request.request_id
         self.costs.steps.on_finished(self._clock(), req_id)
         self.own_load.finished(req_id)
+        self._ctx.running = self.own_load.running
         self.loads.failed.discard(req_id)
         self.lookups.request_finished(req_id)
         self.loads.request_finished(req_id)

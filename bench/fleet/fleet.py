@@ -5,7 +5,7 @@
     python -m bench.fleet.fleet --model real --setups rr,prefix --rates 1,3    # SmolLM2-135M
     python -m bench.fleet.fleet --engines 4 --setups rr,prefix,ours-pd         # how routing scales
 
-For each setup (bench/fleet/setups.py: rr, prefix, ours-pd, nixl-pd, ours-dp) it starts
+For each setup (bench/fleet/setups.py: rr, prefix, ours-pd, nixl-pd, ours-dp, ours-dp-learn) it starts
 the engines (pinned apart: the same cores per engine in every setup) and the router,
 then runs the same sessions (bench/fleet/agent_sessions.py) at each rate, every run under a
 fresh cache_salt, and reports per setup and rate: goodput at the SLO, TTFT p50/p90/p99,

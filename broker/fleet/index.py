@@ -242,6 +242,7 @@ class RedisPrefixIndex:
     # -- updates -------------------------------------------------------------------
 
     def add(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
+        self._forgotten_out = []  # not taken since the last call: nobody mirrors this index
         nsid = namespace_id(namespace)
         packed = _pack(hashes)
         if not packed:
@@ -407,6 +408,7 @@ class RedisPrefixIndex:
     def maintain(self, budget: int) -> None:
         """Keep to the bound; rewrite up to about `budget` entries of one namespace that names
         dropped holders."""
+        self._forgotten_out = []
         if self._cap:
             self._keep_bound()
         wall = time.monotonic()

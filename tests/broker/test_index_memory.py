@@ -1,26 +1,31 @@
 """--index-memory-mib on a real `kvbroker serve` process, and --index-max-entries on one whose
 index lives in a real redis-server (--state): two engines announce ten times what the bound
 holds; the broker forgets instead of growing (and says so in /metrics), every answer names only
-an engine that announced the prefix, and a lease on forgotten blocks still reads and releases."""
+an engine that announced the prefix, and a lease on forgotten blocks still reads and releases. A mirror that follows the broker over gRPC is told what was forgotten
+and answers what the broker answers."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc.aio
 import pytest
 
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import InvalidArgument
 from kvbroker.clients.engine_session import EngineSession
+from kvbroker.clients.mirror import IndexMirror, follow
 from kvbroker.common.index_budget import shard_cap
 from kvbroker.v1 import broker_pb2 as pb
 from testkit import builders
 from testkit.metrics import scrape
 from testkit.ports import free_port
 from testkit.processes import SERVE, BrokerProcess
+from testkit.waiting import until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,6 +66,9 @@ async def test_a_bounded_index_forgets_and_stays_correct(broker: tuple[BrokerPro
     )  # resolve leaves out the caller
     for session in (a, b, reader):
         await session.start(wait_connected_s=20.0)
+    channel = grpc.aio.insecure_channel(process.address)
+    mirror = IndexMirror(a.layout_id)
+    following = asyncio.create_task(follow(mirror, channel))
     try:
         ns = (a.layout_id, "")
         leased = [rng.getrandbits(64) for _ in range(8)]
@@ -84,7 +92,11 @@ async def test_a_bounded_index_forgets_and_stays_correct(broker: tuple[BrokerPro
             if round_ == 10:  # past the cap: forgetting has begun
                 midway = _metrics(port)["kvbroker_index_forgotten_total"]
                 assert midway > 0
-        seen = await _check_answers(reader, ns, chains, rng)
+        # The mirror was told what the broker forgot: it holds what the index holds, no more.
+        entries = _metrics(port)["kvbroker_index_entries"]
+        await until(lambda: mirror.synced and mirror.total_blocks() == entries, timeout=60)
+        assert mirror.stats.forgotten > 0
+        seen = await _check_answers(reader, ns, chains, rng, mirror)
         assert seen["a"] > 0 and seen["b"] > 0  # the latest chains are still known
         assert seen["miss"] > 0  # and the oldest forgotten
         answer = await reader.resolve(ns, hot, timeout=30.0)
@@ -104,19 +116,31 @@ async def test_a_bounded_index_forgets_and_stays_correct(broker: tuple[BrokerPro
         released = await reader.release(lease.lease_id, claimed.lease.epoch)
         assert released.state == pb.LEASE_RELEASED
     finally:
+        following.cancel()
+        await channel.close()
         for session in (a, b, reader):
             await session.close()
 
 
 async def _check_answers(
-    reader: EngineSession, ns: tuple[str, str], chains: dict[str, list[list[int]]], rng: random.Random
+    reader: EngineSession,
+    ns: tuple[str, str],
+    chains: dict[str, list[list[int]]],
+    rng: random.Random,
+    mirror: IndexMirror,
 ) -> dict[str, int]:
-    """Resolve a sample of every engine's chains: only their announcer may be named."""
+    """Resolve a sample of every engine's chains: only their announcer may be named, and the
+    mirror names what the broker names."""
     seen = {"a": 0, "b": 0, "miss": 0}
     for owner, owned in chains.items():
         sample = owned[:20] + owned[-20:] + rng.sample(owned, 40)
         for chain in sample:
             answer = await reader.resolve(ns, chain, timeout=30.0)
+            mirrored = mirror.resolve(ns[1], chain)
+            assert mirrored is not None
+            assert [(m.engine_id, m.matched_blocks) for m in mirrored] == [
+                (m.engine_id, m.matched_blocks) for m in answer.matches
+            ]
             for match in answer.matches:
                 assert match.engine_id == owner, (owner, match)
                 assert 0 < match.matched_blocks <= CHAIN

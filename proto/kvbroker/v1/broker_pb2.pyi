@@ -2065,11 +2065,18 @@ class MirrorBlocks(_message.Message):
     STORED_FIELD_NUMBER: _builtins.int
     REMOVED_FIELD_NUMBER: _builtins.int
     CLEAR_TIER_FIELD_NUMBER: _builtins.int
+    FORGOTTEN_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     tenant: _builtins.str
     tier: Global___Tier.ValueType
     clear_tier: _builtins.bool
     """drop the engine's blocks on this tier (all tenants) first"""
+    forgotten: _builtins.bool
+    """The removals are blocks the broker's index forgot to keep to its bound (--index-memory-mib,
+    --index-max-entries), not blocks the engine dropped: apply them as removals all the same (the
+    broker no longer names the engine for them). Compatibility: an older mirror ignores the field
+    and applies the removals, which is right; an older broker never sends forgotten blocks.
+    """
     @_builtins.property
     def stored(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -2083,10 +2090,11 @@ class MirrorBlocks(_message.Message):
         stored: _abc.Iterable[_builtins.int] | None = ...,
         removed: _abc.Iterable[_builtins.int] | None = ...,
         clear_tier: _builtins.bool = ...,
+        forgotten: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clear_tier", b"clear_tier", "engine_id", b"engine_id", "removed", b"removed", "stored", b"stored", "tenant", b"tenant", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clear_tier", b"clear_tier", "engine_id", b"engine_id", "forgotten", b"forgotten", "removed", b"removed", "stored", b"stored", "tenant", b"tenant", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

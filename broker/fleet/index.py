@@ -361,11 +361,11 @@ class RedisPrefixIndex:
         gone = 0
         while gone < want:
             flat = self._state.run(self._forget, keys, [min(want - gone, FORGET_STEP)])
-            deleted = int(flat[0])
-            if not deleted:
+            deleted, popped = int(flat[0]), int(flat[1])
+            if not popped:
                 break  # nothing left to forget here (entries not in `lru`: announced before the bound)
             gone += deleted
-            self._forgotten_out.extend(decode_forgotten(namespace, flat[1:], lambda b: _Q.unpack(b)[0]))
+            self._forgotten_out.extend(decode_forgotten(namespace, flat[2:], lambda b: _Q.unpack(b)[0]))
         if gone:
             self._deleted(gone)
             self.forgotten += gone

@@ -80,17 +80,17 @@ def test_past_the_bound_the_least_recently_matched_go_and_answers_stay_correct(s
     assert index.take_forgotten() == []
 
 
-def test_among_the_oldest_the_engine_with_the_most_blocks_goes_first(state: RedisState) -> None:
+def test_the_oldest_go_first_whoever_holds_them_each_chain_from_its_end(state: RedisState) -> None:
     index = RedisPrefixIndex(state, max_entries=100)
     (small,) = chains(1, 10, seed=3)
     (big,) = chains(1, 80, seed=4)
-    index.add("small", GPU, NS, small)  # the oldest of all, but few
+    index.add("small", GPU, NS, small)  # the oldest of all
     index.add("big", GPU, NS, big)
     index.add("new", GPU, NS, chains(1, 20, seed=5)[0])  # 110: 10 over, forget 10 + 6
-    assert matched(index, small) == {"small": 10}
-    assert index.blocks_of("big")[GPU] == 80 - 16
+    assert matched(index, small) == {}
+    assert index.blocks_of("big")[GPU] == 80 - 6
     # A chain's last blocks count as its oldest: cut from its end, its prefix still found.
-    assert matched(index, big) == {"big": 64}
+    assert matched(index, big) == {"big": 74}
 
 
 def test_a_shared_block_goes_for_every_holder_and_a_new_announcement_files_it_again(

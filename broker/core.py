@@ -226,18 +226,29 @@ class BrokerCore:
         return ResolveResult(matches, lease=lease, holder=holder, pending=True)
 
     def pin_result(
-        self, rec: EngineRecord, lease_id: str, ok: bool, block_ids: Sequence[int], error: str
+        self,
+        rec: EngineRecord,
+        lease_id: str,
+        ok: bool,
+        block_ids: Sequence[int],
+        error: str,
+        given_up: bool = False,
     ) -> Lease:
+        """The holder's answer to a PinCommand; with `given_up`, a pin it made and gave back since
+        (a retention's GPU blocks that vLLM needed): the lease ends as memory_pressure."""
         lease = self.leases.get(lease_id)
         if lease.holder != rec.engine_id:
             raise FailedPrecondition(f"lease {lease_id} is not held by {rec.engine_id!r}", Cause.NOT_HOLDER)
         if not lease.state.live:
             return lease  # too late (pin timeout or a session ended); already settled
         if not ok:
-            why = self.check.text(error) or "holder refused the pin"
-            done = self.leases.revoke(lease_id, RevokeCause.HOLDER_REFUSED, why)
+            why = self.check.text(error) or (
+                "GPU memory was needed" if given_up else "holder refused the pin"
+            )
+            cause = RevokeCause.MEMORY_PRESSURE if given_up else RevokeCause.HOLDER_REFUSED
+            done = self.leases.revoke(lease_id, cause, why)
             if done is not None:
-                self._after_revoke(done, tell_holder=False)  # it refused: it pinned nothing
+                self._after_revoke(done, tell_holder=False)  # it refused or gave up: nothing pinned
             return lease
         if len(block_ids) != len(lease.block_hashes):
             raise InvalidArgument(

@@ -91,6 +91,12 @@ class AdapterConfig:
         "Most of the GPU KV cache that retentions (the broker's Retain: blocks kept with no reader) may pin "
         "at once; a retention beyond it is refused (holder_refused) so that vLLM keeps room to run. 0: none.",
     )
+    retain_gpu_low_water: float = setting(
+        0.05,
+        "GPU retention pins are given up (least recently retained first; the broker ends each as "
+        "memory_pressure) when vLLM's free KV blocks fall below this share of the cache at a step, or "
+        "below what a waiting request's prompt needs plus this share. 0: only for waiting requests.",
+    )
     tenant: str = setting("", "Tenant added to the namespace (with the request's cache_salt).")
     tls_ca: str = setting(
         "",
@@ -143,6 +149,10 @@ class AdapterConfig:
             if getattr(self, name) < 0:
                 raise AdapterConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
 
+        if not 0.0 <= self.retain_gpu_low_water < 1.0:
+            raise AdapterConfigError(
+                f"retain_gpu_low_water must be in [0, 1) (got {self.retain_gpu_low_water})"
+            )
         if not 0.0 <= self.retain_gpu_fraction <= 1.0:
             raise AdapterConfigError(
                 f"retain_gpu_fraction must be in [0, 1] (got {self.retain_gpu_fraction})"

@@ -11,12 +11,12 @@ worker's own path (``LoadSpec`` in, ``poll`` until its outcome):
 
 - plain:    the NIXL read of the blocks;
 - verified: the same read, plus the read of the holder's digest entries and the
-            check (CRC32 of every byte that landed, compared per block and layer);
+            check (the digest of every byte that landed, compared per block and layer);
 - check:    the check alone, timed again after a verified pull (what of the
-            verified pull's extra time is the CRC32, the rest being the entries' read).
+            verified pull's extra time is the digest, the rest being the entries' read).
 
 Every verified pull must report all its blocks verified (that is also the byte
-check: the reader's CRC32 of what landed equals the holder's of what it holds).
+check: the reader's digest of what landed equals the holder's of what it holds).
 
     python -m bench.data_path.verify                       # default: both models, all layouts, 2,048 tokens
     python -m bench.data_path.verify --models tiny --layouts cpu --histories 512,2048 --reps 5
@@ -40,6 +40,7 @@ from typing import Any
 
 from bench.data_path.kv_layouts import LAYOUTS, MODELS, kv_caches
 from bench.harness.output import RESULTS_DIR, format_table, log, write_json
+from kvbroker.engine_adapter.multilinear import ALGORITHM
 from kvbroker.engine_adapter.nixl_agent import exit_skipping_nixl_teardown
 
 TARGET_SHARE = 0.10
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "layouts": args.layouts,
             "histories": args.histories,
             "reps": args.reps,
-            "digest": "zlib.crc32 per (block, layer), one core",
+            "digest": f"{ALGORITHM} per (block, layer), one core, one call per spec or check",
             "wall_s": round(time.monotonic() - started, 1),
             "load_avg_before_after": [
                 [round(x, 2) for x in load_before],

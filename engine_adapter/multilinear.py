@@ -96,44 +96,9 @@ def digest_words(data: bytes | np.ndarray) -> int:
 # ----------------------------------------------------------------------------- DRAM: numba
 
 
-@lru_cache(maxsize=1)
 def _kernel() -> Any:
-    """Compiled on first use (cached on disk by numba); numba is imported only with verify_bytes."""
-    import numba
-    from numba import types
-    from numba.extending import intrinsic
-
-    @intrinsic  # type: ignore[misc]
-    def _words_at(typingctx: Any, addr: Any) -> Any:
-        sig = types.CPointer(types.uint64)(addr)
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint64)))
-
-        return sig, codegen
-
-    lo32, s32 = np.uint64(0xFFFFFFFF), np.uint64(32)
-
-    @numba.njit(nogil=True, cache=True)  # type: ignore[misc]
-    def sums(bases, strides, words, block_ids, k_lo, k_hi, out):  # type: ignore[no-untyped-def]
-        # Layer-major, so that consecutive blocks of a layer are consecutive in memory.
-        n_blocks, n_layers, n_pieces = block_ids.shape[0], bases.shape[0], bases.shape[1]
-        for j in range(n_layers):
-            for i in range(n_blocks):
-                acc = np.uint64(0)
-                at = 0
-                for p in range(n_pieces):
-                    n = words[j, p]
-                    if n == 0:
-                        continue
-                    w = numba.carray(_words_at(np.uint64(bases[j, p] + block_ids[i] * strides[j, p])), (n,))
-                    kl, kh = k_lo[at : at + n], k_hi[at : at + n]
-                    for x in range(n):
-                        v = w[x]
-                        # The keys are below 2**32: masking them says so, and 32x32->64 multiplies it is.
-                        acc += (v & lo32) * (kl[x] & lo32) + (v >> s32) * (kh[x] & lo32)
-                    at += n
-                out[i, j] = acc
+    """The compiled kernel (engine_adapter/multilinear_kernel.py): numba is imported on first use."""
+    from kvbroker.engine_adapter.multilinear_kernel import sums
 
     return sums
 

@@ -133,10 +133,15 @@ class BlockBytes:
 
         assert self._tensor_views is not None
         sums = []
+        ids: dict[Any, Any] = {}  # per device, copied there once
         for col in cols:
             views = self._tensor_views[col]
-            ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=views[0].device)
-            sums.append(multilinear.tensor_sums([v[ids] for v in views], self._device_keys))
+            at = ids.get(views[0].device)
+            if at is None:
+                at = ids[views[0].device] = torch.as_tensor(list(block_ids), dtype=torch.long).to(
+                    views[0].device
+                )
+            sums.append(multilinear.tensor_sums([v[at] for v in views], self._device_keys))
         if not sums:
             return np.zeros((len(block_ids), 0), dtype=np.uint32)
         h = torch.stack(sums, dim=1).cpu().numpy().view(np.uint64)  # one device -> host copy
@@ -152,6 +157,8 @@ def _block_view(r: Region, num_blocks: int, tensors: list[Any]) -> Any:
     """uint8 [num_blocks, block_bytes] over the storage of the tensor that holds region `r`."""
     import torch
 
+    if r.block_bytes % 8 or r.block_stride % 8:  # the same rule as on DRAM: both sides must digest it
+        raise ValueError(f"{ALGORITHM} digests whole 8-byte words; a piece is {r.block_bytes} bytes")
     start, end = r.span(num_blocks)
     for t in tensors:
         storage = t.untyped_storage()

@@ -14,7 +14,7 @@ import torch
 from bench.data_path.kv_layouts import LAYOUTS, MODELS, kv_caches
 from kvbroker.engine_adapter import multilinear as ml
 from kvbroker.engine_adapter.digests import BlockBytes
-from kvbroker.engine_adapter.kv_regions import regions_from_kv_caches
+from kvbroker.engine_adapter.kv_regions import Region, regions_from_kv_caches
 
 BLOCK = 1024  # bytes of the entry the exhaustive tests vary
 
@@ -110,6 +110,9 @@ def _layer_block(kv: dict[str, torch.Tensor], layout: str, layer: int, block: in
 def test_pieces_that_are_not_whole_words_are_refused() -> None:
     with pytest.raises(ValueError, match="whole 8-byte words; a piece is 12 bytes"):
         ml.RegionDigester([[(4096, 12, 12)]])
+    t = torch.zeros(24, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="whole 8-byte words; a piece is 12 bytes"):  # on a GPU too
+        BlockBytes([Region(0, t.data_ptr(), 12, 12)], 2, "VRAM", [t])
 
 
 @pytest.mark.cuda

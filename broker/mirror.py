@@ -42,6 +42,7 @@ def mirror_engine_info(info: pb.EngineInfo) -> pb.EngineInfo:
         for tier in rank.tiers:
             tier.ClearField("regions")
             tier.ClearField("digest_regions")
+            tier.ClearField("digest_table")
     return out
 
 

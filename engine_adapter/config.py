@@ -81,10 +81,10 @@ class AdapterConfig:
     )
     verify_bytes: bool = setting(
         False,
-        "Verified bytes: as a holder, state a CRC32 per block and layer of what it holds for readers; as a "
-        "reader, check every pulled block against it before the release commits, and recompute on a "
-        "mismatch or when the holder states none. CPU (DRAM) KV memory only; costs a CRC32 of the bytes "
-        "on both sides (docs/data_path.md).",
+        "Verified bytes: as a holder, state a digest (multilinear32-v1) per block and layer of what it "
+        "holds for readers; as a reader, check every pulled block against it before the release commits, "
+        "and recompute on a mismatch or when the holder states none. DRAM or VRAM KV memory; costs one "
+        "pass over the bytes on both sides (docs/data_path.md).",
     )
     retain_gpu_fraction: float = setting(
         0.5,

@@ -1,39 +1,40 @@
-"""Verified bytes: a CRC32 per (block, layer), stated by the holder, checked by the reader.
+"""Verified bytes: a digest per (block, layer), stated by the holder, checked by the reader.
 
 The holder's worker keeps a **digest table** per tier: one 8-byte entry per
-(block, local layer), ``stamp | crc << 32``. It fills a block's entries when
-the block starts being held or pinned for a reader (``DigestSpec``): the CRC32
+(block, local layer), ``stamp | digest << 32``. It fills a block's entries when
+the block starts being held or pinned for a reader (``DigestSpec``): the digest
 of the layer's bytes of that block (K then V where a layer has two regions),
 and a stamp derived from the block's hash. The table is registered with NIXL
 like a tier (``digest_tier``), one 8-byte "region" per layer, so a reader reads
 a block's entries with the same ``BlockMover.start_read`` that reads the block,
 into an **inbox** table of its own at its local block ids; the holder's
-``TierInfo.digest_regions`` says where the table is.
+``TierInfo.digest_table`` says where the table is and which digest it holds.
 
 The stamp ties an entry to the content it was computed for: an entry whose
 stamp is not the lease's block's is from the block id's previous occupant, or
 not stated yet (a reader may read before the holder's next step states it), and
 is never taken as a digest of these bytes. A reader that sees such an entry
-reads the entries again until its deadline; a matching stamp with another CRC is
-a mismatch. Each entry is written with one aligned 8-byte store, so a reader
-never sees a new stamp beside an old CRC.
+reads the entries again until its deadline; a matching stamp with another digest
+is a mismatch. Each entry is written with one aligned 8-byte store, so a reader
+never sees a new stamp beside an old digest.
 
-Bytes are read through zero-copy views of the regions' addresses, so this
-works on memory the CPU can address (DRAM). ``zlib.crc32`` is the digest: it
-is in the standard library, detects every error burst up to 32 bits, and runs
-at about 2 GB/s on one core here (bench/data_path/verify.py measures it
-against the read).
+The digest is ``multilinear32-v1`` (engine_adapter/multilinear.py): on DRAM one
+compiled call digests every (block, layer) of a spec in place; on VRAM torch
+integer ops on the tier's own tensors do it on the GPU. ``crc32`` (``zlib``, DRAM
+only) is still computed for holders from before the digest was named on the wire.
 """
 
 from __future__ import annotations
 
 import ctypes
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from kvbroker.engine_adapter import multilinear
 from kvbroker.engine_adapter.kv_regions import Region
 
 ENTRY_BYTES = 8
@@ -41,6 +42,8 @@ ENTRY_BYTES = 8
 # the reader's inbox (entries read from holders, at local block ids) as INBOX_TIER.
 DIGEST_TIER_OFFSET = 1000
 INBOX_TIER = 999
+ALGORITHM = multilinear.ALGORITHM  # what this adapter states
+CRC32 = "crc32"  # what adapters stated before TierInfo.digest_table (TierInfo.digest_regions)
 
 
 def digest_tier(tier: int) -> int:
@@ -53,36 +56,124 @@ def stamp_of(block_hash: int) -> int:
     return ((h ^ (h >> 32)) & 0xFFFFFFFF) or 1
 
 
-class BlockBytes:
-    """Zero-copy views of a tier's regions (DRAM): the CRC32 of a block's bytes, per layer."""
+def stamps_of(block_hashes: Sequence[int]) -> np.ndarray:
+    """uint32 [n]: ``stamp_of`` of each hash, in one numpy pass."""
+    h = np.array([int(x) & 0xFFFFFFFFFFFFFFFF for x in block_hashes], dtype=np.uint64)
+    s = ((h ^ (h >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    s[s == 0] = 1
+    return s
 
-    def __init__(self, regions: Sequence[Region], num_blocks: int) -> None:
+
+class BlockBytes:
+    """A tier's block bytes, per layer, read in place: their digests for many blocks at once.
+
+    DRAM is read through its addresses; VRAM (and any memory, given `tensors`) through views
+    of the tensors whose storage holds the regions, on their device."""
+
+    def __init__(
+        self, regions: Sequence[Region], num_blocks: int, mem_type: str = "DRAM", tensors: Iterable[Any] = ()
+    ) -> None:
         self.num_blocks = num_blocks
-        self._pieces: dict[int, list[tuple[memoryview, int, int]]] = {}
+        self.mem_type = mem_type
+        pieces: dict[int, list[Region]] = {}
         for r in regions:
-            start, end = r.span(num_blocks)
-            view = memoryview((ctypes.c_uint8 * (end - start)).from_address(start)).cast("B")
-            self._pieces.setdefault(r.layer, []).append((view, r.block_stride, r.block_bytes))
-        self.layers = sorted(self._pieces)
+            pieces.setdefault(r.layer, []).append(r)
+        self.layers = sorted(pieces)
+        self._column = {layer: j for j, layer in enumerate(self.layers)}
+        self._pieces = [pieces[layer] for layer in self.layers]
+        self._crc_views: list[list[tuple[memoryview, int, int]]] | None = None
+        self._in_place: multilinear.RegionDigester | None = None
+        self._tensor_views: list[list[Any]] | None = None
+        self._device_keys: dict[Any, Any] = {}
+        if mem_type == "DRAM":
+            self._in_place = multilinear.RegionDigester(
+                [[(r.base_addr, r.block_stride, r.block_bytes) for r in layer] for layer in self._pieces]
+            )
+        else:
+            self._tensor_views = [
+                [_block_view(r, num_blocks, list(tensors)) for r in p] for p in self._pieces
+            ]
+
+    def supports(self, algorithm: str) -> bool:
+        return algorithm == ALGORITHM or (algorithm == CRC32 and self.mem_type == "DRAM")
+
+    def digests(
+        self, block_ids: Sequence[int], layers: Sequence[int], algorithm: str = ALGORITHM
+    ) -> np.ndarray:
+        """uint32 [len(block_ids), len(layers)]: the digests of those blocks' bytes, per layer."""
+        if not self.supports(algorithm):
+            raise ValueError(f"cannot compute {algorithm} digests of {self.mem_type}")
+        cols = [self._column[layer] for layer in layers]
+        if algorithm == CRC32:
+            return self._crcs(block_ids, cols)
+        if self._in_place is not None:
+            return self._in_place.digests(block_ids, cols)
+        return self._on_device(block_ids, cols)
 
     def crc(self, block_id: int, layer: int) -> int:
-        crc = 0
-        for view, stride, size in self._pieces[layer]:
-            at = block_id * stride
-            crc = zlib.crc32(view[at : at + size], crc)
-        return crc
+        return int(self._crcs([block_id], [self._column[layer]])[0, 0])
 
-    def crcs(self, block_ids: Sequence[int], layers: Sequence[int]) -> np.ndarray:
-        """uint32 [len(block_ids), len(layers)]."""
-        out = np.empty((len(block_ids), len(layers)), dtype=np.uint32)
-        for j, layer in enumerate(layers):
+    def _crcs(self, block_ids: Sequence[int], cols: Sequence[int]) -> np.ndarray:
+        if self._crc_views is None:
+            self._crc_views = [
+                [(_bytes_at(r, self.num_blocks), r.block_stride, r.block_bytes) for r in p]
+                for p in self._pieces
+            ]
+        out = np.empty((len(block_ids), len(cols)), dtype=np.uint32)
+        for j, col in enumerate(cols):
             for i, b in enumerate(block_ids):
-                out[i, j] = self.crc(b, layer)
+                crc = 0
+                for view, stride, size in self._crc_views[col]:
+                    crc = zlib.crc32(view[b * stride : b * stride + size], crc)
+                out[i, j] = crc
         return out
+
+    def _on_device(self, block_ids: Sequence[int], cols: Sequence[int]) -> np.ndarray:
+        import torch
+
+        assert self._tensor_views is not None
+        sums = []
+        ids: dict[Any, Any] = {}  # per device, copied there once
+        for col in cols:
+            views = self._tensor_views[col]
+            at = ids.get(views[0].device)
+            if at is None:
+                at = ids[views[0].device] = torch.as_tensor(list(block_ids), dtype=torch.long).to(
+                    views[0].device
+                )
+            sums.append(multilinear.tensor_sums([v[at] for v in views], self._device_keys))
+        if not sums:
+            return np.zeros((len(block_ids), 0), dtype=np.uint32)
+        h = torch.stack(sums, dim=1).cpu().numpy().view(np.uint64)  # one device -> host copy
+        return multilinear.fold(h)
+
+
+def _bytes_at(r: Region, num_blocks: int) -> memoryview:
+    start, end = r.span(num_blocks)
+    return memoryview((ctypes.c_uint8 * (end - start)).from_address(start)).cast("B")
+
+
+def _block_view(r: Region, num_blocks: int, tensors: list[Any]) -> Any:
+    """uint8 [num_blocks, block_bytes] over the storage of the tensor that holds region `r`."""
+    import torch
+
+    if r.block_bytes % 8 or r.block_stride % 8:  # the same rule as on DRAM: both sides must digest it
+        raise ValueError(f"{ALGORITHM} digests whole 8-byte words; a piece is {r.block_bytes} bytes")
+    start, end = r.span(num_blocks)
+    for t in tensors:
+        storage = t.untyped_storage()
+        base = storage.data_ptr()
+        if base <= start and end <= base + storage.nbytes():
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            return flat.as_strided((num_blocks, r.block_bytes), (r.block_stride, 1), start - base)
+    raise ValueError(
+        f"no KV tensor holds layer {r.layer}'s region at {start:#x}: {ALGORITHM} needs the tensors for "
+        "memory the CPU cannot address"
+    )
 
 
 class DigestTable:
-    """One 8-byte entry per (block, layer): ``stamp | crc << 32`` (0: never stated)."""
+    """One 8-byte entry per (block, layer): ``stamp | digest << 32`` (0: never stated)."""
 
     def __init__(self, num_blocks: int, layers: Sequence[int]) -> None:
         self.layers = list(layers)
@@ -106,12 +197,12 @@ class DigestTable:
         if len(block_ids) != len(block_hashes):
             raise ValueError(f"{len(block_ids)} block ids for {len(block_hashes)} hashes")
         layers = [layer for layer in self.layers if layer in source.layers]
-        crcs = source.crcs(block_ids, layers).astype(np.uint64)
-        stamps = np.array([stamp_of(h) for h in block_hashes], dtype=np.uint64)
+        digests = source.digests(block_ids, layers).astype(np.uint64)
+        stamps = stamps_of(block_hashes).astype(np.uint64)
         cols = [self._column[layer] for layer in layers]
         for i, b in enumerate(block_ids):
             # One 8-byte store per entry: a reader sees the old entry or the new one, never half.
-            self.entries[b, cols] = stamps[i] | (crcs[i] << np.uint64(32))
+            self.entries[b, cols] = stamps[i] | (digests[i] << np.uint64(32))
 
     def entries_of(self, block_ids: Sequence[int], layers: Sequence[int]) -> np.ndarray:
         return self.entries[np.ix_(list(block_ids), [self._column[layer] for layer in layers])]
@@ -138,12 +229,14 @@ def check(
     local: BlockBytes,
     block_ids: Sequence[int],
     block_hashes: Sequence[int],
-    layers: Iterable[int],
+    layers: Iterable[int] | Mapping[int, str],
 ) -> Check:
-    """Reader: compare the entries read into `inbox` at `block_ids` with the CRC32 of the bytes
-    those blocks now hold, for every layer in `layers`. While any entry is unstated, only the
-    stamps are looked at (the bytes are digested once, when all are stated)."""
-    layers = list(layers)
+    """Reader: compare the entries read into `inbox` at `block_ids` with the digests of the bytes
+    those blocks now hold, for every layer in `layers` (a mapping: each layer's algorithm, as its
+    holder stated it; default ALGORITHM). While any entry is unstated, only the stamps are looked
+    at (the bytes are digested once, when all are stated)."""
+    algorithm_of = dict(layers) if isinstance(layers, Mapping) else dict.fromkeys(layers, ALGORITHM)
+    layers = list(algorithm_of)
     result = Check(blocks=len(block_ids))
     if not block_ids or not layers:
         return result
@@ -152,12 +245,19 @@ def check(
     entries = inbox.entries_of(block_ids, layers)
     stamps = (entries & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     stated = (entries >> np.uint64(32)).astype(np.uint32)
-    expected = np.array([stamp_of(h) for h in block_hashes], dtype=np.uint32)[:, None]
+    expected = stamps_of(block_hashes)[:, None]
     fresh = stamps == expected
     result.unstated = {int(i) for i in np.nonzero(~fresh.all(axis=1))[0]}
     if result.unstated:
         return result
-    actual = local.crcs(block_ids, layers)
+    algorithms = set(algorithm_of.values())
+    if len(algorithms) == 1:  # the usual case: one call for every block and layer
+        actual = local.digests(block_ids, layers, algorithms.pop())
+    else:
+        actual = np.empty_like(stated)
+        for algorithm in sorted(algorithms):
+            cols = [j for j, layer in enumerate(layers) if algorithm_of[layer] == algorithm]
+            actual[:, cols] = local.digests(block_ids, [layers[j] for j in cols], algorithm)
     bad = fresh & (stated != actual)
     for i, j in zip(*np.nonzero(bad), strict=True):
         result.mismatched.add(int(i))

@@ -9,6 +9,7 @@ verify_bytes its digest table, engine_adapter/digests.py).
 from __future__ import annotations
 
 from kvbroker.engine_adapter.decisions import PullPlan
+from kvbroker.engine_adapter.digests import CRC32
 from kvbroker.engine_adapter.metadata import HolderRank, RegionSpec
 from kvbroker.engine_adapter.scheduler_context import tier_name
 from kvbroker.v1 import broker_pb2 as pb
@@ -28,6 +29,19 @@ def remote_block_ids(lease: pb.Lease, hashes: list[int], plan: PullPlan) -> tupl
     return ids, None
 
 
+def stated_digests(tiers: list[pb.TierInfo]) -> tuple[str, list[RegionSpec]]:
+    """A holder tier's digest table (verified bytes): its algorithm and regions. The named table
+    (TierInfo.digest_table) if any, else the CRC32 table of older adapters (digest_regions)."""
+    for t in tiers:
+        if t.HasField("digest_table") and t.digest_table.regions:
+            return t.digest_table.algorithm, [_spec(r) for r in t.digest_table.regions]
+    return CRC32, [_spec(r) for t in tiers for r in t.digest_regions]
+
+
+def _spec(r: pb.MemoryRegion) -> RegionSpec:
+    return RegionSpec(r.layer, r.base_addr, r.block_stride, r.block_bytes, r.device_id)
+
+
 def holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], str | None]:
     ranks: list[HolderRank] = []
     for rank in holder.ranks:
@@ -41,12 +55,7 @@ def holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], st
         if not rank.agent_name or not regions:
             continue
         mem_type = next((t.mem_type for t in rank.tiers if t.tier == tier), "")
-        digests = [
-            RegionSpec(r.layer, r.base_addr, r.block_stride, r.block_bytes, r.device_id)
-            for t in rank.tiers
-            if t.tier == tier
-            for r in t.digest_regions
-        ]
+        algorithm, digests = stated_digests([t for t in rank.tiers if t.tier == tier])
         ranks.append(
             HolderRank(
                 pp_rank=rank.pp_rank,
@@ -59,6 +68,7 @@ def holder_ranks(holder: pb.EngineInfo, tier: int) -> tuple[list[HolderRank], st
                 num_blocks=capacity,
                 mem_type=mem_type,
                 digest_regions=tuple(digests),
+                digest_algorithm=algorithm,
             )
         )
     if not ranks:

@@ -43,7 +43,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 #      HolderRank.mem_type. (HolderRank.num_blocks came later with a default:
 #      both sides are one install, so an added defaulted field needs no bump.)
 #   3: LoadSpec.holder_generation. Later, defaulted: DigestSpec, LoadSpec.block_hashes,
-#      HolderRank.digest_regions, ReadOutcomes.verified / mismatched / blocks_digested.
+#      HolderRank.digest_regions / digest_algorithm, ReadOutcomes.verified / mismatched /
+#      blocks_digested.
 VERSION = 3
 
 
@@ -71,8 +72,10 @@ class HolderRank:
     regions: tuple[RegionSpec, ...]
     num_blocks: int = 0  # capacity of the holder's tier (0 = unknown)
     mem_type: str = ""  # NIXL memory type of the holder's tier ("" = same as ours)
-    # The holder rank's digest table of this tier (TierInfo.digest_regions); () = states none.
+    # The holder rank's digest table of this tier (TierInfo.digest_table, or the older
+    # TierInfo.digest_regions: "crc32"); () = states none.
     digest_regions: tuple[RegionSpec, ...] = ()
+    digest_algorithm: str = ""
 
 
 @dataclass(frozen=True)

@@ -3,27 +3,30 @@
 As a holder, each registered tier gets a digest table (engine_adapter/digests.py)
 registered with NIXL beside it; ``submit`` fills it for a ``DigestSpec`` (blocks
 now held or pinned for a reader) on a thread of its own, in order, so that
-vLLM's step does not wait for the CRC32 (``zlib.crc32`` releases the GIL). A
-reader that comes first finds the entries unstated and reads them again. As a reader, every NIXL read of a load is
-paired with a read of the holder rank's entries for the same blocks and layers
-into this rank's inbox; when both are done, ``check`` compares them with the
-CRC32 of the bytes that landed. Entries not stated yet are read again until
+vLLM's step does not wait for the digests (the compiled digest releases the GIL).
+A reader that comes first finds the entries unstated and reads them again. As a
+reader, every NIXL read of a load is paired with a read of the holder rank's
+entries for the same blocks and layers into this rank's inbox; when both are
+done, ``check`` compares them with the digests of the bytes that landed, with the
+algorithm the holder named. Entries not stated yet are read again until
 ``VERIFY_WAIT_S`` has passed; a block whose bytes differ fails the load, which
-the scheduler then recomputes (the pull-failed path).
+the scheduler then recomputes (the pull-failed path). A holder naming a digest
+this rank cannot compute is not read at all (recomputed), never reported corrupt.
 
-Only memory the CPU addresses (DRAM) can be digested here: a VRAM tier is
-refused at registration, with the reason, instead of being read wrongly.
+DRAM is digested in place on the CPU; VRAM on its GPU, through the KV tensors.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.engine_adapter.digests import (
+    ALGORITHM,
+    CRC32,
     INBOX_TIER,
     BlockBytes,
     Check,
@@ -45,7 +48,7 @@ VERIFY_RETRY_S = 0.01
 
 
 class VerifyUnsupportedError(ValueError):
-    """verify_bytes cannot digest this memory (e.g. VRAM)."""
+    """verify_bytes cannot digest this memory (a memory type it does not know, VRAM without its tensors)."""
 
 
 @dataclass
@@ -68,23 +71,35 @@ class ByteVerifier:
         self._stating: list[Future[int]] = []
 
     def register(
-        self, mover: Any, tier: int, mem_type: str, regions: Sequence[Any], num_blocks: int
-    ) -> list[pb.MemoryRegion]:
+        self,
+        mover: Any,
+        tier: int,
+        mem_type: str,
+        regions: Sequence[Any],
+        num_blocks: int,
+        tensors: Iterable[Any] | Mapping[str, Any] | None = None,
+    ) -> pb.DigestTable:
         """A tier's digest table (and, for the KV cache, the inbox), registered with NIXL.
-        Returns the table's regions, for TierInfo.digest_regions."""
-        if mem_type != "DRAM":
+        VRAM is digested through `tensors` (the KV caches). Returns TierInfo.digest_table."""
+        if mem_type not in ("DRAM", "VRAM") or (mem_type == "VRAM" and not tensors):
             raise VerifyUnsupportedError(
-                f"verify_bytes digests KV memory the CPU can address (DRAM); this rank's tier "
-                f"{pb.Tier.Name(tier)} (type {tier}) is {mem_type}: turn verify_bytes off for GPU engines"  # type: ignore[arg-type]
+                f"verify_bytes digests DRAM, or VRAM through its KV tensors; this rank's tier "
+                f"{pb.Tier.Name(tier)} (type {tier}) is {mem_type or 'of no type'}"  # type: ignore[arg-type]
+                + (" and no tensors were given" if mem_type == "VRAM" else "")
             )
-        source = BlockBytes(regions, num_blocks)
+        given = list(tensors.values() if isinstance(tensors, Mapping) else tensors or ())
+        try:
+            source = BlockBytes(regions, num_blocks, mem_type, given)
+            source.digests([], source.layers)  # compiles (or loads) the digest now, not on a pull
+        except ValueError as e:
+            raise VerifyUnsupportedError(f"verify_bytes cannot digest tier {pb.Tier.Name(tier)}: {e}") from e  # type: ignore[arg-type]
         table = DigestTable(num_blocks, source.layers)
         mover.register_tier(digest_tier(tier), "DRAM", table.regions(), num_blocks)
         self._sources[tier], self._tables[tier] = source, table
         if tier == pb.TIER_GPU:
             self._inbox = DigestTable(num_blocks, source.layers)
             mover.register_tier(INBOX_TIER, "DRAM", self._inbox.regions(), num_blocks)
-        return [r.to_proto() for r in table.regions()]
+        return pb.DigestTable(algorithm=ALGORITHM, regions=[r.to_proto() for r in table.regions()])
 
     # ------------------------------------------------------------------
     # holder
@@ -134,11 +149,17 @@ class ByteVerifier:
             return "verify_bytes: this rank has no digest inbox"
         if len(spec.block_hashes) != len(spec.remote_block_ids):
             return "verify_bytes: the load names no block hashes to check the holder's digests against"
+        local = self._sources[pb.TIER_GPU]
         for read in reads:
             if not read.holder.digest_regions:
                 return (
                     f"verify_bytes: holder rank {read.holder.agent_name} states no digests "
-                    "(verify_bytes off there, or an older adapter)"
+                    "(verify_bytes off there, or an adapter too old to name them)"
+                )
+            if not local.supports(algorithm := read.holder.digest_algorithm or CRC32):
+                return (
+                    f"verify_bytes: holder rank {read.holder.agent_name} states {algorithm} digests, "
+                    f"which this rank cannot compute on its {local.mem_type} (it computes {ALGORITHM})"
                 )
         return ""
 
@@ -163,7 +184,7 @@ class ByteVerifier:
 
     def check(self, spec: LoadSpec, reads: Sequence[LayerRead]) -> Check:
         assert self._inbox is not None
-        layers = [layer for read in reads for layer in read.layers]
+        layers = {layer: read.holder.digest_algorithm or CRC32 for read in reads for layer in read.layers}
         return check(self._inbox, self._sources[pb.TIER_GPU], spec.local_block_ids, spec.block_hashes, layers)
 
 

@@ -162,8 +162,8 @@ class AdapterWorker:
         self.mover.register_tier(pb.TIER_GPU, mem_type, list(regions), num_blocks)
         tiers = [_tier_info(pb.TIER_GPU, mem_type, num_blocks, regions)]
         if self.verifier is not None:
-            digests = self.verifier.register(self.mover, pb.TIER_GPU, mem_type, regions, num_blocks)
-            tiers[0].digest_regions.extend(digests)
+            table = self.verifier.register(self.mover, pb.TIER_GPU, mem_type, regions, num_blocks, kv_caches)
+            tiers[0].digest_table.CopyFrom(table)
         if self._cpu_tier_slots > 0 and self._cpu_tier_factory is not None:
             self._kv_caches = kv_caches
             self.cpu_tier = self._cpu_tier_factory(list(regions), self._cpu_tier_slots)
@@ -175,7 +175,7 @@ class AdapterWorker:
                 _tier_info(pb.TIER_CPU, self.cpu_tier.mem_type, self.cpu_tier.num_slots, cpu_regions)
             )
             if self.verifier is not None:
-                tiers[-1].digest_regions.extend(
+                tiers[-1].digest_table.CopyFrom(
                     self.verifier.register(
                         self.mover, pb.TIER_CPU, self.cpu_tier.mem_type, cpu_regions, self.cpu_tier.num_slots
                     )

@@ -8,12 +8,12 @@ registered with the broker (its ranks' memory regions).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable
 
 import psutil
 
 from kvbroker.engine_adapter.digests import stamp_of
+from kvbroker.engine_adapter.multilinear import digest_words
 from kvbroker.v1 import broker_pb2 as pb
 
 
@@ -35,8 +35,8 @@ def descendants(pid: int) -> list[int]:
 
 def stated_block(pids: Iterable[int], tier: pb.TierInfo, block_id: int, block_hash: int) -> int | None:
     """The process (of `pids`) whose digest table states `block_id` of `tier` for `block_hash`,
-    and whose bytes of that block (first layer) have the stated CRC32; None if none does yet."""
-    digests, region = tier.digest_regions[0], tier.regions[0]
+    and whose bytes of that block (first layer) have the stated digest; None if none does yet."""
+    digests, region = tier.digest_table.regions[0], tier.regions[0]
     for pid in pids:
         try:
             entry = int.from_bytes(
@@ -45,6 +45,6 @@ def stated_block(pids: Iterable[int], tier: pb.TierInfo, block_id: int, block_ha
             block = read(pid, region.base_addr + block_id * region.block_stride, region.block_bytes)
         except OSError:  # not mapped in this process
             continue
-        if entry & 0xFFFFFFFF == stamp_of(block_hash) and entry >> 32 == zlib.crc32(block):
+        if entry & 0xFFFFFFFF == stamp_of(block_hash) and entry >> 32 == digest_words(block):
             return pid
     return None

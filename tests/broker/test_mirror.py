@@ -241,8 +241,10 @@ def test_mirror_engine_info_drops_nixl_blobs() -> None:
     info = engine_info("e0")
     info.ranks[0].tiers[0].regions.add(layer=0, base_addr=1, block_stride=2, block_bytes=2)
     info.ranks[0].tiers[0].digest_regions.add(layer=0, base_addr=9, block_stride=8, block_bytes=8)
+    info.ranks[0].tiers[0].digest_table.regions.add(layer=0, base_addr=17, block_stride=8, block_bytes=8)
     slim = mirror_engine_info(info)
     assert slim.ranks[0].agent_metadata == b"" and not slim.ranks[0].tiers[0].regions
     assert not slim.ranks[0].tiers[0].digest_regions, "addresses are for readers holding a lease"
+    assert not slim.ranks[0].tiers[0].HasField("digest_table")
     assert slim.ranks[0].end_layer == info.ranks[0].end_layer and slim.layout == info.layout
     assert info.ranks[0].agent_metadata == b"meta", "the original must not change"

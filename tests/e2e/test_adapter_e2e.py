@@ -5,7 +5,7 @@ P prefills, D decodes (multi_turn: it keeps finished conversations for the
 next turn), X is a spare reader that the death test kills. Engines start once
 for the module; the death tests run last because they kill engines.
 
-Every engine verifies what it pulls (verify_bytes): holders state a CRC32 per
+Every engine verifies what it pulls (verify_bytes): holders state a digest per
 block and layer, readers check it before the release commits, so every pull
 below is a verified one, and one test corrupts held bytes on purpose.
 

@@ -11,10 +11,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
 from kvbroker.engine_adapter.block_mover import BlockMover
+from kvbroker.engine_adapter.digests import ALGORITHM, CRC32
 from kvbroker.engine_adapter.kv_regions import Region, regions_from_kv_caches
 from kvbroker.engine_adapter.lease_reads import holder_ranks
 from kvbroker.engine_adapter.metadata import (
@@ -117,8 +119,10 @@ def pair() -> Iterator[Pair]:
 def test_the_holder_publishes_its_digest_table_with_the_tier(pair: Pair) -> None:
     assert pair.holder.rank_info is not None
     (gpu,) = pair.holder.rank_info.tiers
-    assert [r.layer for r in gpu.digest_regions] == [0, 1, 2]
-    assert all(r.block_bytes == 8 and r.block_stride == 24 for r in gpu.digest_regions)
+    assert gpu.digest_table.algorithm == ALGORITHM == "multilinear32-v1"
+    assert [r.layer for r in gpu.digest_table.regions] == [0, 1, 2]
+    assert all(r.block_bytes == 8 and r.block_stride == 24 for r in gpu.digest_table.regions)
+    assert not gpu.digest_regions, "left empty: older readers know only CRC32 there"
 
 
 def test_verified_read_reports_every_block_checked(pair: Pair) -> None:
@@ -166,7 +170,38 @@ def test_a_holder_that_states_no_digests_is_not_read_as_verified() -> None:
     assert "holder rank h-pp0-tp0 states no digests" in p.outcomes().failed["r1"]
 
 
-def test_vram_is_refused_with_the_reason() -> None:
+def test_a_holder_naming_another_digest_is_recomputed_never_reported_corrupt(pair: Pair) -> None:
+    pair.state()
+    assert pair.holder.rank_info is not None
+    pair.holder.rank_info.tiers[0].digest_table.algorithm = "xxh3-64"
+    pair.reader.start_load_kv(AdapterMetadata(loads=[pair.load()]))
+    outcomes = pair.outcomes()
+    assert (
+        "holder rank h-pp0-tp0 states xxh3-64 digests, which this rank cannot compute"
+        in (outcomes.failed["r1"])
+    )
+    assert outcomes.mismatched == {} and outcomes.verified == {}
+
+
+def test_an_older_holder_stating_crc32_is_still_verified(pair: Pair) -> None:
+    """Adapters before TierInfo.digest_table stated CRC32s in TierInfo.digest_regions."""
+    pair.state()
+    info = pair.holder.rank_info
+    assert info is not None and pair.holder.verifier is not None
+    tier = info.tiers[0]
+    tier.digest_regions.extend(tier.digest_table.regions)
+    tier.ClearField("digest_table")
+    table = pair.holder.verifier._tables[pb.TIER_GPU]
+    crcs = pair.holder.verifier._sources[pb.TIER_GPU].digests(REMOTE, [0, 1, 2], CRC32).astype(np.uint64)
+    table.entries[list(REMOTE)] = (table.entries[list(REMOTE)] & np.uint64(0xFFFFFFFF)) | (
+        crcs << np.uint64(32)
+    )
+    pair.reader.start_load_kv(AdapterMetadata(loads=[pair.load()]))
+    outcomes = pair.outcomes()
+    assert outcomes.failed == {} and outcomes.verified == {"r1": 3}
+
+
+def test_memory_it_cannot_digest_is_refused_with_the_reason() -> None:
     worker = AdapterWorker(
         engine_id="g",
         pp_rank=0,
@@ -175,7 +210,7 @@ def test_vram_is_refused_with_the_reason() -> None:
         region_factory=_region,
         verify_bytes=True,
     )
-    with pytest.raises(VerifyUnsupportedError, match="turn verify_bytes off for GPU engines"):
+    with pytest.raises(VerifyUnsupportedError, match=r"VRAM through its KV tensors.*no tensors were given"):
         worker.register_memory([Region(0, 4096, 64, 64)], 4, "VRAM")
 
 
@@ -205,6 +240,7 @@ def test_a_mismatch_fails_the_pull_counts_it_and_marks_its_span() -> None:
         (spec,) = meta.loads
         assert spec.block_hashes == tuple(wire(i) for i in range(4)), "the lease's hashes, to check stamps"
         assert [r.layer for r in spec.holder_ranks[0].digest_regions] == [0, 1]
+        assert spec.holder_ranks[0].digest_algorithm == CRC32, "the older field holds CRC32s"
         sched.update_connector_output(
             worker_meta=ReadOutcomes(
                 done={"r1": 1}, failed={"r1": "verify_bytes: 1 of 4 blocks read differ"}, mismatched={"r1": 1}

@@ -357,6 +357,7 @@ class TierInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
     DIGEST_REGIONS_FIELD_NUMBER: _builtins.int
+    DIGEST_TABLE_FIELD_NUMBER: _builtins.int
     tier: Global___Tier.ValueType
     mem_type: _builtins.str
     """NIXL memory type: VRAM or DRAM"""
@@ -366,9 +367,16 @@ class TierInfo(_message.Message):
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryRegion]: ...
     @_builtins.property
     def digest_regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryRegion]:
-        """Verified bytes (docs/data_path.md): the holder's digest table of this tier, one 8-byte
-        entry (stamp | crc32 << 32) per block, one region per layer. Empty: the rank states no
-        digests (verify_bytes off, or an older adapter); a reader that verifies then recomputes.
+        """Verified bytes (docs/data_path.md), as adapters stated them before digest_table: a digest
+        table of CRC32s, one 8-byte entry (stamp | crc32 << 32) per block, one region per layer.
+        Current adapters leave it empty and fill digest_table (so an older reader, which knows only
+        CRC32, finds no digests and recomputes instead of seeing false mismatches).
+        """
+
+    @_builtins.property
+    def digest_table(self) -> Global___DigestTable:
+        """Verified bytes: the holder's digest table of this tier and the digest it holds. Unset: the
+        rank states no named digests (verify_bytes off, or an older adapter: see digest_regions).
         """
 
     def __init__(
@@ -379,14 +387,45 @@ class TierInfo(_message.Message):
         num_blocks: _builtins.int = ...,
         regions: _abc.Iterable[Global___MemoryRegion] | None = ...,
         digest_regions: _abc.Iterable[Global___MemoryRegion] | None = ...,
+        digest_table: Global___DigestTable | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest_table", b"digest_table"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_regions", b"digest_regions", "mem_type", b"mem_type", "num_blocks", b"num_blocks", "regions", b"regions", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_regions", b"digest_regions", "digest_table", b"digest_table", "mem_type", b"mem_type", "num_blocks", b"num_blocks", "regions", b"regions", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TierInfo: _TypeAlias = TierInfo  # noqa: Y015
+
+@_typing.final
+class DigestTable(_message.Message):
+    """A rank's digest table of one tier (verified bytes, docs/data_path.md#verified-bytes)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALGORITHM_FIELD_NUMBER: _builtins.int
+    REGIONS_FIELD_NUMBER: _builtins.int
+    algorithm: _builtins.str
+    """The digest in the entries, e.g. "multilinear32-v1". A reader checks only digests it can
+    compute; it recomputes blocks of a holder naming another (never a false mismatch).
+    """
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryRegion]:
+        """One 8-byte entry (stamp | digest32 << 32) per block; one region per layer."""
+
+    def __init__(
+        self,
+        *,
+        algorithm: _builtins.str = ...,
+        regions: _abc.Iterable[Global___MemoryRegion] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "regions", b"regions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DigestTable: _TypeAlias = DigestTable  # noqa: Y015
 
 @_typing.final
 class RankInfo(_message.Message):

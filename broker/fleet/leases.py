@@ -1,4 +1,4 @@
-"""The LeaseTable on Redis/Valkey: every transition is one atomic Lua script.
+"""The LeaseTable on Redis/Valkey: every transition is one atomic Lua script (fleet/lease_scripts.py).
 
 Shared by every broker replica of a fleet. Each lease is a hash; the live
 leases sit in a sorted set by deadline (the fleet's expiry queue) and in a set

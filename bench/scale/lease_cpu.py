@@ -8,20 +8,26 @@ naming D, D's acquire and D's release, one at a time, as in `bench.scale.replica
 take turns (ROUNDS rounds of CYCLES cycles each, after a warm-up), so a change in the machine's
 load falls on both; the figure is the CPU seconds (user + system, from /proc) the broker processes
 used per cycle, which moves less with the load than wall time does, and the ratio of the medians.
-The load average is printed beside it.
+The load average is printed beside it, and each broker's main thread (its event loop): its CPU per
+cycle and how often it slept per cycle (what the figure mostly follows: docs/scale.md).
 
     python -m bench.scale.lease_cpu                       # 3 rounds of 1,000 cycles
-    python -m bench.scale.lease_cpu --profile DIR         # also cProfile each replica (main thread)
+    python -m bench.scale.lease_cpu --profile DIR         # also cProfile each broker (main thread)
+    python -m bench.scale.lease_cpu --before ../base      # older code's replicas taking turns too
+    python -m bench.scale.lease_cpu --one-replica         # and both sessions on one replica
 
-`--profile` runs the replicas under cProfile (written at their graceful stop) and prints the top
-functions by own time of the holder's replica; the CPU figures of that run include the profiler's
-overhead, so they are not recorded. Writes bench/results/lease_cpu.json otherwise.
+`--profile` runs the replicas and the in-memory broker under cProfile (DIR/replica-0.prof,
+replica-1.prof and memory.prof, written at their graceful stop, so that a function's cost can be
+set beside the in-memory broker's) and prints the top functions by own time of the holder's
+replica; the CPU figures of that run include the profiler's overhead, so they are not recorded.
+Writes bench/results/lease_cpu.json otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import pstats
 import statistics
 import tempfile
@@ -41,13 +47,26 @@ from testkit.redis_server import RedisServer, missing_reason
 GPU = pb.TIER_GPU
 
 
+def _main_thread(pid: int) -> tuple[float, int]:
+    """A process's main thread (its event loop), from /proc (Linux): user + system CPU seconds, and
+    how many times it slept (voluntary context switches: waiting for a message or the store)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        slept = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), slept
+
+
 class Setup:
     """A broker setup and its two sessions: P on the first address, D on the last."""
 
-    def __init__(self, name: str, brokers: list[BrokerProcess]) -> None:
+    def __init__(self, name: str, brokers: list[BrokerProcess], store: RedisServer | None = None) -> None:
         self.name = name
         self.brokers = brokers
+        self.store = store  # a store of its own (None: none, or the shared one)
         self.per_cycle_us: list[float] = []
+        self.main_us: list[list[float]] = []  # per round: each broker's main thread, us per cycle
+        self.sleeps: list[list[float]] = []  # per round: how often each main thread slept, per cycle
         self.p: EngineSession | None = None
         self.d: EngineSession | None = None
 
@@ -65,12 +84,21 @@ class Setup:
         ns = (self.p.layout_id, "")
         pids = [b.pid for b in self.brokers]
         cpu0 = sum(cpu_seconds(pid) for pid in pids)
+        main0 = [_main_thread(pid) for pid in pids]
         for i in range(n):
             chain = chains[i % len(chains)][:8]
             held = await self.p.hold(ns, GPU, chain, list(range(8)), 30_000, reader_engine_id="D")
             acquired = await self.d.acquire(held.lease_id)
             await self.d.release(held.lease_id, acquired.lease.epoch)
+        main1 = [_main_thread(pid) for pid in pids]
+        self.main_us.append([(b[0] - a[0]) / n * 1e6 for a, b in zip(main0, main1, strict=True)])
+        self.sleeps.append([(b[1] - a[1]) / n for a, b in zip(main0, main1, strict=True)])
         return (sum(cpu_seconds(pid) for pid in pids) - cpu0) / n
+
+    def main_medians(self, rounds: list[list[float]] | None = None) -> list[float]:
+        """Each broker's main-thread CPU per cycle (or `rounds`' figure), median over the rounds."""
+        rounds = self.main_us if rounds is None else rounds
+        return [statistics.median(r[i] for r in rounds) for i in range(len(self.brokers))]
 
     async def close(self) -> None:
         for s in (self.p, self.d):
@@ -94,16 +122,24 @@ finally:
 """
 
 
-def _broker(log_dir: Path, name: str, state: str, profile: Path | None) -> BrokerProcess:
+def _broker(
+    log_dir: Path, name: str, state: str, profile: Path | None, code: Path | None = None
+) -> BrokerProcess:
+    """`kvbroker serve`; `code`: a checkout whose kvbroker it runs instead of this tree's."""
     extra = ["--metrics-port", "0", "--log-level", "WARNING"]
     if state:
         extra += ["--state", state]
     command: tuple[str, ...] = SERVE
     if profile is not None:
         command = ("-c", _PROFILED.format(out=str(profile / f"{name}.prof")), *SERVE[1:])
-    return BrokerProcess(
-        log_dir, extra, command=command, log_name=f"{name}.log", log_level=None, priority=None
+    env = None
+    if code is not None:  # `-m` and `-c` put the working folder first on the path: run from there
+        env = {**os.environ, "PYTHONPATH": str(code)}
+    broker = BrokerProcess(
+        log_dir, extra, command=command, log_name=f"{name}.log", log_level=None, priority=None, env=env
     )
+    broker.cwd = code
+    return broker
 
 
 def _top(path: Path, n: int) -> None:
@@ -125,20 +161,35 @@ async def main_async(args: argparse.Namespace) -> int:
         log_dir = Path(tmp)
         store = RedisServer(log_dir / "redis")
         store.start()
-        memory = Setup("in-memory", [_broker(log_dir, "memory", "", None)])
+        memory = Setup("in-memory", [_broker(log_dir, "memory", "", profile)])
         replicas = Setup(
             "redis, 2 replicas", [_broker(log_dir, f"replica-{i}", store.url, profile) for i in range(2)]
         )
         setups = [memory, replicas]
+        # Each further setup has a store of its own: the sessions' engine ids are the same.
+        if args.before:
+            before = RedisServer(log_dir / "redis-before")
+            code = Path(args.before).resolve()
+            brokers = [_broker(log_dir, f"before-{i}", before.url, None, code) for i in range(2)]
+            setups.append(Setup("redis, 2 replicas (before)", brokers, before))
+        if args.one_replica:
+            alone = RedisServer(log_dir / "redis-one")
+            setups.append(Setup("redis, 1 replica", [_broker(log_dir, "one", alone.url, None)], alone))
         try:
             for s in setups:
+                if s.store is not None:
+                    s.store.start()
                 for b in s.brokers:
                     b.start()
                 await s.open()
                 await s.cycles(args.warmup, chains)
+            for s in setups:
+                s.main_us.clear()  # the warm-up's
+                s.sleeps.clear()
             loads = []
             for r in range(args.rounds):
-                for s in setups if r % 2 == 0 else reversed(setups):
+                # Taking turns: each round starts with the next setup, so none always runs first.
+                for s in setups[r % len(setups) :] + setups[: r % len(setups)]:
                     s.per_cycle_us.append(await s.cycles(args.cycles, chains) * 1e6)
                 loads.append(load_note())
                 log(f"round {r + 1}: " + ", ".join(f"{s.name} {s.per_cycle_us[-1]:,.0f} us" for s in setups))
@@ -147,6 +198,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 await s.close()
                 for b in s.brokers:
                     b.stop()
+                if s.store is not None:
+                    s.store.stop()
             store.stop()
     base = statistics.median(memory.per_cycle_us)
     two = statistics.median(replicas.per_cycle_us)
@@ -156,6 +209,17 @@ async def main_async(args: argparse.Namespace) -> int:
         f"broker CPU per lease cycle (median of {args.rounds} rounds of {args.cycles:,}): in-memory "
         f"{base:,.0f} us, redis 2 replicas {two:,.0f} us (both replicas summed): {ratio:.2f}x "
         f"(load average: {load})"
+    )
+    for s in setups[2:]:
+        median = statistics.median(s.per_cycle_us)
+        print(f"  {s.name}: {median:,.0f} us ({median / base:.2f}x)")
+    print(
+        "  main threads (event loops), us per cycle: "
+        + "; ".join(f"{s.name} " + " + ".join(f"{m:,.0f}" for m in s.main_medians()) for s in setups)
+    )
+    print(
+        "  times each main thread slept, per cycle: "
+        + "; ".join(f"{s.name} " + " + ".join(f"{m:.1f}" for m in s.main_medians(s.sleeps)) for s in setups)
     )
     if profile is not None:
         _top(profile / "replica-0.prof", args.top)
@@ -169,6 +233,12 @@ async def main_async(args: argparse.Namespace) -> int:
         "in_memory_median_us": base,
         "two_replicas_median_us": two,
         "ratio": ratio,
+        "main_thread_us_per_cycle": {s.name: s.main_medians() for s in setups},
+        "main_thread_sleeps_per_cycle": {s.name: s.main_medians(s.sleeps) for s in setups},
+        "others": {
+            s.name: {"us_per_cycle": s.per_cycle_us, "ratio": statistics.median(s.per_cycle_us) / base}
+            for s in setups[2:]
+        },
     }
     log(f"wrote {write_json(args.name, result, Path(args.out_dir) if args.out_dir else None)}")
     return 0
@@ -179,8 +249,18 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, default=1_000, help="lease cycles per round and setup")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, setups taking turns")
     ap.add_argument("--warmup", type=int, default=200, help="cycles before measuring, per setup")
-    ap.add_argument("--profile", default="", help="a folder: cProfile the replicas, print the holder's")
+    ap.add_argument(
+        "--profile", default="", help="a folder: cProfile the brokers, print the holder's replica's"
+    )
     ap.add_argument("--top", type=int, default=30, help="functions printed from the profile")
+    ap.add_argument(
+        "--before",
+        default="",
+        help="a checkout of older code (a git worktree): its two replicas take turns with this tree's",
+    )
+    ap.add_argument(
+        "--one-replica", action="store_true", help="also both sessions on one replica (no lease crosses)"
+    )
     ap.add_argument("--name", default="lease_cpu", help="bench/results/NAME.json")
     ap.add_argument("--out-dir", default="", help="write NAME.json here instead of bench/results")
     return asyncio.run(main_async(ap.parse_args()))

@@ -52,6 +52,7 @@ from redis.retry import Retry
 
 from kvbroker.broker.errors import InvalidArgument, Unavailable
 from kvbroker.broker.fleet.health import StoreHealth
+from kvbroker.broker.fleet.wire import UNSENT, round_trip
 
 T = TypeVar("T")
 log = logging.getLogger("kvbroker.broker.fleet")
@@ -372,8 +373,11 @@ class RedisState:
                     # the default address): after a failover this finds the new primary.
                     conn.connect()
                 self._read_unread(conn)
-                _send(conn, command)
-                return conn.read_response()
+                answer = round_trip(conn, command)  # straight on the socket (fleet/wire.py)
+                if answer is UNSENT:
+                    _send(conn, command)
+                    answer = conn.read_response()
+                return answer
             except NoScriptError:  # first use, or a store restarted empty
                 if script is None or loaded:
                     raise

@@ -1,4 +1,4 @@
-"""The LeaseTable on Redis/Valkey: every transition is one atomic Lua script.
+"""The LeaseTable on Redis/Valkey: every transition is one atomic Lua script (fleet/lease_scripts.py).
 
 Shared by every broker replica of a fleet. Each lease is a hash; the live
 leases sit in a sorted set by deadline (the fleet's expiry queue) and in a set
@@ -34,6 +34,7 @@ in-memory table.
 
 from __future__ import annotations
 
+import math
 import secrets
 import struct
 import sys
@@ -44,6 +45,7 @@ from typing import Any
 
 from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied, shown
 from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.fleet.lease_scripts import CREATE, EXPIRE_DUE, TRANSITION
 from kvbroker.broker.leases import (
     BLOCK_ID_CODE,
     HASH_CODE,
@@ -59,158 +61,37 @@ from kvbroker.broker.leases import (
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 
-# Shared by the scripts: end a live lease (drop it from the live sets, keep it as history).
-_END = """
-local function finish(p, id, f, history, keep_ms)
-  redis.call('ZREM', p .. 'exp', id)
-  redis.call('SREM', p .. 'h:' .. f.h, id)
-  if f.r ~= '' then redis.call('SREM', p .. 'r:' .. f.r, id) end
-  redis.call('PEXPIRE', p .. 'l:' .. id, keep_ms)
-  redis.call('ZADD', p .. 'ended', redis.call('INCR', p .. 'endseq'), id)
-  local over = redis.call('ZCARD', p .. 'ended') - history
-  if over > 0 then
-    local popped = redis.call('ZPOPMIN', p .. 'ended', over)
-    for i = 1, #popped, 2 do redis.call('DEL', p .. 'l:' .. popped[i]) end
-  end
-end
-local function load(p, id)
-  local raw = redis.call('HGETALL', p .. 'l:' .. id)
-  if #raw == 0 then return nil end
-  local f = {}
-  for i = 1, #raw, 2 do f[raw[i]] = raw[i + 1] end
-  f.st = tonumber(f.st); f.ep = tonumber(f.ep); f.dl = tonumber(f.dl); f.ttl = tonumber(f.ttl)
-  return f
-end
-local function revoke(p, id, f, cause, detail, history, keep_ms)
-  local key = p .. 'l:' .. id
-  redis.call('HSET', key, 'st', 5, 'c', cause, 'd', detail, 'ep', f.ep + 1)
-  finish(p, id, f, history, keep_ms)
-end
-local function expire(p, id, f, history, keep_ms)
-  if f.st == 1 then
-    revoke(p, id, f, 5, 'holder did not answer the pin in time', history, keep_ms)
-  else
-    revoke(p, id, f, 1, 'not renewed within ' .. f.ttlshown .. ' s', history, keep_ms)
-  end
-end
-"""
+# How long a replica may go without an expiry pass against the store when nothing it knows of is
+# due: a deadline another replica set since this one's last pass is that replica's to meet; if it
+# died meanwhile, this one meets it within this long.
+PASS_AT_LEAST_EVERY_S = 0.25
 
-# KEYS: the expiry set (it routes the call: every key shares its hash tag).  ARGV: prefix, op, id, history, keep_ms, args...
-# Answers {'ok', HGETALL...}, {'E', code}, or {} (nothing to do).
-_TRANSITION = (
-    _END
-    + """
-local p, op, id, history, keep_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-local key = p .. 'l:' .. id
-local f = load(p, id)
-if op == 'revoke' or op == 'expire_if_due' then
-  if f == nil or f.st > 3 then return {} end
-  if op == 'revoke' then
-    revoke(p, id, f, tonumber(ARGV[6]), ARGV[7], history, keep_ms)
-  else
-    if f.dl > tonumber(ARGV[6]) then return {} end
-    expire(p, id, f, history, keep_ms)
-  end
-  return {'ok', unpack(redis.call('HGETALL', key))}
-end
-if f == nil then return {'E', 'unknown'} end
-if op == 'claim' and f.r ~= ARGV[6] then
-  -- a reader the hold did not name: the caller vets the pair first (ARGV[11] = '1'), then counts
-  if ARGV[11] == '1' then return {'V', unpack(redis.call('HGETALL', key))} end
-  local most = tonumber(ARGV[10])
-  if most > 0 then
-    local n = redis.call('SCARD', p .. 'r:' .. ARGV[6])
-    if n >= most then return {'L', n} end
-  end
-end
-if f.st > 3 then return {'E', 'ended', unpack(redis.call('HGETALL', key))} end
-local who, now = ARGV[6], tonumber(ARGV[7])
-if op ~= 'activate' and f.dl <= now then
-  expire(p, id, f, history, keep_ms)
-  return {'X', unpack(redis.call('HGETALL', key))}
-end
-if op == 'claim' then
-  if f.st ~= 2 then return {'E', 'state', unpack(redis.call('HGETALL', key))} end
-  if f.r ~= '' and f.r ~= who then return {'E', 'reader', unpack(redis.call('HGETALL', key))} end
-  if f.r == '' then redis.call('SADD', p .. 'r:' .. who, id) end
-  local ttl = tonumber(ARGV[8])
-  redis.call('HSET', key, 'r', who, 'st', 3, 'ep', f.ep + 1, 'ttl', ARGV[8], 'ttlshown', ARGV[9],
-    'dl', now + ttl)
-  redis.call('ZADD', p .. 'exp', now + ttl, id)
-elseif op == 'activate' then
-  if f.h ~= who then return {'E', 'holder', unpack(redis.call('HGETALL', key))} end
-  if f.st ~= 1 then return {'E', 'state', unpack(redis.call('HGETALL', key))} end
-  redis.call('HSET', key, 'bi', ARGV[8], 'st', 3, 'ep', f.ep + 1, 'dl', now + f.ttl)
-  redis.call('ZADD', p .. 'exp', now + f.ttl, id)
-elseif op == 'renew' then
-  if who ~= f.h and who ~= f.r then return {'E', 'party', unpack(redis.call('HGETALL', key))} end
-  if f.st == 1 then return {'E', 'pending', unpack(redis.call('HGETALL', key))} end
-  local dl = now + tonumber(ARGV[8])
-  if dl > f.dl then
-    redis.call('HSET', key, 'dl', dl)
-    redis.call('ZADD', p .. 'exp', dl, id)
-  end
-  redis.call('HSET', key, 'ep', f.ep + 1)
-elseif op == 'release' then
-  if f.st ~= 3 then return {'E', 'state', unpack(redis.call('HGETALL', key))} end
-  if who ~= f.r then return {'E', 'reader', unpack(redis.call('HGETALL', key))} end
-  local epoch = tonumber(ARGV[8])
-  if epoch ~= 0 and epoch ~= f.ep then return {'E', 'epoch', unpack(redis.call('HGETALL', key))} end
-  redis.call('HSET', key, 'st', 4, 'ep', f.ep + 1)
-  finish(p, id, f, history, keep_ms)
-end
-return {'ok', unpack(redis.call('HGETALL', key))}
-"""
-)
-
-# ARGV: prefix, id, holder, reader, most (live leases per engine; 0: no limit), deadline, then the
-# lease's fields and values.  -> {} once created, or {'held'|'read', count} when a limit refuses it.
-_CREATE = """
-local p, id, h, r, most = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
-if most > 0 then
-  local n = redis.call('SCARD', p .. 'h:' .. h)
-  if n >= most then return {'held', n} end
-  if r ~= '' then
-    n = redis.call('SCARD', p .. 'r:' .. r)
-    if n >= most then return {'read', n} end
-  end
-end
-redis.call('HSET', p .. 'l:' .. id, unpack(ARGV, 7))
-redis.call('ZADD', p .. 'exp', ARGV[6], id)
-redis.call('SADD', p .. 'h:' .. h, id)
-if r ~= '' then redis.call('SADD', p .. 'r:' .. r, id) end
-return {}
-"""
-
-# ARGV: prefix, now, limit, history, keep_ms. Each due lease is expired by exactly one caller.
-_EXPIRE_DUE = (
-    _END
-    + """
-local p, now, limit, history, keep_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
-  tonumber(ARGV[4]), tonumber(ARGV[5])
-local out = {}
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', p .. 'exp', '-inf', now, 'LIMIT', 0, limit)) do
-  local f = load(p, id)
-  if f == nil or f.st > 3 then
-    redis.call('ZREM', p .. 'exp', id)
-  elseif f.dl > now then
-    redis.call('ZADD', p .. 'exp', f.dl, id)
-  else
-    expire(p, id, f, history, keep_ms)
-    table.insert(out, redis.call('HGETALL', p .. 'l:' .. id))
-  end
-end
-return out
-"""
-)
-
-_Q = struct.Struct(">Q")
 _STATES = {str(int(s)).encode(): s for s in LeaseState}  # a lease hash's `st` field
-_I = struct.Struct(">I")
+_CAUSES = {str(int(c)).encode(): c for c in RevokeCause}  # its `c` field
+# The fields the scripts answer, in the order of their `fields` (HMGET); a read by name (HGETALL) is
+# put in this order too.
+_FIELDS = (
+    b"id",
+    b"h",
+    b"r",
+    b"lay",
+    b"ten",
+    b"tier",
+    b"bh",
+    b"bi",
+    b"st",
+    b"ttl",
+    b"dl",
+    b"ep",
+    b"c",
+    b"d",
+    b"q",
+)
 
 
-def _pack(values: Iterable[int], fmt: struct.Struct) -> bytes:
-    return b"".join(fmt.pack(v) for v in values)
+def _pack(values: Sequence[int], code: str) -> bytes:
+    """Big-endian, one struct call for all of them (`code`: Q for hashes, I for block ids)."""
+    return struct.pack(f">{len(values)}{code}", *values)
 
 
 def _unpack(raw: bytes, code: str) -> array[int]:
@@ -220,6 +101,31 @@ def _unpack(raw: bytes, code: str) -> array[int]:
     if sys.byteorder == "little":
         values.byteswap()
     return values
+
+
+class _WeakLeases:
+    """Lease objects by id, held weakly: plain weak references in a dict (WeakValueDictionary's
+    Python layers per get and set, and its callback per entry, cost more than the lookup itself),
+    the dead ones dropped whenever the dict has doubled since the last sweep."""
+
+    def __init__(self) -> None:
+        self._refs: dict[str, weakref.ref[Lease]] = {}
+        self._sweep_at = 1024
+
+    def get(self, lease_id: str) -> Lease | None:
+        ref = self._refs.get(lease_id)
+        return ref() if ref is not None else None
+
+    def __setitem__(self, lease_id: str, lease: Lease) -> None:
+        refs = self._refs
+        refs[lease_id] = weakref.ref(lease)
+        if len(refs) >= self._sweep_at:
+            for dead in [k for k, ref in refs.items() if ref() is None]:
+                del refs[dead]
+            self._sweep_at = max(1024, 2 * len(refs))
+
+    def __len__(self) -> int:
+        return len(self._refs)
 
 
 class RedisLeaseTable:
@@ -233,46 +139,58 @@ class RedisLeaseTable:
         self._route = [self._p + "exp"]
         self._history = history
         self._keep_ms = int(history_s * 1000)
-        self._transition = state.script(_TRANSITION)
-        self._create = state.script(_CREATE)
-        self._expire_due = state.script(_EXPIRE_DUE)
-        self._cache: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
+        self._transition = state.script(TRANSITION)
+        self._create = state.script(CREATE)
+        self._expire_due = state.script(EXPIRE_DUE)
+        self._cache = _WeakLeases()
         self._expired_here: list[Lease] = []  # expired by a transition's script, reported by revoke_expired
+        # The earliest deadline in the store at the last pass, or set here since (see revoke_expired).
+        self._next_due = -math.inf
+        self._passed = -math.inf  # the `now` of that pass
         # Unique across replicas and restarts without a round trip: a random part per process.
         self._prefix = secrets.token_hex(6)
         self._ids = 0
 
     # -- from Redis to Lease objects -------------------------------------------
 
-    def _lease(self, flat: Sequence[bytes]) -> Lease:
-        f = dict(zip(flat[::2], flat[1::2], strict=True))  # names stay bytes: no decode per field
-        lid = f[b"id"].decode()
-        state = _STATES[f[b"st"]]
+    def _lease(self, values: Sequence[bytes | None]) -> Lease:
+        """A Lease from a script's answer: its fields in _FIELDS' order (no names to match)."""
+        lid_raw, holder, reader, lay, ten, tier, bh, bi, st, ttl, dl, ep, c, d, q = values
+        lid = lid_raw.decode()  # type: ignore[union-attr]
+        state = _STATES[st]  # type: ignore[index]
         lease = self._cache.get(lid)
         if lease is None:
             lease = Lease(
                 lease_id=lid,
-                holder=f[b"h"].decode(),
+                holder=holder.decode(),  # type: ignore[union-attr]
                 reader="",
-                namespace=Namespace(f[b"lay"].decode(), f[b"ten"].decode()),
-                tier=Tier(int(f[b"tier"])),
-                block_hashes=_unpack(f[b"bh"], HASH_CODE),
+                namespace=Namespace(lay.decode(), ten.decode()),  # type: ignore[union-attr]
+                tier=Tier(int(tier)),  # type: ignore[arg-type]
+                block_hashes=_unpack(bh, HASH_CODE),  # type: ignore[arg-type]
                 block_ids=array(BLOCK_ID_CODE),
                 state=state,
                 ttl_s=0.0,
                 deadline=0.0,
-                request_id=f[b"q"].decode(),
+                request_id=q.decode() if q else "",
             )
             self._cache[lid] = lease
-        lease.reader = f[b"r"].decode()
-        lease.block_ids = _unpack(f[b"bi"], BLOCK_ID_CODE)
+        lease.reader = reader.decode()  # type: ignore[union-attr]
+        lease.block_ids = _unpack(bi, BLOCK_ID_CODE)  # type: ignore[arg-type]
         lease.state = state
-        lease.ttl_s = float(f[b"ttl"])
-        lease.deadline = float(f[b"dl"])
-        lease.epoch = int(f[b"ep"])
-        lease.cause = RevokeCause(int(f.get(b"c", b"0")))
-        lease.detail = f.get(b"d", b"").decode()
+        lease.ttl_s = float(ttl)  # type: ignore[arg-type]
+        lease.deadline = float(dl)  # type: ignore[arg-type]
+        lease.epoch = int(ep)  # type: ignore[arg-type]
+        lease.cause = _CAUSES[c] if c else RevokeCause.NONE
+        lease.detail = d.decode() if d else ""
+        if state.live and lease.deadline < self._next_due:
+            self._next_due = lease.deadline  # set here (a claim, an activation, a renewal)
         return lease
+
+    def _named(self, f: dict[Any, Any]) -> Lease:
+        """A Lease from its hash as read by name (HGETALL: a dict, or a flat list of names and values)."""
+        if not isinstance(f, dict):
+            f = dict(zip(f[::2], f[1::2], strict=True))
+        return self._lease([f.get(name) for name in _FIELDS])
 
     def _run(self, op: str, lease_id: str, *args: Any) -> list[Any]:
         argv = [self._p, op, lease_id, self._history, self._keep_ms, *args]
@@ -316,10 +234,10 @@ class RedisLeaseTable:
     ) -> Lease:
         self._ids += 1
         lid = f"{self._prefix}-{self._ids:x}"
-        hashes, ids = tuple(block_hashes), tuple(block_ids)
+        hashes, ids = packed_hashes(block_hashes), packed_block_ids(block_ids)
         argv = [self._p, lid, holder, reader, max_leases, repr(deadline)]
         argv += ["id", lid, "h", holder, "r", reader, "lay", namespace.layout_id, "ten", namespace.tenant]
-        argv += ["tier", int(tier), "bh", _pack(hashes, _Q), "bi", _pack(ids, _I), "st", int(state)]
+        argv += ["tier", int(tier), "bh", _pack(hashes, "Q"), "bi", _pack(ids, "I"), "st", int(state)]
         argv += ["ttl", repr(ttl_s), "ttlshown", f"{ttl_s:g}", "dl", repr(deadline), "ep", 1, "c", 0]
         argv += ["d", "", "q", request_id]
         refused = self._state.run(self._create, self._route, argv)
@@ -335,21 +253,22 @@ class RedisLeaseTable:
             reader,
             namespace,
             tier,
-            packed_hashes(hashes),
-            packed_block_ids(ids),
+            hashes,
+            ids,
             state,
             ttl_s,
             deadline,
         )
         lease.request_id = request_id
         self._cache[lid] = lease
+        self._next_due = min(self._next_due, deadline)
         return lease
 
     def get(self, lease_id: str) -> Lease:
         flat = self._state.command("HGETALL", self._p + "l:" + lease_id)
         if not flat:
             raise _unknown(lease_id)
-        return self._lease(flat)
+        return self._named(flat)
 
     def claim(
         self,
@@ -371,7 +290,7 @@ class RedisLeaseTable:
         return self._done("claim", lease_id, *args, 0)
 
     def activate(self, lease_id: str, holder: str, block_ids: Sequence[int], now: float) -> Lease:
-        return self._done("activate", lease_id, holder, repr(now), _pack(block_ids, _I))
+        return self._done("activate", lease_id, holder, repr(now), _pack(block_ids, "I"))
 
     def renew(self, lease_id: str, engine_id: str, ttl_s: float, now: float) -> Lease:
         return self._done("renew", lease_id, engine_id, repr(now), repr(ttl_s))
@@ -400,9 +319,21 @@ class RedisLeaseTable:
         return self._lease(answer[1:])
 
     def revoke_expired(self, now: float, limit: int) -> list[Lease]:
-        argv = [self._p, repr(now), limit, self._history, self._keep_ms]
+        """The leases due by `now` (at most `limit`), expired in the store, plus those a transition's
+        script expired here since. The store is asked only when something this replica knows of is
+        due (the earliest deadline the store had at the last pass, or one set here since) or
+        PASS_AT_LEAST_EVERY_S has passed: an idle fleet costs the store a few calls a second, not 20
+        per replica."""
         ended, self._expired_here = self._expired_here, []
-        ended += [self._lease(flat) for flat in self._state.run(self._expire_due, self._route, argv)]
+        if self._passed <= now < min(self._next_due, self._passed + PASS_AT_LEAST_EVERY_S):
+            if ended:
+                self._state.durable()
+            return ended
+        argv = [self._p, repr(now), limit, self._history, self._keep_ms]
+        first, *expired = self._state.run(self._expire_due, self._route, argv)
+        self._passed = now
+        self._next_due = float(first) if first else math.inf
+        ended += [self._lease(flat) for flat in expired]
         if ended:
             self._state.durable()
         return ended
@@ -412,7 +343,7 @@ class RedisLeaseTable:
         for lid in ids:
             pipe.hgetall(self._p + "l:" + (lid.decode() if isinstance(lid, bytes) else lid))
         found = self._state.call(pipe.execute)
-        return [self._lease([x for kv in h.items() for x in kv]) for h in found if h]
+        return [self._named(h) for h in found if h]
 
     def by_holder(self, engine_id: str) -> list[Lease]:
         ids = self._state.command("SMEMBERS", self._p + "h:" + engine_id)

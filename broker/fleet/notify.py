@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from base64 import b64decode, b64encode
 from typing import Any
@@ -35,6 +34,7 @@ from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.fleet.registry import SeenRecords
 from kvbroker.broker.fleet.watch import FleetWatch
+from kvbroker.broker.fleet.wire import pushed
 from kvbroker.broker.leases import Lease, LeaseTable, packed_block_ids, packed_hashes
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
@@ -255,7 +255,7 @@ class FleetNotifier(StreamNotifier):
                     # a dict per message) cost more CPU than delivering it. Subscribe
                     # confirmations are the only other answers on it. No timeout: it waits for
                     # the next message (its socket's timeout would end an idle subscription).
-                    answer = await conn.read_response(timeout=math.inf, push_request=True)
+                    answer = await pushed(conn)  # fleet/wire.py
                     if isinstance(answer, list) and len(answer) == 3 and answer[0] == b"message":
                         self.deliver(json.loads(answer[2]))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as err:

@@ -27,3 +27,4 @@ def test_lease_cpu_tiny(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "tiny.json").read_text())
     assert len(doc["in_memory_us_per_cycle"]) == 2 and len(doc["two_replicas_us_per_cycle"]) == 2
     assert doc["ratio"] > 0 and doc["load"]
+    assert [len(v) for v in doc["main_thread_us_per_cycle"].values()] == [1, 2]  # each broker's event loop

@@ -17,6 +17,7 @@ import redis.asyncio
 from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvbroker.broker.fleet import registry as state_redis_fleet
 from kvbroker.broker.fleet.leases import RedisLeaseTable
+from kvbroker.broker.leases import Lease
 from kvbroker.common.error_details import STATUS_DETAILS_KEY
 from kvbroker.common.model import LeaseState, Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -217,3 +218,42 @@ async def test_a_lease_notice_goes_to_the_replica_serving_the_session(redis_serv
         await d.close()
     await pubsub.aclose()
     await listener.aclose()
+
+
+def test_an_expiry_pass_asks_the_store_only_when_something_may_be_due(redis_server: RedisServer) -> None:
+    state = redis_state(redis_server)
+    here, there = RedisLeaseTable(state), RedisLeaseTable(state)
+    passes = []  # the expiry scripts that reached the store
+    run = state.run
+
+    def counted(script: object, keys: list[str], args: list[object]) -> object:
+        if script is here._expire_due:
+            passes.append(args[1])
+        return run(script, keys, args)
+
+    state.run = counted  # type: ignore[method-assign]
+
+    def create(table: RedisLeaseTable, deadline: float) -> Lease:
+        return table.create(
+            holder="P",
+            reader="D",
+            namespace=Namespace("layout", ""),
+            tier=Tier.GPU,
+            block_hashes=[1],
+            block_ids=[2],
+            state=LeaseState.HELD,
+            ttl_s=deadline,
+            deadline=deadline,
+            request_id="",
+        )
+
+    create(here, 10.0)
+    assert here.revoke_expired(now=1.0, limit=10) == [] and len(passes) == 1  # a first pass asks
+    assert here.revoke_expired(now=1.1, limit=10) == [] and len(passes) == 1  # nothing due: no call
+    due = create(there, 1.15)  # set by another replica since: that one's to meet, or ours ...
+    assert here.revoke_expired(now=1.2, limit=10) == [] and len(passes) == 1
+    ended = here.revoke_expired(now=1.3, limit=10)  # ... within 0.25 s of the last pass
+    assert [lease.lease_id for lease in ended] == [due.lease_id] and len(passes) == 2
+    mine = create(here, 1.35)  # set here: asked once due, not 0.25 s after the last pass
+    assert here.revoke_expired(now=1.34, limit=10) == [] and len(passes) == 2
+    assert here.revoke_expired(now=1.36, limit=10) == [mine] and len(passes) == 3

@@ -6,7 +6,8 @@ primary (on the Cluster, the one serving the `{leases}` slot), and the replica i
 Asserts: every caller was answered within its deadline throughout (UNAVAILABLE while no primary
 answers), the fleet grants again after the promotion, the sessions are connected again, and
 fencing holds across the failover: a lease revoked just before the kill (its holder told) is not
-released by its reader afterwards (the end reached the replica before the notice went out), and
+released by its reader afterwards (the end reached the replica before the notice went out: the
+primary ran a WAIT, under Sentinel and on the Cluster alike), and
 a lease taken before the kill either commits (it survived) or is refused: never a read on a lease
 the store lost that commits.
 """
@@ -51,6 +52,17 @@ class _Store:
         self.setup = setup
         self.url = setup.url
         self._victim = setup.node_for_slot(LEASES_SLOT) if isinstance(setup, RedisCluster) else setup.primary
+
+    def waits(self) -> int:
+        """How many WAITs the primary has run (a lease's end waits for its replica there)."""
+        import redis
+
+        client = redis.Redis(port=self._victim.port, socket_timeout=5.0)
+        try:
+            stats = client.info("commandstats").get("cmdstat_wait")
+            return int(stats["calls"]) if stats else 0
+        finally:
+            client.close()
 
     def kill_primary(self) -> None:
         self._victim.stop()  # kill -9
@@ -116,6 +128,8 @@ async def test_a_store_failover_keeps_fencing_and_answers_every_caller(
                 ),
                 timeout=5.0,
             )
+            # ... and only once its replica had the end (on a Cluster too: WAIT on the lease's primary).
+            assert ha_store.waits() >= 1
             killed = time.monotonic()
             ha_store.kill_primary()
             granted: list[pb.Lease] = []

@@ -19,6 +19,7 @@ from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvbroker.broker.events import Notifier, NullNotifier
 from kvbroker.broker.exactness import exact_only, score_candidates
 from kvbroker.broker.holders import find_holders
+from kvbroker.broker.inventory_backlog import IndexChange, InventoryBacklog
 from kvbroker.broker.lease_stats import LeaseStats, ReadReport
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
 from kvbroker.broker.mirror import MirrorHub, Mirrors
@@ -63,6 +64,10 @@ class BrokerCore:
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total, self.stalls_forgiven, self.stalled_s_forgiven = 0, 0, 0.0
         self.declines = DeclineBook() if declines is None else declines
+        here = self.registry.find
+        self.backlog = InventoryBacklog(
+            self._apply_inventory, lambda r: here(r.engine_id) is r, self._index_lost
+        )
 
     # -- sessions ------------------------------------------------------------------
 
@@ -89,6 +94,7 @@ class BrokerCore:
         `code` non-empty means the broker ends it (the stream is closed with that
         code); empty means the stream already broke.
         """
+        self.backlog.drop(session_id)
         try:
             rec = self.registry.by_session(session_id)
         except NotFound:
@@ -143,15 +149,22 @@ class BrokerCore:
         self.check.layout(rec, ns)
         self.check.hashes(len(stored), "inventory.stored")
         self.check.hashes(len(removed), "inventory.removed")
+        self.backlog.update(rec, IndexChange(ns, t, stored, removed, clear_all))
+
+    def _apply_inventory(self, rec: EngineRecord, change: IndexChange) -> None:
+        ns, t, removed = change.namespace, change.tier, change.removed
         # Leases on blocks about to go are revoked first: watchers see why before the blocks go.
-        if clear_all:
+        if change.clear_all:
             self._supersede(rec, None, t, None)
             self.index.clear_tier(rec.engine_id, ns.layout_id, t)
         if removed:
             self._supersede(rec, ns, t, removed)
             self.index.remove(rec.engine_id, t, ns, removed)
-        if stored:
-            self.index.add(rec.engine_id, t, ns, stored)
+        if change.stored:
+            self.index.add(rec.engine_id, t, ns, change.stored)
+
+    def _index_lost(self, rec: EngineRecord) -> None:  # the backlog overflowed: the engine re-announces
+        self.notifier.close_session(rec.session_id, "UNAVAILABLE", "index changes lost: register again")
 
     def _supersede(
         self, rec: EngineRecord, ns: Namespace | None, tier: Tier, removed: Sequence[int] | None
@@ -492,6 +505,7 @@ class BrokerCore:
         limit = budget or self.config.expiry_batch
         now = self.clock.now()
         ended = 0
+        self.backlog.flush()  # index changes the store could not take before, in their order
         for rec in self.registry.expired(now, limit):
             if rec.stream_lost:  # see stream_ended
                 self.end_session(rec.session_id, message="session stream ended")

@@ -1,5 +1,5 @@
 """The store fails over: two `kvbroker serve --state ...` replicas over a Sentinel-managed primary
-and replica (real redis-servers, a real Sentinel), or over a real 3-primary Redis Cluster with a
+and replica (real redis-servers, a real Sentinel; in plain TCP and over TLS only), or over a real 3-primary Redis Cluster with a
 replica per primary; engine sessions on both broker replicas, and router callers; kill -9 of the
 primary (on the Cluster, the one serving the `{leases}` slot), and the replica is promoted.
 
@@ -57,7 +57,8 @@ class _Store:
         """How many WAITs the primary has run (a lease's end waits for its replica there)."""
         import redis
 
-        client = redis.Redis(port=self._victim.port, socket_timeout=5.0)
+        options = self.setup.client_options if isinstance(self.setup, RedisSentinel) else {}
+        client = redis.Redis(port=self._victim.port, socket_timeout=5.0, **options)
         try:
             stats = client.info("commandstats").get("cmdstat_wait")
             return int(stats["calls"]) if stats else 0
@@ -78,13 +79,14 @@ class _Store:
             client.close()
 
 
-@pytest.fixture(params=["sentinel", "cluster"])
+@pytest.fixture(params=["sentinel", "sentinel-tls", "cluster"])
 def ha_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Store]:
+    """`sentinel-tls`: the same over TLS only (rediss+sentinel://, client certificates required)."""
     reason = missing_reason()
     if reason:
         pytest.skip(reason)
-    if request.param == "sentinel":
-        with running_sentinel(tmp_path / "sentinel") as setup:
+    if request.param.startswith("sentinel"):
+        with running_sentinel(tmp_path / "sentinel", tls=request.param == "sentinel-tls") as setup:
             yield _Store(setup)
     else:
         cluster = RedisCluster(tmp_path / "cluster", with_replicas=True)

@@ -60,7 +60,8 @@ def hung_node(cluster: RedisCluster, calls: int, breaker: bool) -> dict[str, Any
         paused = time.monotonic()
         try:
             first, _ = _timed(lambda: state.command("GET", "{leases}x"))
-            hung, other = [], []
+            hung: list[tuple[float, bool]] = []
+            other: list[tuple[float, bool]] = []
             while len(hung) < calls and time.monotonic() - paused < PAUSE_S:
                 hung.append(_timed(lambda: state.command("GET", "{leases}x")))
                 other.append(_timed(lambda: state.command("GET", "{fleet}x")))
@@ -94,7 +95,10 @@ def lease_end(cluster: RedisCluster, n: int) -> dict[str, Any]:
             state.run(script, ["{leases}end"], [str(i)])
             assert state.durable()
             times.append(time.perf_counter() - started)
-        return {"replicas": bool(cluster.replicas), "lease_end_median_ms": round(statistics.median(times) * 1000, 3)}
+        return {
+            "replicas": bool(cluster.replicas),
+            "lease_end_median_ms": round(statistics.median(times) * 1000, 3),
+        }
     finally:
         state.close()
 

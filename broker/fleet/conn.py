@@ -394,7 +394,7 @@ class RedisState:
         self.nodes.check(node.name)
 
         def replicas() -> int:
-            return online_replicas(self.call(node.redis_connection.info, "replication"))
+            return online_replicas(self.call(self.client.get_redis_connection(node).info, "replication"))
 
         if self.nodes.replicas(node.name, replicas) < 1:
             return None

@@ -12,7 +12,9 @@ by the client library behind our back; on a single Redis, the first call that
 times out marks the store away (``kvbroker.broker.fleet.health``) and every
 later call fails at once with Unavailable until a probe off the event loop
 finds it answering again. The loop therefore waits on a hung store once per
-outage, for one call's timeout, not once per call.
+outage, for one call's timeout, not once per call. On a Cluster the same holds
+per node (``kvbroker.broker.fleet.nodes``): a hung node fails fast, the others
+serve on.
 
 A Redis Cluster is named by its seed nodes (`redis+cluster://H1:P1,H2:P2`).
 Every script and transaction touches the keys of one hash slot (their keys

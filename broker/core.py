@@ -64,10 +64,7 @@ class BrokerCore:
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total, self.stalls_forgiven, self.stalled_s_forgiven = 0, 0, 0.0
         self.declines = DeclineBook() if declines is None else declines
-        here = self.registry.find
-        self.backlog = InventoryBacklog(
-            self._apply_inventory, lambda r: here(r.engine_id) is r, self._index_lost
-        )
+        self.backlog = InventoryBacklog(self._apply_inventory, self.registry, self._index_lost)
 
     # -- sessions ------------------------------------------------------------------
 
@@ -94,7 +91,6 @@ class BrokerCore:
         `code` non-empty means the broker ends it (the stream is closed with that
         code); empty means the stream already broke.
         """
-        self.backlog.drop(session_id)
         try:
             rec = self.registry.by_session(session_id)
         except NotFound:
@@ -104,6 +100,7 @@ class BrokerCore:
             return
         with self.registry.removing(rec, message or "session ended"):
             self.index.drop_holder(rec.engine_id)
+            self.backlog.drop(session_id)  # a session that moved keeps its changes (inventory_backlog.py)
             for lease in self.leases.by_holder(rec.engine_id):
                 self._revoke(lease, RevokeCause.HOLDER_GONE, f"holder {rec.engine_id!r} session ended")
             for lease in self.leases.by_reader(rec.engine_id):

@@ -7,24 +7,34 @@ announcement into an error on the session and the change was lost, so the
 shared index missed blocks the engine held, or kept naming blocks it had
 dropped, until the engine registered again. Instead the replica keeps the
 changes of each of its sessions, in the order the engine sent them, and applies
-them once the store answers (``BrokerCore.apply_backlog``, at every expiry
-pass, and before any later change of the same session, which therefore waits
-behind them). Applying a change twice is harmless (adds and removes are
-idempotent; a lease already revoked for a removal is not revoked again), so a
-change is dropped from the queue only once it went through whole.
+them once the store answers (``flush``, at every expiry pass, and before any
+later change of the same session, which therefore waits behind them). Applying
+a change twice is harmless (adds and removes are idempotent; a lease already
+revoked for a removal is not revoked again), so a change leaves the queue only
+once it went through whole.
 
-Bounded: at most ``MAX_HASHES`` block hashes wait per session. A session that
-would exceed it has lost changes for good; the broker ends that session
-(UNAVAILABLE), so its engine registers again and re-announces everything it
-holds, which rebuilds its part of the index from scratch. A session that ends
-drops its queue (its blocks leave the index with it).
+Where the session is when its changes are applied decides what is applied:
+
+- still served here (resumed here included): everything, in order;
+- resumed on another replica meanwhile: only the removals and clears. The
+  engine re-announced what it holds through that replica; an add kept here
+  could name a block it dropped since (a stale holder), a removal at worst
+  hides a block it stored again (a miss, never a wrong answer);
+- ended: nothing (its blocks left the index with it).
+
+Bounded: at most ``MAX_HASHES`` hashes wait per session. A session over it
+keeps only its removals and clears (adds are what the engine re-announces) or,
+if those alone are over, one clear of each tier it touched; and its stream is
+closed (UNAVAILABLE), so the engine registers again and re-announces everything
+it holds. Nothing it dropped is left in the index.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvbroker.broker.errors import Unavailable
 from kvbroker.broker.registry import EngineRecord
@@ -47,35 +57,54 @@ class IndexChange:
     def size(self) -> int:
         return len(self.stored) + len(self.removed) + 1
 
+    def without_adds(self) -> IndexChange | None:
+        if not self.removed and not self.clear_all:
+            return None
+        return IndexChange(self.namespace, self.tier, (), self.removed, self.clear_all)
+
+
+def _clears(changes: Iterable[IndexChange]) -> list[IndexChange]:
+    """One clear of each (layout, tier) the changes touched."""
+    seen = {(c.namespace.layout_id, c.tier): c.namespace for c in changes}
+    return [IndexChange(ns, tier, (), (), True) for (_, tier), ns in seen.items()]
+
+
+class Sessions(Protocol):
+    """What the backlog asks the registry: a session's record now, and whether it is served here."""
+
+    def find(self, engine_id: str) -> EngineRecord | None: ...
+
+    def owns(self, rec: EngineRecord) -> bool: ...
+
 
 class InventoryBacklog:
     """Applies each session's index changes in order, keeping those the store cannot take now.
 
-    `apply(rec, change)` writes one change (Unavailable: not now); `alive(rec)` says whether the
-    session is still this replica's; `lost(rec)` ends a session whose changes overflowed."""
+    `apply(rec, change)` writes one change (Unavailable: not now); `registry` says where a
+    session is now; `lost(rec)` closes a session that overflowed."""
 
     def __init__(
         self,
         apply: Callable[[EngineRecord, IndexChange], None],
-        alive: Callable[[EngineRecord], bool],
+        registry: Sessions,
         lost: Callable[[EngineRecord], None],
         max_hashes: int = MAX_HASHES,
     ) -> None:
         self._apply = apply
-        self._alive = alive
+        self._registry = registry
         self._lost = lost
         self.max_hashes = max_hashes
         self._queues: dict[str, tuple[EngineRecord, deque[IndexChange]]] = {}
         self._sizes: dict[str, int] = {}
         self.deferred_total = 0  # changes ever kept here
-        self.overflowed_total = 0  # sessions ended because their queue was full
+        self.overflowed_total = 0  # sessions closed because their queue was full
 
     def __len__(self) -> int:
         return sum(len(q) for _, q in self._queues.values())
 
     def update(self, rec: EngineRecord, change: IndexChange) -> None:
         """Apply `change` now if the session has nothing waiting and the store takes it, else keep
-        it behind the session's others (applied by `flush`)."""
+        it behind the session's others."""
         if rec.session_id in self._queues and not self._flush_one(rec):
             self._defer(rec, change)
             return
@@ -85,46 +114,67 @@ class InventoryBacklog:
             self._defer(rec, change)
 
     def flush(self) -> None:
-        """Apply what waits, session by session, until the store refuses one (the rest waits)."""
-        for rec in [rec for rec, _ in self._queues.values()]:
+        """Apply what waits, session by session, until the store refuses something (the rest waits)."""
+        for old in [rec for rec, _ in self._queues.values()]:
             try:
-                alive = self._alive(rec)
+                rec, here = self._locate(old)
             except Unavailable:
                 return
-            if not alive:
-                self.drop(rec.session_id)
-            elif not self._flush_one(rec):
+            if rec is None:
+                self.drop(old.session_id)
+                continue
+            if not here:
+                self._keep_removals(old.session_id)
+            if not self._flush_one(rec):
                 return
+            if not here:
+                self.drop(old.session_id)
+
+    def _locate(self, rec: EngineRecord) -> tuple[EngineRecord | None, bool]:
+        """The session's record now (None: it ended) and whether this replica serves it."""
+        now = self._registry.find(rec.engine_id)
+        if now is None or now.session_id != rec.session_id:
+            return None, False
+        return now, self._registry.owns(now)
 
     def drop(self, session_id: str) -> None:
-        """The session ended: its blocks leave the index with it, and its changes with them."""
+        """The session ended: its blocks left the index with it, and its changes with them."""
         self._queues.pop(session_id, None)
         self._sizes.pop(session_id, None)
 
     def _flush_one(self, rec: EngineRecord) -> bool:
         entry = self._queues.get(rec.session_id)
-        while entry is not None:
-            queue = entry[1]
+        if entry is None:
+            return True
+        queue = entry[1]
+        while queue:
             try:
                 self._apply(rec, queue[0])
             except Unavailable:
                 return False
             self._sizes[rec.session_id] -= queue.popleft().size
-            if not queue:
-                self.drop(rec.session_id)
-                entry = None
+        self.drop(rec.session_id)
         return True
 
+    def _keep_removals(self, session_id: str) -> None:
+        rec, queue = self._queues[session_id]
+        kept = [c for c in (change.without_adds() for change in queue) if c is not None]
+        self._queues[session_id] = (rec, deque(kept))
+        self._sizes[session_id] = sum(c.size for c in kept)
+
     def _defer(self, rec: EngineRecord, change: IndexChange) -> None:
-        size = self._sizes.get(rec.session_id, 0) + change.size
-        if size > self.max_hashes:
-            self.overflowed_total += 1
-            self.drop(rec.session_id)
-            self._lost(rec)
-            return
         entry = self._queues.get(rec.session_id)
         if entry is None:
             entry = self._queues[rec.session_id] = (rec, deque())
         entry[1].append(change)
-        self._sizes[rec.session_id] = size
+        size = self._sizes[rec.session_id] = self._sizes.get(rec.session_id, 0) + change.size
         self.deferred_total += 1
+        if size <= self.max_hashes:
+            return
+        self.overflowed_total += 1
+        self._keep_removals(rec.session_id)
+        if self._sizes[rec.session_id] > self.max_hashes:
+            clears = _clears(entry[1])
+            self._queues[rec.session_id] = (rec, deque(clears))
+            self._sizes[rec.session_id] = len(clears)
+        self._lost(rec)

@@ -1,8 +1,11 @@
-"""InventoryBacklog with a fake store that refuses on demand: order kept, a bound that ends the
-session, and the queue of a session that ended or moved dropped. (The real store:
-tests/broker/fleet/test_index_backlog.py.)"""
+"""InventoryBacklog with a fake store that refuses on demand and a fake registry: order kept; a
+session resumed on another replica gets only its removals applied, one that ended nothing; a
+session over the bound keeps its removals (or clears) and is closed. (The real store:
+tests/broker/fleet/test_index_backlog.py and tests/process/test_hung_store.py.)"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from kvbroker.broker.errors import Unavailable
 from kvbroker.broker.inventory_backlog import IndexChange, InventoryBacklog
@@ -17,61 +20,93 @@ def _rec(session_id: str) -> EngineRecord:
     return EngineRecord("e-" + session_id, session_id, pb.EngineInfo(), "layout", 10.0, 0.0, 1)
 
 
-def _change(*stored: int) -> IndexChange:
-    return IndexChange(NS, Tier.GPU, stored, (), False)
+def _change(stored: tuple[int, ...] = (), removed: tuple[int, ...] = (), clear: bool = False) -> IndexChange:
+    return IndexChange(NS, Tier.GPU, stored, removed, clear)
 
 
 class _Store:
     def __init__(self) -> None:
         self.away = False
-        self.applied: list[tuple[str, tuple[int, ...]]] = []
+        self.applied: list[tuple[str, tuple[int, ...], tuple[int, ...], bool]] = []
 
-    def apply(self, rec: EngineRecord, change: IndexChange) -> None:
+    def apply(self, rec: EngineRecord, c: IndexChange) -> None:
         if self.away:
             raise Unavailable("store away")
-        self.applied.append((rec.session_id, tuple(change.stored)))
+        self.applied.append((rec.session_id, tuple(c.stored), tuple(c.removed), c.clear_all))
+
+
+class _Registry:
+    """Sessions by engine id, and which of them this replica serves."""
+
+    def __init__(self, *recs: EngineRecord) -> None:
+        self.recs = {r.engine_id: r for r in recs}
+        self.here = {r.session_id for r in recs}
+
+    def find(self, engine_id: str) -> EngineRecord | None:
+        return self.recs.get(engine_id)
+
+    def owns(self, rec: EngineRecord) -> bool:
+        return rec.session_id in self.here
+
+
+def _backlog(store: _Store, registry: _Registry, lost: list[EngineRecord], **kw: Any) -> InventoryBacklog:
+    return InventoryBacklog(store.apply, registry, lost.append, **kw)
 
 
 def test_changes_wait_in_order_and_a_later_one_waits_behind_them() -> None:
-    store, lost = _Store(), []
-    backlog = InventoryBacklog(store.apply, lambda rec: True, lost.append)
     a = _rec("a")
-    backlog.update(a, _change(1))
+    store, lost = _Store(), []
+    backlog = _backlog(store, _Registry(a), lost)
+    backlog.update(a, _change((1,)))
     store.away = True
-    backlog.update(a, _change(2))
-    backlog.update(a, _change(3))
+    backlog.update(a, _change((2,), (1,)))
+    backlog.update(a, _change((3,)))
     backlog.flush()
-    assert len(backlog) == 2 and store.applied == [("a", (1,))]
+    assert len(backlog) == 2 and store.applied == [("a", (1,), (), False)]
     store.away = False
-    backlog.update(a, _change(4))  # the two kept go first
-    assert store.applied == [("a", (1,)), ("a", (2,)), ("a", (3,)), ("a", (4,))]
+    backlog.update(a, _change((4,)))  # the two kept go first
+    assert [x[1:3] for x in store.applied] == [((1,), ()), ((2,), (1,)), ((3,), ()), ((4,), ())]
     assert len(backlog) == 0 and not lost
 
 
-def test_a_session_over_the_bound_is_ended_and_its_queue_dropped() -> None:
-    store, lost = _Store(), []
-    backlog = InventoryBacklog(store.apply, lambda rec: True, lost.append, max_hashes=5)
+def test_a_session_resumed_elsewhere_gets_its_removals_and_one_that_ended_nothing() -> None:
     a, b = _rec("a"), _rec("b")
+    registry = _Registry(a, b)
+    store = _Store()
+    backlog = _backlog(store, registry, [])
     store.away = True
-    backlog.update(a, _change(1, 2))  # 3 of 5 (a change counts one more than its hashes)
-    backlog.update(b, _change(7))
-    backlog.update(a, _change(3, 4))  # 6 > 5
+    backlog.update(a, _change((1,), (2,)))
+    backlog.update(a, _change(clear=True))
+    backlog.update(b, _change((5,)))
+    registry.here.discard("a")  # a resumed on another replica: it re-announced there
+    del registry.recs["e-b"]  # b ended: its blocks left with it
+    store.away = False
+    backlog.flush()
+    assert store.applied == [("a", (), (2,), False), ("a", (), (), True)]
+    assert len(backlog) == 0
+
+
+def test_a_session_over_the_bound_keeps_its_removals_and_is_closed() -> None:
+    a = _rec("a")
+    store, lost = _Store(), []
+    backlog = _backlog(store, _Registry(a), lost, max_hashes=6)
+    store.away = True
+    backlog.update(a, _change((1, 2), (3,)))  # 4 of 6 (a change counts one more than its hashes)
+    backlog.update(a, _change((4, 5)))  # 7 > 6: adds dropped, the engine re-announces them
     assert lost == [a] and backlog.overflowed_total == 1
     store.away = False
     backlog.flush()
-    assert store.applied == [("b", (7,))]  # a's changes are gone; its engine re-announces
+    assert store.applied == [("a", (), (3,), False)]
 
 
-def test_the_queue_of_a_session_that_ended_or_moved_is_not_applied() -> None:
-    store = _Store()
-    here = {"a", "b"}
-    backlog = InventoryBacklog(store.apply, lambda rec: rec.session_id in here, lambda rec: None)
-    a, b = _rec("a"), _rec("b")
+def test_removals_over_the_bound_become_a_clear_of_each_tier() -> None:
+    a = _rec("a")
+    store, lost = _Store(), []
+    backlog = _backlog(store, _Registry(a), lost, max_hashes=4)
     store.away = True
-    backlog.update(a, _change(1))
-    backlog.update(b, _change(2))
-    backlog.drop("a")  # ended here
-    here.discard("b")  # moved to another replica
+    backlog.update(a, _change((), (1, 2)))
+    backlog.update(a, _change((), (3, 4)))
+    assert lost == [a]
     store.away = False
     backlog.flush()
-    assert store.applied == [] and len(backlog) == 0
+    assert store.applied == [("a", (), (), True)]  # nothing it dropped stays in the index

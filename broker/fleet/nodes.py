@@ -121,7 +121,10 @@ class ClusterNodes:
     def guard(self, client: Any) -> None:
         """Route the cluster client's own commands and pipelines through the breakers: a suspect
         node's calls are Unavailable before a connection is taken, and a timeout marks its node.
-        (A pipeline here touches one hash slot, so it stops before taking any connection.)"""
+        (A pipeline here touches one hash slot, so it stops before taking any connection.)
+        This wraps redis-py's per-node seams (RedisCluster._execute_command(target_node, ...) and a
+        pipeline's get_redis_connection(node)); tests/broker/fleet/test_cluster_nodes.py fails if
+        an upgrade moves them."""
         execute = client._execute_command
 
         def execute_guarded(target_node: Any, *args: Any, **kwargs: Any) -> Any:

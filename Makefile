@@ -78,7 +78,6 @@ bench: $(STAMP)  ## all benchmarks; tables printed, JSON/PNG written to bench/re
 	$(BIN)/python -m bench.chats.multiturn_ttft
 	$(BIN)/python -m bench.chats.compare
 	$(BIN)/python -m bench.fleet.chat_load
-	$(BIN)/python -m bench.fleet.dp_fleet
 	$(BIN)/python -m bench.summary --write-readme
 
 gpu-carry:  ## download the wheels a lent GPU machine needs into .whl/ and check the 64 MiB carry (docs/data_path.md#gpu-check)

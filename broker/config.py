@@ -76,6 +76,14 @@ class BrokerConfig:
         "holding the most first; counted in kvbroker_index_forgotten_total (docs/broker.md#index-memory). "
         "In-memory index only: refused with --state",
     )
+    index_max_entries: int = setting(
+        0,
+        "most distinct blocks the --state store's prefix index keeps, fleet-wide (0 = unbounded); past it "
+        "the least recently matched or announced blocks are forgotten (a miss, never a wrong holder), "
+        "those of the engine with the most blocks in the namespace first, at most 1,024 per call; counted "
+        "in kvbroker_index_forgotten_total (docs/scale.md#bounding-the-stores-index). --state only: the "
+        "in-memory index takes --index-memory-mib",
+    )
     max_retentions_per_tenant: int = setting(
         1_024,
         "most live retentions (Retain: a conversation's prefix kept with no reader) per tenant "
@@ -185,8 +193,15 @@ class BrokerConfig:
             raise InvalidArgument("index_memory_mib must be >= 0 (0: unbounded)")
         if self.index_memory_mib and self.state:
             raise InvalidArgument(
-                "index_memory_mib bounds the in-memory index only; the --state store's index is not bounded "
-                "(leave index_memory_mib at 0 with --state)"
+                "index_memory_mib bounds the in-memory index only; with --state bound the store's index "
+                "with index_max_entries (and leave index_memory_mib at 0)"
+            )
+        if self.index_max_entries < 0:
+            raise InvalidArgument("index_max_entries must be >= 0 (0: unbounded)")
+        if self.index_max_entries and not self.state:
+            raise InvalidArgument(
+                "index_max_entries bounds the --state store's index only; bound the in-memory index with "
+                "index_memory_mib"
             )
         if self.max_leases_per_engine < 0:
             raise InvalidArgument("max_leases_per_engine must be >= 0 (0: derived from lease_memory_mib)")

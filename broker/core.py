@@ -64,7 +64,7 @@ class BrokerCore:
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total, self.stalls_forgiven, self.stalled_s_forgiven = 0, 0, 0.0
         self.declines = DeclineBook() if declines is None else declines
-        self.backlog = InventoryBacklog(self._apply_inventory, self.registry, self._index_lost)
+        self.backlog = InventoryBacklog(self.index, self._supersede, self.registry, self.notifier)
 
     # -- sessions ------------------------------------------------------------------
 
@@ -148,21 +148,6 @@ class BrokerCore:
         self.check.hashes(len(removed), "inventory.removed")
         self.backlog.update(rec, IndexChange(ns, t, stored, removed, clear_all))
 
-    def _apply_inventory(self, rec: EngineRecord, change: IndexChange) -> None:
-        ns, t, removed = change.namespace, change.tier, change.removed
-        # Leases on blocks about to go are revoked first: watchers see why before the blocks go.
-        if change.clear_all:
-            self._supersede(rec, None, t, None)
-            self.index.clear_tier(rec.engine_id, ns.layout_id, t)
-        if removed:
-            self._supersede(rec, ns, t, removed)
-            self.index.remove(rec.engine_id, t, ns, removed)
-        if change.stored:
-            self.index.add(rec.engine_id, t, ns, change.stored)
-
-    def _index_lost(self, rec: EngineRecord) -> None:  # the backlog overflowed: the engine re-announces
-        self.notifier.close_session(rec.session_id, "UNAVAILABLE", "index changes lost: register again")
-
     def _supersede(
         self, rec: EngineRecord, ns: Namespace | None, tier: Tier, removed: Sequence[int] | None
     ) -> None:
@@ -236,18 +221,29 @@ class BrokerCore:
         return ResolveResult(matches, lease=lease, holder=holder, pending=True)
 
     def pin_result(
-        self, rec: EngineRecord, lease_id: str, ok: bool, block_ids: Sequence[int], error: str
+        self,
+        rec: EngineRecord,
+        lease_id: str,
+        ok: bool,
+        block_ids: Sequence[int],
+        error: str,
+        given_up: bool = False,
     ) -> Lease:
+        """The holder's answer to a PinCommand; with `given_up`, a pin it made and gave back since
+        (a retention's GPU blocks that vLLM needed): the lease ends as memory_pressure."""
         lease = self.leases.get(lease_id)
         if lease.holder != rec.engine_id:
             raise FailedPrecondition(f"lease {lease_id} is not held by {rec.engine_id!r}", Cause.NOT_HOLDER)
         if not lease.state.live:
             return lease  # too late (pin timeout or a session ended); already settled
         if not ok:
-            why = self.check.text(error) or "holder refused the pin"
-            done = self.leases.revoke(lease_id, RevokeCause.HOLDER_REFUSED, why)
+            why = self.check.text(error) or (
+                "GPU memory was needed" if given_up else "holder refused the pin"
+            )
+            cause = RevokeCause.MEMORY_PRESSURE if given_up else RevokeCause.HOLDER_REFUSED
+            done = self.leases.revoke(lease_id, cause, why)
             if done is not None:
-                self._after_revoke(done, tell_holder=False)  # it refused: it pinned nothing
+                self._after_revoke(done, tell_holder=False)  # it refused or gave up: nothing pinned
             return lease
         if len(block_ids) != len(lease.block_hashes):
             raise InvalidArgument(

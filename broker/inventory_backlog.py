@@ -1,4 +1,4 @@
-"""Index changes an engine announced while the shared store did not answer, kept to apply once it does.
+"""An engine's index changes applied in order, and those the shared store could not take kept for later.
 
 An engine announces what it stores and removes on its session stream, once:
 nothing in the protocol repeats an announcement. With ``--state``, a store that
@@ -69,6 +69,22 @@ def _clears(changes: Iterable[IndexChange]) -> list[IndexChange]:
     return [IndexChange(ns, tier, (), (), True) for (_, tier), ns in seen.items()]
 
 
+class Index(Protocol):
+    def add(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Sequence[int]) -> int: ...
+
+    def remove(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Sequence[int]) -> int: ...
+
+    def clear_tier(self, engine_id: str, layout_id: str, tier: Tier) -> int: ...
+
+
+# Revokes the engine's leases on blocks about to go: (holder, namespace or all, tier, hashes or all).
+Supersede = Callable[[EngineRecord, Namespace | None, Tier, Sequence[int] | None], None]
+
+
+class Notifier(Protocol):
+    def close_session(self, session_id: str, code: str, message: str) -> None: ...
+
+
 class Sessions(Protocol):
     """What the backlog asks the registry: a session's record now, and whether it is served here."""
 
@@ -80,19 +96,22 @@ class Sessions(Protocol):
 class InventoryBacklog:
     """Applies each session's index changes in order, keeping those the store cannot take now.
 
-    `apply(rec, change)` writes one change (Unavailable: not now); `registry` says where a
-    session is now; `lost(rec)` closes a session that overflowed."""
+    Each change goes to `index` (Unavailable: not now), leases on the blocks it removes revoked
+    first (`supersede`: watchers see why before the blocks go); `registry` says where a session is
+    now; `notifier` closes a session whose queue overflowed."""
 
     def __init__(
         self,
-        apply: Callable[[EngineRecord, IndexChange], None],
+        index: Index,
+        supersede: Supersede,
         registry: Sessions,
-        lost: Callable[[EngineRecord], None],
+        notifier: Notifier,
         max_hashes: int = MAX_HASHES,
     ) -> None:
-        self._apply = apply
+        self._index = index
+        self._supersede = supersede
         self._registry = registry
-        self._lost = lost
+        self._notifier = notifier
         self.max_hashes = max_hashes
         self._queues: dict[str, tuple[EngineRecord, deque[IndexChange]]] = {}
         self._sizes: dict[str, int] = {}
@@ -129,6 +148,16 @@ class InventoryBacklog:
                 return
             if not here:
                 self.drop(old.session_id)
+
+    def _apply(self, rec: EngineRecord, c: IndexChange) -> None:
+        if c.clear_all:
+            self._supersede(rec, None, c.tier, None)
+            self._index.clear_tier(rec.engine_id, c.namespace.layout_id, c.tier)
+        if c.removed:
+            self._supersede(rec, c.namespace, c.tier, c.removed)
+            self._index.remove(rec.engine_id, c.tier, c.namespace, c.removed)
+        if c.stored:
+            self._index.add(rec.engine_id, c.tier, c.namespace, c.stored)
 
     def _locate(self, rec: EngineRecord) -> tuple[EngineRecord | None, bool]:
         """The session's record now (None: it ended) and whether this replica serves it."""
@@ -177,4 +206,5 @@ class InventoryBacklog:
             clears = _clears(entry[1])
             self._queues[rec.session_id] = (rec, deque(clears))
             self._sizes[rec.session_id] = len(clears)
-        self._lost(rec)
+        # Its engine registers again and re-announces what it holds: the adds dropped here.
+        self._notifier.close_session(rec.session_id, "UNAVAILABLE", "index changes lost: register again")

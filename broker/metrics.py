@@ -118,7 +118,8 @@ class BrokerCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvbroker_index_forgotten",
-            "Index entries (blocks) forgotten to stay within --index-memory-mib",
+            "Index entries (blocks) this broker forgot to stay within --index-memory-mib (or, with "
+            "--state, --index-max-entries)",
             value=memory.forgotten,
         )
         if self._fleet is None:  # the shared store's index is not measured here
@@ -127,14 +128,16 @@ class BrokerCollector(Collector):
                 "Estimated memory of the in-memory prefix index: its tables plus 48 bytes a key",
                 value=memory.estimated_bytes,
             )
+        if self._fleet is None or memory.entry_cap:
             yield GaugeMetricFamily(
                 "kvbroker_index_entries",
-                "Distinct blocks in the in-memory prefix index",
+                "Distinct blocks in the prefix index (with --state and a bound: the fleet's, from the store)",
                 value=memory.entries,
             )
             yield GaugeMetricFamily(
                 "kvbroker_index_entry_cap",
-                "Most distinct blocks --index-memory-mib allows (0 = unbounded)",
+                "Most distinct blocks --index-memory-mib (or, with --state, --index-max-entries) allows "
+                "(0 = unbounded)",
                 value=memory.entry_cap,
             )
 

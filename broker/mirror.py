@@ -135,7 +135,10 @@ class Mirrors(Protocol):
         tier: Tier,
         stored: Sequence[int] = (),
         removed: Sequence[int] = (),
-    ) -> None: ...
+        forgotten: bool = False,
+    ) -> None:
+        """A change of an engine's blocks; `forgotten`: the removals are what the index forgot."""
+        ...
 
     def clear_tier(self, engine_id: str, layout_id: str, tier: Tier) -> None: ...
 
@@ -190,6 +193,7 @@ class MirrorHub:
         tier: Tier,
         stored: Sequence[int] = (),
         removed: Sequence[int] = (),
+        forgotten: bool = False,
     ) -> None:
         subs = self._by_layout.get(namespace.layout_id)
         if not subs:
@@ -200,6 +204,7 @@ class MirrorHub:
             tier=pb.Tier.ValueType(tier),
             stored=stored,
             removed=removed,
+            forgotten=forgotten,
         )
         size = 8 * (len(stored) + len(removed)) + CHANGE_OVERHEAD_BYTES
         for sub in subs:

@@ -83,7 +83,13 @@ class ObservedIndex:
         n = self._index.add(engine_id, tier, namespace, hashes)
         self._publish.mirrors.blocks(engine_id, namespace, tier, stored=hashes)
         self._publish.watch(INDEX, "blocks_stored", engine_id=engine_id, blocks=n, tier=tier)
+        self._tell_forgotten()  # after what was stored: a block stored and forgotten at once ends gone
         return n
+
+    def _tell_forgotten(self) -> None:
+        """What a bounded index forgot reaches the mirrors as removals marked `forgotten`."""
+        for engine_id, tier, namespace, hashes in self._index.take_forgotten():
+            self._publish.mirrors.blocks(engine_id, namespace, tier, removed=hashes, forgotten=True)
 
     def remove(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Sequence[int]) -> int:
         n = self._index.remove(engine_id, tier, namespace, hashes)
@@ -120,6 +126,7 @@ class ObservedIndex:
 
     def maintain(self, budget: int) -> None:
         self._index.maintain(budget)
+        self._tell_forgotten()  # the store's index keeps to its bound here too
 
     def memory(self) -> IndexMemory:
         return self._index.memory()

@@ -24,6 +24,8 @@ from kvbroker.v1 import broker_pb2 as pb
 # Weights above these are a client's mistake, not a tuning: refused with their bounds.
 MAX_BUSY_TOKENS = 1e7
 MAX_PULL_TOKEN_COST = 100.0
+MAX_PULL_FIXED_TOKENS = 1e7
+MAX_NEIGHBOUR_COST = 1e4
 MAX_MIN_PREFIX_TOKENS = 1 << 24
 
 
@@ -33,6 +35,8 @@ def placement_rule(weights: pb.PlacementWeights) -> PlacementRule:
     checks = (
         ("busy_tokens", weights.busy_tokens, MAX_BUSY_TOKENS),
         ("pull_token_cost", weights.pull_token_cost, MAX_PULL_TOKEN_COST),
+        ("pull_fixed_tokens", weights.pull_fixed_tokens, MAX_PULL_FIXED_TOKENS),
+        ("neighbour_cost", weights.neighbour_cost, MAX_NEIGHBOUR_COST),
     )
     for name, value, bound in checks:
         if not math.isfinite(value) or value < 0 or value > bound:
@@ -48,6 +52,12 @@ def placement_rule(weights: pb.PlacementWeights) -> PlacementRule:
         pull_token_cost=weights.pull_token_cost or default.pull_token_cost,
         min_prefix_tokens=weights.min_prefix_tokens or default.min_prefix_tokens,
         pull=not weights.no_pull,
+        pull_fixed_tokens=(
+            weights.pull_fixed_tokens if weights.HasField("pull_fixed_tokens") else default.pull_fixed_tokens
+        ),
+        neighbour_cost=weights.neighbour_cost
+        if weights.HasField("neighbour_cost")
+        else default.neighbour_cost,
     )
 
 

@@ -17,7 +17,12 @@ Every lease ends, and so does this one:
 - when the holder's session ends (``holder_gone``): the pin is lost with the
   engine. A later ``retain`` renewing it answers so (FAILED_PRECONDITION with
   that cause), and watchers see the ``lease_revoked`` event of a lease whose
-  request id starts with ``retain:``.
+  request id starts with ``retain:``;
+- when its holder, an engine without a CPU tier, gives up the GPU pin because
+  vLLM needs the memory (``memory_pressure``: the engine sends a PinResult
+  with ``given_up``, least recently retained first,
+  engine_adapter/retention_pressure.py), told the same two ways. A CPU-tier
+  copy's pin is not given up.
 
 A retention lease is never offered to a reader as a hold to claim (it is
 ACTIVE, not HELD): a reader that wants the blocks gets a pin of its own, so
@@ -211,11 +216,10 @@ class Retention:
             )
         if not lease.state.live:
             how = "was released" if lease.state is LeaseState.RELEASED else f"ended ({lease.cause.label})"
-            lost = (
-                " : the holder's session ended, the pin is lost"
-                if lease.cause is RevokeCause.HOLDER_GONE
-                else ""
-            )
+            lost = {
+                RevokeCause.HOLDER_GONE: " : the holder's session ended, the pin is lost",
+                RevokeCause.MEMORY_PRESSURE: " : the holder gave up its GPU pin, vLLM needed the memory",
+            }.get(lease.cause, "")
             raise FailedPrecondition(
                 f"retention {lease_id} on {shown(lease.holder)} {how}{lost}{': ' + lease.detail if lease.detail else ''}; "
                 "retain the conversation again (it may have to be recomputed first)",

@@ -208,7 +208,7 @@ class BrokerServicer(
                     )
                 elif kind == "pin_result":
                     pr = msg.pin_result
-                    core.pin_result(rec, pr.lease_id, pr.ok, pr.block_ids, pr.error)
+                    core.pin_result(rec, pr.lease_id, pr.ok, pr.block_ids, pr.error, pr.given_up)
                 elif kind == "register":
                     raise InvalidArgument(
                         "this stream already registered; open a new stream to register again"

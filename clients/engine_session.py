@@ -218,6 +218,14 @@ class EngineSession(SessionStream):
             self.inventory.clear(self._key(namespace, tier))
         self._schedule_flush()
 
+    def give_up_pin(self, lease_id: str, reason: str) -> None:
+        """This holder gave back the blocks it pinned for `lease_id` (a retention whose GPU memory vLLM
+        needed): the broker ends the lease as memory_pressure. Never blocks; lost with a broken stream
+        (the lease then ends at its TTL or with the session)."""
+        self._send(
+            pb.SessionUp(pin_result=pb.PinResult(lease_id=lease_id, ok=False, given_up=True, error=reason))
+        )
+
     def flush(self) -> None:
         """Send pending inventory changes now (if connected)."""
         if self._flush_handle is not None:

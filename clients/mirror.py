@@ -47,6 +47,9 @@ class MirrorStats:
     updates: int = 0  # messages applied
     resets: int = 0  # snapshots started (1 + reconnects + resyncs)
     syncs: int = 0  # snapshots completed
+    # Blocks removed because the broker's bounded index forgot them (MirrorBlocks.forgotten), not
+    # because their engine dropped them: the broker no longer names those holders, nor does this.
+    forgotten: int = 0
     last_update_monotonic: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -111,6 +114,8 @@ class IndexMirror:
         ns = Namespace(self.layout_id, blocks.tenant)
         if blocks.removed:
             self._index.remove(blocks.engine_id, tier, ns, blocks.removed)
+            if blocks.forgotten:
+                self.stats.forgotten += len(blocks.removed)
         if blocks.stored:
             self._index.add(blocks.engine_id, tier, ns, blocks.stored)
 

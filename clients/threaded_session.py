@@ -165,6 +165,9 @@ class ThreadedEngineSession:
     def set_load(self, load: float) -> None:
         self._call_soon(self.session.set_load, load)
 
+    def give_up_pin(self, lease_id: str, reason: str) -> None:
+        self._call_soon(self.session.give_up_pin, lease_id, reason)
+
     def add_rank(self, rank: pb.RankInfo) -> None:
         self._call_soon(self.session.add_rank, rank)
 

@@ -33,6 +33,7 @@ class Cause(StrEnum):
     DRAIN = "drain"
     SUPERSEDED = "superseded"
     DECLINED = "declined"
+    MEMORY_PRESSURE = "memory_pressure"
     # ... and the one good ending:
     RELEASED = "released"
 
@@ -119,6 +120,13 @@ CAUSES: dict[Cause, CauseInfo] = {
         "nobody will read this hold: it was declined (also refusing a hold whose request was "
         "declined before the hold arrived)",
         "a holder frees the blocks; a reader recomputes",
+    ),
+    Cause.MEMORY_PRESSURE: CauseInfo(
+        "FAILED_PRECONDITION",
+        "the retention ended: its holder (an engine without a CPU tier) gave up the GPU pin because "
+        "vLLM needed the memory (free blocks below what waiting requests need, or its low-water mark)",
+        "retain again after the next turn, or give the engine a CPU tier (cpu_tier_blocks) whose pin "
+        "survives GPU pressure; the next turn may recompute",
     ),
     Cause.RELEASED: CauseInfo(
         "FAILED_PRECONDITION",
@@ -293,5 +301,6 @@ LEASE_ENDED: tuple[Cause, ...] = (
     Cause.DRAIN,
     Cause.SUPERSEDED,
     Cause.DECLINED,
+    Cause.MEMORY_PRESSURE,
     Cause.RELEASED,
 )

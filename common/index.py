@@ -72,6 +72,11 @@ class PrefixIndex(Protocol):
     def blocks_of(self, engine_id: str) -> dict[Tier, int]: ...
     def total_blocks(self) -> int: ...
     def namespace_count(self) -> int: ...
+    def take_forgotten(self) -> list[tuple[str, Tier, Namespace, list[int]]]:
+        """(engine, tier, namespace, hashes) a bounded index forgot since the last call (for its
+        mirrors), at most those of the latest `add` (or `maintain`); taking them clears them."""
+        ...
+
     def maintain(self, budget: int) -> None:
         """Do up to `budget` units of background clean-up (called by the expiry loop)."""
         ...
@@ -113,6 +118,8 @@ class CompactPrefixIndex:
         if memory_budget and not self._cap:
             raise ValueError(f"an index memory budget of {memory_budget} bytes holds no entry at all")
         self.forgotten = 0
+        # What the latest add forgot, per holder, for the mirrors (take_forgotten).
+        self._forgotten_out: dict[tuple[str, Tier, Namespace], list[int]] = {}
         self._salts: dict[Namespace, int] = {}
         # Secret per index: the salts (and so which keys two namespaces could share) are unpredictable.
         self._salt_key = secrets.token_bytes(32) if salt_key is None else salt_key
@@ -195,6 +202,8 @@ class CompactPrefixIndex:
         single = self._single[slot]
         cache = self._add_cache
         cap = self._cap
+        if self._forgotten_out:
+            self._forgotten_out = {}  # not taken: nobody mirrors this index
         added = counted = 0
         for h in hashes:
             key = h ^ salt
@@ -405,15 +414,22 @@ class CompactPrefixIndex:
                 best = max(best, total)
             return best
 
-        per_set: dict[int, int] = {}
+        per_set: dict[int, list[int]] = {}
         picked = pick_forgotten(candidates, want, weight)
         for key in picked:
-            sid = entries.pop(key)
-            per_set[sid] = per_set.get(sid, 0) + 1
-        for sid, n in per_set.items():
+            per_set.setdefault(entries.pop(key), []).append(key)
+        out = self._forgotten_out
+        for sid, keys in per_set.items():
             for s in self._live(sid):
-                self._count(s, -n)
+                self._count(s, -len(keys))
+                info = slots[s]
+                salt = self._salts[info.namespace]
+                out.setdefault((info.engine_id, info.tier, info.namespace), []).extend(k ^ salt for k in keys)
         self.forgotten += len(picked)
+
+    def take_forgotten(self) -> list[tuple[str, Tier, Namespace, list[int]]]:
+        out, self._forgotten_out = self._forgotten_out, {}
+        return [(engine_id, tier, ns, hashes) for (engine_id, tier, ns), hashes in out.items()]
 
     # -- background sweep --------------------------------------------------------
 

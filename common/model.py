@@ -40,6 +40,7 @@ class RevokeCause(enum.IntEnum):
     DRAIN = 6
     SUPERSEDED = 7
     DECLINED = 8
+    MEMORY_PRESSURE = 9
 
     @property
     def label(self) -> str:

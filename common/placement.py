@@ -9,16 +9,27 @@ the proxy answers is not "who holds the prefix" but "where does the first
 token come soonest". ``place`` predicts that, in prompt-token equivalents,
 for every candidate engine ``e``:
 
-    cost(e) = computed(e) + pull_token_cost * pulled(e) + busy_tokens * load(e)
+    cost(e) = computed(e) + pull(e) + backlog(e) + busy_tokens * load(e) + neighbour_cost * computed(e) * load(e)
 
 - ``computed``: the prompt's tokens ``e`` would compute: all but the longest
   prefix it can reuse, its own (GPU or CPU tier) or, when engines pull from
-  each other, the longest any engine holds;
-- ``pulled``: tokens it would pull for that (the longest held elsewhere minus
-  its own); a pulled token costs ``pull_token_cost`` of a computed one;
+  each other and a pull is quicker than computing, the longest any engine holds;
+- ``pull``: what pulling the rest from the holder costs, when ``e`` pulls:
+  ``pull_fixed_tokens`` (the reader waits for a lease, a read and vLLM's
+  notice, each at one of its own scheduler steps) plus ``pull_token_cost``
+  per pulled token. Where that is more than computing those tokens, ``e``
+  computes them instead, as the connector's adaptive policy would;
+- ``backlog``: prompt tokens of the requests sent to ``e`` that it has not
+  yet computed (their first byte has not come; the proxy's own count): a
+  prefill queued ahead delays the request token for token;
 - ``load``: requests in flight on ``e`` (the larger of what this proxy sent it
   and the load it heartbeats to the broker); each one ahead of the request
-  costs it ``busy_tokens`` of waiting.
+  costs it ``busy_tokens`` of waiting;
+- the last term is what the request costs the others: while ``e`` computes
+  the prompt, each request already running there waits too. Without it a
+  busy holder's turn moves to an engine that is itself busy, and the fleet
+  computes more in all (a saturated fleet's goodput falls; prefix affinity,
+  which never moves a turn, then wins).
 
 The cheapest engine is first, the rest follow in cost order (the failover
 order). Ties go to the less loaded engine, then to the rotation, so that new
@@ -50,6 +61,8 @@ class PlacementRule:
 
     busy_tokens: float = 256.0  # prompt tokens of waiting that one request in flight on an engine costs
     pull_token_cost: float = 0.1  # a pulled token's cost, as a fraction of computing it
+    pull_fixed_tokens: float = 160.0  # a pull's own wait (lease, read, notice: reader steps), in tokens
+    neighbour_cost: float = 1.0  # per request in flight on the engine, per prompt token it computes
     min_prefix_tokens: int = 64  # a longest held prefix under this is not steered for: balance by load
     pull: bool = True  # engines pull prefixes from each other (our connector, kv_both)
     round_robin: bool = False  # the baseline: each engine in turn, whatever it holds or runs
@@ -62,6 +75,7 @@ class Candidate:
     name: str
     held_tokens: int  # prompt tokens it holds as a prefix (GPU or its CPU tier)
     load: float  # requests in flight on it
+    backlog_tokens: float = 0.0  # prompt tokens of requests sent to it that it has yet to compute
 
 
 @dataclass(frozen=True)
@@ -112,12 +126,18 @@ def place(
     for i, c in enumerate(candidates):
         others = [j for j in range(len(candidates)) if j != i]
         best = max(others, key=lambda j: held[j], default=None)
+        reuse, pulled, source, pull_cost = held[i], 0, None, 0.0
         if rule.pull and best is not None and held[best] > held[i]:
-            reuse, pulled, source = held[best], held[best] - held[i], best
-        else:
-            reuse, pulled, source = held[i], 0, None
-        terms.append((num_tokens - reuse, pulled, max(0.0, c.load)))
-        costs.append(terms[i][0] + rule.pull_token_cost * pulled + rule.busy_tokens * terms[i][2])
+            gap = held[best] - held[i]
+            price = rule.pull_fixed_tokens + rule.pull_token_cost * gap
+            if price < gap:  # else the engine computes the gap: quicker than pulling it
+                reuse, pulled, source, pull_cost = held[best], gap, best, price
+        load = max(0.0, c.load)
+        terms.append((num_tokens - reuse, pulled, load))
+        computed = terms[i][0]
+        queued = max(0.0, c.backlog_tokens)
+        own = computed + pull_cost + queued + rule.busy_tokens * load
+        costs.append(own + rule.neighbour_cost * computed * load)
         sources.append(source)
     n = len(candidates)
     rotated = [(rotation + i) % n for i in range(n)]

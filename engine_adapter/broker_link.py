@@ -96,6 +96,10 @@ class BrokerLink(Protocol):
         self, namespace: pb.Namespace, hashes: list[int], tier: int = pb.TIER_GPU
     ) -> None: ...
 
+    def give_up_pin(self, lease_id: str, reason: str) -> None:
+        """The blocks pinned for `lease_id` (a retention) were given back to vLLM: the broker ends it."""
+        ...
+
     def take_lease_ends(self) -> list[LeaseEndNotice]: ...
 
     def set_load(self, load: float) -> None:
@@ -241,6 +245,9 @@ class SessionBrokerLink:
 
     def announce_removed(self, namespace: pb.Namespace, hashes: list[int], tier: int = pb.TIER_GPU) -> None:
         self._session.announce_removed(namespace, tier, hashes)
+
+    def give_up_pin(self, lease_id: str, reason: str) -> None:
+        self._session.give_up_pin(lease_id, reason)
 
     def set_pin_handlers(self, pin: PinHandler, unpin: Callable[[str], None]) -> None:
         """Pins arrive on the session thread; a Future answer is sent when it settles."""

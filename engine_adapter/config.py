@@ -38,6 +38,12 @@ class AdapterConfig:
         "kv_recompute_threshold tokens). Setting kv_recompute_threshold without pull_policy selects threshold.",
         choices=("adaptive", "threshold"),
     )
+    recompute_neighbour_cost: float = setting(
+        1.0,
+        "The adaptive policy counts what computing costs the requests already running on this engine: each "
+        "second of prefill here also costs this many seconds per running request (they wait while it "
+        "computes; a pull's wait does not stop them). 0 = the request's own first token only.",
+    )
     kv_recompute_threshold: int = setting(
         64,
         "The fixed rule: pull only when the remote prefix beyond the local hit has at least this many tokens. "
@@ -85,6 +91,12 @@ class AdapterConfig:
         "Most of the GPU KV cache that retentions (the broker's Retain: blocks kept with no reader) may pin "
         "at once; a retention beyond it is refused (holder_refused) so that vLLM keeps room to run. 0: none.",
     )
+    retain_gpu_low_water: float = setting(
+        0.05,
+        "GPU retention pins are given up (least recently retained first; the broker ends each as "
+        "memory_pressure) when vLLM's free KV blocks fall below this share of the cache at a step, or "
+        "below what a waiting request's prompt needs plus this share. 0: only for waiting requests.",
+    )
     tenant: str = setting("", "Tenant added to the namespace (with the request's cache_salt).")
     tls_ca: str = setting(
         "",
@@ -129,10 +141,18 @@ class AdapterConfig:
         for name in ("session_ttl_ms", "hold_ttl_ms", "lease_ttl_ms"):
             if getattr(self, name) <= 0:
                 raise AdapterConfigError(f"{name} must be > 0 (got {getattr(self, name)})")
+        if not self.recompute_neighbour_cost >= 0:  # NaN too
+            raise AdapterConfigError(
+                f"recompute_neighbour_cost must be >= 0 (got {self.recompute_neighbour_cost})"
+            )
         for name in ("kv_recompute_threshold", "resolve_wait_ms", "acquire_wait_ms", "cpu_tier_blocks"):
             if getattr(self, name) < 0:
                 raise AdapterConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
 
+        if not 0.0 <= self.retain_gpu_low_water < 1.0:
+            raise AdapterConfigError(
+                f"retain_gpu_low_water must be in [0, 1) (got {self.retain_gpu_low_water})"
+            )
         if not 0.0 <= self.retain_gpu_fraction <= 1.0:
             raise AdapterConfigError(
                 f"retain_gpu_fraction must be in [0, 1] (got {self.retain_gpu_fraction})"

@@ -279,6 +279,46 @@ class GpuInventory:
         )
         return pb.PinResult(lease_id=lease.lease_id, ok=True, block_ids=[b.block_id for b in blocks])
 
+    def give_up_retentions(self, free_wanted: int, why: str) -> list[str]:
+        """Scheduler thread: give retention pins back to vLLM's pool, least recently retained first,
+        until the pool has `free_wanted` free blocks or no retention is left; the broker is told
+        (it ends each lease as memory_pressure). Readers' pins are never given up. Returns the
+        lease ids given up."""
+        pool = self._pool
+        given: list[str] = []
+        if pool is None:
+            return given
+        for lease_id in list(self._retained):  # dict order: the order they were pinned
+            free = pool.get_num_free_blocks()
+            if free >= free_wanted:
+                break
+            del self._retained[lease_id]
+            blocks = self._pinned.pop(lease_id)
+            pool.free_blocks(reversed(blocks))  # still cached: vLLM evicts them when it needs to
+            given.append(lease_id)
+            self._ctx.stats.count("gpu_retentions_given_up")
+            self._ctx.stats.count("gpu_retained_blocks_given_up", len(blocks))
+            logger.info(
+                "kvbroker: gave up retention %s (%d GPU blocks): %s (%d free of %d wanted)",
+                lease_id,
+                len(blocks),
+                why,
+                free,
+                free_wanted,
+            )
+            if self._ctx.link is not None:
+                self._ctx.link.give_up_pin(lease_id, f"{why} ({free} free blocks, {free_wanted} wanted)")
+        return given
+
+    @property
+    def retained_leases(self) -> int:
+        return len(self._retained)
+
+    def free_and_total(self) -> tuple[int, int]:
+        """vLLM's free KV blocks (cached ones with no reference count as free) and all of them."""
+        pool = self._pool
+        return (pool.get_num_free_blocks(), pool.num_gpu_blocks) if pool is not None else (0, 0)
+
     def wake_engine(self) -> None:
         """Make vLLM's engine loop step once more, if it sleeps (any thread)."""
         if self.wake is not None:

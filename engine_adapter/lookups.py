@@ -145,6 +145,8 @@ class Lookups:
                 preferred_holder=params.holder_engine_id,
                 local_cpu_blocks=local_cpu,
                 pulls_in_flight=ctx.pulls_in_flight,
+                running=ctx.running,
+                neighbour_cost=ctx.config.recompute_neighbour_cost,
             )
             decision = lookup.decision = choice.decision
             lookup.costs = choice.costs

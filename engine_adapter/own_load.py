@@ -34,6 +34,11 @@ class OwnLoad:
     def finished(self, req_id: str) -> None:
         self._allocated.discard(req_id)
 
+    @property
+    def running(self) -> int:
+        """Requests allocated and not finished: those a prefill here delays."""
+        return len(self._allocated)
+
     def value(self, asked: int) -> float:
         """The load with ``asked`` requests vLLM asked about and has not allocated yet."""
         return float(len(self._allocated) + asked)

@@ -6,7 +6,10 @@ seen enough engine steps to predict a prefill, it is decisions.decide_pull
 (pull when the remote part has at least ``kv_recompute_threshold`` tokens).
 
 With ``adaptive`` it predicts the time to the request's first token for every
-way of serving the prompt and takes the quickest:
+way of serving the prompt and takes the quickest, counting with
+``recompute_neighbour_cost`` what each way's computing costs the requests
+already running on this engine (they wait while it computes; while a pull
+waits for its lease and read, the engine keeps stepping for them):
 
 - recompute everything beyond the local hit: prefill(N - L new, after L);
 - for each holder (a GPU holder, a CPU tier, this engine's own CPU tier) and
@@ -104,6 +107,8 @@ def choose(
     preferred_holder: str = "",
     local_cpu_blocks: int = 0,
     pulls_in_flight: Mapping[str, int] | None = None,
+    running: float = 0.0,
+    neighbour_cost: float = 0.0,
 ) -> Choice:
     rule = partial(
         decide_pull,
@@ -146,6 +151,7 @@ def choose(
         block_size=block_size,
         recompute_s=recompute_s,
         in_flight=pulls_in_flight or {},
+        tax=max(0.0, neighbour_cost) * max(0.0, running),
     )
 
 
@@ -221,9 +227,14 @@ def _cheapest(
     block_size: int,
     recompute_s: float,
     in_flight: Mapping[str, int],
+    tax: float = 0.0,
 ) -> Choice:
+    """The quickest way to the first token; with ``tax`` (neighbour_cost x requests running here),
+    each second this engine computes also costs ``tax`` seconds of the requests running beside it
+    (a pull's wait does not: the engine keeps stepping for them meanwhile)."""
     local_blocks = num_local_tokens // block_size
-    best: tuple[float, pb.HolderMatch, int, PullEstimate, int] | None = None  # (s, holder, end, est, reads)
+    # (score, s, holder, end, est, reads)
+    best: tuple[float, float, pb.HolderMatch, int, PullEstimate, int] | None = None
     for m in candidates:
         end_max = min(int(m.matched_blocks), -(-(num_prompt_tokens - 1) // block_size))
         # Reads of the holder now: this engine's own pulls, or every reader's as the broker
@@ -237,9 +248,11 @@ def _cheapest(
                 continue
             est = model.pull(now, m.engine_id, int(m.tier), end - local_blocks, m.load)
             pull_s = est.fixed_s + (est.seconds - est.fixed_s) * share
-            total = pull_s + model.prefill_s(num_prompt_tokens - covered, covered)
-            if best is None or total < best[0]:
-                best = (total, m, end, est, share - 1)
+            rest_s = model.prefill_s(num_prompt_tokens - covered, covered)
+            total = pull_s + rest_s
+            score = total + tax * rest_s
+            if best is None or score < best[0]:
+                best = (score, total, m, end, est, share - 1)
     if best is None:
         return Choice(
             Decision(None, SKIP_NO_HOLDER, "no holder covers a block beyond the local hit"),
@@ -249,7 +262,7 @@ def _cheapest(
                 prefill_source=model.prefill_source,
             ),
         )
-    total, holder, end, est, reads = best
+    score, total, holder, end, est, reads = best
     costs = Costs(
         POLICY_ADAPTIVE,
         predicted_pull_ms=total * 1000.0,
@@ -264,10 +277,13 @@ def _cheapest(
     busy = f" at load {holder.load:g} (x{est.load_factor:.2f})" if holder.load > 0 else ""
     if reads:
         busy += f", {reads} other read{'s' if reads > 1 else ''} of it in flight"
-    if recompute_s <= total:
+    neighbours = ""
+    if tax > 0:  # what each way's computing costs the requests running here, on top
+        neighbours = f"; with the running requests' wait x{tax:g}: {recompute_s * (1 + tax) * 1000.0:.1f} vs {score * 1000.0:.1f} ms"
+    if recompute_s * (1 + tax) <= score:
         detail = (
             f"recompute {recompute_s * 1000.0:.1f} ms <= pull from {holder.engine_id}{busy} "
-            f"{total * 1000.0:.1f} ms (to the first token, predicted)"
+            f"{total * 1000.0:.1f} ms (to the first token, predicted){neighbours}"
         )
         return Choice(Decision(None, SKIP_COST, detail), costs)
     remote_tokens = min(end * block_size, num_prompt_tokens - 1) - num_local_tokens
@@ -281,6 +297,6 @@ def _cheapest(
     )
     detail = (
         f"{remote_tokens} tokens from {holder.engine_id}{busy}: pull {total * 1000.0:.1f} ms < "
-        f"recompute {recompute_s * 1000.0:.1f} ms (to the first token, predicted)"
+        f"recompute {recompute_s * 1000.0:.1f} ms (to the first token, predicted){neighbours}"
     )
     return Choice(Decision(plan, "pull", detail), costs)

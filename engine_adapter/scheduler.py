@@ -17,6 +17,7 @@ the lock) and composes the parts:
 - loads.py: lease acquire, LoadSpecs for the worker, release commits the read;
 - holds.py: finished requests' blocks held for readers, vLLM's block pool;
 - cpu_stores.py: copies to the CPU offload tier and pins of it for readers;
+- retention_pressure.py: retention pins given up when vLLM needs the GPU memory;
 - gpu_inventory.py: every block vLLM's prefix cache has, announced, and pins
   of cached blocks no hold covers;
 - stats.py: the counters, and the thread that writes ``stats_path``;
@@ -47,6 +48,7 @@ from kvbroker.engine_adapter.loads import LOCAL_PIN_PREFIX, Loads
 from kvbroker.engine_adapter.lookups import Lookups
 from kvbroker.engine_adapter.metadata import AdapterMetadata, ReadOutcomes
 from kvbroker.engine_adapter.own_load import OwnLoad
+from kvbroker.engine_adapter.retention_pressure import RetentionPressure
 from kvbroker.engine_adapter.scheduler_context import SchedulerContext
 from kvbroker.engine_adapter.stats import SchedulerStats, StatsWriter
 from kvbroker.v1 import broker_pb2 as pb
@@ -107,6 +109,7 @@ class AdapterScheduler:
         self.lookups = Lookups(self._ctx)
         self.loads = Loads(self._ctx)
         self.gpu = GpuInventory(self._ctx)
+        self.pressure = RetentionPressure(self.gpu, config.retain_gpu_low_water, block_size)
         self.holds = Holds(self._ctx, self.gpu, on_reply=self.on_link_event)
         self.stores = CpuStores(self._ctx)
         self.own_load = OwnLoad()
@@ -166,6 +169,7 @@ class AdapterScheduler:
     @_locked
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.return_held_blocks()
+        self.pressure.on_waiting(request, num_computed_tokens)  # vLLM allocates for it next
         if request.request_id in self.loads.failed:
             return 0, False
         return self.lookups.matched_tokens(request, num_computed_tokens, self._clock())
@@ -176,6 +180,7 @@ class AdapterScheduler:
     ) -> None:
         req_id = request.request_id
         self.own_load.allocated(req_id)
+        self._ctx.running = self.own_load.running
         lookup, named = self.lookups.pop(req_id)
         if req_id in self.loads.active:
             return
@@ -201,6 +206,7 @@ class AdapterScheduler:
             self.loads.scheduled({req_id for req_id, _, _ in scheduled})
         self.return_held_blocks()
         self.gpu.serve()
+        self.pressure.on_step()
         self.gpu.read_events()
         self._check_connection()
         self.holds.advance(now)  # answered holds first, then their ends (Holds.take_lease_ends)
@@ -254,6 +260,7 @@ class AdapterScheduler:
         req_id = request.request_id
         self.costs.steps.on_finished(self._clock(), req_id)
         self.own_load.finished(req_id)
+        self._ctx.running = self.own_load.running
         self.loads.failed.discard(req_id)
         self.lookups.request_finished(req_id)
         self.loads.request_finished(req_id)

@@ -45,6 +45,8 @@ class SchedulerContext:
     step: int = 0
     # Loads under way per holder engine (loads.py): they share its bandwidth (pull_policy.py).
     pulls_in_flight: Counter[str] = field(default_factory=Counter)
+    # Requests allocated here and not finished (own_load.py): a recompute delays them (pull_policy.py).
+    running: int = 0
 
     @property
     def expected_ranks(self) -> int:

@@ -5,7 +5,7 @@
     python -m bench.fleet.fleet --model real --setups rr,prefix --rates 1,3    # SmolLM2-135M
     python -m bench.fleet.fleet --engines 4 --setups rr,prefix,ours-pd         # how routing scales
 
-For each setup (bench/fleet/setups.py: rr, prefix, ours-pd, nixl-pd, ours-dp) it starts
+For each setup (bench/fleet/setups.py: rr, prefix, ours-pd, nixl-pd, ours-dp, ours-dp-learn) it starts
 the engines (pinned apart: the same cores per engine in every setup) and the router,
 then runs the same sessions (bench/fleet/agent_sessions.py) at each rate, every run under a
 fresh cache_salt, and reports per setup and rate: goodput at the SLO, TTFT p50/p90/p99,
@@ -128,6 +128,9 @@ def router_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     if "routed" in after:
         routed = before.get("routed", {})
         out["routed"] = {k: v - routed.get(k, 0) for k, v in after["routed"].items()}
+    if "route_reasons" in after:
+        earlier = before.get("route_reasons", {})
+        out["route_reasons"] = {k: v - earlier.get(k, 0) for k, v in after["route_reasons"].items()}
     for key in ("scored_hits", "score_errors", "score_calls", "score_ms_total"):
         if key in after:
             out[key] = round(after[key] - before.get(key, 0), 1)

@@ -10,6 +10,8 @@
     ours-dp   our proxy in data-parallel mode (--no-disaggregate --placement load) over N
               engines in kv_both with our connector, each pulling a prefix from whichever
               engine holds it
+    ours-dp-learn  the same with --placement-learn (the proxy fits the placement's weights
+              to the first-token times it sees)
 
 `ours-dp` is the proxy's data-parallel mode (docs/serving.md, "Data-parallel fleets"):
 engines with our connector, role `both` (kv_both), given as `--engine ID=URL`, and the proxy
@@ -28,6 +30,7 @@ each run uses a fresh cache_salt, so no run reuses another's cache.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import urllib.request
@@ -43,7 +46,7 @@ from kvbroker.tools.launch import EngineProcess, free_port, pin_apart
 from testkit.engines import BLOCK_SIZE, read_stats
 from testkit.processes import REPO_ROOT, BrokerProcess, ChildProcess, ProxyProcess, python_env
 
-SETUPS = ("rr", "prefix", "ours-pd", "nixl-pd", "ours-dp")
+SETUPS = ("rr", "prefix", "ours-pd", "nixl-pd", "ours-dp", "ours-dp-learn")
 ENGINE_ARGS = ["--enable-prompt-tokens-details"]
 HOLD_TTL_MS = 5000  # decode's multi-turn holds: leases must be gone this long after the run (+ slack)
 
@@ -119,10 +122,19 @@ class Running:
         return out
 
     def router_stats(self) -> dict[str, Any]:
+        """The router's counts since it started: bench.fleet.router's /stats, or our proxy's
+        routing choices by reason (its /metrics; the data-parallel placement's dp_* labels)."""
         for child in self.children:
             if child.name == "router":
                 with urllib.request.urlopen(self.url + "/stats", timeout=10) as resp:
                     return dict(json.loads(resp.read()))
+            if isinstance(child, ProxyProcess):
+                with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+                    text = resp.read().decode()
+                found = re.findall(
+                    r'kvbroker_proxy_route_choices_total\{reason="([^"]+)"\} ([0-9.e+]+)', text
+                )
+                return {"route_reasons": {reason: int(float(n)) for reason, n in found}}
         return {}
 
     def leases_active(self, wait_s: float) -> int | None:
@@ -312,15 +324,22 @@ def start_nixl_pd(ctx: Context) -> Running:
     return running
 
 
-def start_ours_dp(ctx: Context) -> Running:
-    roles: list[tuple[str, str, dict[str, Any]]] = [(f"E{i}", "both", {}) for i in range(ctx.engines)]
-    running = _ours(ctx, "ours-dp", roles)
+def start_ours_dp(ctx: Context, name: str = "ours-dp", learn: bool = False) -> Running:
+    # Engines named apart per setup, so that each keeps its own log and stats in the work dir.
+    letter = "L" if learn else "E"
+    roles: list[tuple[str, str, dict[str, Any]]] = [(f"{letter}{i}", "both", {}) for i in range(ctx.engines)]
+    running = _ours(ctx, name, roles)
     try:
         proxy = ProxyProcess(
-            ctx.work / "proxy-ours-dp.log",
+            ctx.work / f"proxy-{name}.log",
             engines={e.name: e.url for e in running.engines},
             broker=running.broker.address if running.broker else "",
-            extra_args=["--no-disaggregate", "--placement", "load"],
+            extra_args=[
+                "--no-disaggregate",
+                "--placement",
+                "load",
+                *(["--placement-learn"] if learn else []),
+            ],
         )
         running.children.append(proxy.start(timeout=60))
         running.url = proxy.url
@@ -336,6 +355,7 @@ STARTERS: dict[str, Callable[[Context], Running]] = {
     "ours-pd": start_ours_pd,
     "nixl-pd": start_nixl_pd,
     "ours-dp": start_ours_dp,
+    "ours-dp-learn": lambda ctx: start_ours_dp(ctx, "ours-dp-learn", learn=True),
 }
 SHARES_STOCK = ("rr", "prefix")
 

@@ -17,8 +17,10 @@ still naming a dead slot are filtered by every lookup and rewritten later by
 an incremental sweep (`maintain`), as the in-memory index does.
 Namespaces are separate keys, so no prefix matches across namespaces.
 
-Not bounded: --index-memory-mib applies to the in-memory index only; this
-index grows with what engines announce (docs/scale.md, "Limits").
+Bounded by --index-max-entries (0: unbounded): past it the fleet forgets its
+least recently announced or matched blocks, in bounded work per call
+(broker/fleet/index_bound.py says which and how); a forgotten block is a miss.
+What was forgotten is handed to the caller (`take_forgotten`) for the mirrors.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.fleet.index_bound import (
+    BOUND_CHECK_S,
+    FORGET,
+    FORGET_STEP,
+    RECOUNT_S,
+    TOUCH,
+    Forgotten,
+    decode_forgotten,
+    forget_batch,
+)
 from kvbroker.common.index_budget import IndexMemory
 from kvbroker.common.model import Namespace, Tier
 
@@ -37,9 +49,11 @@ IDLE_SWEEP_S = 0.5  # with no namespace to tidy, how long `maintain` waits befor
 
 _HAS = "local function has(v, s) return string.find(',' .. v .. ',', ',' .. s .. ',', 1, true) ~= nil end\n"
 
-# KEYS: ix, slot, slotof, cnt, seq.  ARGV: "engine\ttier", packed hashes.  -> added
+# KEYS: ix, slot, slotof, cnt, seq, lru, tick.  ARGV: "engine\ttier", packed hashes, "1" when bounded.
+# -> {added (holder, block) pairs, new entries}
 _ADD = (
     _HAS
+    + TOUCH
     + """
 local slot = redis.call('HGET', KEYS[3], ARGV[1])
 if not slot then
@@ -47,18 +61,19 @@ if not slot then
   redis.call('HSET', KEYS[3], ARGV[1], slot)
   redis.call('HSET', KEYS[2], slot, ARGV[1])
 end
-local data, added = ARGV[2], 0
+local data, added, created = ARGV[2], 0, 0
 for i = 1, #data, 8 do
   local h = string.sub(data, i, i + 7)
   local v = redis.call('HGET', KEYS[1], h)
   if not v then
-    redis.call('HSET', KEYS[1], h, slot); added = added + 1
+    redis.call('HSET', KEYS[1], h, slot); added = added + 1; created = created + 1
   elseif not has(v, slot) then
     redis.call('HSET', KEYS[1], h, v .. ',' .. slot); added = added + 1
   end
 end
 if added > 0 then redis.call('HINCRBY', KEYS[4], slot, added) end
-return added
+if ARGV[3] ~= '' then touch(KEYS[6], KEYS[7], data, #data / 8) end
+return {added, created}
 """
 )
 
@@ -70,25 +85,29 @@ local function without(v, s)
 end
 """
 
-# KEYS: ix, slotof, cnt.  ARGV: "engine\ttier", packed hashes.  -> removed
+# KEYS: ix, slotof, cnt, lru.  ARGV: "engine\ttier", packed hashes.  -> {removed, entries deleted}
 _REMOVE = (
     _HAS
     + _WITHOUT
     + """
 local slot = redis.call('HGET', KEYS[2], ARGV[1])
-if not slot then return 0 end
-local data, removed = ARGV[2], 0
+if not slot then return {0, 0} end
+local data, removed, deleted = ARGV[2], 0, 0
 for i = 1, #data, 8 do
   local h = string.sub(data, i, i + 7)
   local v = redis.call('HGET', KEYS[1], h)
   if v and has(v, slot) then
     local rest = without(v, slot)
-    if rest == '' then redis.call('HDEL', KEYS[1], h) else redis.call('HSET', KEYS[1], h, rest) end
+    if rest == '' then
+      redis.call('HDEL', KEYS[1], h); redis.call('ZREM', KEYS[4], h); deleted = deleted + 1
+    else
+      redis.call('HSET', KEYS[1], h, rest)
+    end
     removed = removed + 1
   end
 end
 if removed > 0 then redis.call('HINCRBY', KEYS[3], slot, -removed) end
-return removed
+return {removed, deleted}
 """
 )
 
@@ -105,9 +124,11 @@ end
 return dropped
 """
 
-# KEYS: ix, slot.  ARGV: packed hashes.  -> {"engine\ttier", matched, ...}
+# KEYS: ix, slot, lru, tick.  ARGV: packed hashes, "1" when bounded (the matched blocks are
+# touched).  -> {"engine\ttier", matched, ...}
 _LONGEST = (
     _HAS
+    + TOUCH
     + """
 local data = ARGV[1]
 local n = #data / 8
@@ -133,28 +154,34 @@ while count > 0 and i <= n do
   i = i + 1
 end
 for s in pairs(active) do table.insert(out, live[s]); table.insert(out, n) end
+if ARGV[2] ~= '' and #out > 0 then
+  local most = 0
+  for j = 2, #out, 2 do if out[j] > most then most = out[j] end end
+  touch(KEYS[3], KEYS[4], data, most)
+end
 return out
 """
 )
 
-# KEYS: ix, slot.  ARGV: cursor, count.  Rewrites values naming dead slots.  -> next cursor
+# KEYS: ix, slot, lru.  ARGV: cursor, count.  Rewrites values naming dead slots.  -> {next cursor, deleted}
 _SWEEP = """
 local live = {}
 local raw = redis.call('HGETALL', KEYS[2])
 for i = 1, #raw, 2 do live[raw[i]] = true end
 local page = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', tonumber(ARGV[2]))
-local items = page[2]
+local items, deleted = page[2], 0
 for i = 1, #items, 2 do
   local keep = {}
   local v = redis.call('HGET', KEYS[1], items[i])
   if v then
     for tok in string.gmatch(v, '[^,]+') do if live[tok] then table.insert(keep, tok) end end
     local rest = table.concat(keep, ',')
-    if rest == '' then redis.call('HDEL', KEYS[1], items[i])
+    if rest == '' then
+      redis.call('HDEL', KEYS[1], items[i]); redis.call('ZREM', KEYS[3], items[i]); deleted = deleted + 1
     elseif rest ~= v then redis.call('HSET', KEYS[1], items[i], rest) end
   end
 end
-return page[1]
+return {page[1], deleted}
 """
 
 _Q = struct.Struct(">Q")
@@ -176,8 +203,17 @@ def _pack(hashes: Iterable[int]) -> bytes:
 
 
 class RedisPrefixIndex:
-    def __init__(self, state: RedisState) -> None:
+    """`max_entries`: the most distinct blocks the fleet's index keeps (0: unbounded)."""
+
+    def __init__(self, state: RedisState, max_entries: int = 0) -> None:
         self._state = state
+        self._cap = max_entries
+        self._bounded = "1" if max_entries else ""
+        self._forget = state.script(FORGET)
+        self._entries_key = f"{state.prefix}:ixn"
+        self.forgotten = 0  # entries this replica forgot to keep to the bound, since start
+        self._forgotten_out: Forgotten = []
+        self._recount_at = self._bound_at = 0.0
         self._r: Any = state.client  # redis-py's return types are unions of every reply shape
         self._p = state.prefix
         self._add = state.script(_ADD)
@@ -206,6 +242,7 @@ class RedisPrefixIndex:
     # -- updates -------------------------------------------------------------------
 
     def add(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
+        self._forgotten_out = []  # not taken since the last call: nobody mirrors this index
         nsid = namespace_id(namespace)
         packed = _pack(hashes)
         if not packed:
@@ -215,17 +252,21 @@ class RedisPrefixIndex:
             self._state.call(self._r.hset, f"{self._p}:namespaces", nsid, text)
             self._known.add(nsid)
         self._state.call(self._r.sadd, self._engine_key(engine_id), nsid)
-        keys = self._keys(nsid, "ix", "slot", "slotof", "cnt", "seq")
-        added: int = self._state.run(self._add, keys, [_holder(engine_id, tier), packed])
-        return added
+        keys = self._keys(nsid, "ix", "slot", "slotof", "cnt", "seq", "lru", "tick")
+        added, created = self._state.run(self._add, keys, [_holder(engine_id, tier), packed, self._bounded])
+        if self._cap and created:
+            total = int(self._state.call(self._r.incrby, self._entries_key, created))
+            self._forget_in(nsid, namespace, forget_batch(self._cap, total))
+        return int(added)
 
     def remove(self, engine_id: str, tier: Tier, namespace: Namespace, hashes: Iterable[int]) -> int:
         packed = _pack(hashes)
         if not packed:
             return 0
-        keys = self._keys(namespace_id(namespace), "ix", "slotof", "cnt")
-        removed: int = self._state.run(self._remove, keys, [_holder(engine_id, tier), packed])
-        return removed
+        keys = self._keys(namespace_id(namespace), "ix", "slotof", "cnt", "lru")
+        removed, deleted = self._state.run(self._remove, keys, [_holder(engine_id, tier), packed])
+        self._deleted(int(deleted))
+        return int(removed)
 
     def drop_holder(self, engine_id: str, tier: Tier | None = None) -> int:
         tiers = TIERS if tier is None else (tier,)
@@ -247,8 +288,8 @@ class RedisPrefixIndex:
         packed = _pack(hashes)
         if not packed:
             return []
-        keys = self._keys(namespace_id(namespace), "ix", "slot")
-        flat = self._state.run(self._longest, keys, [packed])
+        keys = self._keys(namespace_id(namespace), "ix", "slot", "lru", "tick")
+        flat = self._state.run(self._longest, keys, [packed, self._bounded])
         out: list[tuple[str, Tier, int]] = []
         for i in range(0, len(flat), 2):
             engine_id, _, tier = flat[i].decode().rpartition("\t")
@@ -301,11 +342,75 @@ class RedisPrefixIndex:
         return sum(1 for n in self._per_namespace() if n > 0)
 
     def memory(self) -> IndexMemory:
-        """Not bounded and not measured here (the store's memory is Redis's INFO memory)."""
-        return IndexMemory()
+        """Bounded: the fleet's entries against the bound, and what this replica forgot. The bytes
+        are not measured here (the store's memory is Redis's INFO memory)."""
+        if not self._cap:
+            return IndexMemory()
+        entries = int(self._state.call(self._r.get, self._entries_key) or 0)
+        return IndexMemory(entries=entries, entry_cap=self._cap, forgotten=self.forgotten)
+
+    # -- the bound (broker/fleet/index_bound.py) ---------------------------------------
+
+    def _deleted(self, n: int) -> None:
+        if self._cap and n:
+            self._state.call(self._r.incrby, self._entries_key, -n)
+
+    def _forget_in(self, nsid: str, namespace: Namespace, want: int) -> int:
+        """Forget up to `want` of the namespace's least valuable entries; how many went."""
+        keys = self._keys(nsid, "ix", "slot", "cnt", "lru")
+        gone = 0
+        while gone < want:
+            flat = self._state.run(self._forget, keys, [min(want - gone, FORGET_STEP)])
+            deleted, popped = int(flat[0]), int(flat[1])
+            if not popped:
+                break  # nothing left to forget here (entries not in `lru`: announced before the bound)
+            gone += deleted
+            self._forgotten_out.extend(decode_forgotten(namespace, flat[2:], lambda b: _Q.unpack(b)[0]))
+        if gone:
+            self._deleted(gone)
+            self.forgotten += gone
+        return gone
+
+    def take_forgotten(self) -> Forgotten:
+        """The holders' blocks forgotten since the last call (for the mirrors), and forget them."""
+        out, self._forgotten_out = self._forgotten_out, []
+        return out
+
+    def _sizes(self) -> list[tuple[int, str, Namespace]]:
+        """(entries, id, namespace) of every namespace: one HLEN each."""
+        return [
+            (int(self._state.call(self._r.hlen, self._keys(nsid, "ix")[0])), nsid, ns)
+            for nsid, ns in self._namespaces().items()
+        ]
+
+    def _keep_bound(self) -> None:
+        """Maintenance: recount the fleet's entries now and then, and past the bound forget a step
+        in the namespace with the most entries."""
+        wall = time.monotonic()
+        if wall < self._bound_at:
+            return
+        sizes: list[tuple[int, str, Namespace]] | None = None
+        if wall >= self._recount_at:
+            self._recount_at = wall + RECOUNT_S
+            sizes = self._sizes()
+            total = sum(n for n, _, _ in sizes)
+            self._state.call(self._r.set, self._entries_key, total)
+        else:
+            total = int(self._state.call(self._r.get, self._entries_key) or 0)
+        want = forget_batch(self._cap, total)
+        if not want:
+            self._bound_at = wall + BOUND_CHECK_S  # within the bound: look again in a while
+            return
+        biggest = max(sizes if sizes is not None else self._sizes(), default=None)
+        if biggest is not None and biggest[0]:
+            self._forget_in(biggest[1], biggest[2], min(want, FORGET_STEP))  # one step a pass
 
     def maintain(self, budget: int) -> None:
-        """Rewrite up to about `budget` entries of one namespace that names dropped holders."""
+        """Keep to the bound; rewrite up to about `budget` entries of one namespace that names
+        dropped holders."""
+        self._forgotten_out = []
+        if self._cap:
+            self._keep_bound()
         wall = time.monotonic()
         if wall < self._idle_until:
             return  # nothing was dirty a moment ago: look again in a while, not every pass
@@ -315,8 +420,9 @@ class RedisPrefixIndex:
             return
         nsid = nsid_raw.decode()
         cursor = self._sweep_cursor.get(nsid, b"0")
-        keys = self._keys(nsid, "ix", "slot")
-        cursor = self._state.call(self._sweep, keys=keys, args=[cursor, max(budget, 10)])
+        keys = self._keys(nsid, "ix", "slot", "lru")
+        cursor, deleted = self._state.call(self._sweep, keys=keys, args=[cursor, max(budget, 10)])
+        self._deleted(int(deleted))
         if cursor in (b"0", 0, "0"):
             self._sweep_cursor.pop(nsid, None)
             self._state.call(self._r.srem, f"{self._p}:dirty", nsid)

@@ -233,14 +233,16 @@ class FleetMirrorHub(MirrorHub):
         tier: Tier,
         stored: Sequence[int] = (),
         removed: Sequence[int] = (),
+        forgotten: bool = False,
     ) -> None:
-        super().blocks(engine_id, namespace, tier, stored, removed)
+        super().blocks(engine_id, namespace, tier, stored, removed, forgotten)
         change = pb.MirrorBlocks(
             engine_id=engine_id,
             tenant=namespace.tenant,
             tier=pb.Tier.ValueType(tier),
             stored=stored,
             removed=removed,
+            forgotten=forgotten,
         )
         self._publish(namespace.layout_id, change)
 
@@ -270,7 +272,8 @@ class FleetMirrorHub(MirrorHub):
             super().clear_tier(change.engine_id, layout_id, Tier(change.tier))
         else:
             ns = Namespace(layout_id, change.tenant)
-            super().blocks(change.engine_id, ns, Tier(change.tier), list(change.stored), list(change.removed))
+            stored, removed = list(change.stored), list(change.removed)
+            super().blocks(change.engine_id, ns, Tier(change.tier), stored, removed, change.forgotten)
 
     def apply_engine(self, layout_id: str, change: pb.MirrorEngine) -> None:
         if change.gone:

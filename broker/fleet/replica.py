@@ -56,7 +56,7 @@ class Replica:
             config,
             clock=clock,
             notifier=self.notifier,
-            index=RedisPrefixIndex(state),
+            index=RedisPrefixIndex(state, config.index_max_entries),
             leases=leases,
             registry=self.registry,
             mirrors=self.mirrors,

@@ -109,6 +109,16 @@ class ProxyConfig:
     dp_pull_token_cost: float = setting(
         0.1, "placement load: a pulled prompt token's cost, as a fraction of computing it"
     )
+    dp_pull_fixed_tokens: float = setting(
+        160.0,
+        "placement load: a pull's own wait (the reader's lease, read and notice, each at one of its "
+        "scheduler steps), in prompt tokens; a shorter missing part is computed, not pulled",
+    )
+    dp_neighbour_cost: float = setting(
+        1.0,
+        "placement load: what a request costs the requests already running on an engine, per request "
+        "there and per prompt token it computes (they wait while it computes); 0 = each request for itself",
+    )
     dp_min_prefix_tokens: int = setting(
         64,
         "placement load: a longest held prefix under this many tokens is ignored; requests balance by load",
@@ -211,9 +221,16 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raise SystemExit("error: --max-attempts must be at least 1")
     if args.local_prefill_tokens < 0:
         raise SystemExit("error: --local-prefill-tokens must be >= 0")
-    if args.dp_busy_tokens < 0 or args.dp_pull_token_cost < 0 or args.dp_min_prefix_tokens < 0:
+    weights = (
+        args.dp_busy_tokens,
+        args.dp_pull_token_cost,
+        args.dp_pull_fixed_tokens,
+        args.dp_neighbour_cost,
+    )
+    if min(weights) < 0 or args.dp_min_prefix_tokens < 0:
         raise SystemExit(
-            "error: --dp-busy-tokens, --dp-pull-token-cost and --dp-min-prefix-tokens must be >= 0"
+            "error: --dp-busy-tokens, --dp-pull-token-cost, --dp-pull-fixed-tokens, --dp-neighbour-cost "
+            "and --dp-min-prefix-tokens must be >= 0"
         )
     if args.first_byte_timeout_s < 0 or args.probe_timeout_s <= 0:
         raise SystemExit("error: --first-byte-timeout-s must be >= 0 and --probe-timeout-s > 0")

@@ -38,6 +38,25 @@ class EngineLayout:
     hash_algo: str
 
 
+class Serving:
+    """One request in flight on an engine; its predicted prompt tokens are backlog until it has prefilled."""
+
+    def __init__(self, pool: EnginePool, url: str, tokens: float) -> None:
+        self._pool, self._url, self.tokens = pool, url, tokens
+        self._done = False
+
+    def prefilled(self) -> None:
+        """The engine answered the first byte: its prompt is computed (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        left = self._pool._backlog.get(self._url, 0.0) - self.tokens
+        if left > 1e-9:
+            self._pool._backlog[self._url] = left
+        else:
+            self._pool._backlog.pop(self._url, None)
+
+
 class EnginePool:
     def __init__(
         self,
@@ -51,6 +70,9 @@ class EnginePool:
         self._layouts: dict[str, EngineLayout] = {}
         self._load: dict[str, float] = {}
         self._inflight: dict[str, int] = {}  # url -> requests this proxy has sent there and not seen end
+        # url -> prompt tokens the placement predicted those requests compute there, until each one's
+        # first byte (data-parallel placement: a prefill queued ahead delays a new request token for token)
+        self._backlog: dict[str, float] = {}
         self._draining: set[str] = set()
         self._failed_until: dict[str, float] = {}
         self._failure: dict[str, str] = {}  # url -> why it last failed (shown while cooling down)
@@ -90,16 +112,24 @@ class EnginePool:
             self._inflight.pop(engine.url, None)
 
     @contextlib.contextmanager
-    def serving(self, engine: EngineSpec) -> Iterator[None]:
-        """Counts a request to `engine` as in flight for as long as the block runs."""
+    def serving(self, engine: EngineSpec, prefill_tokens: float = 0.0) -> Iterator[Serving]:
+        """Counts a request to `engine` as in flight for as long as the block runs, and its
+        `prefill_tokens` as that engine's backlog until `Serving.prefilled` (or the block's end)."""
         self.started(engine)
+        slot = Serving(self, engine.url, max(0.0, prefill_tokens))
+        self._backlog[engine.url] = self._backlog.get(engine.url, 0.0) + slot.tokens
         try:
-            yield
+            yield slot
         finally:
+            slot.prefilled()
             self.ended(engine)
 
     def in_flight(self, engine: EngineSpec) -> int:
         return self._inflight.get(engine.url, 0)
+
+    def backlog_of(self, engine: EngineSpec) -> float:
+        """Prompt tokens this proxy's requests on `engine` are predicted to compute before their first byte."""
+        return self._backlog.get(engine.url, 0.0)
 
     def busy_of(self, engine: EngineSpec) -> float:
         """Requests on `engine`: what this proxy has in flight there or, when larger, the load the

@@ -51,7 +51,7 @@ from kvbroker.clients.proxy.outcome import (
 from kvbroker.clients.proxy.p_queue import PrefillQueues
 from kvbroker.clients.proxy.pd_bodies import decode_body, prefill_body
 from kvbroker.clients.proxy.placement_learner import PlacementLearner
-from kvbroker.clients.proxy.routing import Route, dp_order
+from kvbroker.clients.proxy.routing import Route, dp_order, placed_backlog
 from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
 
 log = logging.getLogger("kvbroker.proxy")
@@ -167,6 +167,7 @@ class Forwarder:
             order, placed = dp_order(route, engines, self.pool, self.placement.rule(), self._rotation)
             if placed is not None:  # why: on the span, in the metrics, in a response header
                 outcome.route_reason, outcome.route_detail = placed.reason, placed.detail
+                outcome.prefill_tokens = placed_backlog(order, placed)
             sent = time.perf_counter()
             answer = await self._serve_single(request, endpoint, body, order, outcome, tried, "dp")
             ttft = outcome.first_byte_at - sent if outcome.first_byte_at is not None else None
@@ -358,7 +359,8 @@ class Forwarder:
         """Send the request to `engine` and relay its answer; EngineFailure before anything was relayed."""
         attributes = {"kvbroker.engine": engine.label, "server.address": engine.url, "kvbroker.mode": mode}
         with (
-            self.pool.serving(engine),  # in flight, for the placement (common/placement.py)
+            # In flight (and its prompt as backlog until the first byte), for the placement.
+            self.pool.serving(engine, outcome.prefill_tokens.get(engine.url, 0.0)) as outcome.serving,
             self.tracer.start_as_current_span(
                 "proxy.decode" if mode == "pd" else "proxy.single",
                 kind=SpanKind.CLIENT,
@@ -398,7 +400,7 @@ class Forwarder:
                         ) from None
                     await _raise_for_status(engine, resp, raw)
                     self.pool.mark_ok(engine)
-                    outcome.first_byte_at = time.perf_counter()  # the whole answer is its first byte
+                    outcome.first_byte()  # the whole answer is its first byte
                     return web.Response(
                         body=raw,
                         status=resp.status,
@@ -436,7 +438,7 @@ class Forwarder:
                             # Headers go out with the first byte: until then a retry is still invisible.
                             await out.prepare(request)
                             first = False
-                            outcome.first_byte_at = time.perf_counter()
+                            outcome.first_byte()
                         await out.write(chunk)
                     except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
                         # The client left: not the engine's fault. Closing our side aborts its request.

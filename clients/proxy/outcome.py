@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,15 @@ class Outcome:
     first_byte_at: float | None = None  # perf_counter() when the answer's first byte went out
     route_reason: str = ""  # why local on D or P then pull (p_queue.py), with its detail
     route_detail: str = ""
+    # Data-parallel placement: engine url -> prompt tokens predicted to be computed there (its backlog).
+    prefill_tokens: dict[str, float] = field(default_factory=dict)
+    serving: Any = None  # the engines.Serving of the attempt under way
+
+    def first_byte(self) -> None:
+        """The answer's first byte went out: the engine has computed the prompt."""
+        self.first_byte_at = time.perf_counter()
+        if self.serving is not None:
+            self.serving.prefilled()
 
     def headers(self) -> dict[str, str]:
         h = {"X-Request-Id": self.request_id, "X-KVBroker-Mode": self.mode}

@@ -120,9 +120,18 @@ def dp_order(
     cooling = [e for e in engines if pool.is_cooling_down(e)]
     if not healthy:
         return cooling, None
-    candidates = [Candidate(e.label, route.held_tokens(e), route.load_of(e, pool)) for e in healthy]
+    candidates = [
+        Candidate(e.label, route.held_tokens(e), route.load_of(e, pool), pool.backlog_of(e)) for e in healthy
+    ]
     placed = place(route.num_tokens if route.scored else None, candidates, rule, rotation)
     return [healthy[i] for i in placed.order] + cooling, placed
+
+
+def placed_backlog(order: Sequence[EngineSpec], placed: Placement) -> dict[str, float]:
+    """Engine url -> prompt tokens the placement predicts it computes (dp_order's engines and placement)."""
+    if not placed.terms:
+        return {}
+    return {order[k].url: float(placed.terms[i][0]) for k, i in enumerate(placed.order)}
 
 
 def tokenize_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -224,6 +224,8 @@ async def health(request: web.Request) -> web.Response:
                     "cooling_down": state.pool.is_cooling_down(e),
                     # Requests on it: this proxy's in flight, or the load it heartbeats if larger.
                     "load": state.pool.busy_of(e),
+                    # Prompt tokens this proxy's requests there have yet to compute (placement's backlog).
+                    "backlog_tokens": state.pool.backlog_of(e),
                 }
                 for e in engines
             ],
@@ -307,6 +309,8 @@ def placement_rule(config: ProxyConfig) -> PlacementLearner | None:
     rule = PlacementRule(
         busy_tokens=config.dp_busy_tokens,
         pull_token_cost=config.dp_pull_token_cost,
+        pull_fixed_tokens=config.dp_pull_fixed_tokens,
+        neighbour_cost=config.dp_neighbour_cost,
         min_prefix_tokens=config.dp_min_prefix_tokens,
         pull=config.dp_pull,
         round_robin=config.placement == "round_robin",

@@ -133,6 +133,11 @@ def test_router_counts_are_per_run() -> None:
         "score_errors": 1,
     }
     assert router_delta({}, {}) == {}
+    # Our proxy's routing choices by reason (its /metrics counters) are per run too.
+    ours = router_delta(
+        {"route_reasons": {"dp_holder": 4}}, {"route_reasons": {"dp_holder": 9, "dp_pull": 2}}
+    )
+    assert ours == {"route_reasons": {"dp_holder": 5, "dp_pull": 2}}
 
 
 class _FakeScores:

@@ -20,6 +20,14 @@ BACKENDS: dict[str, Callable[[pytest.FixtureRequest], PrefixIndex]] = {
     "redis": lambda request: RedisPrefixIndex(redis_state(request.getfixturevalue("redis_server"))),
     # A real 3-primary Redis Cluster started by the tests: each namespace's keys on one slot.
     "redis-cluster": lambda request: RedisPrefixIndex(redis_state(request.getfixturevalue("redis_cluster"))),
+    # --index-max-entries never reached: recency upkeep (announcements, matches, removals, sweeps)
+    # must not change answers. Past the bound: tests/broker/fleet/test_index_bound.py.
+    "redis-bounded": lambda request: RedisPrefixIndex(
+        redis_state(request.getfixturevalue("redis_server")), 10**6
+    ),
+    "redis-cluster-bounded": lambda request: RedisPrefixIndex(
+        redis_state(request.getfixturevalue("redis_cluster")), 10**6
+    ),
 }
 NS = Namespace("layout-a", "")
 OTHER = Namespace("layout-a", "tenant-2")

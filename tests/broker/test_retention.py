@@ -108,6 +108,24 @@ def test_a_refused_pin_ends_it_as_holder_refused():
     assert lease.cause is RevokeCause.HOLDER_REFUSED
 
 
+def test_a_pin_the_holder_gave_up_for_memory_ends_it_as_memory_pressure_and_renewal_says_so():
+    core, _clock, notes, p, _d, ns, retention = setup()
+    lease = retention.retain(ns, H, [], 60_000, key="agent-9").lease
+    pinned(core, p, lease)
+    core.pin_result(p, lease.lease_id, False, [], "waiting request r7 needs 30 GPU blocks", given_up=True)
+    assert (lease.state, lease.cause) == (LeaseState.REVOKED, RevokeCause.MEMORY_PRESSURE)
+    assert notes.to(p.session_id, "ended") == []  # the holder gave the blocks back itself
+    revoked = [e for e in notes.events if e.kind == "lease_revoked" and e.lease.lease_id == lease.lease_id]
+    assert revoked and revoked[0].lease.request_id == "retain:agent-9"
+    with pytest.raises(FailedPrecondition, match=r"vLLM needed the memory.*r7 needs 30") as exc:
+        retention.retain(ns, [], [], 60_000, lease_id=lease.lease_id)
+    assert exc.value.cause == Cause.MEMORY_PRESSURE
+    # A late give-up of a lease that already ended changes nothing.
+    assert (
+        core.pin_result(p, lease.lease_id, False, [], "", given_up=True).cause is RevokeCause.MEMORY_PRESSURE
+    )
+
+
 def test_a_newer_retention_replaces_the_older_once_pinned():
     core, _clock, _notes, p, _d, ns, retention = setup()
     old = retention.retain(ns, H[:4], [], 60_000, key="c").lease

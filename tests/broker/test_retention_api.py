@@ -94,6 +94,32 @@ async def test_a_holder_that_cannot_pin_is_an_error_not_a_promise(stub: Stub) ->
     await p.close()
 
 
+async def test_a_pin_given_up_for_memory_ends_it_on_watch_and_renewal_says_memory_pressure(
+    stub: Stub,
+) -> None:
+    p, ns = await holder(stub)
+    watch = stub.Watch(pb.WatchRequest(), timeout=30)
+    lease = (
+        await retained(stub, p, pb.RetainRequest(namespace=ns, block_hashes=H, ttl_ms=60_000, key="s3"))
+    ).lease
+    await p.send(
+        pin_result=pb.PinResult(
+            lease_id=lease.lease_id, ok=False, given_up=True, error="free blocks below 5%"
+        )
+    )
+    async for event in watch:
+        if event.kind == "lease_revoked" and event.lease.lease_id == lease.lease_id:
+            assert event.lease.request_id == "retain:s3" and event.lease.cause == pb.REVOKE_MEMORY_PRESSURE
+            break
+    watch.cancel()
+    code, cause, message = await refused(
+        stub.Retain(pb.RetainRequest(lease_id=lease.lease_id, ttl_ms=60_000), timeout=20)
+    )
+    assert (code, cause) == (grpc.StatusCode.FAILED_PRECONDITION, "memory_pressure")
+    assert "free blocks below 5%" in message
+    await p.close()
+
+
 @pytest.mark.parametrize(
     ("fields", "code", "cause"),
     [

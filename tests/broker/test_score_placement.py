@@ -38,10 +38,11 @@ async def test_placement_sends_a_busy_holders_turn_to_a_free_engine_that_pulls(s
     assert [s.engine_id for s in answer.scores] == ["D", "P"]
     assert (answer.placement_reason, answer.pull_from) == (DP_PULL, "P")
     d, p = answer.scores
-    # D computes the 4 blocks nobody holds and pulls 16 at a tenth of a token each; P computes
-    # the same 4 blocks but waits behind 8 requests of 256 token-equivalents each.
-    assert d.predicted_cost == pytest.approx(4 * 32 + 0.1 * 16 * 32)
-    assert p.predicted_cost == pytest.approx(4 * 32 + 8 * 256)
+    # D computes the 4 blocks nobody holds and pulls 16 (a pull's fixed 160 tokens, then a tenth
+    # of a token each); P computes the same 4 blocks but waits behind 8 requests of 256
+    # token-equivalents each, and they wait for its 128 tokens (1 each per request).
+    assert d.predicted_cost == pytest.approx(4 * 32 + 160 + 0.1 * 16 * 32)
+    assert p.predicted_cost == pytest.approx(4 * 32 + 8 * 256 + 8 * 4 * 32)
     assert (d.gpu_blocks, p.gpu_blocks, p.load) == (0, 16, 8), "counts and load are as in the prefix order"
 
     # Without pulls between engines D would recompute all 640 tokens: still quicker than the queue.
@@ -61,7 +62,7 @@ async def test_placement_sends_a_busy_holders_turn_to_a_free_engine_that_pulls(s
             namespace=ns,
             token_ids=TOKENS,
             order=pb.SCORE_ORDER_PLACEMENT,
-            weights=pb.PlacementWeights(busy_tokens=1),
+            weights=pb.PlacementWeights(busy_tokens=1, neighbour_cost=0),
         )
     )
     assert cheap_load.scores[0].engine_id == "P" and cheap_load.placement_reason == DP_HOLDER
@@ -74,6 +75,8 @@ async def test_placement_weights_and_order_are_checked(stub: Stub) -> None:
         (pb.PlacementWeights(busy_tokens=float("nan")), "weights.busy_tokens"),
         (pb.PlacementWeights(pull_token_cost=1e9), "weights.pull_token_cost"),
         (pb.PlacementWeights(min_prefix_tokens=1 << 30), "weights.min_prefix_tokens"),
+        (pb.PlacementWeights(pull_fixed_tokens=-5), "weights.pull_fixed_tokens"),
+        (pb.PlacementWeights(neighbour_cost=float("inf")), "weights.neighbour_cost"),
     ]:
         request = pb.ScoreRequest(namespace=ns, token_ids=TOKENS, order=pb.SCORE_ORDER_PLACEMENT)
         request.weights.CopyFrom(weights)
@@ -108,5 +111,9 @@ def test_unset_weights_are_the_defaults() -> None:
         pb.PlacementWeights(busy_tokens=10, pull_token_cost=0.5, min_prefix_tokens=1, no_pull=True)
     )
     assert rule == PlacementRule(busy_tokens=10, pull_token_cost=0.5, min_prefix_tokens=1, pull=False)
+    # The two optional weights may be set to 0 (off), which an unset field cannot say.
+    zero = placement_rule(pb.PlacementWeights(pull_fixed_tokens=0, neighbour_cost=0))
+    assert (zero.pull_fixed_tokens, zero.neighbour_cost) == (0.0, 0.0)
+    assert placement_rule(pb.PlacementWeights(neighbour_cost=2.5)).neighbour_cost == 2.5
     with pytest.raises(InvalidArgument, match=r"weights\.busy_tokens"):
         placement_rule(pb.PlacementWeights(busy_tokens=float("inf")))

@@ -187,6 +187,18 @@ async def _declined(w: World) -> errors.BrokerError:
     return await refused(w.hold(request_id="req-1"))
 
 
+@scenario(Cause.MEMORY_PRESSURE)
+async def _memory_pressure(w: World) -> errors.BrokerError:
+    w.p.announce_stored(w.ns, GPU, H)
+    await until(lambda: w.broker.core.index.total_blocks() >= len(H))
+    w.p.on_pin = lambda cmd: pb.PinResult(lease_id=cmd.lease.lease_id, ok=True, block_ids=IDS[:8])
+    lease = (await w.client.retain(namespace=w.ns, block_hashes=H, ttl_ms=5_000)).lease
+    w.p.on_pin = None  # P refuses pins again (holder_refused's scenario)
+    w.p.give_up_pin(lease.lease_id, "vLLM needed the memory")  # a holder under GPU pressure
+    await w.ended(lease.lease_id)
+    return await refused(w.client.retain(lease_id=lease.lease_id, ttl_ms=5_000))
+
+
 @scenario(Cause.RELEASED)
 async def _released(w: World) -> errors.BrokerError:
     lease = await w.hold()

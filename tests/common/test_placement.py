@@ -14,7 +14,10 @@ from kvbroker.common.placement import (
     place,
 )
 
-RULE = PlacementRule(busy_tokens=256, pull_token_cost=0.1, min_prefix_tokens=64)
+# The linear rule (no fixed pull cost, no cost to the neighbours): the tests of those terms say so.
+RULE = PlacementRule(
+    busy_tokens=256, pull_token_cost=0.1, min_prefix_tokens=64, pull_fixed_tokens=0, neighbour_cost=0
+)
 
 
 def names(candidates: list[Candidate], order: tuple[int, ...]) -> list[str]:
@@ -51,6 +54,43 @@ def test_a_partial_holder_pulls_only_what_it_lacks() -> None:
     assert p.reason == DP_PULL and p.pull_from == "A" and "pulls 256 tokens" in p.detail
     # C would pull all 512: dearer than B, cheaper than the busy holder.
     assert names(engines, p.order) == ["B", "C", "A"]
+
+
+def test_a_gap_shorter_than_a_pulls_fixed_cost_is_recomputed_not_pulled() -> None:
+    rule = PlacementRule(busy_tokens=256, pull_token_cost=0.1, pull_fixed_tokens=160, neighbour_cost=0)
+    engines = [Candidate("A", 1152, 2), Candidate("B", 1024, 0)]
+    p = place(1200, engines, rule)
+    # B lacks 128 tokens: pulling them costs 160 + 12.8, computing them 128.
+    assert names(engines, p.order)[0] == "B"
+    assert p.reason == DP_RECOMPUTE and not p.pull_from
+    assert p.terms[1] == (176, 0, 0.0) and p.costs[1] == 176.0
+    # A longer gap is pulled: 512 tokens cost 160 + 51.2 against 512 to compute.
+    far = [Candidate("A", 1536, 2), Candidate("B", 1024, 0)]
+    p = place(1584, far, rule)
+    assert p.reason == DP_PULL and p.pull_from == "A" and p.terms[1] == (48, 512, 0.0)
+    assert abs(p.costs[1] - (48 + 160 + 51.2)) < 1e-9
+
+
+def test_what_a_request_costs_the_requests_running_beside_it_keeps_a_turn_off_a_busy_engine() -> None:
+    # B would recompute 128 tokens of A's history while 2 requests run there.
+    engines = [Candidate("A", 1152, 3), Candidate("B", 1024, 2)]
+    linear = PlacementRule(busy_tokens=256, pull_token_cost=0.1, pull_fixed_tokens=160, neighbour_cost=0)
+    assert names(engines, place(1200, engines, linear).order)[0] == "B"  # 176 + 512 < 48 + 768
+    social = PlacementRule(busy_tokens=256, pull_token_cost=0.1, pull_fixed_tokens=160, neighbour_cost=1)
+    p = place(1200, engines, social)
+    assert names(engines, p.order)[0] == "A" and p.reason == DP_HOLDER
+    assert p.costs == (48 + 768 + 48 * 3, 176 + 512 + 176 * 2)
+    # An idle engine has nobody to delay: the turn still leaves a busy holder for it.
+    idle = [Candidate("A", 1152, 3), Candidate("B", 1024, 0)]
+    assert names(idle, place(1200, idle, social).order)[0] == "B"
+
+
+def test_a_prefill_queued_on_an_engine_delays_a_request_token_for_token() -> None:
+    # Both hold the whole prompt and run nothing else, but A has 1,000 tokens still to compute.
+    engines = [Candidate("A", 512, 1, backlog_tokens=1000), Candidate("B", 512, 1)]
+    p = place(544, engines, RULE)
+    assert names(engines, p.order) == ["B", "A"]
+    assert p.costs == (32 + 1000 + 256, 32 + 256)
 
 
 def test_without_pulls_a_busy_holder_loses_to_a_recompute_only_when_its_queue_is_longer() -> None:

@@ -7,7 +7,8 @@ for longer than its hold is still scored to D and pulled from there (pinned on
 demand through D's session); a block vLLM evicts stops being named within a
 second; P's own /metrics shows the pull. Unit tests with vLLM's real block
 pool: tests/engine_adapter/test_gpu_inventory.py. A retained conversation (Retain) outlives
-eviction pressure on P that drops an unretained one.
+eviction pressure on P that drops an unretained one; retentions that leave too little memory
+for a waiting request are given up, the oldest first (memory_pressure).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+from kvbroker.clients.errors import FailedPrecondition
 from kvbroker.clients.sync import BrokerClient
 from kvbroker.common.hashing import wire_chain
 from kvbroker.tools.launch import EngineProcess
@@ -45,6 +47,7 @@ HOLD_TTL_MS = 1000
 # The tiny model: 2 layers x 2 KV heads x head size 32 x 32 tokens x K and V x 4 bytes.
 BLOCK_BYTES = 2 * 2 * 32 * BLOCK_SIZE * 2 * 4
 P_BLOCKS = 40
+RETAIN_SHARE = 0.9  # retentions may pin most of P's cache: memory pressure must give them up
 MAX_MODEL_LEN = 512
 
 
@@ -77,6 +80,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             max_model_len=MAX_MODEL_LEN,
             kv_cache_bytes=P_BLOCKS * BLOCK_BYTES,
             log_stats=True,
+            retain_gpu_fraction=RETAIN_SHARE,
         )
         engines.append(p)
         d, d_stats = start_engine(
@@ -219,3 +223,44 @@ def test_a_retained_prefix_survives_eviction_pressure_that_drops_an_unretained_o
         assert client.unretain(lease_id=lease.lease_id).lease.state == pb.LEASE_RELEASED
         pressure(lambda: _named_blocks(client, "P", kept) == 0)
         assert wait_for(lambda: _named_blocks(client, "P", kept) == 0, 10), "the pin outlived its retention"
+
+
+def test_retentions_that_leave_a_waiting_prompt_too_little_memory_are_given_up_oldest_first(
+    pair: Pair,
+) -> None:
+    """Four retained conversations pin 24 of P's 40 blocks; a 16-block prompt cannot be allocated
+    beside them. P gives retentions back (engine_adapter/retention_pressure.py), the oldest
+    first, the prompt is answered, and the broker ends each given-up retention as memory_pressure
+    (a renewal says so) while the newest stays pinned."""
+    convs = [prompt_of(6 * BLOCK_SIZE + 1, seed=90 + n) for n in range(4)]
+    for prompt in convs:
+        complete(pair.p, prompt, max_tokens=1)
+    with BrokerClient(pair.broker.address) as client:
+        assert wait_for(lambda: min(_named_blocks(client, "P", c) for c in convs) == 6, 10)
+        ns = pb.Namespace(
+            layout_id=next(e.layout_id for e in client.list_engines().engines if e.engine_id == "P")
+        )
+        leases = [
+            client.retain(namespace=ns, token_ids=c, ttl_ms=300_000, engine_id="P", key=f"agent-{n}").lease
+            for n, c in enumerate(convs)
+        ]
+        assert all(lease.state == pb.LEASE_ACTIVE for lease in leases)
+        given_before = pair.stat("P", "gpu_retentions_given_up")
+        big = prompt_of(15 * BLOCK_SIZE + 1, seed=99)
+        reference = recompute_reference(pair.d, big, 2)
+        assert output_ids(complete(pair.p, big, max_tokens=2)) == reference
+
+        def ended(lease: pb.Lease) -> str:
+            try:
+                client.retain(lease_id=lease.lease_id, ttl_ms=300_000)
+            except FailedPrecondition as err:  # the renewal's answer names the cause
+                return err.cause
+            return ""
+
+        causes = [ended(lease) for lease in leases]
+        given = causes.index("") if "" in causes else len(causes)
+        assert given >= 1 and causes[:given] == ["memory_pressure"] * given, causes
+        assert causes[3] == "" and set(causes[given:]) == {""}, f"not the oldest first: {causes}"
+        assert pair.stat("P", "gpu_retentions_given_up") - given_before == given
+        for lease in leases[given:]:
+            client.unretain(lease_id=lease.lease_id)

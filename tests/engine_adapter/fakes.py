@@ -39,6 +39,7 @@ class FakeLink:
         self.mirror_matches: list[pb.HolderMatch] | None = None
         self.listener: Any = None
         self.loads: list[float] = []  # every set_load figure, in order
+        self.given_up: list[tuple[str, str]] = []  # (lease id, reason) of every pin given up
 
     def _call(self, name: str, **args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -85,6 +86,9 @@ class FakeLink:
 
     def announce_removed(self, namespace, hashes, tier=pb.TIER_GPU):  # type: ignore[no-untyped-def]
         (self.removed if tier == pb.TIER_GPU else self.cpu_removed).extend(hashes)
+
+    def give_up_pin(self, lease_id: str, reason: str) -> None:
+        self.given_up.append((lease_id, reason))
 
     def set_pin_handlers(self, pin, unpin):  # type: ignore[no-untyped-def]
         self.pin_handler, self.unpin_handler = pin, unpin

@@ -183,6 +183,21 @@ def test_tiny_model_recomputes_short_histories_big_model_pulls_them() -> None:
     assert one_block.costs.predicted_pull_ms < one_block.costs.predicted_recompute_ms
 
 
+def test_requests_running_here_make_a_recompute_dearer_than_a_pull() -> None:
+    """Alone, the tiny model recomputes a short history; with requests running beside it, the
+    seconds it computes are theirs too, while a pull's wait leaves the engine stepping for them."""
+    tiny = trained(**TINY, block_bytes=100_000)
+    alone = decide(tiny, tokens=300, matches=[held(9)], running=20, neighbour_cost=0.0)
+    assert alone.decision.reason == SKIP_COST
+    idle = decide(tiny, tokens=300, matches=[held(9)], running=0, neighbour_cost=1.0)
+    assert idle.decision.reason == SKIP_COST  # nobody to delay: as before
+    crowded = decide(tiny, tokens=300, matches=[held(9)], running=20, neighbour_cost=1.0)
+    assert crowded.decision.plan is not None and crowded.decision.plan.num_blocks == 9
+    assert "running requests' wait x20" in crowded.decision.detail
+    # The predicted times themselves are the request's own, unchanged by the neighbours.
+    assert crowded.costs.predicted_recompute_ms == pytest.approx(alone.costs.predicted_recompute_ms)
+
+
 def test_measured_pulls_move_the_crossover() -> None:
     model = trained(**TINY, block_bytes=100_000)
     assert decide(model, tokens=1500, matches=[held(46)]).decision.plan is not None
@@ -250,6 +265,14 @@ def test_pulls_in_flight_from_a_holder_share_its_bandwidth() -> None:
     assert shared.costs.predicted_pull_ms == pytest.approx(busy.costs.predicted_pull_ms)
     assert shared.costs.holder_reads == 3 and shared.costs.attributes()["kvbroker.holder_reads"] == 3
     assert "3 other reads of it in flight" in shared.decision.detail
+
+
+def test_config_recompute_neighbour_cost() -> None:
+    assert AdapterConfig.from_extra_config({}).recompute_neighbour_cost == 1.0
+    assert AdapterConfig.from_extra_config({"recompute_neighbour_cost": 0}).recompute_neighbour_cost == 0.0
+    for bad in (-1, float("nan")):
+        with pytest.raises(AdapterConfigError, match="recompute_neighbour_cost"):
+            AdapterConfig.from_extra_config({"recompute_neighbour_cost": bad})
 
 
 def test_config_pull_policy() -> None:

@@ -166,6 +166,10 @@ class _RevokeCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RevokeCau
     """the holder replaced the blocks"""
     REVOKE_DECLINED: _RevokeCause.ValueType  # 8
     """the reader will not read it (it recomputed, or its request failed)"""
+    REVOKE_MEMORY_PRESSURE: _RevokeCause.ValueType  # 9
+    """The holder gave up a retention's GPU pin because vLLM needed the memory (PinResult.given_up;
+    docs/broker.md, "Retention"). Cause word: memory_pressure. Older clients see an unknown value 9.
+    """
 
 class RevokeCause(_RevokeCause, metaclass=_RevokeCauseEnumTypeWrapper): ...
 
@@ -186,6 +190,10 @@ REVOKE_SUPERSEDED: RevokeCause.ValueType  # 7
 """the holder replaced the blocks"""
 REVOKE_DECLINED: RevokeCause.ValueType  # 8
 """the reader will not read it (it recomputed, or its request failed)"""
+REVOKE_MEMORY_PRESSURE: RevokeCause.ValueType  # 9
+"""The holder gave up a retention's GPU pin because vLLM needed the memory (PinResult.given_up;
+docs/broker.md, "Retention"). Cause word: memory_pressure. Older clients see an unknown value 9.
+"""
 Global___RevokeCause: _TypeAlias = RevokeCause  # noqa: Y015
 
 class _ScoreOrder:
@@ -764,9 +772,15 @@ class PinResult(_message.Message):
     OK_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    GIVEN_UP_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     ok: _builtins.bool
     error: _builtins.str
+    given_up: _builtins.bool
+    """With ok false, after the pin was made: the holder gave the pin up (a retention's GPU blocks,
+    because vLLM needed the memory) and the broker ends the lease with REVOKE_MEMORY_PRESSURE.
+    Compatibility: an older broker ignores the field and ends the lease as holder_refused.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """holder block ids, one per hash, in chain order"""
@@ -778,10 +792,11 @@ class PinResult(_message.Message):
         ok: _builtins.bool = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         error: _builtins.str = ...,
+        given_up: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "error", b"error", "lease_id", b"lease_id", "ok", b"ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "error", b"error", "given_up", b"given_up", "lease_id", b"lease_id", "ok", b"ok"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1559,6 +1574,8 @@ class PlacementWeights(_message.Message):
     PULL_TOKEN_COST_FIELD_NUMBER: _builtins.int
     MIN_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
     NO_PULL_FIELD_NUMBER: _builtins.int
+    PULL_FIXED_TOKENS_FIELD_NUMBER: _builtins.int
+    NEIGHBOUR_COST_FIELD_NUMBER: _builtins.int
     busy_tokens: _builtins.float
     """prompt tokens of waiting one request in flight costs [256]"""
     pull_token_cost: _builtins.float
@@ -1567,6 +1584,12 @@ class PlacementWeights(_message.Message):
     """a longest held prefix under this is ignored: balance by load [64]"""
     no_pull: _builtins.bool
     """engines do not pull from each other (no kv_both connector)"""
+    pull_fixed_tokens: _builtins.float
+    """Unset means the default in brackets; these two may be set to 0.
+    a pull's own wait, in prompt tokens [160]
+    """
+    neighbour_cost: _builtins.float
+    """per request in flight, per prompt token computed [1]"""
     def __init__(
         self,
         *,
@@ -1574,12 +1597,21 @@ class PlacementWeights(_message.Message):
         pull_token_cost: _builtins.float = ...,
         min_prefix_tokens: _builtins.int = ...,
         no_pull: _builtins.bool = ...,
+        pull_fixed_tokens: _builtins.float | None = ...,
+        neighbour_cost: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_neighbour_cost", b"_neighbour_cost", "_pull_fixed_tokens", b"_pull_fixed_tokens", "neighbour_cost", b"neighbour_cost", "pull_fixed_tokens", b"pull_fixed_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_tokens", b"busy_tokens", "min_prefix_tokens", b"min_prefix_tokens", "no_pull", b"no_pull", "pull_token_cost", b"pull_token_cost"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_neighbour_cost", b"_neighbour_cost", "_pull_fixed_tokens", b"_pull_fixed_tokens", "busy_tokens", b"busy_tokens", "min_prefix_tokens", b"min_prefix_tokens", "neighbour_cost", b"neighbour_cost", "no_pull", b"no_pull", "pull_fixed_tokens", b"pull_fixed_tokens", "pull_token_cost", b"pull_token_cost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__neighbour_cost: _TypeAlias = _typing.Literal["neighbour_cost"]  # noqa: Y015
+    _WhichOneofArgType__neighbour_cost: _TypeAlias = _typing.Literal["_neighbour_cost", b"_neighbour_cost"]  # noqa: Y015
+    _WhichOneofReturnType__pull_fixed_tokens: _TypeAlias = _typing.Literal["pull_fixed_tokens"]  # noqa: Y015
+    _WhichOneofArgType__pull_fixed_tokens: _TypeAlias = _typing.Literal["_pull_fixed_tokens", b"_pull_fixed_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__neighbour_cost) -> _WhichOneofReturnType__neighbour_cost | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pull_fixed_tokens) -> _WhichOneofReturnType__pull_fixed_tokens | None: ...
 
 Global___PlacementWeights: _TypeAlias = PlacementWeights  # noqa: Y015
 
@@ -2050,11 +2082,18 @@ class MirrorBlocks(_message.Message):
     STORED_FIELD_NUMBER: _builtins.int
     REMOVED_FIELD_NUMBER: _builtins.int
     CLEAR_TIER_FIELD_NUMBER: _builtins.int
+    FORGOTTEN_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     tenant: _builtins.str
     tier: Global___Tier.ValueType
     clear_tier: _builtins.bool
     """drop the engine's blocks on this tier (all tenants) first"""
+    forgotten: _builtins.bool
+    """The removals are blocks the broker's index forgot to keep to its bound (--index-memory-mib,
+    --index-max-entries), not blocks the engine dropped: apply them as removals all the same (the
+    broker no longer names the engine for them). Compatibility: an older mirror ignores the field
+    and applies the removals, which is right; an older broker never sends forgotten blocks.
+    """
     @_builtins.property
     def stored(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -2068,10 +2107,11 @@ class MirrorBlocks(_message.Message):
         stored: _abc.Iterable[_builtins.int] | None = ...,
         removed: _abc.Iterable[_builtins.int] | None = ...,
         clear_tier: _builtins.bool = ...,
+        forgotten: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clear_tier", b"clear_tier", "engine_id", b"engine_id", "removed", b"removed", "stored", b"stored", "tenant", b"tenant", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clear_tier", b"clear_tier", "engine_id", b"engine_id", "forgotten", b"forgotten", "removed", b"removed", "stored", b"stored", "tenant", b"tenant", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2116,9 +2156,11 @@ class RetainRequest(_message.Message):
     engine that holds it for a while, with no reader yet. The broker makes a
     lease with an empty reader (request_id "retain:KEY") and sends the holder a
     PinCommand, as for a reader's pin of cached blocks; the lease ends at its
-    TTL (TTL_EXPIRED), by Unretain (RELEASED), or when the holder's session ends
+    TTL (TTL_EXPIRED), by Unretain (RELEASED), when the holder's session ends
     (HOLDER_GONE: the pin is lost, as a later Retain naming the lease answers
-    and as the lease_revoked event on Watch shows). Compatibility: new calls and
+    and as the lease_revoked event on Watch shows), or when a holder without a
+    CPU tier gives up the GPU pin because vLLM needs the memory
+    (MEMORY_PRESSURE, cause memory_pressure: PinResult.given_up). Compatibility: new calls and
     messages only; an older broker answers UNIMPLEMENTED, and engines need no
     change (they answer the PinCommand as they answer a reader's).
     ---------------------------------------------------------------------------

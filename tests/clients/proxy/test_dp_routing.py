@@ -122,6 +122,42 @@ async def test_short_prompts_nobody_holds_are_balanced(fleet: dict[str, Any]) ->
     assert set(chosen) == {"E1", "E2"}
 
 
+async def test_a_request_is_backlog_on_its_engine_until_its_first_byte(fleet: dict[str, Any]) -> None:
+    """The placement's predicted prompt tokens count on the chosen engine until it answers."""
+    e1, e2 = fleet["fakes"]["E1"], fleet["fakes"]["E2"]
+    for fake in (e1, e2):
+        fake.mode, fake.delay_s = "slow", 4.0
+    first = asyncio.create_task(chat(fleet, TURN2))  # nobody holds it: the whole prompt is backlog
+    for _ in range(200):
+        engines = await health_engines(fleet)
+        busy = [e for e in engines if e["backlog_tokens"] > 0]
+        if busy:
+            break
+        await asyncio.sleep(0.05)
+    assert len(busy) == 1 and busy[0]["backlog_tokens"] >= 64, engines
+    await first
+    assert all(e["backlog_tokens"] == 0 for e in await health_engines(fleet))
+
+
+async def health_engines(fleet: dict[str, Any]) -> list[dict[str, Any]]:
+    async with fleet["http"].get(fleet["url"] + "/health") as resp:
+        return list(json.loads(await resp.read())["engines"])
+
+
+def test_backlog_is_counted_until_the_first_byte_or_the_end() -> None:
+    from kvbroker.clients.proxy import EngineSpec
+    from kvbroker.clients.proxy.engines import EnginePool
+
+    a = EngineSpec("http://a", "both", "A")
+    pool = EnginePool([a])
+    with pool.serving(a, 300) as one, pool.serving(a, 200):
+        assert pool.backlog_of(a) == 500 and pool.in_flight(a) == 2
+        one.prefilled()
+        one.prefilled()  # once only
+        assert pool.backlog_of(a) == 200
+    assert pool.backlog_of(a) == 0 and pool.in_flight(a) == 0  # the end of the other one
+
+
 async def test_requests_in_flight_at_the_proxy_count_as_load(fleet: dict[str, Any]) -> None:
     """Without any heartbeat, what the proxy itself has sent an engine spreads the next requests."""
     await announce(fleet, "E2", HISTORY, pb.TIER_GPU)

@@ -169,7 +169,8 @@ class BrokerConfig:
         "where the broker keeps its state: empty = in this process (the default); redis://HOST:PORT[/DB] "
         "or rediss://HOST:PORT (TLS) = a shared Redis or Valkey; redis+cluster://HOST:PORT[,HOST:PORT...] "
         "(rediss+cluster:// for TLS) = a Redis or Valkey Cluster by its seed nodes; "
-        "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE = a Sentinel-managed primary: leases and the prefix "
+        "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE (rediss+sentinel:// for TLS) = a Sentinel-managed "
+        "primary: leases and the prefix "
         "index live there (docs/scale.md)",
     )
     state_prefix: str = setting("kvb", "key prefix in the --state store (brokers of one fleet share it)")

@@ -19,6 +19,7 @@ from kvbroker.broker.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvbroker.broker.events import Notifier, NullNotifier
 from kvbroker.broker.exactness import exact_only, score_candidates
 from kvbroker.broker.holders import find_holders
+from kvbroker.broker.inventory_backlog import IndexChange, InventoryBacklog
 from kvbroker.broker.lease_stats import LeaseStats, ReadReport
 from kvbroker.broker.leases import InMemoryLeaseTable, Lease, LeaseTable, ended_cause
 from kvbroker.broker.mirror import MirrorHub, Mirrors
@@ -63,6 +64,7 @@ class BrokerCore:
         self.revocations: dict[str, int] = dict.fromkeys(CAUSE_LABELS, 0)
         self.released_total, self.stalls_forgiven, self.stalled_s_forgiven = 0, 0, 0.0
         self.declines = DeclineBook() if declines is None else declines
+        self.backlog = InventoryBacklog(self.index, self._supersede, self.registry, self.notifier)
 
     # -- sessions ------------------------------------------------------------------
 
@@ -98,6 +100,7 @@ class BrokerCore:
             return
         with self.registry.removing(rec, message or "session ended"):
             self.index.drop_holder(rec.engine_id)
+            self.backlog.drop(session_id)  # a session that moved keeps its changes (inventory_backlog.py)
             for lease in self.leases.by_holder(rec.engine_id):
                 self._revoke(lease, RevokeCause.HOLDER_GONE, f"holder {rec.engine_id!r} session ended")
             for lease in self.leases.by_reader(rec.engine_id):
@@ -143,15 +146,7 @@ class BrokerCore:
         self.check.layout(rec, ns)
         self.check.hashes(len(stored), "inventory.stored")
         self.check.hashes(len(removed), "inventory.removed")
-        # Leases on blocks about to go are revoked first: watchers see why before the blocks go.
-        if clear_all:
-            self._supersede(rec, None, t, None)
-            self.index.clear_tier(rec.engine_id, ns.layout_id, t)
-        if removed:
-            self._supersede(rec, ns, t, removed)
-            self.index.remove(rec.engine_id, t, ns, removed)
-        if stored:
-            self.index.add(rec.engine_id, t, ns, stored)
+        self.backlog.update(rec, IndexChange(ns, t, stored, removed, clear_all))
 
     def _supersede(
         self, rec: EngineRecord, ns: Namespace | None, tier: Tier, removed: Sequence[int] | None
@@ -503,6 +498,7 @@ class BrokerCore:
         limit = budget or self.config.expiry_batch
         now = self.clock.now()
         ended = 0
+        self.backlog.flush()  # index changes the store could not take before, in their order
         for rec in self.registry.expired(now, limit):
             if rec.stream_lost:  # see stream_ended
                 self.end_session(rec.session_id, message="session stream ended")

@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from testkit.ports import free_port
 from testkit.processes import ChildProcess
@@ -55,7 +56,7 @@ class RedisServer:
         self.child = ChildProcess("redis-server", argv, self.workdir / f"redis-{self.port}.log").start()
         import redis
 
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, **self.client_options())
 
         def answers() -> bool:
             try:
@@ -73,6 +74,10 @@ class RedisServer:
     def extra_args(self) -> list[str]:
         """More redis-server arguments (a subclass's, e.g. a Cluster node's)."""
         return []
+
+    def client_options(self) -> dict[str, Any]:
+        """What a client needs besides the port (a TLS server's: certificates)."""
+        return {}
 
     def stop(self) -> None:
         if self.child is not None:

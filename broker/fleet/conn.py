@@ -12,7 +12,9 @@ by the client library behind our back; on a single Redis, the first call that
 times out marks the store away (``kvbroker.broker.fleet.health``) and every
 later call fails at once with Unavailable until a probe off the event loop
 finds it answering again. The loop therefore waits on a hung store once per
-outage, for one call's timeout, not once per call.
+outage, for one call's timeout, not once per call. On a Cluster the same holds
+per node (``kvbroker.broker.fleet.nodes``): a hung node fails fast, the others
+serve on.
 
 A Redis Cluster is named by its seed nodes (`redis+cluster://H1:P1,H2:P2`).
 Every script and transaction touches the keys of one hash slot (their keys
@@ -31,7 +33,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
 import redis
 import redis.asyncio
@@ -52,25 +53,27 @@ from redis.retry import Retry
 
 from kvbroker.broker.errors import InvalidArgument, Unavailable
 from kvbroker.broker.fleet.health import StoreHealth
+from kvbroker.broker.fleet.nodes import ClusterNodes, online_replicas
+from kvbroker.broker.fleet.urls import (
+    CLUSTER_SCHEMES,
+    SCHEMES,
+    SENTINEL_SCHEMES,
+    USAGE,
+    parse_cluster_url,
+    parse_sentinel_url,
+    shown_url,
+    tls_options,
+)
 from kvbroker.broker.fleet.wire import UNSENT, round_trip
 
 T = TypeVar("T")
 log = logging.getLogger("kvbroker.broker.fleet")
 # The longest a call to the store may hold the event loop (a socket timeout; nothing retried).
 CALL_TIMEOUT_S = 0.25
-# Under Sentinel: how long the end of a lease waits for a replica to have it before its notice goes.
+# Where the store has replicas: how long a lease's end waits for one to have it before its notice goes.
 DURABLE_WAIT_MS = 50
 _NO_RETRY = redis.asyncio.retry.Retry(NoBackoff(), retries=0)
 
-SCHEMES = ("redis://", "rediss://", "unix://")
-CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
-SENTINEL_SCHEME = "redis+sentinel://"
-_USAGE = (
-    "use redis://HOST:PORT[/DB], rediss://HOST:PORT (TLS), "
-    "redis+cluster://HOST:PORT[,HOST:PORT...] (a Redis Cluster's seed nodes; rediss+cluster:// for TLS), "
-    "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE (Sentinels and the primary's service name), "
-    "or leave it empty for the in-memory broker"
-)
 # Answers that mean "not now" rather than "never": a replica or a loading store, and a Cluster
 # failing over or resharding (a script whose slot is half moved meets a key on another node; with
 # `#!lua` a key of another slot is refused earlier, as "do not hash to the same slot").
@@ -116,66 +119,13 @@ def _raw(answer: Any) -> Any:
     return answer
 
 
-def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
-    """Seed nodes and connection options from `redis[s]+cluster://[USER:PASSWORD@]H1:P1,H2:P2`."""
-    scheme, _, rest = url.partition("://")
-    options: dict[str, Any] = {"ssl": scheme == "rediss+cluster"}
-    if "?" in rest or "#" in rest:
-        raise InvalidArgument(f"--state {_shown(url)}: a Cluster URL takes no query or fragment; {_USAGE}")
-    userinfo, at, hosts = rest.rpartition("@")
-    if at:
-        user, colon, password = userinfo.partition(":")
-        if user:
-            options["username"] = unquote(user)
-        if colon:
-            options["password"] = unquote(password)
-    hosts, _, db = hosts.partition("/")
-    if db not in ("", "0"):
-        raise InvalidArgument(
-            f"--state {_shown(url)}: a Redis Cluster has only database 0, not {db!r}; drop the /{db}"
-        )
-    nodes: list[tuple[str, int]] = []
-    for item in hosts.split(","):
-        host, colon, port = item.strip().rpartition(":")
-        host = host.strip("[]")  # [::1]:7000
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgument(
-                f"--state {_shown(url)}: seed node {item.strip()!r} is not HOST:PORT (port 1-65535); {_USAGE}"
-            )
-        nodes.append((host, int(port)))
-    return nodes, options
-
-
-def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
-    """Sentinels, the service name and connection options from
-    `redis+sentinel://[USER:PASSWORD@]H1:P1,H2:P2/SERVICE` (the options go to the primary)."""
-    rest = url.partition("://")[2]
-    hosts, slash, service = rest.partition("/")
-    if not slash or not service or "/" in service or "?" in service:
-        raise InvalidArgument(
-            f"--state {_shown(url)}: name the primary's service after the Sentinels (.../SERVICE); {_USAGE}"
-        )
-    nodes, options = parse_cluster_url("redis+cluster://" + hosts)
-    options.pop("ssl")
-    return nodes, service, options
-
-
-def _shown(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, hosts = rest.rpartition("@")
-    if at and ":" in userinfo:
-        return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{hosts}"
-    return url
-
-
 class RedisState:
     """A Redis (or Cluster) client, the fleet's key prefix, and the one place Redis errors become broker
     errors."""
 
     def __init__(self, url: str, prefix: str = "kvb", timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.url = url
-        self.shown = _shown(url)
+        self.shown = shown_url(url)
         self.prefix = prefix
         self.cluster = url.startswith(CLUSTER_SCHEMES)
         self._timeout_s = timeout_s
@@ -188,23 +138,24 @@ class RedisState:
         self._thread = threading.get_ident()
         self._sentinel: Any = None
         self._undurable_logged = -math.inf
+        self._last_key: Any = None  # on a Cluster: the key of the last call on our own connections
+        self._last_conn: Any = None  # and the connection it went over (None: the client's way)
         if self.cluster:
             self.seeds, self._options = parse_cluster_url(url)
             self.client = self._connect_cluster()
-        elif url.startswith(SENTINEL_SCHEME):
+            self.nodes = ClusterNodes(self.shown, self._node_client, self.client.nodes_manager.initialize)
+            self.nodes.guard(self.client)
+        elif url.startswith(SENTINEL_SCHEMES):
             self.sentinels, self.service, self._options = parse_sentinel_url(url)
             # A primary that fails over is found again through the Sentinels at each new connection.
-            self._sentinel = redis.sentinel.Sentinel(
-                self.sentinels,
-                sentinel_kwargs={"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s},
-            )
+            self._sentinel = redis.sentinel.Sentinel(self.sentinels, sentinel_kwargs=self._sentinel_options())
             self.client = self._standalone(url)
         elif url.startswith(SCHEMES):
             self.client = self._standalone(url)
         else:
-            raise InvalidArgument(f"--state {self.shown!r} is not a Redis URL: {_USAGE}")
-        # On a Cluster a node away is one slot range away, not the store: calls there rely on the
-        # socket timeout alone (see Limits in docs/scale.md).
+            raise InvalidArgument(f"--state {self.shown!r} is not a Redis URL: {USAGE}")
+        # On a Cluster a node away is one slot range away, not the store: `self.nodes` fails fast
+        # per node instead (broker/fleet/nodes.py).
         self.health = StoreHealth(self.shown, self._probe)
         self._prober: Any = None
 
@@ -216,25 +167,40 @@ class RedisState:
             "health_check_interval": 10,
             "retry": Retry(NoBackoff(), retries=0),
         }
-        if url.startswith(SENTINEL_SCHEME):
+        if url.startswith(SENTINEL_SCHEMES):
             return self._sentinel.master_for(self.service, **options, **self._options)
         return redis.Redis.from_url(url, **options)
 
     def _async_client(self, **options: Any) -> redis.asyncio.Redis:
         """An asyncio client to the (current) primary of a single Redis or a Sentinel's service."""
-        if not self.url.startswith(SENTINEL_SCHEME):
+        if not self.url.startswith(SENTINEL_SCHEMES):
             return redis.asyncio.Redis.from_url(self.url, **options)
-        sentinel = redis.asyncio.sentinel.Sentinel(
-            self.sentinels,
-            sentinel_kwargs={"socket_timeout": self._timeout_s, "socket_connect_timeout": self._timeout_s},
-        )
+        sentinel = redis.asyncio.sentinel.Sentinel(self.sentinels, sentinel_kwargs=self._sentinel_options())
         return sentinel.master_for(self.service, **options, **self._options)
+
+    def _sentinel_options(self) -> dict[str, Any]:
+        """A Sentinel's connection: the call timeout, and TLS as the primary's (rediss+sentinel)."""
+        t = self._timeout_s
+        return {"socket_timeout": t, "socket_connect_timeout": t, **tls_options(self._options)}
 
     def _probe(self) -> None:
         """One ping on the probe thread's own connection (never the loop's)."""
         if self._prober is None:
             self._prober = self._standalone(self.url)
         self._prober.ping()
+
+    def _node_client(self, host: str, port: int) -> redis.Redis:
+        """A client of one Cluster node's own (a probe's), never retried."""
+        t = self._timeout_s
+        options: dict[str, Any] = {"socket_timeout": t, "socket_connect_timeout": t}
+        options["retry"] = Retry(NoBackoff(), retries=0)
+        return redis.Redis(host=host, port=port, **options, **self._options)
+
+    def back_for(self) -> float:
+        """Seconds since the store (on a Cluster: the last node that hung) answered again."""
+        if self.cluster:
+            return self.nodes.back_for()
+        return self.health.back_for()
 
     def _connect_cluster(self) -> RedisCluster:
         try:
@@ -338,6 +304,8 @@ class RedisState:
         served now or a node away is left to the client (`slow`): it follows redirects, refreshes
         the slot map, loads scripts, and its errors become Unavailable as before."""
         node = self.client.get_node_from_key(key)
+        self.nodes.check(node.name)  # a node that hung: Unavailable at once until it answers
+        self._last_key, self._last_conn = key, None
         conn = self._node_conns.get(node.name)
         if conn is None:
             if node.redis_connection is None:
@@ -345,7 +313,9 @@ class RedisState:
             conn = self._node_conns[node.name] = node.redis_connection.connection_pool.make_connection()
         try:
             _send(conn, command)
-            return conn.read_response()
+            answer = conn.read_response()
+            self._last_conn = conn
+            return answer
         except redis.ResponseError as err:
             if str(err).startswith(_NOT_HERE) or isinstance(err, (NoScriptError, AskError, ClusterError)):
                 return slow()  # the command did not run on this node
@@ -354,6 +324,10 @@ class RedisState:
             conn.disconnect()
             self._node_conns.pop(node.name, None)
             return slow()
+        except redis.TimeoutError as err:
+            conn.disconnect()
+            self.nodes.failed(node.name, f"TimeoutError: {err}")
+            raise
         except BaseException:
             conn.disconnect()  # a half-read answer must not be read as the next one's
             raise
@@ -396,22 +370,56 @@ class RedisState:
                 raise
 
     def durable(self) -> bool:
-        """Under Sentinel, wait (at most DURABLE_WAIT_MS) until a replica has every write made so far
-        over this replica's own connection; whether one has. A holder frees a lease's blocks when
-        told the lease ended, so that end must survive a failover: a promoted replica that missed
-        it would let the reader's release commit a read of freed blocks. Elsewhere: True at once."""
-        if self._sentinel is None or threading.get_ident() != self._thread or self._conn is None:
+        """Wait (at most DURABLE_WAIT_MS) until a replica has every write made so far over the
+        connection of this replica's last call (under Sentinel: its own; on a Cluster: the one to
+        the primary of the last key it wrote: every lease key shares one slot); whether one has.
+        A holder frees a lease's blocks when told the lease ended, so that end must survive a
+        failover: a promoted replica that missed it would let the reader's release commit a read
+        of freed blocks. A single Redis, or a Cluster primary with no replica online: True at once."""
+        if threading.get_ident() != self._thread:
             return True
-        acked = self.call(self._command, "WAIT", 1, DURABLE_WAIT_MS)
-        if int(acked) < 1:
-            now = time.monotonic()
-            if now - self._undurable_logged > 5.0:
-                self._undurable_logged = now
-                log.warning(
-                    "no replica of %s confirmed a lease's end within %d ms", self.shown, DURABLE_WAIT_MS
-                )
-            return False
-        return True
+        if self.cluster:
+            acked = self._cluster_wait()
+        elif self._sentinel is None or self._conn is None:
+            return True
+        else:
+            acked = self.call(self._command, "WAIT", 1, DURABLE_WAIT_MS)
+        if acked is None or int(acked) >= 1:
+            return True
+        now = time.monotonic()
+        if now - self._undurable_logged > 5.0:
+            self._undurable_logged = now
+            log.warning("no replica of %s confirmed a lease's end within %d ms", self.shown, DURABLE_WAIT_MS)
+        return False
+
+    def _cluster_wait(self) -> int | None:
+        """WAIT on the Cluster primary that took the last call; None where it has no replica."""
+        if self._last_key is None:
+            return None
+        node = self.client.get_node_from_key(self._last_key)
+        self.nodes.check(node.name)
+
+        def replicas() -> int:
+            return online_replicas(self.call(self.client.get_redis_connection(node).info, "replication"))
+
+        if self.nodes.replicas(node.name, replicas) < 1:
+            return None
+        conn = self._last_conn
+        if conn is None:  # it went the client's way: its pool hands the same connection back first
+            return int(self.call(self.client.execute_command, "WAIT", 1, DURABLE_WAIT_MS, target_nodes=node))
+        return int(self.call(self._wait_on, conn, node.name))
+
+    def _wait_on(self, conn: Any, name: str) -> Any:
+        try:
+            _send(conn, ("WAIT", 1, DURABLE_WAIT_MS))
+            return conn.read_response()
+        except redis.TimeoutError as err:
+            conn.disconnect()
+            self.nodes.failed(name, f"TimeoutError: {err}")
+            raise
+        except BaseException:
+            conn.disconnect()
+            raise
 
     def script(self, text: str) -> Any:
         """A Lua script; on a Cluster, one the server confines to the hash slot of its first key."""
@@ -468,6 +476,8 @@ class RedisState:
 
     def close(self) -> None:
         self.health.close()
+        if self.cluster:
+            self.nodes.close()
         for conn in [self._conn, *self._node_conns.values()]:
             if conn is not None:
                 conn.disconnect()

@@ -394,7 +394,7 @@ class FleetRegistry(EngineRegistry):
         wall = time.monotonic()
         if wall - self._swept < PUSH_EVERY_S:
             return self._hand(out)  # the store's deadlines move only as often as owners push them
-        if self._state.health.back_for() < BACK_GRACE_S:
+        if self._state.back_for() < BACK_GRACE_S:
             # The store just came back: every owner's deadlines in it are as old as the outage.
             # Sweep only once the owners have pushed theirs again.
             return self._hand(out)

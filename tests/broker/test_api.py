@@ -18,6 +18,7 @@ from kvbroker.v1 import broker_pb2_grpc
 from testkit.broker import RunningServer, running_broker
 from testkit.builders import engine_info
 from testkit.ports import free_port
+from testkit.waiting import until
 from tests.broker.session_util import RawSession
 
 H = list(range(5000, 5064))
@@ -411,6 +412,8 @@ async def test_metrics_and_tracing() -> None:
                 pb.StatsRequest(), metadata=(("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01"),)
             )
             await code_of(stub.Drain(pb.DrainRequest(engine_id="ghost")))
+        # The server ends a call's span after the answer went out: the client may read it first.
+        await until(lambda: any(s.name.endswith("/Drain") for s in exporter.get_finished_spans()))
         spans = exporter.get_finished_spans()
         stats_span = next(s for s in spans if s.name.endswith("/Stats"))
         assert f"{stats_span.context.trace_id:032x}" == trace_id

@@ -7,13 +7,16 @@ Each case asserts: every caller got an answer within its deadline (UNAVAILABLE i
 replica fails fast once it found the store away), both engines' sessions lived through the pause
 without a reconnect (heartbeats are answered from what the replica knows), the reader's lease
 taken before the pause still commits after it (0 leases lost, no revocation: 0 stale reads),
-and the fleet grants again once the store is back (a new hold and its read commit).
+and the fleet grants again once the store is back (a new hold and its read commit). Index
+changes the engine announced during the pause (blocks removed, blocks stored) are in the shared
+index once the store is back: the removed ones name no holder, the stored ones name the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from process_harness import replica
 from test_process_liveness import Timeline
 
 from kvbroker.clients import errors
+from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.clients.clock import Backoff
 from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
@@ -33,6 +37,7 @@ pytestmark = pytest.mark.timeout(120)
 
 GPU = pb.TIER_GPU
 BLOCKS = [501, 502, 503]
+DROPPED, STORED = [511, 512], [521, 522]  # announced before the pause / during it
 TTL_MS = 2_000
 
 
@@ -56,6 +61,7 @@ async def test_a_paused_store_costs_answers_not_sessions(
         await d.start(wait_connected_s=10.0)
         ns = (p.layout_id, "")
         p.announce_stored(ns, GPU, BLOCKS)
+        p.announce_stored(ns, GPU, DROPPED)
         await p.applied()
         held = await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D")
         acquired = await d.acquire(held.lease_id)
@@ -65,7 +71,11 @@ async def test_a_paused_store_costs_answers_not_sessions(
             await asyncio.sleep(0.3)
             frozen_at = freeze(store.proc.pid)
             paused = True
-            await asyncio.sleep(pause_s)
+            await asyncio.sleep(0.5)
+            p.announce_removed(ns, GPU, DROPPED)
+            p.announce_stored(ns, GPU, STORED)
+            await p.applied()  # on the stream: the replica keeps them until the store answers
+            await asyncio.sleep(max(0.0, pause_s - (time.monotonic() - frozen_at)))
             thaw(store.proc.pid)
             paused = False
             back_at = time.monotonic()
@@ -90,6 +100,17 @@ async def test_a_paused_store_costs_answers_not_sessions(
         released = await d.release(held.lease_id, acquired.lease.epoch)
         assert released.state == pb.LEASE_RELEASED  # the read commits: no lease lost
         assert [m for k, _, m in p_events.events + d_events.events if k == "revoked"] == []
+        # What the engine announced during the pause reached the shared index (read on the other replica).
+        async with AsyncBrokerClient(b.address) as router:
+
+            async def holders(hashes: list[int]) -> list[str]:
+                request = pb.ResolveRequest(
+                    namespace=pb.Namespace(layout_id=p.layout_id), block_hashes=hashes
+                )
+                return [m.engine_id for m in (await router.resolve(request, timeout=5.0)).matches]
+
+            await until(lambda: _names(holders(STORED), ["P"]), timeout=10.0, interval=0.1)
+            assert await holders(DROPPED) == []
         # Granting again.
         leases: list[pb.Lease] = []
         await until(lambda: _hold_once(p, ns, leases), timeout=5.0, interval=0.1)
@@ -103,6 +124,10 @@ async def test_a_paused_store_costs_answers_not_sessions(
         await d.close()
         a.stop()
         b.stop()
+
+
+async def _names(found: Awaitable[list[str]], expected: list[str]) -> bool:
+    return await found == expected
 
 
 async def _hold_once(p: EngineSession, ns: tuple[str, str], out: list[pb.Lease]) -> bool:

@@ -1,12 +1,13 @@
 """The store fails over: two `kvbroker serve --state ...` replicas over a Sentinel-managed primary
-and replica (real redis-servers, a real Sentinel), or over a real 3-primary Redis Cluster with a
+and replica (real redis-servers, a real Sentinel; in plain TCP and over TLS only), or over a real 3-primary Redis Cluster with a
 replica per primary; engine sessions on both broker replicas, and router callers; kill -9 of the
 primary (on the Cluster, the one serving the `{leases}` slot), and the replica is promoted.
 
 Asserts: every caller was answered within its deadline throughout (UNAVAILABLE while no primary
 answers), the fleet grants again after the promotion, the sessions are connected again, and
 fencing holds across the failover: a lease revoked just before the kill (its holder told) is not
-released by its reader afterwards (the end reached the replica before the notice went out), and
+released by its reader afterwards (the end reached the replica before the notice went out: the
+primary ran a WAIT, under Sentinel and on the Cluster alike), and
 a lease taken before the kill either commits (it survived) or is refused: never a read on a lease
 the store lost that commits.
 """
@@ -52,6 +53,18 @@ class _Store:
         self.url = setup.url
         self._victim = setup.node_for_slot(LEASES_SLOT) if isinstance(setup, RedisCluster) else setup.primary
 
+    def waits(self) -> int:
+        """How many WAITs the primary has run (a lease's end waits for its replica there)."""
+        import redis
+
+        options = self.setup.client_options if isinstance(self.setup, RedisSentinel) else {}
+        client = redis.Redis(port=self._victim.port, socket_timeout=5.0, **options)
+        try:
+            stats = client.info("commandstats").get("cmdstat_wait")
+            return int(stats["calls"]) if stats else 0
+        finally:
+            client.close()
+
     def kill_primary(self) -> None:
         self._victim.stop()  # kill -9
 
@@ -66,13 +79,14 @@ class _Store:
             client.close()
 
 
-@pytest.fixture(params=["sentinel", "cluster"])
+@pytest.fixture(params=["sentinel", "sentinel-tls", "cluster"])
 def ha_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Store]:
+    """`sentinel-tls`: the same over TLS only (rediss+sentinel://, client certificates required)."""
     reason = missing_reason()
     if reason:
         pytest.skip(reason)
-    if request.param == "sentinel":
-        with running_sentinel(tmp_path / "sentinel") as setup:
+    if request.param.startswith("sentinel"):
+        with running_sentinel(tmp_path / "sentinel", tls=request.param == "sentinel-tls") as setup:
             yield _Store(setup)
     else:
         cluster = RedisCluster(tmp_path / "cluster", with_replicas=True)
@@ -116,6 +130,8 @@ async def test_a_store_failover_keeps_fencing_and_answers_every_caller(
                 ),
                 timeout=5.0,
             )
+            # ... and only once its replica had the end (on a Cluster too: WAIT on the lease's primary).
+            assert ha_store.waits() >= 1
             killed = time.monotonic()
             ha_store.kill_primary()
             granted: list[pb.Lease] = []

@@ -124,6 +124,8 @@ def differing_sessions(
 
 def router_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The router's counts of one run (its /stats counts since it started)."""
+    if "error" in before or "error" in after:
+        return {"error": after.get("error") or before["error"]}
     out = dict(after)
     if "routed" in after:
         routed = before.get("routed", {})

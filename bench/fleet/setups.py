@@ -123,7 +123,14 @@ class Running:
 
     def router_stats(self) -> dict[str, Any]:
         """The router's counts since it started: bench.fleet.router's /stats, or our proxy's
-        routing choices by reason (its /metrics; the data-parallel placement's dp_* labels)."""
+        routing choices by reason (its /metrics; the data-parallel placement's dp_* labels).
+        A router that no longer answers gives {"error": why}: the run's figures are kept."""
+        try:
+            return self._router_stats()
+        except (OSError, ValueError) as e:  # URLError is an OSError
+            return {"error": f"the router did not answer its counts: {e}"}
+
+    def _router_stats(self) -> dict[str, Any]:
         for child in self.children:
             if child.name == "router":
                 with urllib.request.urlopen(self.url + "/stats", timeout=10) as resp:

@@ -138,6 +138,8 @@ def test_router_counts_are_per_run() -> None:
         {"route_reasons": {"dp_holder": 4}}, {"route_reasons": {"dp_holder": 9, "dp_pull": 2}}
     )
     assert ours == {"route_reasons": {"dp_holder": 5, "dp_pull": 2}}
+    # A router that died mid-run leaves its counts out, not the run.
+    assert router_delta({"routed": {"a": 1}}, {"error": "gone"}) == {"error": "gone"}
 
 
 class _FakeScores:

@@ -12,6 +12,10 @@
               engine holds it
     ours-dp-learn  the same with --placement-learn (the proxy fits the placement's weights
               to the first-token times it sees)
+    ours-dp-linear the same with the placement and the engines' pull policy counting neither
+              a pull's fixed wait nor what a prefill costs the requests running beside it
+              (the rule before those terms: --dp-pull-fixed-tokens 0 --dp-neighbour-cost 0,
+              recompute_neighbour_cost 0)
 
 `ours-dp` is the proxy's data-parallel mode (docs/serving.md, "Data-parallel fleets"):
 engines with our connector, role `both` (kv_both), given as `--engine ID=URL`, and the proxy
@@ -46,7 +50,7 @@ from kvbroker.tools.launch import EngineProcess, free_port, pin_apart
 from testkit.engines import BLOCK_SIZE, read_stats
 from testkit.processes import REPO_ROOT, BrokerProcess, ChildProcess, ProxyProcess, python_env
 
-SETUPS = ("rr", "prefix", "ours-pd", "nixl-pd", "ours-dp", "ours-dp-learn")
+SETUPS = ("rr", "prefix", "ours-pd", "nixl-pd", "ours-dp", "ours-dp-learn", "ours-dp-linear")
 ENGINE_ARGS = ["--enable-prompt-tokens-details"]
 HOLD_TTL_MS = 5000  # decode's multi-turn holds: leases must be gone this long after the run (+ slack)
 
@@ -331,10 +335,11 @@ def start_nixl_pd(ctx: Context) -> Running:
     return running
 
 
-def start_ours_dp(ctx: Context, name: str = "ours-dp", learn: bool = False) -> Running:
+def start_ours_dp(ctx: Context, name: str = "ours-dp", learn: bool = False, linear: bool = False) -> Running:
     # Engines named apart per setup, so that each keeps its own log and stats in the work dir.
-    letter = "L" if learn else "E"
-    roles: list[tuple[str, str, dict[str, Any]]] = [(f"{letter}{i}", "both", {}) for i in range(ctx.engines)]
+    letter = "L" if learn else "R" if linear else "E"
+    extra: dict[str, Any] = {"recompute_neighbour_cost": 0.0} if linear else {}
+    roles = [(f"{letter}{i}", "both", extra) for i in range(ctx.engines)]
     running = _ours(ctx, name, roles)
     try:
         proxy = ProxyProcess(
@@ -363,6 +368,7 @@ STARTERS: dict[str, Callable[[Context], Running]] = {
     "nixl-pd": start_nixl_pd,
     "ours-dp": start_ours_dp,
     "ours-dp-learn": lambda ctx: start_ours_dp(ctx, "ours-dp-learn", learn=True),
+    "ours-dp-linear": lambda ctx: start_ours_dp(ctx, "ours-dp-linear", linear=True),
 }
 SHARES_STOCK = ("rr", "prefix")
 

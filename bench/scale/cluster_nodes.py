@@ -104,7 +104,7 @@ def lease_end(cluster: RedisCluster, n: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=40, help="calls to the paused node per run")
     parser.add_argument("--out", default="bench/results/scale-cluster-nodes.json")
     args = parser.parse_args()

@@ -14,6 +14,9 @@ from typing import IO, TYPE_CHECKING, Any
 from testkit.processes import SERVE, BrokerProcess
 
 if TYPE_CHECKING:
+    from test_process_liveness import Timeline
+
+    from kvbroker.clients.engine_session import EngineSession
     from testkit.redis_cluster import RedisCluster
     from testkit.redis_server import RedisServer
 
@@ -37,6 +40,29 @@ def replica(
     return BrokerProcess(
         tmp_path, args, command=SERVE, log_name=f"{name}.log", priority=None, env=child_env()
     )
+
+
+def crossed_sessions(
+    first: str, second: str, ttl_ms: int
+) -> tuple[EngineSession, EngineSession, Timeline, Timeline]:
+    """Engine sessions P (on replica `first`, then `second`) and D (the other way round), so
+    every lease between them crosses replicas; quick reconnects; each with its event timeline.
+    Not started: (p, d, p_events, d_events)."""
+    from process_engine_client import engine_info
+    from test_process_liveness import Timeline
+
+    from kvbroker.clients.clock import Backoff
+    from kvbroker.clients.engine_session import EngineSession
+
+    fast = Backoff(initial_s=0.05, max_s=0.5)
+    p_events, d_events = Timeline(), Timeline()
+    p = EngineSession(
+        f"{first},{second}", engine_info("P"), ttl_ms=ttl_ms, backoff=fast, **p_events.callbacks()
+    )
+    d = EngineSession(
+        f"{second},{first}", engine_info("D"), ttl_ms=ttl_ms, backoff=fast, **d_events.callbacks()
+    )
+    return p, d, p_events, d_events
 
 
 class EngineProcess:

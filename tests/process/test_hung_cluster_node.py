@@ -20,14 +20,10 @@ from pathlib import Path
 
 import pytest
 from fault_harness import Callers, freeze, thaw
-from process_engine_client import engine_info
-from process_harness import replica
+from process_harness import crossed_sessions, replica
 from test_hung_store import _hold_once
-from test_process_liveness import Timeline
 
 from kvbroker.clients import errors
-from kvbroker.clients.clock import Backoff
-from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.redis_cluster import RedisCluster, running_cluster
 from testkit.redis_server import missing_reason
@@ -58,14 +54,7 @@ async def test_a_paused_cluster_node_costs_answers_not_sessions(
     node = cluster.node_for_slot(LEASES_SLOT)
     assert node.proc is not None
     pid = node.proc.pid
-    fast = Backoff(initial_s=0.05, max_s=0.5)
-    p_events, d_events = Timeline(), Timeline()
-    p = EngineSession(
-        f"{a.address},{b.address}", engine_info("P"), ttl_ms=TTL_MS, backoff=fast, **p_events.callbacks()
-    )
-    d = EngineSession(
-        f"{b.address},{a.address}", engine_info("D"), ttl_ms=TTL_MS, backoff=fast, **d_events.callbacks()
-    )
+    p, d, p_events, d_events = crossed_sessions(a.address, b.address, TTL_MS)
     paused = False
     try:
         await p.start(wait_connected_s=10.0)

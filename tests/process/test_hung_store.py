@@ -21,13 +21,10 @@ from pathlib import Path
 
 import pytest
 from fault_harness import Callers, freeze, thaw
-from process_engine_client import engine_info
-from process_harness import replica
-from test_process_liveness import Timeline
+from process_harness import crossed_sessions, replica
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
-from kvbroker.clients.clock import Backoff
 from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.redis_server import RedisServer
@@ -46,14 +43,7 @@ async def test_a_paused_store_costs_answers_not_sessions(
     tmp_path: Path, store: RedisServer, pause_s: float
 ) -> None:
     a, b = replica(tmp_path, store, "a").start(), replica(tmp_path, store, "b").start()
-    fast = Backoff(initial_s=0.05, max_s=0.5)
-    p_events, d_events = Timeline(), Timeline()
-    p = EngineSession(
-        f"{a.address},{b.address}", engine_info("P"), ttl_ms=TTL_MS, backoff=fast, **p_events.callbacks()
-    )
-    d = EngineSession(
-        f"{b.address},{a.address}", engine_info("D"), ttl_ms=TTL_MS, backoff=fast, **d_events.callbacks()
-    )
+    p, d, p_events, d_events = crossed_sessions(a.address, b.address, TTL_MS)
     assert store.proc is not None
     paused = False
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 from process_engine_client import engine_info
-from process_harness import replica
+from process_harness import crossed_sessions, replica
 from test_process_liveness import Timeline
 
 from kvbroker.clients import errors
@@ -49,14 +49,7 @@ async def test_kill9_replica_moves_sessions_and_keeps_leases(
     tmp_path: Path, shared_store: RedisServer | RedisCluster
 ) -> None:
     a, b = replica(tmp_path, shared_store, "a").start(), replica(tmp_path, shared_store, "b").start()
-    fast = Backoff(initial_s=0.05, max_s=0.5)
-    p_events, d_events = Timeline(), Timeline()
-    p = EngineSession(
-        f"{a.address},{b.address}", engine_info("P"), ttl_ms=5_000, backoff=fast, **p_events.callbacks()
-    )
-    d = EngineSession(
-        f"{b.address},{a.address}", engine_info("D"), ttl_ms=5_000, backoff=fast, **d_events.callbacks()
-    )
+    p, d, p_events, d_events = crossed_sessions(a.address, b.address, 5_000)
     try:
         await p.start(wait_connected_s=10.0)
         await d.start(wait_connected_s=10.0)

@@ -22,13 +22,9 @@ from pathlib import Path
 
 import pytest
 from fault_harness import Callers, freeze, thaw
-from process_engine_client import engine_info
-from process_harness import replica
-from test_process_liveness import Timeline
+from process_harness import crossed_sessions, replica
 
 from kvbroker.clients.aio import AsyncBrokerClient
-from kvbroker.clients.clock import Backoff
-from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.redis_server import RedisServer
 from testkit.tcp_proxy import TcpProxy
@@ -45,14 +41,7 @@ async def _silent_replica_case(tmp_path: Path, store: RedisServer, fault: str) -
     a, b = replica(tmp_path, store, "a").start(), replica(tmp_path, store, "b").start()
     proxy = TcpProxy(a.address).start()
     a_seen = proxy.address if fault == "blackhole" else a.address
-    fast = Backoff(initial_s=0.05, max_s=0.5)
-    p_events, d_events = Timeline(), Timeline()
-    p = EngineSession(
-        f"{a_seen},{b.address}", engine_info("P"), ttl_ms=TTL_MS, backoff=fast, **p_events.callbacks()
-    )
-    d = EngineSession(
-        f"{b.address},{a_seen}", engine_info("D"), ttl_ms=TTL_MS, backoff=fast, **d_events.callbacks()
-    )
+    p, d, p_events, d_events = crossed_sessions(a_seen, b.address, TTL_MS)
     stopped = False
     try:
         await p.start(wait_connected_s=10.0)

@@ -21,14 +21,10 @@ from pathlib import Path
 
 import pytest
 from fault_harness import Callers
-from process_engine_client import engine_info
-from process_harness import replica
-from test_process_liveness import Timeline
+from process_harness import crossed_sessions, replica
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
-from kvbroker.clients.clock import Backoff
-from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.redis_cluster import RedisCluster
 from testkit.redis_sentinel import RedisSentinel, running_sentinel
@@ -101,14 +97,7 @@ async def test_a_store_failover_keeps_fencing_and_answers_every_caller(
     tmp_path: Path, ha_store: _Store
 ) -> None:
     a, b = replica(tmp_path, ha_store, "a").start(), replica(tmp_path, ha_store, "b").start()  # type: ignore[arg-type]
-    fast = Backoff(initial_s=0.05, max_s=0.5)
-    p_events, d_events = Timeline(), Timeline()
-    p = EngineSession(
-        f"{a.address},{b.address}", engine_info("P"), ttl_ms=TTL_MS, backoff=fast, **p_events.callbacks()
-    )
-    d = EngineSession(
-        f"{b.address},{a.address}", engine_info("D"), ttl_ms=TTL_MS, backoff=fast, **d_events.callbacks()
-    )
+    p, d, p_events, _ = crossed_sessions(a.address, b.address, TTL_MS)
     try:
         await p.start(wait_connected_s=10.0)
         await d.start(wait_connected_s=10.0)

@@ -145,7 +145,7 @@ class Lookups:
                 preferred_holder=params.holder_engine_id,
                 local_cpu_blocks=local_cpu,
                 pulls_in_flight=ctx.pulls_in_flight,
-                running=ctx.running,
+                running=ctx.own_load.running,
                 neighbour_cost=ctx.config.recompute_neighbour_cost,
             )
             decision = lookup.decision = choice.decision

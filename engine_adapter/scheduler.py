@@ -47,7 +47,6 @@ from kvbroker.engine_adapter.holds import HoldPin, Holds
 from kvbroker.engine_adapter.loads import LOCAL_PIN_PREFIX, Loads
 from kvbroker.engine_adapter.lookups import Lookups
 from kvbroker.engine_adapter.metadata import AdapterMetadata, ReadOutcomes
-from kvbroker.engine_adapter.own_load import OwnLoad
 from kvbroker.engine_adapter.retention_pressure import RetentionPressure
 from kvbroker.engine_adapter.scheduler_context import SchedulerContext
 from kvbroker.engine_adapter.stats import SchedulerStats, StatsWriter
@@ -112,7 +111,7 @@ class AdapterScheduler:
         self.pressure = RetentionPressure(self.gpu, config.retain_gpu_low_water, block_size)
         self.holds = Holds(self._ctx, self.gpu, on_reply=self.on_link_event)
         self.stores = CpuStores(self._ctx)
-        self.own_load = OwnLoad()
+        self.own_load = self._ctx.own_load
         self._was_connected = False
         self._session_id = ""  # the broker session our holds and pins belong to
         self._lost_at: float | None = None  # when the scheduler saw that session's stream break
@@ -180,7 +179,6 @@ class AdapterScheduler:
     ) -> None:
         req_id = request.request_id
         self.own_load.allocated(req_id)
-        self._ctx.running = self.own_load.running
         lookup, named = self.lookups.pop(req_id)
         if req_id in self.loads.active:
             return
@@ -260,7 +258,6 @@ class AdapterScheduler:
         req_id = request.request_id
         self.costs.steps.on_finished(self._clock(), req_id)
         self.own_load.finished(req_id)
-        self._ctx.running = self.own_load.running
         self.loads.failed.discard(req_id)
         self.lookups.request_finished(req_id)
         self.loads.request_finished(req_id)

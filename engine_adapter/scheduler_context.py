@@ -19,6 +19,7 @@ from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.cost_model import CostModel
 from kvbroker.engine_adapter.cpu_directory import CpuDirectory
 from kvbroker.engine_adapter.metadata import DigestSpec
+from kvbroker.engine_adapter.own_load import OwnLoad
 from kvbroker.engine_adapter.stats import SchedulerStats
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -45,8 +46,9 @@ class SchedulerContext:
     step: int = 0
     # Loads under way per holder engine (loads.py): they share its bandwidth (pull_policy.py).
     pulls_in_flight: Counter[str] = field(default_factory=Counter)
-    # Requests allocated here and not finished (own_load.py): a recompute delays them (pull_policy.py).
-    running: int = 0
+    # This engine's load (own_load.py): reported to the broker, and its running requests are
+    # those a recompute here delays (pull_policy.py).
+    own_load: OwnLoad = field(default_factory=OwnLoad)
 
     @property
     def expected_ranks(self) -> int:

@@ -47,14 +47,9 @@ class Serving:
 
     def prefilled(self) -> None:
         """The engine answered the first byte: its prompt is computed (idempotent)."""
-        if self._done:
-            return
-        self._done = True
-        left = self._pool._backlog.get(self._url, 0.0) - self.tokens
-        if left > 1e-9:
-            self._pool._backlog[self._url] = left
-        else:
-            self._pool._backlog.pop(self._url, None)
+        if not self._done:
+            self._done = True
+            self._pool.add_backlog(self._url, -self.tokens)
 
 
 class EnginePool:
@@ -117,7 +112,7 @@ class EnginePool:
         `prefill_tokens` as that engine's backlog until `Serving.prefilled` (or the block's end)."""
         self.started(engine)
         slot = Serving(self, engine.url, max(0.0, prefill_tokens))
-        self._backlog[engine.url] = self._backlog.get(engine.url, 0.0) + slot.tokens
+        self.add_backlog(engine.url, slot.tokens)
         try:
             yield slot
         finally:
@@ -126,6 +121,14 @@ class EnginePool:
 
     def in_flight(self, engine: EngineSpec) -> int:
         return self._inflight.get(engine.url, 0)
+
+    def add_backlog(self, url: str, tokens: float) -> None:
+        """Change the engine's backlog by `tokens` (its entry goes once nothing is left)."""
+        left = self._backlog.get(url, 0.0) + tokens
+        if left > 1e-9:
+            self._backlog[url] = left
+        else:
+            self._backlog.pop(url, None)
 
     def backlog_of(self, engine: EngineSpec) -> float:
         """Prompt tokens this proxy's requests on `engine` are predicted to compute before their first byte."""

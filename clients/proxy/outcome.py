@@ -5,11 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from kvbroker.clients.proxy.config import EngineSpec
+
+if TYPE_CHECKING:
+    from kvbroker.clients.proxy.engines import Serving
 
 # EngineFailure kinds, the `kind` label of kvbroker_proxy_engine_failures_total.
 HUNG = "hung"  # no first byte within the budget and the liveness check failed
@@ -71,7 +74,7 @@ class Outcome:
     route_detail: str = ""
     # Data-parallel placement: engine url -> prompt tokens predicted to be computed there (its backlog).
     prefill_tokens: dict[str, float] = field(default_factory=dict)
-    serving: Any = None  # the engines.Serving of the attempt under way
+    serving: Serving | None = None  # the attempt under way: its backlog ends at the first byte
 
     def first_byte(self) -> None:
         """The answer's first byte went out: the engine has computed the prompt."""

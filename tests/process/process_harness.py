@@ -14,9 +14,12 @@ from typing import IO, TYPE_CHECKING, Any
 from testkit.processes import SERVE, BrokerProcess
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from test_process_liveness import Timeline
 
     from kvbroker.clients.engine_session import EngineSession
+    from kvbroker.v1 import broker_pb2 as pb
     from testkit.redis_cluster import RedisCluster
     from testkit.redis_server import RedisServer
 
@@ -63,6 +66,42 @@ def crossed_sessions(
         f"{second},{first}", engine_info("D"), ttl_ms=ttl_ms, backoff=fast, **d_events.callbacks()
     )
     return p, d, p_events, d_events
+
+
+async def hold_for_d(p: EngineSession, blocks: Sequence[int]) -> pb.Lease:
+    """P holds its GPU `blocks` (block ids 1, 2, 3, ...) for reader D, for 60 s."""
+    from kvbroker.v1 import broker_pb2 as pb
+
+    ids = list(range(1, len(blocks) + 1))
+    return await p.hold((p.layout_id, ""), pb.TIER_GPU, blocks, ids, 60_000, reader_engine_id="D")
+
+
+async def start_with_a_read(
+    p: EngineSession, d: EngineSession, blocks: Sequence[int], also: Sequence[int] = ()
+) -> tuple[pb.Lease, pb.LeaseResponse]:
+    """Start P and D; P announces `blocks` (then `also`) on GPU, holds `blocks` for D, and D
+    claims the hold: (the hold, D's acquire)."""
+    from kvbroker.v1 import broker_pb2 as pb
+
+    await p.start(wait_connected_s=10.0)
+    await d.start(wait_connected_s=10.0)
+    p.announce_stored((p.layout_id, ""), pb.TIER_GPU, blocks)
+    if also:
+        p.announce_stored((p.layout_id, ""), pb.TIER_GPU, also)
+    await p.applied()
+    held = await hold_for_d(p, blocks)
+    return held, await d.acquire(held.lease_id)
+
+
+async def hold_once(p: EngineSession, blocks: Sequence[int], out: list[pb.Lease]) -> bool:
+    """One try of `hold_for_d` for a polling wait: False while the fleet answers UNAVAILABLE."""
+    from kvbroker.clients import errors
+
+    try:
+        out.append(await hold_for_d(p, blocks))
+    except errors.Unavailable:
+        return False
+    return True
 
 
 class EngineProcess:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 from fault_harness import Callers, freeze, thaw
-from process_harness import crossed_sessions, replica
-from test_hung_store import _hold_once
+from process_harness import crossed_sessions, hold_for_d, hold_once, replica, start_with_a_read
 
 from kvbroker.clients import errors
 from kvbroker.v1 import broker_pb2 as pb
@@ -31,7 +30,6 @@ from testkit.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
-GPU = pb.TIER_GPU
 BLOCKS = [701, 702, 703]
 TTL_MS = 2_000
 PAUSE_S = 1.5
@@ -57,13 +55,7 @@ async def test_a_paused_cluster_node_costs_answers_not_sessions(
     p, d, p_events, d_events = crossed_sessions(a.address, b.address, TTL_MS)
     paused = False
     try:
-        await p.start(wait_connected_s=10.0)
-        await d.start(wait_connected_s=10.0)
-        ns = (p.layout_id, "")
-        p.announce_stored(ns, GPU, BLOCKS)
-        await p.applied()
-        held = await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D")
-        acquired = await d.acquire(held.lease_id)
+        held, acquired = await start_with_a_read(p, d, BLOCKS)
         sessions = (p.registered.session_id, d.registered.session_id)
 
         async with Callers(f"{a.address},{b.address}", p.layout_id, BLOCKS) as callers:
@@ -75,9 +67,7 @@ async def test_a_paused_cluster_node_costs_answers_not_sessions(
             while time.monotonic() - frozen_at < PAUSE_S:
                 started = time.monotonic()
                 try:
-                    await asyncio.wait_for(
-                        p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D"), timeout=5.0
-                    )
+                    await asyncio.wait_for(hold_for_d(p, BLOCKS), timeout=5.0)
                     outcome = "ok"
                 except errors.BrokerError as err:
                     outcome = err.code.name
@@ -106,7 +96,7 @@ async def test_a_paused_cluster_node_costs_answers_not_sessions(
         released = await d.release(held.lease_id, acquired.lease.epoch)
         assert released.state == pb.LEASE_RELEASED  # the read commits: no lease lost
         leases: list[pb.Lease] = []
-        await until(lambda: _hold_once(p, ns, leases), timeout=10.0, interval=0.1)
+        await until(lambda: hold_once(p, BLOCKS, leases), timeout=10.0, interval=0.1)
         read = await d.acquire(leases[0].lease_id)
         assert (await d.release(leases[0].lease_id, read.lease.epoch)).state == pb.LEASE_RELEASED
     finally:

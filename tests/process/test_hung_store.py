@@ -21,11 +21,9 @@ from pathlib import Path
 
 import pytest
 from fault_harness import Callers, freeze, thaw
-from process_harness import crossed_sessions, replica
+from process_harness import crossed_sessions, hold_once, replica, start_with_a_read
 
-from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
-from kvbroker.clients.engine_session import EngineSession
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.redis_server import RedisServer
 from testkit.waiting import until
@@ -47,14 +45,8 @@ async def test_a_paused_store_costs_answers_not_sessions(
     assert store.proc is not None
     paused = False
     try:
-        await p.start(wait_connected_s=10.0)
-        await d.start(wait_connected_s=10.0)
+        held, acquired = await start_with_a_read(p, d, BLOCKS, also=DROPPED)
         ns = (p.layout_id, "")
-        p.announce_stored(ns, GPU, BLOCKS)
-        p.announce_stored(ns, GPU, DROPPED)
-        await p.applied()
-        held = await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D")
-        acquired = await d.acquire(held.lease_id)
         sessions = (p.registered.session_id, d.registered.session_id)
 
         async with Callers(f"{a.address},{b.address}", p.layout_id, BLOCKS) as callers:
@@ -103,7 +95,7 @@ async def test_a_paused_store_costs_answers_not_sessions(
             assert await holders(DROPPED) == []
         # Granting again.
         leases: list[pb.Lease] = []
-        await until(lambda: _hold_once(p, ns, leases), timeout=5.0, interval=0.1)
+        await until(lambda: hold_once(p, BLOCKS, leases), timeout=5.0, interval=0.1)
         again = leases[0]
         read = await d.acquire(again.lease_id)
         assert (await d.release(again.lease_id, read.lease.epoch)).state == pb.LEASE_RELEASED
@@ -118,11 +110,3 @@ async def test_a_paused_store_costs_answers_not_sessions(
 
 async def _names(found: Awaitable[list[str]], expected: list[str]) -> bool:
     return await found == expected
-
-
-async def _hold_once(p: EngineSession, ns: tuple[str, str], out: list[pb.Lease]) -> bool:
-    try:
-        out.append(await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D"))
-    except errors.Unavailable:
-        return False
-    return True

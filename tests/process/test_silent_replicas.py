@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from fault_harness import Callers, freeze, thaw
-from process_harness import crossed_sessions, replica
+from process_harness import crossed_sessions, replica, start_with_a_read
 
 from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.v1 import broker_pb2 as pb
@@ -31,7 +31,6 @@ from testkit.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(120)
 
-GPU = pb.TIER_GPU
 BLOCKS = [401, 402, 403]
 TTL_MS = 2_000
 LOST_S = 2.0  # service an engine may lose to a silent replica
@@ -44,12 +43,7 @@ async def _silent_replica_case(tmp_path: Path, store: RedisServer, fault: str) -
     p, d, p_events, d_events = crossed_sessions(a_seen, b.address, TTL_MS)
     stopped = False
     try:
-        await p.start(wait_connected_s=10.0)
-        await d.start(wait_connected_s=10.0)
-        p.announce_stored((p.layout_id, ""), GPU, BLOCKS)
-        await p.applied()
-        held = await p.hold((p.layout_id, ""), GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D")
-        acquired = await d.acquire(held.lease_id)
+        held, acquired = await start_with_a_read(p, d, BLOCKS)
         assert acquired.lease.state == pb.LEASE_ACTIVE
         session_id = p.registered.session_id
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from fault_harness import Callers
-from process_harness import crossed_sessions, replica
+from process_harness import crossed_sessions, hold_for_d, replica, start_with_a_read
 
 from kvbroker.clients import errors
 from kvbroker.clients.aio import AsyncBrokerClient
@@ -33,7 +33,6 @@ from testkit.waiting import until
 
 pytestmark = pytest.mark.timeout(150)
 
-GPU = pb.TIER_GPU
 BLOCKS = [601, 602, 603]
 TTL_MS = 3_000
 
@@ -99,14 +98,8 @@ async def test_a_store_failover_keeps_fencing_and_answers_every_caller(
     a, b = replica(tmp_path, ha_store, "a").start(), replica(tmp_path, ha_store, "b").start()  # type: ignore[arg-type]
     p, d, p_events, _ = crossed_sessions(a.address, b.address, TTL_MS)
     try:
-        await p.start(wait_connected_s=10.0)
-        await d.start(wait_connected_s=10.0)
-        ns = (p.layout_id, "")
-        p.announce_stored(ns, GPU, BLOCKS)
-        await p.applied()
-        kept = await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D")
-        kept_read = await d.acquire(kept.lease_id)
-        revoked = await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D")
+        kept, kept_read = await start_with_a_read(p, d, BLOCKS)
+        revoked = await hold_for_d(p, BLOCKS)
         revoked_read = await d.acquire(revoked.lease_id)
 
         async with Callers(f"{a.address},{b.address}", p.layout_id, BLOCKS) as callers:
@@ -127,7 +120,7 @@ async def test_a_store_failover_keeps_fencing_and_answers_every_caller(
 
             async def grants() -> bool:
                 try:
-                    granted.append(await p.hold(ns, GPU, BLOCKS, [1, 2, 3], 60_000, reader_engine_id="D"))
+                    granted.append(await hold_for_d(p, BLOCKS))
                 except errors.BrokerError:
                     return False
                 return True

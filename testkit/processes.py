@@ -12,9 +12,11 @@ vLLM engines are started by testkit.engines (kvbroker.tools.launch.EngineProcess
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from kvbroker.tools.children import ChildProcess, ProxyProcess
@@ -37,6 +39,17 @@ def python_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """Process `pid` frozen with SIGSTOP (a hung store or node: no reset, no answer) for the
+    block, and continued with SIGCONT after it, whatever the block raised."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 class BrokerProcess(ChildProcess):

@@ -22,6 +22,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
 
 
+@pytest.fixture
+def own_redis(redis_server: RedisServer) -> Iterator[RedisServer]:
+    """A redis-server of the test's own (started), for a test that stops or pauses its store."""
+    store = RedisServer(redis_server.workdir / f"own-{secrets.token_hex(3)}")
+    store.start()
+    try:
+        yield store
+    finally:
+        store.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     """A real 3-primary Redis Cluster (three redis-server processes) for the session's tests."""

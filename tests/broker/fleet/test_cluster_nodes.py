@@ -12,9 +12,7 @@
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
 import time
 from collections.abc import Iterator
 
@@ -22,6 +20,7 @@ import pytest
 
 from kvbroker.broker.errors import Unavailable
 from kvbroker.broker.fleet.conn import DURABLE_WAIT_MS, RedisState
+from testkit.processes import stopped
 from testkit.redis_cluster import RedisCluster, running_cluster
 from testkit.redis_server import RedisServer, missing_reason
 from testkit.waiting import wait_for
@@ -86,8 +85,7 @@ def test_a_hung_node_fails_fast_and_recovers_once_it_answers(cluster: RedisClust
     assert hung is not cluster.node_for_slot(FLEET_SLOT)
     try:
         state.command("SET", key, "1")
-        os.kill(_pid(hung), signal.SIGSTOP)
-        try:
+        with stopped(_pid(hung)):
             with pytest.raises(Unavailable):  # the one call that waits its timeout
                 state.command("GET", key)
             # Without the breaker each of these 40 calls would wait 250 ms (10 s in all).
@@ -102,8 +100,6 @@ def test_a_hung_node_fails_fast_and_recovers_once_it_answers(cluster: RedisClust
             assert _timed_refusals(piped, 10) < 2.5
             assert state.command("SET", other, "2") == b"OK"  # the other primaries serve on
             assert state.nodes.suspects() == [f"127.0.0.1:{hung.port}"]
-        finally:
-            os.kill(_pid(hung), signal.SIGCONT)
 
         def answers() -> bool:
             try:
@@ -131,14 +127,11 @@ def test_a_lease_end_waits_for_the_replica_of_the_primary_that_wrote_it(replicat
         assert _waits(primary) == before + 1
 
         # The replica stops acknowledging: the end waits DURABLE_WAIT_MS, then says it is not durable.
-        os.kill(_pid(replica), signal.SIGSTOP)
-        try:
+        with stopped(_pid(replica)):
             state.run(script, ["{leases}end"], ["2"])
             started = time.monotonic()
             assert state.durable() is False
             assert time.monotonic() - started >= DURABLE_WAIT_MS / 1000 * 0.9
-        finally:
-            os.kill(_pid(replica), signal.SIGCONT)
     finally:
         state.close()
 
@@ -166,9 +159,8 @@ def test_a_hung_primary_replaced_by_its_replica_is_found_while_it_still_hangs(
     try:
         state.run(script, ["{leases}kept"], ["1"])
         assert state.durable()  # the replica has it
-        os.kill(_pid(primary), signal.SIGSTOP)
-        paused = time.monotonic()
-        try:
+        with stopped(_pid(primary)):
+            paused = time.monotonic()
             with pytest.raises(Unavailable):
                 state.command("GET", "{leases}kept")
 
@@ -187,7 +179,5 @@ def test_a_hung_primary_replaced_by_its_replica_is_found_while_it_still_hangs(
                 client.close()
             state.run(script, ["{leases}kept"], ["2"])
             assert state.durable() is True  # the new primary has no replica online: not waited on
-        finally:
-            os.kill(_pid(primary), signal.SIGCONT)
     finally:
         state.close()

@@ -5,9 +5,7 @@ blocks stored meanwhile are found, blocks removed meanwhile name no holder after
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
-import signal
 
 from kvbroker.broker.config import BrokerConfig
 from kvbroker.broker.errors import Unavailable
@@ -17,6 +15,7 @@ from kvbroker.common.model import Namespace
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.builders import engine_info
 from testkit.clock import FakeClock
+from testkit.processes import stopped
 from testkit.redis_server import RedisServer
 from testkit.waiting import wait_for
 
@@ -24,10 +23,9 @@ OLD, NEW, LATER = [0xA1, 0xA2, 0xA3], [0xB1, 0xB2], [0xB3]
 
 
 def test_changes_announced_while_the_store_is_paused_are_applied_in_order_once_it_is_back(
-    redis_server: RedisServer,
+    own_redis: RedisServer,
 ) -> None:
-    store = RedisServer(redis_server.workdir / f"own-{secrets.token_hex(3)}")  # this test pauses it
-    store.start()
+    store = own_redis  # this test pauses it
     state = RedisState(store.url, prefix=f"t{secrets.token_hex(4)}")
     try:
         core = Replica(BrokerConfig(), FakeClock(), state).core
@@ -36,8 +34,7 @@ def test_changes_announced_while_the_store_is_paused_are_applied_in_order_once_i
         core.update_inventory(rec, ns, pb.TIER_GPU, OLD, [])
         assert core.resolve(None, ns, OLD).matches
         assert store.proc is not None
-        os.kill(store.proc.pid, signal.SIGSTOP)
-        try:
+        with stopped(store.proc.pid):
             # The engine evicts OLD and stores NEW, then LATER: no error, nothing lost.
             core.update_inventory(rec, ns, pb.TIER_GPU, NEW, OLD)
             core.update_inventory(rec, ns, pb.TIER_GPU, LATER, [])
@@ -45,8 +42,6 @@ def test_changes_announced_while_the_store_is_paused_are_applied_in_order_once_i
             with contextlib.suppress(Unavailable):
                 core.expire()  # a pass while the store is away keeps them
             assert len(core.backlog) == 2
-        finally:
-            os.kill(store.proc.pid, signal.SIGCONT)
 
         def applied() -> bool:
             try:
@@ -65,4 +60,3 @@ def test_changes_announced_while_the_store_is_paused_are_applied_in_order_once_i
         assert core.index.longest_prefixes(ns, OLD) == []
     finally:
         state.close()
-        store.stop()

@@ -42,54 +42,49 @@ async def test_a_state_url_that_is_not_redis_or_does_not_answer_is_refused_at_st
             pass
 
 
-async def test_store_down_means_unavailable_then_back_to_work(redis_server: RedisServer) -> None:
-    # A store of its own: this test stops it.
-    store = RedisServer(redis_server.workdir / f"own-{secrets.token_hex(3)}")
-    store.start()
-    try:
-        async with (
-            running_broker(state=store.url, session_ttl_min_ms=100, expiry_interval_ms=20) as broker,
-            grpc.aio.insecure_channel(broker.address) as channel,
-        ):
-            stub = broker_pb2_grpc.KVBrokerStub(channel)
-            p, ns, held = await p_holding(stub, engine_info("P"), H)
+async def test_store_down_means_unavailable_then_back_to_work(own_redis: RedisServer) -> None:
+    store = own_redis  # a store of its own: this test stops it
+    async with (
+        running_broker(state=store.url, session_ttl_min_ms=100, expiry_interval_ms=20) as broker,
+        grpc.aio.insecure_channel(broker.address) as channel,
+    ):
+        stub = broker_pb2_grpc.KVBrokerStub(channel)
+        p, ns, held = await p_holding(stub, engine_info("P"), H)
 
-            store.stop()
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await stub.Hold(hold_request(ns, H, "during"))
-            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
-            # The first call finds it gone ("does not answer") unless a probe already marked the store
-            # away ("has not answered ...; failing fast"): both name the store and say why.
-            assert any(w in (exc.value.details() or "") for w in ("does not answer", "has not answered"))
-            details = dict(exc.value.trailing_metadata() or ()).get(STATUS_DETAILS_KEY)
-            assert details is not None and b"state_unavailable" in details
-
-            # Same port, empty store (as after a failover that lost writes): the lease
-            # Redis lost reads as unknown, never as live; new work goes through.
-            store.start()
-            # The replica fails fast until its probe (off the loop, every 50 ms) finds the store back.
-            for _ in range(100):
-                with pytest.raises(grpc.aio.AioRpcError) as exc:
-                    await stub.Release(pb.ReleaseRequest(lease_id=held.lease.lease_id, reader_engine_id="D"))
-                if exc.value.code() != grpc.StatusCode.UNAVAILABLE:
-                    break
-                await asyncio.sleep(0.02)
-            assert exc.value.code() == grpc.StatusCode.NOT_FOUND
-            assert "recompute" in (exc.value.details() or "")
-            # The store lost P's session too: the broker ends its stream so that P registers
-            # again and re-announces (which rebuilds the index); then P holds again.
-            error = (await p.read_kind("error")).error
-            assert (error.code, error.cause) == ("UNAVAILABLE", "state_unavailable")
-            p = RawSession(stub)
-            await p.register(engine_info("P"), 60_000)
-            await p.announce(ns, pb.TIER_GPU, H)
-            await p.applied()
-            again = await stub.Hold(hold_request(ns, H, "after"))
-            assert again.lease.state == pb.LEASE_HELD
-            assert redis.Redis.from_url(store.url).exists(f"kvb:{{leases}}:l:{again.lease.lease_id}")
-            await p.close()
-    finally:
         store.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Hold(hold_request(ns, H, "during"))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The first call finds it gone ("does not answer") unless a probe already marked the store
+        # away ("has not answered ...; failing fast"): both name the store and say why.
+        assert any(w in (exc.value.details() or "") for w in ("does not answer", "has not answered"))
+        details = dict(exc.value.trailing_metadata() or ()).get(STATUS_DETAILS_KEY)
+        assert details is not None and b"state_unavailable" in details
+
+        # Same port, empty store (as after a failover that lost writes): the lease
+        # Redis lost reads as unknown, never as live; new work goes through.
+        store.start()
+        # The replica fails fast until its probe (off the loop, every 50 ms) finds the store back.
+        for _ in range(100):
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await stub.Release(pb.ReleaseRequest(lease_id=held.lease.lease_id, reader_engine_id="D"))
+            if exc.value.code() != grpc.StatusCode.UNAVAILABLE:
+                break
+            await asyncio.sleep(0.02)
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "recompute" in (exc.value.details() or "")
+        # The store lost P's session too: the broker ends its stream so that P registers
+        # again and re-announces (which rebuilds the index); then P holds again.
+        error = (await p.read_kind("error")).error
+        assert (error.code, error.cause) == ("UNAVAILABLE", "state_unavailable")
+        p = RawSession(stub)
+        await p.register(engine_info("P"), 60_000)
+        await p.announce(ns, pb.TIER_GPU, H)
+        await p.applied()
+        again = await stub.Hold(hold_request(ns, H, "after"))
+        assert again.lease.state == pb.LEASE_HELD
+        assert redis.Redis.from_url(store.url).exists(f"kvb:{{leases}}:l:{again.lease.lease_id}")
+        await p.close()
 
 
 def test_a_deadline_another_replica_shortened_is_enforced_by_the_transition(
@@ -155,27 +150,23 @@ async def test_a_replica_drops_its_copy_of_an_engine_another_replica_ended(
 
 
 def test_the_direct_connection_reconnects_and_reloads_scripts_after_a_restart(
-    redis_server: RedisServer,
+    own_redis: RedisServer,
 ) -> None:
-    store = RedisServer(redis_server.workdir / f"own-{secrets.token_hex(3)}")  # this test stops it
-    store.start()
-    try:
-        state = redis_state(store)
-        script = state.script("return {ARGV[1], redis.call('INCR', KEYS[1])}")
-        assert state.run(script, ["k"], ["x"]) == [b"x", 1]
-        assert state.command("PUBLISH", "ch", "body") == 0
-        store.stop()
-        with pytest.raises(Unavailable, match="does not answer"):
-            state.run(script, ["k"], ["x"])
-        store.start()  # the same port, empty: the old connection is dead and the script unknown
-        assert wait_for(lambda: not state.health.away, 5.0), "the probe never found the store back"
-        assert state.run(script, ["k"], ["y"]) == [b"y", 1]
-        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):  # an error answer keeps the connection
-            state.run(state.script("return redis.call('LPUSH', KEYS[1], 1)"), ["k"], [])
-        assert state.run(script, ["k"], ["z"]) == [b"z", 2]
-        state.close()
-    finally:
-        store.stop()
+    store = own_redis  # this test stops it
+    state = redis_state(store)
+    script = state.script("return {ARGV[1], redis.call('INCR', KEYS[1])}")
+    assert state.run(script, ["k"], ["x"]) == [b"x", 1]
+    assert state.command("PUBLISH", "ch", "body") == 0
+    store.stop()
+    with pytest.raises(Unavailable, match="does not answer"):
+        state.run(script, ["k"], ["x"])
+    store.start()  # the same port, empty: the old connection is dead and the script unknown
+    assert wait_for(lambda: not state.health.away, 5.0), "the probe never found the store back"
+    assert state.run(script, ["k"], ["y"]) == [b"y", 1]
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):  # an error answer keeps the connection
+        state.run(state.script("return redis.call('LPUSH', KEYS[1], 1)"), ["k"], [])
+    assert state.run(script, ["k"], ["z"]) == [b"z", 2]
+    state.close()
 
 
 async def test_a_lease_notice_goes_to_the_replica_serving_the_session(redis_server: RedisServer) -> None:

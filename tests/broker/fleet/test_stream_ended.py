@@ -4,9 +4,7 @@ store is back, not at the session's TTL, whose passing nobody would be waiting f
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
 
 import pytest
 
@@ -16,15 +14,15 @@ from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.fleet.replica import Replica
 from testkit.builders import engine_info
 from testkit.clock import FakeClock
+from testkit.processes import stopped
 from testkit.redis_server import RedisServer
 from testkit.waiting import wait_for
 
 
 def test_a_stream_that_ends_while_the_store_is_paused_ends_its_session_once_it_is_back(
-    redis_server: RedisServer,
+    own_redis: RedisServer,
 ) -> None:
-    store = RedisServer(redis_server.workdir / f"own-{secrets.token_hex(3)}")  # this test pauses it
-    store.start()
+    store = own_redis  # this test pauses it
     state = RedisState(store.url, prefix=f"t{secrets.token_hex(4)}")
     try:
         clock = FakeClock()  # stands still: the session's 60 s TTL never passes here
@@ -32,12 +30,8 @@ def test_a_stream_that_ends_while_the_store_is_paused_ends_its_session_once_it_i
         rec = core.register(engine_info("P"), 60_000)
         other = core.register(engine_info("Q"), 60_000)
         assert store.proc is not None
-        os.kill(store.proc.pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(Unavailable):
-                core.stream_ended(rec)
-        finally:
-            os.kill(store.proc.pid, signal.SIGCONT)
+        with stopped(store.proc.pid), pytest.raises(Unavailable):
+            core.stream_ended(rec)
         assert rec.stream_lost and core.registry.find("P") is rec  # not ended yet, not forgotten
 
         def swept() -> bool:
@@ -52,4 +46,3 @@ def test_a_stream_that_ends_while_the_store_is_paused_ends_its_session_once_it_i
         assert not state.call(state.client.exists, f"{state.prefix}:{{fleet}}:e:P")  # nor in the store
     finally:
         state.close()
-        store.stop()

@@ -96,6 +96,14 @@ def _hiredis_packer() -> Callable[[tuple[Any, ...]], bytes] | None:
 _pack_command = _hiredis_packer()
 
 
+def own_connection(pool: Any) -> Any:
+    """A connection of this replica's own, made with the pool's settings but outside its count:
+    redis-py counts every connection its pool's make_connection() made against max_connections
+    (100 since redis-py 8) and is never told when we drop one, so a replica that dialled a node
+    again after each broken connection (a failover, a store restart) ran out after 100."""
+    return pool.connection_class(**pool.connection_kwargs)
+
+
 def _send(conn: Any, command: tuple[Any, ...]) -> None:
     """Send one command on `conn`, packed by hiredis when it can (names without a space; str,
     bytes, int and float arguments), else by redis-py."""
@@ -275,7 +283,7 @@ class RedisState:
     def _send_only(self, command: tuple[Any, ...]) -> None:
         conn = self._conn
         if conn is None:
-            conn = self._conn = self.client.connection_pool.make_connection()
+            conn = self._conn = own_connection(self.client.connection_pool)
         if self._sentinel is not None and conn._sock is None:
             conn.connect()  # see _command: only connect() asks the Sentinels for the primary
         self._read_unread(conn)
@@ -310,7 +318,7 @@ class RedisState:
         if conn is None:
             if node.redis_connection is None:
                 return slow()
-            conn = self._node_conns[node.name] = node.redis_connection.connection_pool.make_connection()
+            conn = self._node_conns[node.name] = own_connection(node.redis_connection.connection_pool)
         try:
             _send(conn, command)
             answer = conn.read_response()
@@ -338,7 +346,7 @@ class RedisState:
             command = ("EVALSHA", script.sha, *command[2:])
         conn = self._conn
         if conn is None:
-            conn = self._conn = self.client.connection_pool.make_connection()
+            conn = self._conn = own_connection(self.client.connection_pool)
         loaded = reconnected = False
         while True:
             try:

@@ -7,7 +7,9 @@
   online, and is not waited for where it has none (no `WAIT` sent: it would block its timeout);
 - a primary that hangs for longer than the Cluster's node timeout is replaced by its replica, and
   the calls for its slots reach the new primary while the old one is still paused (the probe
-  refreshes the slot map: no call goes to a suspect node to be redirected).
+  refreshes the slot map: no call goes to a suspect node to be redirected);
+- connections broken again and again (as through a failover) are dialled again without end: none
+  is taken from redis-py's pool, which stops making connections after 100.
 """
 
 from __future__ import annotations
@@ -180,4 +182,24 @@ def test_a_hung_primary_replaced_by_its_replica_is_found_while_it_still_hangs(
             state.run(script, ["{leases}kept"], ["2"])
             assert state.durable() is True  # the new primary has no replica online: not waited on
     finally:
+        state.close()
+
+
+def test_connections_broken_again_and_again_are_dialled_again_without_running_out(
+    cluster: RedisCluster,
+) -> None:
+    """Each broken connection to a node is replaced; redis-py's pool counts the connections it made
+    (at most 100), so a replacement taken from it ran out during a failover's stream of errors."""
+    state = RedisState(cluster.url, prefix=f"t{secrets.token_hex(4)}")
+    node = cluster.node_for_slot(LEASES_SLOT)
+    admin = node.client()  # type: ignore[attr-defined]
+    script = state.script(_SET)
+    try:
+        for value in range(240):  # about one new connection per two kills
+            state.run(script, ["{leases}again"], [str(value)])
+            admin.client_kill_filter(_type="normal", skipme=True)  # every connection but the admin's
+        state.run(script, ["{leases}again"], ["last"])
+        assert state.command("GET", "{leases}again") == b"last"
+    finally:
+        admin.close()
         state.close()

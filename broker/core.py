@@ -83,7 +83,10 @@ class BrokerCore:
         if old is not None:
             EngineRegistry.validate(info)  # a bad registration must not end a good session
             self.end_session(old.session_id, "ABORTED", "superseded: the engine registered a new session")
-        return self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
+        rec = self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
+        # Readers that loaded an older generation's agents drop them now, not at their next lease.
+        self.notifier.engine_generation(rec.engine_id, rec.generation, rec.layout_id)
+        return rec
 
     def end_session(self, session_id: str, code: str = "", message: str = "") -> None:
         """End a session: drop its blocks from the index, revoke every lease it holds or reads.

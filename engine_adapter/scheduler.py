@@ -216,6 +216,8 @@ class AdapterScheduler:
             frees=self._ctx.take_frees(),
             stores=self.stores.take_specs(),
             digests=self._ctx.take_digests(),
+            # Engines that registered anew: the workers drop their old agents before any read.
+            generations=self.link.take_generations() if self.link is not None else [],
         )
         self._report_load()
         self._publish_stats()

@@ -246,6 +246,7 @@ class AdapterWorker:
         self._frees.update(meta.frees)
         for commit in meta.commits:
             self._commits[commit.request_id] = commit
+        self._peers.engines_replaced(self.mover, meta.generations)  # before any of this step's reads
         for spec in meta.loads:
             self._start(spec)
         for store in meta.stores:
@@ -316,9 +317,7 @@ class AdapterWorker:
             holder = read.holder
             try:
                 first = not self._peers.is_loaded(holder.agent_name, holder.agent_metadata)
-                refused = self._peers.prepare(
-                    self.mover, holder.agent_name, spec.holder_generation, holder.agent_metadata
-                )
+                refused = self._peers.prepare(self.mover, spec, holder)
                 if refused:
                     reading.failure = refused
                     return

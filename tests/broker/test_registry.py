@@ -106,3 +106,28 @@ async def test_the_holder_details_a_reader_gets_name_the_holders_generation(stub
     assert acq.holder.ranks[0].agent_metadata == b"new agent"
     for s in (p, d, restarted):
         await s.close()
+
+
+async def test_a_restarted_engine_is_announced_to_the_other_sessions_of_its_layout(stub: Stub) -> None:
+    """Real gRPC, on every backend: when P registers anew, D (same layout) hears P's new
+    generation on its session stream unasked (SessionDown.engine_generation), before any lease;
+    an engine of another layout hears nothing of it, and P's new session not its own news."""
+    d, other, p = RawSession(stub), RawSession(stub), RawSession(stub)
+    await d.register(engine_info("D"), 5000)
+    await other.register(engine_info("X", block_size=16), 5000)
+    await p.register(engine_info("P"), 5000)
+    first = await d.read_kind("engine_generation")
+    restarted = RawSession(stub)
+    await restarted.register(engine_info("P", agent_metadata=b"new agent"), 5000)
+    news = await d.read_kind("engine_generation")
+    engines = {e.engine_id: e for e in (await stub.ListEngines(pb.ListEnginesRequest())).engines}
+    assert news.engine_generation.engine_id == "P" and first.engine_generation.engine_id == "P"
+    assert news.engine_generation.generation == engines["P"].generation > first.engine_generation.generation
+    # A session's notices come in order: the first X and the new P hear is of a later engine.
+    later_a, later_b = RawSession(stub), RawSession(stub)
+    await later_a.register(engine_info("D2"), 5000)
+    await later_b.register(engine_info("Y", block_size=16), 5000)
+    assert (await restarted.read_kind("engine_generation")).engine_generation.engine_id == "D2"
+    assert (await other.read_kind("engine_generation")).engine_generation.engine_id == "Y"
+    for s in (p, d, other, restarted, later_a, later_b):
+        await s.close()

@@ -58,6 +58,11 @@ class BrokerConfig:
     mirror_chunk: int = setting(
         8_192, "index entries per snapshot step of a new Mirror stream (smaller: shorter pauses)"
     )
+    mirror_keepalive_ms: int = setting(
+        1_000,
+        "an idle Mirror stream gets an empty update this often, so a mirror can tell a quiet "
+        "index from a silent broker",
+    )
     ended_lease_history: int = setting(
         10_000, "ended leases kept for ListLeases(include_ended) and precise release errors"
     )
@@ -216,6 +221,7 @@ class BrokerConfig:
             "expiry_interval_ms",
             "expiry_batch",
             "mirror_chunk",
+            "mirror_keepalive_ms",
             "keepalive_min_ping_interval_ms",
             "max_lease_blocks",
             "lease_memory_mib",

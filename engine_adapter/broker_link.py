@@ -121,8 +121,9 @@ class BrokerLink(Protocol):
         ...
 
     def set_event_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener`` (on the session thread) after a lease-end notice is queued
-        or the connection changes, so holds settle while vLLM's scheduler is idle."""
+        """Call ``listener`` (on the session thread) after a lease-end notice or an engine's new
+        generation is queued or the connection changes, so holds settle (and old agents go)
+        while vLLM's scheduler is idle."""
         ...
 
     def set_pin_handlers(self, pin: PinHandler, unpin: Callable[[str], None]) -> None:
@@ -313,9 +314,9 @@ class SessionBrokerLink:
         self._notify()
 
     def _on_engine_generation(self, message: pb.EngineGeneration) -> None:
-        # Not a wake-up: the workers drop the old agent with the next step's metadata, before
-        # that step's reads, and an engine with no step reads nothing in the meantime.
+        # The scheduler wakes an idle engine: its workers drop the old agent in that step.
         self._generations.put(NewGeneration(message.engine_id, message.generation))
+        self._notify()
 
     def _on_pin(self, command: pb.PinCommand) -> pb.PinResult | Future[pb.PinResult]:
         if self._pin is not None:

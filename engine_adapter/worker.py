@@ -476,11 +476,14 @@ class AdapterWorker:
         if self.verifier is not None:
             self._outcomes.blocks_digested += self.verifier.take_stated()
         o = self._outcomes
-        if not (o.done or o.failed or o.stores_done or o.stores_failed or o.blocks_digested):
+        # Replacements go with the step's outcomes; one on the broker's word alone, with no read,
+        # is an outcome of its own.
+        o.stale_refused, o.peers_replaced = self._peers.refused, self._peers.replaced
+        if not (
+            o.done or o.failed or o.stores_done or o.stores_failed or o.blocks_digested or o.peers_replaced
+        ):
             return None
         outcomes, self._outcomes = self._outcomes, ReadOutcomes()
-        # A replacement is counted with the read that caused it (always an outcome of its own).
-        outcomes.stale_refused, outcomes.peers_replaced = self._peers.refused, self._peers.replaced
         self._peers.refused = self._peers.replaced = 0
         return outcomes
 

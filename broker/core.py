@@ -27,6 +27,7 @@ from kvbroker.broker.observed import ObservedIndex, ObservedLeaseTable, Observed
 from kvbroker.broker.prompts import prompt_chain
 from kvbroker.broker.registry import EngineRecord, EngineRegistry, Registry
 from kvbroker.broker.results import ResolveResult, ScoreResult, Stats
+from kvbroker.broker.silence import SilenceWatch
 from kvbroker.common.causes import Cause
 from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
@@ -65,6 +66,7 @@ class BrokerCore:
         self.released_total, self.stalls_forgiven, self.stalled_s_forgiven = 0, 0, 0.0
         self.declines = DeclineBook() if declines is None else declines
         self.backlog = InventoryBacklog(self.index, self._supersede, self.registry, self.notifier)
+        self.silence = SilenceWatch(self.registry)  # mirrors hear of silent engines (silence.py)
 
     # -- sessions ------------------------------------------------------------------
 
@@ -512,5 +514,6 @@ class BrokerCore:
         for lease in self.leases.revoke_expired(now, limit):
             self._after_revoke(lease)
             ended += 1
+        self.silence.check(now)
         self.index.maintain(limit * 8)  # a few ms of sweep per pass: it shares the loop
         return ended

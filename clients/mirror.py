@@ -14,17 +14,15 @@ the stream's delivery time (about a millisecond on one host; see
 `bench/control_plane/compare.py`). Before the first snapshot completes, and while the
 stream is broken, `resolve` answers None ("ask the broker").
 
-How exact it is: each holder's state is the one the broker recorded
-(EngineInfo.exactness: a KV-event feed's gaps), and the mirror judges one
-silence itself, its own stream's. The broker sends an idle Mirror stream an
+How exact it is: each holder's state is the one the broker published
+(EngineInfo.exactness: a KV-event feed's gaps, or a connector engine silent
+past two heartbeats, broker/silence.py), and the mirror judges one silence
+itself, its own stream's. The broker sends an idle Mirror stream an
 empty update every ``--mirror-keepalive-ms`` (1 s); a mirror that has heard
 nothing at all for ``silence_s`` (3 s by default) cannot tell a quiet index
 from a frozen broker or a cut link, so it marks every holder's picture
 INDEX_DEGRADED ("mirror silent for ..."), and ``fresh`` turns False so that
-an engine asks the broker instead, until the next message arrives. (The
-broker's judgement of a *connector engine's* silence, from its heartbeats, is
-made when the broker answers and is not recorded, so it does not reach
-mirrors: a mirror names a silent holder as exact until its session ends.)
+an engine asks the broker instead, until the next message arrives.
 
 Thread-safety: updates come from the stream's event loop and lookups from any
 thread (the vLLM scheduler); one lock serialises them.

@@ -52,6 +52,17 @@ def test_fleet_replicas_share_one_generation_counter(request: pytest.FixtureRequ
     assert seen is not None and seen.generation == on_b.generation, "other replicas read it from the store"
 
 
+def test_a_replica_judges_the_silence_of_its_own_sessions_only(request: pytest.FixtureRequest) -> None:
+    """`own_sessions()`: the sessions whose streams are on this replica (broker/silence.py looks at those)."""
+    a, b = _replicas(request, Floor(0))
+    a.add(engine_info("P"), 5.0, 1, now=0.0)
+    b.add(engine_info("D"), 5.0, 1, now=0.0)
+    assert [r.engine_id for r in a.own_sessions()] == ["P"] and [r.engine_id for r in b.own_sessions()] == [
+        "D"
+    ]
+    assert {r.engine_id for r in a.all()} == {"P", "D"}
+
+
 def test_a_replica_that_records_an_engines_exactness_tells_the_others(request: pytest.FixtureRequest) -> None:
     """A KV-event feed runs on one replica; every replica must answer with its state."""
     a, b = _replicas(request, Floor(0))

@@ -19,7 +19,7 @@ How exact it is: each holder's state is the one the broker published
 past two heartbeats, broker/silence.py), and the mirror judges one silence
 itself, its own stream's. The broker sends an idle Mirror stream an
 empty update every ``--mirror-keepalive-ms`` (1 s); a mirror that has heard
-nothing at all for ``silence_s`` (3 s by default) cannot tell a quiet index
+nothing at all for ``silence_s`` (5 s by default) cannot tell a quiet index
 from a frozen broker or a cut link, so it marks every holder's picture
 INDEX_DEGRADED ("mirror silent for ..."), and ``fresh`` turns False so that
 an engine asks the broker instead, until the next message arrives.
@@ -51,9 +51,11 @@ log = logging.getLogger("kvbroker.mirror")
 # Index entries swept per applied message (the broker's own clean-up, done locally).
 _MAINTAIN_BUDGET = 5_000
 
-# Silent this long, the mirror's picture is degraded: three of the broker's keepalives
-# (--mirror-keepalive-ms, 1 s) missed in a row.
-DEFAULT_SILENCE_S = 3.0
+# Silent this long, the mirror's picture is degraded: five of the broker's keepalives
+# (--mirror-keepalive-ms, 1 s) missed in a row. Not less: the process itself may not run for a
+# while on a loaded host (a starved session thread reads the keepalives late), and a mirror
+# judged silent sends every lookup to the broker, correct but slower.
+DEFAULT_SILENCE_S = 5.0
 EXACT, DEGRADED = 1, 3  # IndexExactness values (the wire's enum)
 
 

@@ -2,7 +2,9 @@
 leases, hold finished requests' blocks for readers.
 
 Runs inside vLLM's scheduler loop and never blocks on the broker: every broker
-call is a Future, checked again at the next step. A request waits either in
+call is a Future, checked again at the next step, except that a step waits up
+to ``step_wait_ms`` (without the lock) for a pull's answer due in it: the lease
+of a pull allocated in it, the release of a read done in its output. A request waits either in
 vLLM's "ask again" state (``get_num_new_matched_tokens`` -> None) while its
 lookup is pending, or in WAITING_FOR_REMOTE_KVS while its lease is acquired,
 its blocks are read and the lease is released. Whatever goes wrong, the

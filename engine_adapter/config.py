@@ -71,6 +71,13 @@ class AdapterConfig:
         2000,
         "How long a claimed load may wait for the broker to grant the lease. Both waits count only time the scheduler runs (a gap over 0.25 s between checks counts 0.25 s).",
     )
+    step_wait_ms: int = setting(
+        20,
+        "Longest a scheduler step waits for the broker's answer a pull needs now: the lease of a pull "
+        "allocated in this step (its read then starts in this step) and the release of a read finished in "
+        "this step's output (vLLM then schedules the prefill in the next step). Past it the answer is taken "
+        "at a later step. 0: never wait (each answer costs a step).",
+    )
     multi_turn: bool = setting(
         False,
         "D side: hold a finished request's blocks (prompt + answer) so that the next turn's prefill, wherever it runs, can pull them.",
@@ -145,7 +152,13 @@ class AdapterConfig:
             raise AdapterConfigError(
                 f"recompute_neighbour_cost must be >= 0 (got {self.recompute_neighbour_cost})"
             )
-        for name in ("kv_recompute_threshold", "resolve_wait_ms", "acquire_wait_ms", "cpu_tier_blocks"):
+        for name in (
+            "kv_recompute_threshold",
+            "resolve_wait_ms",
+            "acquire_wait_ms",
+            "step_wait_ms",
+            "cpu_tier_blocks",
+        ):
             if getattr(self, name) < 0:
                 raise AdapterConfigError(f"{name} must be >= 0 (got {getattr(self, name)})")
 

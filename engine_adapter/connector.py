@@ -175,6 +175,7 @@ class BrokerConnector(KVConnectorBase_V1):
             cpu_tier_slots=config.cpu_tier_blocks,
             cpu_tier_factory=_make_cpu_tier,
             verify_bytes=config.verify_bytes,
+            step_wait_s=config.step_wait_ms / 1000,
         )
 
     # ------------------------------------------------------------------
@@ -305,11 +306,16 @@ class BrokerConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(
+        finished = self._scheduler.update_connector_output(
             worker_meta=connector_output.kv_connector_worker_meta,
             finished_sending=connector_output.finished_sending,
             finished_recving=connector_output.finished_recving,
         )
+        if finished:
+            # Loads committed on this side in this output (reads done, lease released): vLLM reads
+            # finished_recving right after this hook, so their prefill is scheduled next step
+            # instead of a step later, after a Commit's trip through the worker.
+            connector_output.finished_recving = set(connector_output.finished_recving or ()) | finished
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

@@ -17,10 +17,10 @@ block-outermost layouts (BLHNC, BLNHC) the pages of all layers interleave, so
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -179,3 +179,22 @@ def _layer_regions(tensor: torch.Tensor, layer: int, block_dim: int, name: str) 
             block_bytes=run_bytes,
             device_id=device_id,
         )
+
+
+def tier_info(tier: pb.Tier.ValueType, mem_type: str, num_blocks: int, regions: Sequence[Any]) -> pb.TierInfo:
+    """One tier of a rank's memory as the broker learns it (RegisterRank)."""
+    return pb.TierInfo(
+        tier=tier,
+        mem_type=mem_type,
+        num_blocks=num_blocks,
+        regions=[
+            pb.MemoryRegion(
+                layer=r.layer,
+                base_addr=r.base_addr,
+                block_stride=r.block_stride,
+                block_bytes=r.block_bytes,
+                device_id=r.device_id,
+            )
+            for r in regions
+        ],
+    )

@@ -8,14 +8,17 @@ a released lease reports the blocks loaded; anything else (lease refused or not
 granted within ``acquire_wait_ms``, incompatible holder, failed read, failed
 release) commits them as failed and vLLM recomputes them. A restore from this
 engine's own CPU tier needs no broker: a local pin keeps the slots while the
-worker copies them back.
+worker copies them back. In the fewest steps (``step_wait_ms``) a pull allocated
+in step N is leased and read in N, released in N's output, and reported finished
+to vLLM in that output (take_finished_now), so its prefill runs in step N+1.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -83,6 +86,11 @@ class Loads:
         self._pending_commits: list[Commit] = []
         # Committed loads whose remainder's prefill has not produced its first token yet.
         self._to_first_token: dict[str, Load] = {}
+        # Set while a step's output is handled (update_connector_output): a load committed then
+        # is reported finished to vLLM in that same output (take_finished_now), not through the
+        # worker at the next step; a failed one still goes to the worker (its blocks' load errors).
+        self.finish_in_output = False
+        self._finished_now: set[str] = set()
 
     # ------------------------------------------------------------------
     # what the scheduler's hooks call
@@ -151,7 +159,7 @@ class Loads:
                 request_id=req_id,
             )
         ctx.stats.count("leases_requested")
-        self._time_answer(load, "lease_answer", "allocated")
+        load.timeline.time_answer(load.future, "lease_answer", "allocated", ctx.clock)
 
     def advance(self, now: float) -> None:
         """Check every load's pending broker call (a step of the scheduler)."""
@@ -209,6 +217,7 @@ class Loads:
         for req_id, load in self._to_first_token.items():
             if "load_finished" in load.timeline.marks and req_id in req_ids:
                 self._mark(load, "prefill_scheduled")
+                load.timeline.count_ready_steps(self._ctx.stats)
 
     def step_done(self) -> None:
         """A step's output came back: a prefill scheduled in it produced its first token."""
@@ -229,6 +238,37 @@ class Loads:
             return False
         load.aborted = True
         return True
+
+    @contextmanager
+    def finishing_in_output(self) -> Iterator[None]:
+        """While a step's output is handled: loads committed now finish in it (take_finished_now)."""
+        self.finish_in_output = True
+        try:
+            yield
+        finally:
+            self.finish_in_output = False
+
+    def answers_due_now(self, *, in_output: bool) -> list[Future[Any]]:
+        """Broker answers that let a pull go on in this step: the leases of loads allocated in the
+        step being scheduled, or (``in_output``) the releases of reads that finished in its output."""
+        if in_output:
+            state, mark, step = LoadState.RELEASING, "read_done", self._ctx.step
+        else:
+            state, mark, step = LoadState.ACQUIRING, "allocated", self._ctx.scheduling_step
+        return [
+            ld.future
+            for ld in self.active.values()
+            if ld.state == state
+            and ld.future is not None
+            and ld.timeline.marks.get(mark, (0.0, -1))[1] == step
+        ]
+
+    def take_finished_now(self) -> set[str]:
+        """Loads committed while this output was handled: vLLM is told in the same output."""
+        done, self._finished_now = self._finished_now, set()
+        for req_id in done:
+            self.received(req_id)
+        return done
 
     def pending_futures(self) -> list[Future[Any]]:
         """Broker answers (a lease, a release) that loads wait for."""
@@ -366,7 +406,7 @@ class Loads:
             # What was read, for the broker's per-pair counters (the lease may cover more).
             read = (load.plan.num_blocks, load.bytes_read)
             load.future = link.release(load.lease.lease_id, load.lease.epoch, read)
-        self._time_answer(load, "release_answer", "read_done")
+        load.timeline.time_answer(load.future, "release_answer", "read_done", self._ctx.clock)
 
     def _fail(self, load: Load, reason: str) -> None:
         link = self._ctx.link
@@ -441,6 +481,11 @@ class Loads:
             )
         if not ok:
             self.failed.add(load.request_id)
+        if ok and self.finish_in_output and not load.aborted:
+            # The worker's reads are done (it reported them) and nothing of it waits for the
+            # commit: vLLM learns it from this output and schedules the prefill next step.
+            self._finished_now.add(load.request_id)
+            return
         self._pending_commits.append(Commit(load.request_id, ok, load.local_block_ids, reason))
 
     # ------------------------------------------------------------------
@@ -451,17 +496,10 @@ class Loads:
         t = load.timeline
         t.marks["lookup_started"] = lookup.started_at
         t.marks["decided"] = lookup.decided_at or lookup.started_at
-        t.marks["allocated"] = (load.started, self._ctx.step)
+        t.marks["allocated"] = (load.started, self._ctx.scheduling_step)
 
     def _mark(self, load: Load, name: str) -> None:
         load.timeline.mark(name, self._ctx.clock(), self._ctx.step, load.span)
-
-    def _time_answer(self, load: Load, name: str, since: str) -> None:
-        """When the broker's answer arrives (session thread), apart from when a step sees it."""
-        future = load.future
-        if future is not None:
-            clock = self._ctx.clock
-            future.add_done_callback(lambda _f: load.timeline.since(name, since, clock()))
 
     def _end_timeline(self, req_id: str, error: str) -> None:
         load = self._to_first_token.pop(req_id)

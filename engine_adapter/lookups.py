@@ -118,7 +118,7 @@ class Lookups:
             if lookup.decision is None:
                 return None, False
         if lookup.decided_at is None:
-            lookup.decided_at = (now, self._ctx.step)
+            lookup.decided_at = (now, self._ctx.scheduling_step)
         # Re-decide against the current local hit (it may have grown since).
         decision = lookup.decision
         local_cpu = self._local_cpu_blocks(lookup)
@@ -252,7 +252,7 @@ class Lookups:
             namespace=ctx.namespace(request),
             hashes=hashes,
             budget=Budget(ctx.config.resolve_wait_ms / 1000.0, now),
-            started_at=(now, ctx.step),
+            started_at=(now, ctx.scheduling_step),
         )
         lookup.span = start_span(
             "kvbroker.resolve",

@@ -28,6 +28,8 @@ scheduler's step cadence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +63,22 @@ class PullTimeline:
         """A duration measured off the scheduler's steps (e.g. the broker's answer arrived)."""
         if start in self.marks:
             self.extra_ms[name] = round((now - self.marks[start][0]) * 1000.0, 3)
+
+    def time_answer(
+        self, future: Future[Any] | None, name: str, since: str, clock: Callable[[], float]
+    ) -> None:
+        """When a broker answer arrives (session thread), apart from when a step sees it."""
+        if future is not None:
+            future.add_done_callback(lambda _f: self.since(name, since, clock()))
+
+    def count_ready_steps(self, stats: Any) -> None:
+        """At the prefill's scheduling: the scheduler steps since vLLM allocated the blocks, as the
+        counters ``loads_ready`` / ``load_ready_steps`` and the figure ``last_load_ready_steps``.
+        1 is the least: lease, read and release all in the allocation's step (docs/adapter.md)."""
+        steps = self.marks["prefill_scheduled"][1] - self.marks["allocated"][1]
+        stats.count("loads_ready", 1)
+        stats.count("load_ready_steps", steps)
+        stats.figure("last_load_ready_steps", steps)
 
     def phases(self) -> dict[str, tuple[float, int]]:
         """phase -> (ms, scheduler steps), for every phase whose two marks exist."""

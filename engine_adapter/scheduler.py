@@ -2,7 +2,9 @@
 leases, hold finished requests' blocks for readers.
 
 Runs inside vLLM's scheduler loop and never blocks on the broker: every broker
-call is a Future, checked again at the next step. A request waits either in
+call is a Future, checked again at the next step, except that a step waits up
+to ``step_wait_ms`` (without the lock) for a pull's answer due in it: the lease
+of a pull allocated in it, the release of a read done in its output. A request waits either in
 vLLM's "ask again" state (``get_num_new_matched_tokens`` -> None) while its
 lookup is pending, or in WAITING_FOR_REMOTE_KVS while its lease is acquired,
 its blocks are read and the lease is released. Whatever goes wrong, the
@@ -199,12 +201,19 @@ class AdapterScheduler:
             self.costs.pull_started(plan.holder_engine_id, holder_load)
             self.loads.start(lookup, plan, block_ids, num_external_tokens)
 
-    @_locked
     def build_connector_meta(
         self, scheduled: Sequence[tuple[str, int, int]] | None = None
     ) -> AdapterMetadata:
         """``scheduled``: the step's (request id, new tokens, context tokens). It times the last step
-        for the cost model and marks a loaded request's remainder prefill for its pull timeline."""
+        for the cost model and marks a loaded request's remainder prefill for its pull timeline.
+
+        The leases of pulls allocated in this step are waited for first (up to ``step_wait_ms``):
+        granted, their reads start in this step instead of the next one."""
+        self._wait_for_answers(in_output=False)
+        return self._build_connector_meta(scheduled)
+
+    @_locked
+    def _build_connector_meta(self, scheduled: Sequence[tuple[str, int, int]] | None) -> AdapterMetadata:
         self._ctx.step += 1
         if scheduled is not None and not scheduled:
             self._idle_wait()
@@ -252,13 +261,36 @@ class AdapterScheduler:
         if pending:
             futures_wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
-    @_locked
+    def _wait_for_answers(self, *, in_output: bool) -> None:
+        """Wait up to ``step_wait_ms`` for the broker answers a pull needs in this step
+        (Loads.answers_due_now), without the lock: the session thread that delivers them may need it."""
+        with self._lock:
+            due = self.loads.answers_due_now(in_output=in_output)
+        if due and self.config.step_wait_ms > 0:
+            futures_wait(due, timeout=self.config.step_wait_ms / 1000.0)
+
     def update_connector_output(
         self,
         *,
         worker_meta: Any,
         finished_sending: set[str] | None,
         finished_recving: set[str] | None,
+    ) -> set[str]:
+        """A step's output. Returns the requests whose loads finished in it on this side (their
+        reads done and, for a pull, the release answered within ``step_wait_ms``): the caller adds
+        them to the output's finished_recving, so vLLM schedules their prefill in the next step."""
+        with self._lock, self.loads.finishing_in_output():
+            self._on_output(worker_meta, finished_sending, finished_recving)
+        self._wait_for_answers(in_output=True)  # the releases of the reads that just finished
+        with self._lock:
+            with self.loads.finishing_in_output():
+                self.loads.advance(self._clock())
+            finished = self.loads.take_finished_now()
+            self._publish_stats()
+        return finished
+
+    def _on_output(
+        self, worker_meta: Any, finished_sending: set[str] | None, finished_recving: set[str] | None
     ) -> None:
         before = (self.costs.prefill.prefill_steps, self.costs.prefill.ready)
         self.costs.steps.on_output(self._clock())  # the step's forward pass is done: timed

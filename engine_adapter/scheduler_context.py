@@ -51,6 +51,11 @@ class SchedulerContext:
     own_load: OwnLoad = field(default_factory=OwnLoad)
 
     @property
+    def scheduling_step(self) -> int:
+        """The step vLLM's hooks before build_connector_meta (lookups, allocation) belong to."""
+        return self.step + 1
+
+    @property
     def expected_ranks(self) -> int:
         """Worker ranks that each report a read or a copy before it counts as done."""
         return self.tp_size * self.pp_size

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvbroker.engine_adapter.kv_regions import tier_info
 from kvbroker.engine_adapter.metadata import (
     VERSION,
     AdapterMetadata,
@@ -44,6 +45,8 @@ logger = logging.getLogger("vllm.kvbroker.worker")
 # learns our NIXL details again without an engine restart.
 RANK_REFRESH_S = 5.0
 RANK_RETRY_S = 0.5
+# Between two polls of a read the step waits for (get_finished, step_wait_s).
+STEP_POLL_S = 0.0005
 
 
 class MoverLike(Protocol):
@@ -115,6 +118,8 @@ class AdapterWorker:
         cpu_tier_slots: int = 0,
         cpu_tier_factory: Callable[[list[Any], int], CpuTierLike] | None = None,
         verify_bytes: bool = False,
+        step_wait_s: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.engine_id = engine_id
         self.pp_rank = pp_rank
@@ -149,6 +154,12 @@ class AdapterWorker:
         self._storing: dict[str, int] = {}  # request id -> copies in flight (its blocks stay allocated)
         # verify_bytes: digest tables as holder, digest checks as reader (engine_adapter/verify.py).
         self.verifier = ByteVerifier(region_factory) if verify_bytes else None
+        # Reads started in this step are polled to their end before the step's output, up to
+        # this long (step_wait_ms): reported in this step, the scheduler can release and finish
+        # the load in it. UCX's same-host copy usually ends inside the post (block_mover.py).
+        self._step_wait_s = step_wait_s
+        self._sleep = sleep
+        self._step_reads: set[str] = set()
 
     # ------------------------------------------------------------------
     # setup
@@ -160,7 +171,7 @@ class AdapterWorker:
         """Register this rank's KV cache (and CPU tier) with NIXL and publish them to the broker."""
         self.mover = self._mover_factory(self.agent_name)
         self.mover.register_tier(pb.TIER_GPU, mem_type, list(regions), num_blocks)
-        tiers = [_tier_info(pb.TIER_GPU, mem_type, num_blocks, regions)]
+        tiers = [tier_info(pb.TIER_GPU, mem_type, num_blocks, regions)]
         if self.verifier is not None:
             table = self.verifier.register(self.mover, pb.TIER_GPU, mem_type, regions, num_blocks, kv_caches)
             tiers[0].digest_table.CopyFrom(table)
@@ -171,9 +182,7 @@ class AdapterWorker:
             self.mover.register_tier(
                 pb.TIER_CPU, self.cpu_tier.mem_type, cpu_regions, self.cpu_tier.num_slots
             )
-            tiers.append(
-                _tier_info(pb.TIER_CPU, self.cpu_tier.mem_type, self.cpu_tier.num_slots, cpu_regions)
-            )
+            tiers.append(tier_info(pb.TIER_CPU, self.cpu_tier.mem_type, self.cpu_tier.num_slots, cpu_regions))
             if self.verifier is not None:
                 tiers[-1].digest_table.CopyFrom(
                     self.verifier.register(
@@ -249,6 +258,7 @@ class AdapterWorker:
         self._peers.engines_replaced(self.mover, meta.generations)  # before any of this step's reads
         for spec in meta.loads:
             self._start(spec)
+            self._step_reads.add(spec.request_id)
         for store in meta.stores:
             self._start_store(store)
         for digest in meta.digests:
@@ -459,6 +469,7 @@ class AdapterWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._seen_finished.update(finished_req_ids)
         self.poll()
+        self._finish_step_reads()
         # vLLM accepts a finished send only for a request it told us has finished;
         # a request whose blocks are still being copied to the CPU tier waits.
         sending = {r for r in self._frees & self._seen_finished if r not in self._storing}
@@ -467,6 +478,15 @@ class AdapterWorker:
         recving = self._finished_recving
         self._finished_recving = set()
         return (sending or None), (recving or None)
+
+    def _finish_step_reads(self) -> None:
+        """Poll the reads this step started until they end, up to ``step_wait_s`` (NIXL's progress
+        thread is off: a read moves while its owner polls it)."""
+        started, self._step_reads = self._step_reads, set()
+        deadline = self._clock() + self._step_wait_s
+        while any(self._reading.get(r) is not None for r in started) and self._clock() < deadline:
+            self._sleep(STEP_POLL_S)
+            self.poll()
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -496,23 +516,3 @@ class AdapterWorker:
         if self.mover is not None:
             self.mover.close()
             self.mover = None
-
-
-def _tier_info(
-    tier: pb.Tier.ValueType, mem_type: str, num_blocks: int, regions: Sequence[Any]
-) -> pb.TierInfo:
-    return pb.TierInfo(
-        tier=tier,
-        mem_type=mem_type,
-        num_blocks=num_blocks,
-        regions=[
-            pb.MemoryRegion(
-                layer=r.layer,
-                base_addr=r.base_addr,
-                block_stride=r.block_stride,
-                block_bytes=r.block_bytes,
-                device_id=r.device_id,
-            )
-            for r in regions
-        ],
-    )

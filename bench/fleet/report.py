@@ -16,7 +16,9 @@ Definitions (printed with the table and in docs/bench.md):
 - pulled tokens: `vllm:prompt_tokens_by_source{source="external_kv_transfer"}` summed over
   the engines (every connector, ours and NixlConnector); pulled blocks and bytes: our
   connector's own counters (its stats file); for NixlConnector the bytes are estimated
-  from the tokens and the model's KV bytes per token.
+  from the tokens and the model's KV bytes per token;
+- steps/load: our connector's readers' scheduler steps from a load's block allocation to
+  its prefill, averaged over the run's loads (1 the fewest; docs/adapter.md "A pull's steps").
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def summarize(
     recomputed = _delta(after, before, "local_compute")
     pulled = _delta(after, before, "external_kv_transfer")
     pulled_bytes = _delta(connector[1], connector[0], "pulled_bytes")
+    loads_ready = _delta(connector[1], connector[0], "loads_ready")
     reuse = max(0.0, 1.0 - recomputed / prompt) if prompt else float("nan")
     ideal_share = ideal / prompt if prompt else float("nan")
     ttfts = [t.ttft_s * 1000 for t in ok]
@@ -91,6 +94,13 @@ def summarize(
         "pulled_blocks": _delta(connector[1], connector[0], "pulled_blocks"),
         "pulled_bytes": pulled_bytes if pulled_bytes else pulled * kv_bytes_per_token,
         "pulled_bytes_estimated": not pulled_bytes and pulled > 0,
+        # The readers' scheduler steps from a load's allocation to its prefill (1 the fewest;
+        # docs/adapter.md "A pull's steps"), averaged over the run's loads; None without loads.
+        "load_ready_steps_mean": round(
+            _delta(connector[1], connector[0], "load_ready_steps") / loads_ready, 2
+        )
+        if loads_ready
+        else None,
     }
 
 
@@ -104,13 +114,14 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         "reuse (ideal)",
         "recomputed",
         "pulled tok (bytes)",
+        "steps/load",
         "failed",
         "leases left",
     ]
     rows, notes = [], []
     for name, entry in results.items():
         if "unavailable" in entry:
-            rows.append([name, "-", "unavailable", *["-"] * 7])
+            rows.append([name, "-", "unavailable", *["-"] * 8])
             notes.append(f"{name} unavailable: {entry['unavailable']}")
             continue
         for r in entry["runs"]:
@@ -125,6 +136,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                     f"{r['prefix_reuse']:.0%} ({r['ideal_reuse']:.0%})",
                     str(r["recomputed_tokens"]),
                     f"{r['pulled_tokens']} ({r['pulled_bytes'] / 2**20:.1f} MiB)",
+                    "-" if r.get("load_ready_steps_mean") is None else f"{r['load_ready_steps_mean']:g}",
                     f"{r['failed']}+{r['not_sent']} not sent",
                     "-" if r.get("leases_left") is None else str(r["leases_left"]),
                 ]

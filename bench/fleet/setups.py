@@ -121,7 +121,7 @@ class Running:
         out: dict[str, int] = {}
         for path in self.stats_paths.values():
             stats = read_stats(path, settle=False)
-            for key in ("pulled_blocks", "pulled_tokens", "pulled_bytes"):
+            for key in ("pulled_blocks", "pulled_tokens", "pulled_bytes", "loads_ready", "load_ready_steps"):
                 out[key] = out.get(key, 0) + int(stats.get(key, 0))
         return out
 

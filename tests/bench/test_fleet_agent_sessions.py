@@ -105,9 +105,10 @@ def test_summary_goodput_reuse_and_failures() -> None:
         slo_ttft_s=0.5,
         slo_tpot_s=0.05,
         sources=({"local_compute": 100}, {"local_compute": 100 + 876, "external_kv_transfer": 64}),
-        connector=({}, {}),
+        connector=({"loads_ready": 2, "load_ready_steps": 9}, {"loads_ready": 6, "load_ready_steps": 17}),
         kv_bytes_per_token=1024,
     )
+    assert out["load_ready_steps_mean"] == 2.0, "(17 - 9) steps over (6 - 2) loads"
     assert out["goodput_rps"] == 0.5 and out["throughput_rps"] == 1.0
     assert out["failed"] == 1 and out["not_sent"] == 1
     assert out["prompt_tokens"] == 1752 and out["recomputed_tokens"] == 876

@@ -8,7 +8,9 @@ made busy with long requests sent to it directly (not through the proxy: the
 proxy learns A's load only from A's heartbeats to the broker). The next
 request sharing the prefix goes to the other engine (B), which pulls the
 prefix from A over NIXL, and its greedy output equals one engine computing
-the whole prompt itself.
+the whole prompt itself. And a pull on a busy reader takes the fewest steps
+of the reader's scheduler: leased, read and released in the step vLLM
+allocated its blocks in, its prefill scheduled in the next.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from kvbroker.tools.launch import EngineProcess
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.engines import (
     BLOCK_SIZE,
+    complete,
     completion_request,
+    output_ids,
     prompt_of,
     read_stats,
     recompute_reference,
@@ -45,6 +49,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.
 
 PREFIX = 512  # 16 full blocks shared by both requests
 MAX_TOKENS = 8
+STEP_WAIT_MS = 10_000
 
 
 @dataclass
@@ -69,7 +74,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         for name in ("E1", "E2"):
             # role both, no multi_turn: an engine's prefix cache is what it offers to the others.
             engines[name], stats[name] = start_engine(
-                model, log_dir, name=name, broker_address=broker.address, role="both"
+                model,
+                log_dir,
+                name=name,
+                broker_address=broker.address,
+                role="both",
+                # A bound only (a wait ends with the broker's answer): on a loaded test machine
+                # the answer may take longer than the default 20 ms, which would cost a step.
+                step_wait_ms=STEP_WAIT_MS,
             )
         for engine in engines.values():
             engine.wait_ready(timeout=600, progress=print)
@@ -119,7 +131,9 @@ def holds(fleet: Fleet, name: str, chain: list[int]) -> bool:
     return any(m.engine_id == name and m.matched_blocks >= len(chain) for m in answer.matches)
 
 
-def keep_busy(engine: EngineProcess, n: int, stop: threading.Event) -> list[threading.Thread]:
+def keep_busy(
+    engine: EngineProcess, n: int, stop: threading.Event, seed: int = 100
+) -> list[threading.Thread]:
     """`n` long streamed requests straight to `engine`, each sent again when it ends, read until
     `stop` is set: the engine stays busy however long a loaded machine takes to route the turn."""
 
@@ -133,7 +147,7 @@ def keep_busy(engine: EngineProcess, n: int, stop: threading.Event) -> list[thre
             except OSError:
                 return  # the engine stopped under it at teardown: no matter
 
-    threads = [threading.Thread(target=run, args=(100 + i,), daemon=True) for i in range(n)]
+    threads = [threading.Thread(target=run, args=(seed + i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     return threads
@@ -175,3 +189,35 @@ def test_a_busy_holder_sends_the_request_to_a_free_engine_that_pulls_the_prefix(
         t.join(60)
     # Greedy: the same tokens as one engine computing the whole prompt itself.
     assert out == recompute_reference(fleet.engines[other], turn2, MAX_TOKENS)
+
+
+def test_a_pull_on_a_busy_reader_is_ready_for_the_next_step(fleet: Fleet) -> None:
+    holder, reader = "E1", "E2"
+    for seed in (41, 31):  # 41: a first pull from this holder, which sets up NIXL's connection
+        prefix = prompt_of(PREFIX, seed=seed)
+        complete(fleet.engines[holder], prefix + prompt_of(32, seed=seed + 1), max_tokens=2)
+        chain = wire_chain(prefix, BLOCK_SIZE)
+        assert wait_for(lambda chain=chain: holds(fleet, holder, chain), 30)  # type: ignore[misc]
+        if seed == 41:
+            complete(fleet.engines[reader], prefix + prompt_of(32, seed=seed + 2), max_tokens=2)
+    stop = threading.Event()
+    busy = keep_busy(fleet.engines[reader], 3, stop, seed=300)  # prompts nobody holds
+    try:
+        # The reader decodes a batch: a step is a forward pass over it, and a pull's
+        # wait is counted in those steps, not in milliseconds.
+        assert wait_for(lambda: read_stats(fleet.stats[reader]).get("load", 0) >= 2, 120)
+        before = read_stats(fleet.stats[reader])
+        turn = prefix + prompt_of(32, seed=33)
+        answer = complete(fleet.engines[reader], turn, max_tokens=MAX_TOKENS)
+    finally:
+        stop.set()
+    assert wait_for(
+        lambda: read_stats(fleet.stats[reader]).get("loads_ready", 0) == before.get("loads_ready", 0) + 1, 30
+    )
+    after = read_stats(fleet.stats[reader])
+    assert after["pulled_blocks"] == before.get("pulled_blocks", 0) + PREFIX // BLOCK_SIZE, after
+    # Allocated in step N: leased, read, released and reported finished in N; prefill in N+1.
+    assert after["figures"]["last_load_ready_steps"] == 1, after
+    for t in busy:
+        t.join(60)
+    assert output_ids(answer) == recompute_reference(fleet.engines[reader], turn, MAX_TOKENS)

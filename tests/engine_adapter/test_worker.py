@@ -9,6 +9,7 @@ from kvbroker.engine_adapter.metadata import AdapterMetadata, Commit, HolderRank
 from kvbroker.engine_adapter.topology import TopologyError, check_sizes, plan_layer_reads
 from kvbroker.engine_adapter.worker import AdapterWorker
 from kvbroker.v1 import broker_pb2 as pb
+from testkit.clock import FakeClock
 from tests.engine_adapter.fakes import FakeMover
 
 
@@ -30,7 +31,7 @@ class LocalRegion:
         self.layer, self.base_addr, self.block_stride, self.block_bytes, self.device_id = layer, 0, 64, 64, 0
 
 
-def make_worker(layers: range = range(0, 4), registrar=None):  # type: ignore[no-untyped-def]
+def make_worker(layers: range = range(0, 4), registrar=None, **kwargs):  # type: ignore[no-untyped-def]
     movers: list[FakeMover] = []
 
     def factory(name: str) -> FakeMover:
@@ -44,6 +45,7 @@ def make_worker(layers: range = range(0, 4), registrar=None):  # type: ignore[no
         mover_factory=factory,
         region_factory=lambda spec: spec,
         rank_registrar=registrar,
+        **kwargs,
     )
     worker.register_memory([LocalRegion(layer) for layer in layers], 50, "DRAM")
     return worker, movers[0]
@@ -145,6 +147,50 @@ def test_commit_waits_for_reads_still_writing_the_blocks() -> None:
     worker.start_load_kv(AdapterMetadata(loads=[spec()], commits=[Commit("r1", False, (7, 8))]))
     assert worker.get_finished(set()) == (None, None)
     assert worker.get_finished(set()) == (None, {"r1"})
+
+
+def test_a_read_started_in_a_step_is_polled_to_its_end_before_the_output() -> None:
+    clock = FakeClock()
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock.advance(s)
+
+    worker, mover = make_worker(step_wait_s=30.0, sleep=sleep, clock=clock)  # a bound: ends with the read
+    mover.polls_to_finish = 4
+    worker.start_load_kv(AdapterMetadata(loads=[spec()]))
+    worker.get_finished(set())
+    outcomes = worker.take_outcomes()
+    assert outcomes is not None and outcomes.done == {"r1": 1}, "reported in the step that started it"
+    assert len(slept) == 3
+    worker.get_finished(set())
+    assert len(slept) == 3, "a step that started no read does not wait"
+
+
+def test_a_read_longer_than_the_step_wait_is_reported_later() -> None:
+    clock = FakeClock()
+    worker, mover = make_worker(step_wait_s=0.01, sleep=clock.advance, clock=clock)
+    mover.polls_to_finish = 100
+    worker.start_load_kv(AdapterMetadata(loads=[spec()]))
+    start = clock()
+    worker.get_finished(set())
+    assert worker.take_outcomes() is None and 0.01 <= clock() - start < 0.02, "waited the bound, no more"
+    for _ in range(100):
+        worker.get_finished(set())
+    outcomes = worker.take_outcomes()
+    assert outcomes is not None and outcomes.done == {"r1": 1}
+
+
+def test_without_a_step_wait_a_read_is_reported_when_a_later_step_sees_it_done() -> None:
+    worker, mover = make_worker()  # step_wait_s 0
+    mover.polls_to_finish = 2
+    worker.start_load_kv(AdapterMetadata(loads=[spec()]))
+    worker.get_finished(set())
+    assert worker.take_outcomes() is None
+    worker.get_finished(set())
+    outcomes = worker.take_outcomes()
+    assert outcomes is not None and outcomes.done == {"r1": 1}
 
 
 def test_free_is_reported_only_for_requests_vllm_finished() -> None:

@@ -36,6 +36,19 @@ def test_a_round_trip_answers_values_and_errors_as_redis_py_does(redis_server: R
     assert state.command("HGET", key, "a") == b"1"  # and redis-py's way still works on it
 
 
+def test_a_round_trip_drops_the_answers_it_was_told_to_skip_error_answers_too(
+    redis_server: RedisServer,
+) -> None:
+    state = redis_state(redis_server)
+    conn = _connected(state)
+    key = f"{state.prefix}:h"
+    wire.round_trip(conn, ("HSET", key, "a", 1))
+    conn.send_command("GET", key)  # type: ignore[attr-defined]  # WRONGTYPE, not waited for
+    conn.send_command("HGET", key, "a")  # type: ignore[attr-defined]
+    assert wire.round_trip(conn, ("PING",), skip=2) == b"PONG"
+    assert wire.round_trip(conn, ("HGET", key, "a")) == b"1"  # nothing left over from them
+
+
 def test_a_connection_it_cannot_use_is_left_to_redis_py(redis_server: RedisServer) -> None:
     state = redis_state(redis_server)
     conn = _connected(state)

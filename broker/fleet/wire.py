@@ -21,16 +21,18 @@ answers `UNSENT` and sends nothing: the caller takes redis-py's way.
 Answers of commands sent earlier without waiting (a `PUBLISH`: `skip` of them)
 are read in the same reads as the command's own answer and dropped, so they
 cost no read of their own. The command is written straight on the socket's
-file descriptor, which a socket with a timeout keeps non-blocking: Python's
-`sendall` asks `poll` first whether the socket can take it, a system call
-per command that a few hundred bytes into an idle connection never need;
-what the kernel does not take at once goes by `sendall`.
+file descriptor (a plain socket's; TLS goes through its socket), which a
+socket with a timeout keeps non-blocking: Python's `sendall` asks `poll`
+first whether the socket can take it, a system call per command that a few
+hundred bytes into an idle connection never need; what the kernel does not
+take at once goes by `sendall`.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from typing import Any
 
@@ -45,6 +47,7 @@ except ImportError:  # pragma: no cover - redis-py without hiredis, or another l
 
 UNSENT: Any = object()  # nothing was sent: use redis-py's path
 _write = os.write
+_PLAIN = socket.socket  # a TLS socket (ssl.SSLSocket) is a subclass: its bytes must go through it
 
 
 def round_trip(conn: Any, command: tuple[Any, ...], skip: int = 0) -> Any:
@@ -69,8 +72,8 @@ def round_trip(conn: Any, command: tuple[Any, ...], skip: int = 0) -> Any:
     reader = parser._reader
     buffer = parser._buffer
     try:
-        try:
-            sent = _write(sock.fileno(), packed)
+        try:  # not TLS: its bytes go on the descriptor as they are
+            sent = _write(sock.fileno(), packed) if type(sock) is _PLAIN else 0
         except BlockingIOError:
             sent = 0
         if sent < len(packed):

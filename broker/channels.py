@@ -146,6 +146,11 @@ def ended_down(lease: Lease, now: float) -> pb.SessionDown:
     return pb.SessionDown(lease_ended=pb.LeaseEnded(lease=codec.lease_pb(lease, now)))
 
 
+def generation_down(engine_id: str, generation: int) -> pb.SessionDown:
+    """To a possible reader: `engine_id` registered anew as `generation`; drop older agents of it."""
+    return pb.SessionDown(engine_generation=pb.EngineGeneration(engine_id=engine_id, generation=generation))
+
+
 class StreamNotifier:
     """The in-memory SessionNotifier: every session's stream is on this broker."""
 
@@ -187,6 +192,14 @@ class StreamNotifier:
 
     def drain(self, session_id: str, reason: str) -> None:
         self._send(session_id, pb.SessionDown(drain=pb.DrainCommand(reason=reason)))
+
+    def engine_generation(self, engine_id: str, generation: int, layout_id: str) -> None:
+        msg = generation_down(engine_id, generation)
+        for channel in self._channels.values():
+            rec = channel.record
+            # Only engines of the layout can have loaded its agents; never the engine itself.
+            if rec is None or (rec.layout_id == layout_id and rec.engine_id != engine_id):
+                channel.put(msg)
 
     def close_session(self, session_id: str, code: str, message: str, cause: Cause | None = None) -> None:
         channel = self._channels.get(session_id)

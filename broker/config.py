@@ -58,6 +58,11 @@ class BrokerConfig:
     mirror_chunk: int = setting(
         8_192, "index entries per snapshot step of a new Mirror stream (smaller: shorter pauses)"
     )
+    mirror_keepalive_ms: int = setting(
+        1_000,
+        "an idle Mirror stream gets an empty update this often, so a mirror can tell a quiet "
+        "index from a silent broker",
+    )
     ended_lease_history: int = setting(
         10_000, "ended leases kept for ListLeases(include_ended) and precise release errors"
     )
@@ -74,7 +79,9 @@ class BrokerConfig:
         "memory budget, in MiB, for the in-memory prefix index (0 = unbounded); past it the least recently "
         "matched or announced blocks are forgotten (a miss, never a wrong holder), those of the engine "
         "holding the most first; counted in kvbroker_index_forgotten_total (docs/broker.md#index-memory). "
-        "In-memory index only: refused with --state",
+        "With --state: the store's index keys as Redis's MEMORY USAGE counts them, kept as an entry bound "
+        "derived from the store's bytes per entry (docs/scale.md#bounding-the-stores-index); not with "
+        "--index-max-entries",
     )
     index_max_entries: int = setting(
         0,
@@ -191,10 +198,10 @@ class BrokerConfig:
     def validate(self) -> None:
         if self.index_memory_mib < 0:
             raise InvalidArgument("index_memory_mib must be >= 0 (0: unbounded)")
-        if self.index_memory_mib and self.state:
+        if self.index_memory_mib and self.index_max_entries:
             raise InvalidArgument(
-                "index_memory_mib bounds the in-memory index only; with --state bound the store's index "
-                "with index_max_entries (and leave index_memory_mib at 0)"
+                "index_memory_mib and index_max_entries both bound the --state store's index: set one "
+                "(bytes, or entries)"
             )
         if self.index_max_entries < 0:
             raise InvalidArgument("index_max_entries must be >= 0 (0: unbounded)")
@@ -216,6 +223,7 @@ class BrokerConfig:
             "expiry_interval_ms",
             "expiry_batch",
             "mirror_chunk",
+            "mirror_keepalive_ms",
             "keepalive_min_ping_interval_ms",
             "max_lease_blocks",
             "lease_memory_mib",

@@ -27,6 +27,7 @@ from kvbroker.broker.observed import ObservedIndex, ObservedLeaseTable, Observed
 from kvbroker.broker.prompts import prompt_chain
 from kvbroker.broker.registry import EngineRecord, EngineRegistry, Registry
 from kvbroker.broker.results import ResolveResult, ScoreResult, Stats
+from kvbroker.broker.silence import SilenceWatch
 from kvbroker.common.causes import Cause
 from kvbroker.common.index import CompactPrefixIndex, PrefixIndex
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
@@ -65,6 +66,7 @@ class BrokerCore:
         self.released_total, self.stalls_forgiven, self.stalled_s_forgiven = 0, 0, 0.0
         self.declines = DeclineBook() if declines is None else declines
         self.backlog = InventoryBacklog(self.index, self._supersede, self.registry, self.notifier)
+        self.silence = SilenceWatch(self.registry)  # mirrors hear of silent engines (silence.py)
 
     # -- sessions ------------------------------------------------------------------
 
@@ -83,7 +85,10 @@ class BrokerCore:
         if old is not None:
             EngineRegistry.validate(info)  # a bad registration must not end a good session
             self.end_session(old.session_id, "ABORTED", "superseded: the engine registered a new session")
-        return self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
+        rec = self.registry.add(info, ttl_s, expected_ranks, self.clock.now())
+        # Readers that loaded an older generation's agents drop them now, not at their next lease.
+        self.notifier.engine_generation(rec.engine_id, rec.generation, rec.layout_id)
+        return rec
 
     def end_session(self, session_id: str, code: str = "", message: str = "") -> None:
         """End a session: drop its blocks from the index, revoke every lease it holds or reads.
@@ -509,5 +514,6 @@ class BrokerCore:
         for lease in self.leases.revoke_expired(now, limit):
             self._after_revoke(lease)
             ended += 1
+        self.silence.check(now)
         self.index.maintain(limit * 8)  # a few ms of sweep per pass: it shares the loop
         return ended

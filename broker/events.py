@@ -44,6 +44,11 @@ class Notifier(Protocol):
 
     def drain(self, session_id: str, reason: str) -> None: ...
 
+    def engine_generation(self, engine_id: str, generation: int, layout_id: str) -> None:
+        """To every other session of `layout_id`: `engine_id` registered a new session numbered
+        `generation`; agents of its ranks loaded under an older one are gone (SessionDown.engine_generation)."""
+        ...
+
     def close_session(self, session_id: str, code: str, message: str) -> None:
         """The broker ended this session (TTL missed, superseded): close its stream."""
         ...
@@ -72,6 +77,9 @@ class NullNotifier:
         pass
 
     def drain(self, session_id: str, reason: str) -> None:
+        pass
+
+    def engine_generation(self, engine_id: str, generation: int, layout_id: str) -> None:
         pass
 
     def close_session(self, session_id: str, code: str, message: str) -> None:

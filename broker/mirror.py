@@ -12,6 +12,13 @@ buffer. Every change is a set operation (add, remove, drop), so applying the
 snapshot and then the changes, in order, ends at the broker's state even
 when the snapshot saw some of those changes already.
 
+Keepalive: the live part of a stream carries an empty MirrorUpdate every
+``--mirror-keepalive-ms`` (``live_updates``), idle or busy, so a mirror that
+hears nothing for several of them knows its picture may be stale (a frozen
+broker, a cut link) and says so (clients/mirror.py). Busy too: a tenant's
+filtered stream may see none of the changes, and an update on a clock tells
+it nothing of other tenants' activity.
+
 A subscriber that falls too far behind is not cut off: its buffer is dropped
 and it is sent a fresh snapshot (the `reset` flag tells the mirror). "Too far"
 is counted in bytes (8 a hash, an engine's whole serialized EngineInfo), so a
@@ -20,8 +27,10 @@ subscriber that never reads costs at most its byte limit, whatever changes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -231,3 +240,21 @@ class MirrorHub:
         size = msg.ByteSize() + CHANGE_OVERHEAD_BYTES
         for sub in subs:
             sub._add_engine(msg, size)
+
+
+async def live_updates(
+    sub: MirrorSubscriber, ready: asyncio.Event, keepalive_s: float
+) -> AsyncIterator[pb.MirrorUpdate]:
+    """The buffered changes as `ready` says they arrive, and an empty update every `keepalive_s`
+    (see the module doc), until the subscriber overflows or is closed."""
+    loop = asyncio.get_running_loop()
+    alive_at = loop.time() + keepalive_s
+    while not sub.overflowed and not sub.closed:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ready.wait(), max(0.0, alive_at - loop.time()))
+        if loop.time() >= alive_at:
+            alive_at = loop.time() + keepalive_s
+            yield pb.MirrorUpdate()
+        ready.clear()
+        for update in sub.take():
+            yield update

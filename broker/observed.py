@@ -318,6 +318,17 @@ class ObservedRegistry:
     def all(self) -> list[EngineRecord]:
         return self._registry.all()
 
+    def own_sessions(self) -> list[EngineRecord]:
+        return self._registry.own_sessions()
+
+    def silence_changed(self, rec: EngineRecord, silence: str) -> None:
+        """The engine fell silent (`silence` says how long) or spoke again (""): watchers and
+        mirrors hear it (broker/silence.py)."""
+        rec.silence = silence
+        detail = f"degraded: {silence}" if silence else "exact"
+        self._publish.watch(ENGINE, "engine_exactness", engine_id=rec.engine_id, detail=detail)
+        self._publish.mirror_engine(rec)
+
     def find_fingerprint(self, lid: str) -> pb.LayoutFingerprint | None:
         return self._registry.find_fingerprint(lid)
 

@@ -55,6 +55,9 @@ class EngineRecord:
     generation: int = 0  # which registration of the engine id this session is (see the module doc)
     exactness: int = 1  # broker/exactness.py's Exactness as recorded (a KV-event feed's gaps); 1 = exact
     exactness_reason: str = ""
+    # Why the broker last told mirrors this engine is silent ("": not silent as they know it;
+    # broker/silence.py). Reported as degraded while the recorded state is exact.
+    silence: str = ""
     stream_lost: bool = False  # its stream ended while the store was away: end it at the next pass
 
     @property
@@ -75,6 +78,8 @@ class EngineRecord:
         out.generation = self.generation
         out.exactness = self.exactness  # type: ignore[assignment]
         out.exactness_reason = self.exactness_reason
+        if self.silence and self.exactness == 1:
+            out.exactness, out.exactness_reason = pb.INDEX_DEGRADED, self.silence
         return out
 
 
@@ -125,6 +130,10 @@ class Registry(Protocol):
         ...
 
     def all(self) -> list[EngineRecord]: ...
+
+    def own_sessions(self) -> list[EngineRecord]:
+        """The engines whose session stream is on this broker (all of them, without shared state)."""
+        ...
 
     def find_fingerprint(self, lid: str) -> pb.LayoutFingerprint | None:
         """A fingerprint of a layout some live engine has (None: none has it)."""
@@ -220,6 +229,9 @@ class EngineRegistry:
 
     def all(self) -> list[EngineRecord]:
         return list(self._engines.values())
+
+    def own_sessions(self) -> list[EngineRecord]:
+        return list(self._engines.values())  # a fleet registry keeps only its own sessions here
 
     def find_fingerprint(self, lid: str) -> pb.LayoutFingerprint | None:
         return self._fingerprints.get(lid)

@@ -26,7 +26,7 @@ from kvbroker.broker.channels import Close, SessionChannel, SessionNotifier
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import BrokerError, InvalidArgument, Unavailable
 from kvbroker.broker.leases import Lease
-from kvbroker.broker.mirror import mirror_engine_info
+from kvbroker.broker.mirror import live_updates, mirror_engine_info
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.broker.results import ResolveResult, Stats
 from kvbroker.broker.retention_calls import RetentionCalls
@@ -481,11 +481,8 @@ class BrokerServicer(
                         break
                 else:
                     yield pb.MirrorUpdate(synced=True)
-                while not sub.overflowed and not sub.closed:
-                    await ready.wait()
-                    ready.clear()
-                    for update in sub.take():
-                        yield update
+                async for update in live_updates(sub, ready, self.core.config.mirror_keepalive_ms / 1000):
+                    yield update
                 if sub.overflowed:
                     log.warning("mirror of layout %s fell behind; sending a fresh snapshot", sub.layout_id)
             # Only the broker's shutdown closes a mirror (MirrorHub.close_all).

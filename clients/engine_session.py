@@ -92,6 +92,10 @@ class EngineSession(SessionStream):
     ``concurrent.futures.Future`` of one); without an ``on_pin`` every pin is
     refused.
 
+    ``on_engine_generation(EngineGeneration)``: another engine of the layout
+    registered a new session (a restart under the same engine id); NIXL agent
+    metadata of it cached under an older generation is stale.
+
     ``clock`` (a ``kvbroker.clients.clock.SessionClock``; monotonic time by
     default) decides heartbeats, the silence limit, stall forgiveness and the
     reconnect back-off: a test passes a ``ManualClock`` and moves it.
@@ -109,6 +113,7 @@ class EngineSession(SessionStream):
         on_lease_ended: Callable[[pb.LeaseEnded], Any] | None = None,
         on_pin: Callable[[pb.PinCommand], Any] | None = None,
         on_drain: Callable[[pb.DrainCommand], Any] | None = None,
+        on_engine_generation: Callable[[pb.EngineGeneration], Any] | None = None,
         on_connected: Callable[[pb.Registered], Any] | None = None,
         on_disconnected: Callable[[errors.BrokerError | None], Any] | None = None,
         load: Callable[[], float] | None = None,
@@ -145,6 +150,9 @@ class EngineSession(SessionStream):
             clock=clock,
         )
         self._owns_client = owns_client
+        # Another engine of the layout registered anew (SessionDown.engine_generation): agents
+        # of it loaded under an older generation are gone.
+        self.on_engine_generation = on_engine_generation
         self.flush_interval_s = flush_interval_s
         self.flush_max_hashes = flush_max_hashes
         self.max_hashes_per_update = max_hashes_per_update
@@ -165,6 +173,12 @@ class EngineSession(SessionStream):
         self._reported_load = engine.load
         self._load_reported_at = float("-inf")
         self._load_report_waits = False
+
+    def _dispatch(self, message: pb.SessionDown) -> None:
+        if message.HasField("engine_generation"):
+            self._callback(self.on_engine_generation, message.engine_generation)
+        else:
+            super()._dispatch(message)
 
     # -- load ------------------------------------------------------------------
 

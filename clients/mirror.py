@@ -14,6 +14,16 @@ the stream's delivery time (about a millisecond on one host; see
 `bench/control_plane/compare.py`). Before the first snapshot completes, and while the
 stream is broken, `resolve` answers None ("ask the broker").
 
+How exact it is: each holder's state is the one the broker published
+(EngineInfo.exactness: a KV-event feed's gaps, or a connector engine silent
+past two heartbeats, broker/silence.py), and the mirror judges one silence
+itself, its own stream's. The broker sends an idle Mirror stream an
+empty update every ``--mirror-keepalive-ms`` (1 s); a mirror that has heard
+nothing at all for ``silence_s`` (5 s by default) cannot tell a quiet index
+from a frozen broker or a cut link, so it marks every holder's picture
+INDEX_DEGRADED ("mirror silent for ..."), and ``fresh`` turns False so that
+an engine asks the broker instead, until the next message arrives.
+
 Thread-safety: updates come from the stream's event loop and lookups from any
 thread (the vLLM scheduler); one lock serialises them.
 """
@@ -41,6 +51,13 @@ log = logging.getLogger("kvbroker.mirror")
 # Index entries swept per applied message (the broker's own clean-up, done locally).
 _MAINTAIN_BUDGET = 5_000
 
+# Silent this long, the mirror's picture is degraded: five of the broker's keepalives
+# (--mirror-keepalive-ms, 1 s) missed in a row. Not less: the process itself may not run for a
+# while on a loaded host (a starved session thread reads the keepalives late), and a mirror
+# judged silent sends every lookup to the broker, correct but slower.
+DEFAULT_SILENCE_S = 5.0
+EXACT, DEGRADED = 1, 3  # IndexExactness values (the wire's enum)
+
 
 @dataclass
 class MirrorStats:
@@ -57,10 +74,23 @@ class MirrorStats:
 class IndexMirror:
     """The index of one layout as the broker has it, for lookups in process."""
 
-    def __init__(self, layout_id: str) -> None:
+    def __init__(
+        self,
+        layout_id: str,
+        *,
+        silence_s: float = DEFAULT_SILENCE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`silence_s`: heard nothing for longer, the picture is degraded (see the module doc);
+        `clock`: seconds, monotonic (a test passes a fake)."""
         if not layout_id:
             raise ValueError("IndexMirror needs a layout_id (the one the broker gave at registration)")
+        if silence_s <= 0:
+            raise ValueError("silence_s must be > 0")
         self.layout_id = layout_id
+        self.silence_s = silence_s
+        self._clock = clock
+        self._heard_at = clock()
         self.stats = MirrorStats()
         self._lock = threading.Lock()
         self._index = CompactPrefixIndex()
@@ -80,10 +110,31 @@ class IndexMirror:
         """The stream broke: answers may be stale from now on, so give none until resynced."""
         self._synced = False
 
+    def silent_for(self) -> float:
+        """Seconds since the stream last delivered anything (an update or a keepalive)."""
+        return max(0.0, self._clock() - self._heard_at)
+
+    @property
+    def fresh(self) -> bool:
+        """Synced, and heard from within `silence_s`: its answers may stand in for the broker's."""
+        return self._synced and self.silent_for() <= self.silence_s
+
+    def exactness(self, engine_id: str) -> tuple[int, str]:
+        """How exact this mirror's picture of `engine_id` is (IndexExactness), and why not exact."""
+        silent = self.silent_for()
+        if silent > self.silence_s:
+            return DEGRADED, f"mirror silent for {silent:.1f} s (limit {self.silence_s:.1f} s)"
+        info = self._engines.get(engine_id)
+        if info is None or not info.exactness:
+            return EXACT, ""  # unknown, or a broker that predates the field
+        return int(info.exactness), info.exactness_reason
+
     # -- applying the stream ------------------------------------------------------
 
     def apply(self, update: pb.MirrorUpdate) -> None:
+        """One message of the stream; an empty one is the broker's keepalive (nothing changed)."""
         with self._lock:
+            self._heard_at = self._clock()
             if update.reset:
                 self._index = CompactPrefixIndex()
                 self._engines.clear()
@@ -105,7 +156,7 @@ class IndexMirror:
                 self.stats.syncs += 1
             self._index.maintain(_MAINTAIN_BUDGET)
             self.stats.updates += 1
-            self.stats.last_update_monotonic = time.monotonic()
+            self.stats.last_update_monotonic = self._heard_at
 
     def _apply_blocks(self, blocks: pb.MirrorBlocks) -> None:
         tier = Tier(blocks.tier)
@@ -143,10 +194,16 @@ class IndexMirror:
                     continue  # an event-fed engine is scored, never pulled from
                 if asker is not None and (engine_id == asker.engine_id or not self._readable(asker, info)):
                     continue
-                matches.append(HolderMatch(engine_id, tier, n, info.load))
+                matches.append(
+                    HolderMatch(engine_id, tier, n, info.load, exactness=self.exactness(engine_id)[0])
+                )
         return [
             pb.HolderMatch(
-                engine_id=m.engine_id, tier=pb.Tier.ValueType(m.tier), matched_blocks=m.matched, load=m.load
+                engine_id=m.engine_id,
+                tier=pb.Tier.ValueType(m.tier),
+                matched_blocks=m.matched,
+                load=m.load,
+                exactness=pb.IndexExactness.ValueType(m.exactness),
             )
             for m in rank_holders(matches)
         ]
@@ -169,7 +226,10 @@ class IndexMirror:
             engines = {
                 e: (self._engines[e].load, self._engines[e].draining) for e in wanted if e in self._engines
             }
-        return score_engines(found, engines)
+            scores = score_engines(found, engines)
+            for s in scores:
+                s.exactness = self.exactness(s.engine_id)[0]
+        return scores
 
     def engines(self) -> list[pb.EngineInfo]:
         with self._lock:

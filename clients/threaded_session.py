@@ -175,10 +175,11 @@ class ThreadedEngineSession:
         self, namespace: NamespaceLike, block_hashes: Sequence[int]
     ) -> list[pb.HolderMatch] | None:
         """The holders the index mirror names (the broker's ranking, this engine left out),
-        at once, from the caller's thread; None without a synced mirror ("ask the broker")."""
+        at once, from the caller's thread; None without a synced mirror, or one that has heard
+        nothing from the broker for too long (IndexMirror.fresh): "ask the broker"."""
         session = self._session
         mirror = session.mirror if session is not None else None
-        if mirror is None or not mirror.synced:
+        if mirror is None or not mirror.fresh:
             return None
         layout_id, tenant = namespace_key(namespace)
         if layout_id != mirror.layout_id:

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from kvbroker.v1 import broker_pb2 as pb
 
@@ -35,6 +35,16 @@ class LeaseEndNotice:
     # The request id of a lease this engine holds ("" otherwise): a holder whose Hold answer
     # was lost knows its hold by that alone.
     request_id: str = ""
+
+
+@dataclass(frozen=True)
+class NewGeneration:
+    """The broker said `engine_id` registered anew as `generation` (SessionDown.engine_generation):
+    the workers drop its agents loaded under an older generation and read it only under this
+    one or later (engine_adapter/peer_agents.py). Travels to them in AdapterMetadata.generations."""
+
+    engine_id: str
+    generation: int
 
 
 class BrokerLink(Protocol):
@@ -102,13 +112,18 @@ class BrokerLink(Protocol):
 
     def take_lease_ends(self) -> list[LeaseEndNotice]: ...
 
+    def take_generations(self) -> list[NewGeneration]:
+        """Engines the broker said registered anew (SessionDown.engine_generation) since the last take."""
+        ...
+
     def set_load(self, load: float) -> None:
         """This engine's load figure (engine_adapter/own_load.py), for the broker's readers."""
         ...
 
     def set_event_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener`` (on the session thread) after a lease-end notice is queued
-        or the connection changes, so holds settle while vLLM's scheduler is idle."""
+        """Call ``listener`` (on the session thread) after a lease-end notice or an engine's new
+        generation is queued or the connection changes, so holds settle (and old agents go)
+        while vLLM's scheduler is idle."""
         ...
 
     def set_pin_handlers(self, pin: PinHandler, unpin: Callable[[str], None]) -> None:
@@ -118,18 +133,21 @@ class BrokerLink(Protocol):
     def close(self) -> None: ...
 
 
-class LeaseEndQueue:
-    """Thread-safe hand-over of lease-end notices from the session thread."""
+T = TypeVar("T")
+
+
+class HandOver(Generic[T]):
+    """Thread-safe hand-over of notices from the session thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: deque[LeaseEndNotice] = deque()
+        self._items: deque[T] = deque()
 
-    def put(self, notice: LeaseEndNotice) -> None:
+    def put(self, notice: T) -> None:
         with self._lock:
             self._items.append(notice)
 
-    def take_all(self) -> list[LeaseEndNotice]:
+    def take_all(self) -> list[T]:
         with self._lock:
             items = list(self._items)
             self._items.clear()
@@ -153,7 +171,8 @@ class SessionBrokerLink:
     ) -> None:
         from kvbroker.clients.threaded_session import ThreadedEngineSession
 
-        self._ends = LeaseEndQueue()
+        self._ends: HandOver[LeaseEndNotice] = HandOver()
+        self._generations: HandOver[NewGeneration] = HandOver()
         self._engine_id = engine.engine_id
         self._pin: PinHandler | None = None
         self._listener: Callable[[], None] | None = None
@@ -166,6 +185,7 @@ class SessionBrokerLink:
             on_revoked=self._on_revoked,
             on_lease_ended=self._on_lease_ended,
             on_pin=self._on_pin,
+            on_engine_generation=self._on_engine_generation,
             on_connected=lambda _registered: self._notify(),
             on_disconnected=lambda _error: self._notify(),
             mirror_index=index_mirror,
@@ -256,6 +276,9 @@ class SessionBrokerLink:
     def take_lease_ends(self) -> list[LeaseEndNotice]:
         return self._ends.take_all()
 
+    def take_generations(self) -> list[NewGeneration]:
+        return self._generations.take_all()
+
     def set_load(self, load: float) -> None:
         self._session.set_load(load)  # sent early when it changed materially (EngineSession)
 
@@ -288,6 +311,11 @@ class SessionBrokerLink:
             self._unpin(lease.lease_id)
         cause = "released" if lease.state == pb.LEASE_RELEASED else pb.RevokeCause.Name(lease.cause)
         self._ends.put(LeaseEndNotice(lease.lease_id, cause, self._held_as(lease)))
+        self._notify()
+
+    def _on_engine_generation(self, message: pb.EngineGeneration) -> None:
+        # The scheduler wakes an idle engine: its workers drop the old agent in that step.
+        self._generations.put(NewGeneration(message.engine_id, message.generation))
         self._notify()
 
     def _on_pin(self, command: pb.PinCommand) -> pb.PinResult | Future[pb.PinResult]:

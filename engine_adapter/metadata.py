@@ -34,6 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvbroker.engine_adapter.broker_link import NewGeneration
+
 # The format's history. A worker refuses metadata of another version (both
 # sides of one engine load the same package, so a mismatch means a mixed
 # install, not a peer of another release).
@@ -44,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 #      both sides are one install, so an added defaulted field needs no bump.)
 #   3: LoadSpec.holder_generation. Later, defaulted: DigestSpec, LoadSpec.block_hashes,
 #      HolderRank.digest_regions / digest_algorithm, ReadOutcomes.verified / mismatched /
-#      blocks_digested.
+#      blocks_digested, AdapterMetadata.generations.
 VERSION = 3
 
 
@@ -130,6 +132,7 @@ class AdapterMetadata(KVConnectorMetadata):
     frees: list[str] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     digests: list[DigestSpec] = field(default_factory=list)
+    generations: list[NewGeneration] = field(default_factory=list)
 
 
 @dataclass

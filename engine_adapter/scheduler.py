@@ -36,7 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as futures_wait
 from typing import Any, ParamSpec, TypeVar
 
-from kvbroker.engine_adapter.broker_link import BrokerLink
+from kvbroker.engine_adapter.broker_link import BrokerLink, NewGeneration
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.cost_model import CostModel
 from kvbroker.engine_adapter.cpu_directory import CpuDirectory
@@ -115,6 +115,8 @@ class AdapterScheduler:
         self._was_connected = False
         self._session_id = ""  # the broker session our holds and pins belong to
         self._lost_at: float | None = None  # when the scheduler saw that session's stream break
+        # Engines the broker said registered anew, for the workers with the next step's metadata.
+        self._generations: list[NewGeneration] = []
         # Writes stats_path on its own thread, from snapshots taken here.
         self._stats_writer = StatsWriter(config.stats_path) if config.stats_path else None
         # vLLM's hooks run on the scheduler thread; lease ends, hold replies, pins and
@@ -139,7 +141,12 @@ class AdapterScheduler:
     def has_pool_returns(self) -> bool:
         """Work only the scheduler thread may do: ended holds' blocks, pins of cached blocks, and
         digests the workers are to state (verify_bytes), which go out with a step's metadata."""
-        return self.holds.has_pool_returns() or self.gpu.has_work() or bool(self._ctx.pending_digests)
+        return (
+            self.holds.has_pool_returns()
+            or self.gpu.has_work()
+            or bool(self._ctx.pending_digests)
+            or bool(self._generations)  # the workers drop a replaced engine's agents in a step
+        )
 
     def read_cache_events(self) -> None:
         """vLLM's KV cache events since the last look: evicted blocks are announced removed."""
@@ -154,7 +161,10 @@ class AdapterScheduler:
 
     @_locked
     def on_link_event(self) -> None:
-        """Session thread: a lease ended, a hold was answered, or the connection changed."""
+        """Session thread: a lease ended, a hold was answered, an engine registered anew, or the
+        connection changed."""
+        if self._take_generations():
+            self.gpu.wake_engine()  # an idle engine steps once: its workers drop the old agents now
         self._check_connection()
         # Answered holds first: a lease-end notice never comes before its Hold's answer.
         self.holds.advance(self._clock())
@@ -216,10 +226,22 @@ class AdapterScheduler:
             frees=self._ctx.take_frees(),
             stores=self.stores.take_specs(),
             digests=self._ctx.take_digests(),
+            # Engines that registered anew: the workers drop their old agents before any read.
+            generations=self._take_generations(clear=True),
         )
         self._report_load()
         self._publish_stats()
         return meta
+
+    def _take_generations(self, clear: bool = False) -> list[NewGeneration]:
+        """The link's news of engines registered anew, added to those not yet sent; with `clear`,
+        all of them, handed over."""
+        if self.link is not None:
+            self._generations.extend(self.link.take_generations())
+        out = self._generations
+        if clear:
+            self._generations = []
+        return out
 
     def _idle_wait(self) -> None:
         """A step that scheduled nothing. vLLM steps again at once while its requests wait on

@@ -246,6 +246,7 @@ class AdapterWorker:
         self._frees.update(meta.frees)
         for commit in meta.commits:
             self._commits[commit.request_id] = commit
+        self._peers.engines_replaced(self.mover, meta.generations)  # before any of this step's reads
         for spec in meta.loads:
             self._start(spec)
         for store in meta.stores:
@@ -316,9 +317,7 @@ class AdapterWorker:
             holder = read.holder
             try:
                 first = not self._peers.is_loaded(holder.agent_name, holder.agent_metadata)
-                refused = self._peers.prepare(
-                    self.mover, holder.agent_name, spec.holder_generation, holder.agent_metadata
-                )
+                refused = self._peers.prepare(self.mover, spec, holder)
                 if refused:
                     reading.failure = refused
                     return
@@ -477,11 +476,14 @@ class AdapterWorker:
         if self.verifier is not None:
             self._outcomes.blocks_digested += self.verifier.take_stated()
         o = self._outcomes
-        if not (o.done or o.failed or o.stores_done or o.stores_failed or o.blocks_digested):
+        # Replacements go with the step's outcomes; one on the broker's word alone, with no read,
+        # is an outcome of its own.
+        o.stale_refused, o.peers_replaced = self._peers.refused, self._peers.replaced
+        if not (
+            o.done or o.failed or o.stores_done or o.stores_failed or o.blocks_digested or o.peers_replaced
+        ):
             return None
         outcomes, self._outcomes = self._outcomes, ReadOutcomes()
-        # A replacement is counted with the read that caused it (always an outcome of its own).
-        outcomes.stale_refused, outcomes.peers_replaced = self._peers.refused, self._peers.replaced
         self._peers.refused = self._peers.replaced = 0
         return outcomes
 

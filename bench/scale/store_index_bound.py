@@ -14,6 +14,11 @@ block.
 
     python -m bench.scale.store_index_bound            # N = 100,000, x10
     python -m bench.scale.store_index_bound --quick    # N = 20,000, x10
+    python -m bench.scale.store_index_bound --memory-mib 16 --no-reference
+        # a bytes budget instead (--index-memory-mib 16 with --state: an entry bound derived
+        # from the store's MEMORY USAGE, broker/fleet/index_bytes.py), ten times the entries
+        # the prior figure (163 bytes an entry) allows; target: the index keys within 10% of
+        # the budget. Writes store_index_bytes.json.
 
 Target (issue 31, item 5, for --state): past the bound the index's memory in the store stays
 within 10% of what it was at the bound. Writes bench/results/store_index_bound.json (-quick with --quick).
@@ -63,12 +68,15 @@ async def _retried(call: Any, stalls: list[int]) -> Any:
     return await call()
 
 
-async def run_one(bound: int, blocks: int, log_dir: Path) -> dict[str, Any]:
-    """One broker over its own redis-server, `bound` entries (0: unbounded), `blocks` announced."""
-    with running_redis(log_dir / f"redis-{bound}") as server:
+async def run_one(bound: int, blocks: int, log_dir: Path, memory_mib: int = 0) -> dict[str, Any]:
+    """One broker over its own redis-server, `bound` entries (0: unbounded) or a `memory_mib`
+    budget, `blocks` announced."""
+    with running_redis(log_dir / f"redis-{bound}-{memory_mib}") as server:
         store = redis.Redis.from_url(server.url)
         port = free_port()
-        args = ["--state", server.url, "--index-max-entries", str(bound), "--metrics-port", str(port)]
+        limit = ["--index-memory-mib", str(memory_mib)] if memory_mib else ["--index-max-entries", str(bound)]
+        args = ["--state", server.url, *limit, "--metrics-port", str(port)]
+        reach = bound or memory_mib * MIB // 163  # announced past this: "at the bound"
         broker = BrokerProcess(
             log_dir,
             [*args, "--log-level", "WARNING"],
@@ -93,7 +101,7 @@ async def run_one(bound: int, blocks: int, log_dir: Path) -> dict[str, Any]:
                 keys = [k for k in store.scan_iter(match="kvb:{*}:*", count=1000) if b"{mirror-" not in k]
                 # Exact (SAMPLES 0) within a bound; sampled for the unbounded reference, whose exact
                 # walk of a million entries would stall the store past the broker's call timeout.
-                return sum(int(store.memory_usage(k, samples=0 if bound else 5) or 0) for k in keys)
+                return sum(int(store.memory_usage(k, samples=0 if reach else 5) or 0) for k in keys)
 
             before = used()
             peak = 0
@@ -121,7 +129,7 @@ async def run_one(bound: int, blocks: int, log_dir: Path) -> dict[str, Any]:
                 now = index_bytes()
                 paused += time.perf_counter() - measuring  # the announce rate leaves measuring out
                 peak = max(peak, now)
-                if at_bound is None and bound and announced >= bound:
+                if at_bound is None and reach and announced >= reach:
                     at_bound = now
             elapsed = time.perf_counter() - started - paused
             end = index_bytes()
@@ -131,6 +139,12 @@ async def run_one(bound: int, blocks: int, log_dir: Path) -> dict[str, Any]:
             entries = int(metrics.get("kvbroker_index_entries", announced if not bound else 0))
             return {
                 "bound_entries": bound,
+                "budget_bytes": memory_mib * MIB,
+                "entry_cap": int(metrics.get("kvbroker_index_entry_cap", bound)),
+                "peak_over_budget": peak / (memory_mib * MIB) if memory_mib else None,
+                "store_used_growth_over_budget": (used() - before) / (memory_mib * MIB)
+                if memory_mib
+                else None,
                 "blocks_announced": announced,
                 "announce_blocks_per_s": announced / elapsed,
                 "entries": entries,
@@ -154,15 +168,24 @@ async def run_one(bound: int, blocks: int, log_dir: Path) -> dict[str, Any]:
 async def main_async(args: argparse.Namespace) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="kvb-store-bound-") as tmp:
-        blocks = args.factor * args.bound
-        log(f"bound {args.bound:,} entries: announcing {blocks:,} blocks")
-        results.append(await run_one(args.bound, blocks, Path(tmp)))
+        if args.memory_mib:
+            blocks = args.factor * (args.memory_mib * MIB // 163)
+            log(f"budget {args.memory_mib} MiB: announcing {blocks:,} blocks")
+            results.append(await run_one(0, blocks, Path(tmp), args.memory_mib))
+        else:
+            blocks = args.factor * args.bound
+            log(f"bound {args.bound:,} entries: announcing {blocks:,} blocks")
+            results.append(await run_one(args.bound, blocks, Path(tmp)))
         if not args.no_reference:
             log(f"unbounded reference: {blocks:,} blocks")
             results.append(await run_one(0, blocks, Path(tmp)))
     rows = [
         [
-            f"{r['bound_entries']:,}" if r["bound_entries"] else "unbounded",
+            f"{r['bound_entries']:,}"
+            if r["bound_entries"]
+            else f"{r['budget_bytes'] / MIB:.0f} MiB (cap {r['entry_cap']:,})"
+            if r["budget_bytes"]
+            else "unbounded",
             f"{r['blocks_announced']:,}",
             f"{r['entries']:,}",
             f"{r['forgotten']:,}",
@@ -199,15 +222,21 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"store stalls retried (a call past the 250 ms store timeout on this machine): {stalls}")
     bounded = [r for r in results if r["bound_entries"]]
     verdict = all(r["peak_over_at_bound"] is not None and r["peak_over_at_bound"] <= 1.10 for r in bounded)
-    print(
-        f"target: past the bound the index's memory within 10% of its size at the bound: {'met' if verdict else 'NOT met'}"
-    )
+    target = "the index keys' peak MEMORY USAGE <= 1.10 x theirs when the index first reached the bound"
+    if args.memory_mib:
+        budgeted = [r for r in results if r["budget_bytes"]]
+        verdict = all(r["peak_over_budget"] <= 1.10 for r in budgeted)
+        target = "the index keys' peak MEMORY USAGE <= 1.10 x the budget (--index-memory-mib)"
+        overs = ", ".join(f"{r['peak_over_budget']:.3f}" for r in budgeted)
+        print(f"peak over budget: {overs}")
+    print(f"target: {target}: {'met' if verdict else 'NOT met'}")
+    name = "store_index_bytes" if args.memory_mib else "store_index_bound"
     path = write_json(
-        "store_index_bound-quick" if args.quick else "store_index_bound",
+        f"{name}-quick" if args.quick else name,
         {
             "factor": args.factor,
             "load_average": load_note(),
-            "target": "the index keys' peak MEMORY USAGE <= 1.10 x theirs when the index first reached the bound",
+            "target": target,
             "target_met": verdict,
             "results": results,
         },
@@ -225,6 +254,9 @@ def main() -> int:
     )
     ap.add_argument("--factor", type=int, default=10, help="blocks announced, in multiples of the bound")
     ap.add_argument("--no-reference", action="store_true", help="skip the unbounded broker")
+    ap.add_argument(
+        "--memory-mib", type=int, default=0, help="a bytes budget (--index-memory-mib) instead of --bound"
+    )
     ap.add_argument("--out-dir", default="", help="where the JSON goes (default bench/results)")
     args = ap.parse_args()
     args.bound = args.bound or (20_000 if args.quick else 100_000)

@@ -17,8 +17,10 @@ still naming a dead slot are filtered by every lookup and rewritten later by
 an incremental sweep (`maintain`), as the in-memory index does.
 Namespaces are separate keys, so no prefix matches across namespaces.
 
-Bounded by --index-max-entries (0: unbounded): past it the fleet forgets its
-least recently announced or matched blocks, in bounded work per call
+Bounded by --index-max-entries (0: unbounded), or by bytes with
+--index-memory-mib (an entry bound derived from the store's own bytes per
+entry, broker/fleet/index_bytes.py): past it the fleet forgets its least
+recently announced or matched blocks, in bounded work per call
 (broker/fleet/index_bound.py says which and how); a forgotten block is a miss.
 What was forgotten is handed to the caller (`take_forgotten`) for the mirrors.
 """
@@ -42,6 +44,7 @@ from kvbroker.broker.fleet.index_bound import (
     decode_forgotten,
     forget_batch,
 )
+from kvbroker.broker.fleet.index_bytes import MEMORY_SAMPLES, NAMESPACE_KEYS, StoreEntryBytes
 from kvbroker.common.index_budget import IndexMemory
 from kvbroker.common.model import Namespace, Tier
 
@@ -203,12 +206,16 @@ def _pack(hashes: Iterable[int]) -> bytes:
 
 
 class RedisPrefixIndex:
-    """`max_entries`: the most distinct blocks the fleet's index keeps (0: unbounded)."""
+    """`max_entries`: the most distinct blocks the fleet's index keeps (0: unbounded); or
+    `memory_bytes`: the most bytes its keys take in the store (an entry bound derived from them)."""
 
-    def __init__(self, state: RedisState, max_entries: int = 0) -> None:
+    def __init__(self, state: RedisState, max_entries: int = 0, memory_bytes: int = 0) -> None:
+        if max_entries and memory_bytes:
+            raise ValueError("bound the store's index by entries or by bytes, not both")
         self._state = state
-        self._cap = max_entries
-        self._bounded = "1" if max_entries else ""
+        self._bytes = StoreEntryBytes(memory_bytes) if memory_bytes else None
+        self._cap = self._bytes.bound if self._bytes is not None else max_entries
+        self._bounded = "1" if self._cap else ""
         self._forget = state.script(FORGET)
         self._entries_key = f"{state.prefix}:ixn"
         self.forgotten = 0  # entries this replica forgot to keep to the bound, since start
@@ -347,6 +354,11 @@ class RedisPrefixIndex:
         if not self._cap:
             return IndexMemory()
         entries = int(self._state.call(self._r.get, self._entries_key) or 0)
+        if self._bytes is not None:  # a bytes budget: the estimate at the store's own bytes per entry
+            per_entry = self._bytes.per_entry
+            return IndexMemory(
+                self._bytes.budget_bytes, int(entries * per_entry), entries, self._cap, self.forgotten
+            )
         return IndexMemory(entries=entries, entry_cap=self._cap, forgotten=self.forgotten)
 
     # -- the bound (broker/fleet/index_bound.py) ---------------------------------------
@@ -395,6 +407,8 @@ class RedisPrefixIndex:
             sizes = self._sizes()
             total = sum(n for n, _, _ in sizes)
             self._state.call(self._r.set, self._entries_key, total)
+            if self._bytes is not None:
+                self._calibrate(sizes)
         else:
             total = int(self._state.call(self._r.get, self._entries_key) or 0)
         want = forget_batch(self._cap, total)
@@ -404,6 +418,18 @@ class RedisPrefixIndex:
         biggest = max(sizes if sizes is not None else self._sizes(), default=None)
         if biggest is not None and biggest[0]:
             self._forget_in(biggest[1], biggest[2], min(want, FORGET_STEP))  # one step a pass
+
+    def _calibrate(self, sizes: list[tuple[int, str, Namespace]]) -> None:
+        """A bytes budget: the entry bound again, from the store's bytes per entry now (a larger
+        figure lowers it, and the passes that follow forget down to it)."""
+        assert self._bytes is not None
+        measured = self._bytes.calibrate(
+            [(n, nsid) for n, nsid, _ in sizes],
+            lambda nsid: self._keys(nsid, *NAMESPACE_KEYS),
+            lambda key: self._state.call(self._r.memory_usage, key, samples=MEMORY_SAMPLES),
+        )
+        if measured:
+            self._cap = self._bytes.bound
 
     def maintain(self, budget: int) -> None:
         """Keep to the bound; rewrite up to about `budget` entries of one namespace that names

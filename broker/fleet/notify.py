@@ -4,7 +4,8 @@ A revocation, a lease end, a pin command, a drain or a session close for a
 session whose stream is on another replica is published on the fleet's
 channel; the replica that holds that stream delivers it (reading the lease
 from the shared table, so it sends the lease as it is now). Pin results are
-published to all, so a resolve waiting for a pin on any replica answers.
+published to all, so a resolve waiting for a pin on any replica answers, and
+so is an engine's new generation, which each replica tells its own sessions.
 
 Index changes for Mirror streams (FleetMirrorHub) go through a Redis Stream
 per layout instead (broker/fleet/mirror.py), because a mirror must not miss one.
@@ -12,7 +13,9 @@ per layout instead (broker/fleet/mirror.py), because a mirror must not miss one.
 Pub/sub delivers at most once: a message published while a replica is
 reconnecting to Redis is lost to it. What depends on it is bounded anyway:
 a lost revocation is caught by the reader's failing release (it recomputes),
-a lost pin command by the pin timeout.
+a lost pin command by the pin timeout, a lost generation notice by the
+reader's next lease on that engine (it names the new generation, and the
+reader drops the old agent then, before reading).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker")
 
-_TO_ALL = ("settled", "moved", "engine", "watching")  # notices every replica acts on
+_TO_ALL = ("settled", "moved", "engine", "watching", "generation")  # notices every replica acts on
 
 
 class FleetNotifier(StreamNotifier):
@@ -105,6 +108,11 @@ class FleetNotifier(StreamNotifier):
     def engine_changed(self, engine_id: str) -> None:
         """An engine registered, added a rank or ended here: others drop their copy of its record."""
         self._publish("engine", "", engine=engine_id)
+
+    def engine_generation(self, engine_id: str, generation: int, layout_id: str) -> None:
+        """This replica's sessions hear it now; every other replica's from the fleet's channel."""
+        super().engine_generation(engine_id, generation, layout_id)
+        self._publish("generation", "", engine=engine_id, gen=generation, layout=layout_id)
 
     def pin(self, session_id: str, lease: Lease) -> None:
         if self._local(session_id):
@@ -187,6 +195,14 @@ class FleetNotifier(StreamNotifier):
         if kind == "engine":
             if msg.get("rep") != self.replica:
                 self._seen.changed(str(msg.get("engine", "")))
+            return
+        if kind == "generation":
+            if msg.get("rep") != self.replica:
+                try:
+                    generation = int(msg.get("gen", 0))
+                except (TypeError, ValueError):
+                    return  # not a notice this version wrote
+                super().engine_generation(str(msg.get("engine", "")), generation, str(msg.get("layout", "")))
             return
         if kind == "settled" and msg.get("rep") == self.replica:
             return

@@ -56,7 +56,7 @@ class Replica:
             config,
             clock=clock,
             notifier=self.notifier,
-            index=RedisPrefixIndex(state, config.index_max_entries),
+            index=RedisPrefixIndex(state, config.index_max_entries, config.index_memory_mib * 1024 * 1024),
             leases=leases,
             registry=self.registry,
             mirrors=self.mirrors,

@@ -1,6 +1,7 @@
 """Smoke run of bench.scale.store_index_bound at a tiny size: it starts a redis-server and a
-broker over it with --index-max-entries, announces past the bound, prints its table and writes
-its JSON (the recorded run is in bench/results/store_index_bound.json)."""
+broker over it with --index-max-entries (or --index-memory-mib), announces past the bound, prints
+its table and writes its JSON (the recorded runs are in bench/results/store_index_bound.json and
+store_index_bytes.json)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,21 @@ def test_store_index_bound_tiny(tmp_path: Path) -> None:
     tiny = ["--quick", "--bound", "2000", "--factor", "3", "--no-reference"]
     proc = run_module("bench.scale.store_index_bound", *tiny, "--out-dir", str(tmp_path), timeout=100)
     assert proc.returncode == 0, f"failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert "peak/at bound" in proc.stdout and "target: past the bound the index's memory" in proc.stdout
+    assert "peak/at bound" in proc.stdout and "target: the index keys' peak MEMORY USAGE" in proc.stdout
     (run,) = json.loads((tmp_path / "store_index_bound-quick.json").read_text())["results"]
     assert run["bound_entries"] == 2000 and run["blocks_announced"] >= 3 * 2000
     assert 0 < run["entries"] <= 2000 and run["forgotten"] >= run["blocks_announced"] - 2000
     assert run["index_bytes"] > 0 and run["index_bytes_at_bound"] > 0
+
+
+def test_store_index_bytes_tiny(tmp_path: Path) -> None:
+    if reason := missing_reason():
+        pytest.skip(reason)
+    tiny = ["--quick", "--memory-mib", "1", "--factor", "2", "--no-reference"]
+    proc = run_module("bench.scale.store_index_bound", *tiny, "--out-dir", str(tmp_path), timeout=100)
+    assert proc.returncode == 0, f"failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "peak over budget" in proc.stdout and "x the budget (--index-memory-mib)" in proc.stdout
+    (run,) = json.loads((tmp_path / "store_index_bytes-quick.json").read_text())["results"]
+    assert run["budget_bytes"] == 1024 * 1024 and run["blocks_announced"] >= 2 * (1024 * 1024 // 163)
+    assert 0 < run["entries"] <= run["entry_cap"] and run["forgotten"] > 0
+    assert run["index_bytes_peak"] > 0 and run["peak_over_budget"] is not None

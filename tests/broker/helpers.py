@@ -43,6 +43,9 @@ class RecordingNotifier:
     def drain(self, session_id: str, reason: str) -> None:
         self.sent.append(Sent("drain", session_id, detail=reason))
 
+    def engine_generation(self, engine_id: str, generation: int, layout_id: str) -> None:
+        self.sent.append(Sent("generation", "", detail=f"{engine_id} {generation} {layout_id}"))
+
     def close_session(self, session_id: str, code: str, message: str) -> None:
         self.sent.append(Sent("close", session_id, detail=code))
 

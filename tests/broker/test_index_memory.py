@@ -155,8 +155,10 @@ async def _check_answers(
 def test_the_budget_flag_is_checked_and_reaches_the_index() -> None:
     with pytest.raises(InvalidArgument, match="index_memory_mib must be >= 0"):
         BrokerConfig(index_memory_mib=-1).validate()
-    with pytest.raises(InvalidArgument, match="in-memory index only"):
-        BrokerConfig(index_memory_mib=64, state="redis://127.0.0.1:6379").validate()
+    # With --state it is the store's bytes budget (broker/fleet/index_bytes.py), not with an entry bound too.
+    BrokerConfig(index_memory_mib=64, state="redis://127.0.0.1:6379").validate()
+    with pytest.raises(InvalidArgument, match="set one"):
+        BrokerConfig(index_memory_mib=64, index_max_entries=1000, state="redis://127.0.0.1:6379").validate()
     with pytest.raises(InvalidArgument, match="index_max_entries must be >= 0"):
         BrokerConfig(index_max_entries=-1, state="redis://127.0.0.1:6379").validate()
     with pytest.raises(InvalidArgument, match="store's index only"):

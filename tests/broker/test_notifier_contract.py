@@ -16,6 +16,7 @@ from kvbroker.broker.fleet.leases import RedisLeaseTable
 from kvbroker.broker.fleet.notify import FleetNotifier
 from kvbroker.broker.fleet.registry import SeenRecords
 from kvbroker.broker.leases import Lease
+from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -95,6 +96,24 @@ async def test_a_session_hears_what_the_core_tells_it_in_order(notifier: Session
     assert isinstance(down, pb.SessionDown) and down.revoked.lease.lease_id == "L1"
     assert down.revoked.cause == int(RevokeCause.TTL_EXPIRED)
     assert queued(other) == []  # another session hears nothing of it
+
+
+def record(engine_id: str, session_id: str, layout_id: str) -> EngineRecord:
+    return EngineRecord(engine_id, session_id, pb.EngineInfo(engine_id=engine_id), layout_id, 5.0, 5.0, 0)
+
+
+async def test_a_new_generation_reaches_the_other_sessions_of_its_layout_only(
+    notifier: SessionNotifier,
+) -> None:
+    reader = notifier.attach("s-reader", record=record("D", "s-reader", "lay-a"))
+    itself = notifier.attach("s-old-P", record=record("P", "s-old-P", "lay-a"))  # its stream not yet closed
+    foreign = notifier.attach("s-other", record=record("X", "s-other", "lay-b"))
+    notifier.engine_generation("P", 42, "lay-a")
+    sent = queued(reader)
+    assert [m.engine_generation for m in sent if isinstance(m, pb.SessionDown)] == [
+        pb.EngineGeneration(engine_id="P", generation=42)
+    ]
+    assert queued(itself) == [] and queued(foreign) == []
 
 
 async def test_a_closed_session_gets_one_close_with_its_cause_then_nothing(notifier: SessionNotifier) -> None:

@@ -52,6 +52,17 @@ def test_fleet_replicas_share_one_generation_counter(request: pytest.FixtureRequ
     assert seen is not None and seen.generation == on_b.generation, "other replicas read it from the store"
 
 
+def test_a_replica_judges_the_silence_of_its_own_sessions_only(request: pytest.FixtureRequest) -> None:
+    """`own_sessions()`: the sessions whose streams are on this replica (broker/silence.py looks at those)."""
+    a, b = _replicas(request, Floor(0))
+    a.add(engine_info("P"), 5.0, 1, now=0.0)
+    b.add(engine_info("D"), 5.0, 1, now=0.0)
+    assert [r.engine_id for r in a.own_sessions()] == ["P"] and [r.engine_id for r in b.own_sessions()] == [
+        "D"
+    ]
+    assert {r.engine_id for r in a.all()} == {"P", "D"}
+
+
 def test_a_replica_that_records_an_engines_exactness_tells_the_others(request: pytest.FixtureRequest) -> None:
     """A KV-event feed runs on one replica; every replica must answer with its state."""
     a, b = _replicas(request, Floor(0))
@@ -105,4 +116,29 @@ async def test_the_holder_details_a_reader_gets_name_the_holders_generation(stub
     assert acq.holder.generation == now["P"]
     assert acq.holder.ranks[0].agent_metadata == b"new agent"
     for s in (p, d, restarted):
+        await s.close()
+
+
+async def test_a_restarted_engine_is_announced_to_the_other_sessions_of_its_layout(stub: Stub) -> None:
+    """Real gRPC, on every backend: when P registers anew, D (same layout) hears P's new
+    generation on its session stream unasked (SessionDown.engine_generation), before any lease;
+    an engine of another layout hears nothing of it, and P's new session not its own news."""
+    d, other, p = RawSession(stub), RawSession(stub), RawSession(stub)
+    await d.register(engine_info("D"), 5000)
+    await other.register(engine_info("X", block_size=16), 5000)
+    await p.register(engine_info("P"), 5000)
+    first = await d.read_kind("engine_generation")
+    restarted = RawSession(stub)
+    await restarted.register(engine_info("P", agent_metadata=b"new agent"), 5000)
+    news = await d.read_kind("engine_generation")
+    engines = {e.engine_id: e for e in (await stub.ListEngines(pb.ListEnginesRequest())).engines}
+    assert news.engine_generation.engine_id == "P" and first.engine_generation.engine_id == "P"
+    assert news.engine_generation.generation == engines["P"].generation > first.engine_generation.generation
+    # A session's notices come in order: the first X and the new P hear is of a later engine.
+    later_a, later_b = RawSession(stub), RawSession(stub)
+    await later_a.register(engine_info("D2"), 5000)
+    await later_b.register(engine_info("Y", block_size=16), 5000)
+    assert (await restarted.read_kind("engine_generation")).engine_generation.engine_id == "D2"
+    assert (await other.read_kind("engine_generation")).engine_generation.engine_id == "Y"
+    for s in (p, d, other, restarted, later_a, later_b):
         await s.close()

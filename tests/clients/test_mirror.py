@@ -19,7 +19,9 @@ from kvbroker.common.hashing import wire_chain
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.broker import running_broker
+from testkit.clock import FakeClock
 from testkit.waiting import until
+from tests.clients.conftest import make_engine_info
 
 GPU, CPU = pb.TIER_GPU, pb.TIER_CPU
 CHAIN = wire_chain(list(range(32 * 8)), 32)  # eight full blocks
@@ -148,3 +150,71 @@ async def test_mirror_resyncs_after_broker_restart(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await ch.close()
+
+
+def _mirror_with(engines: list[pb.EngineInfo], clock: FakeClock) -> IndexMirror:
+    """A synced mirror of layout L fed by hand: `engines`, each holding CHAIN[:4] on its GPU."""
+    mirror = IndexMirror("L", silence_s=3.0, clock=clock.now)
+    mirror.apply(
+        pb.MirrorUpdate(
+            reset=True,
+            synced=True,
+            engines=[pb.MirrorEngine(engine=e) for e in engines],
+            blocks=[pb.MirrorBlocks(engine_id=e.engine_id, tier=GPU, stored=CHAIN[:4]) for e in engines],
+        )
+    )
+    return mirror
+
+
+def test_a_silent_mirror_marks_every_holder_degraded_and_a_keepalive_restores_it() -> None:
+    """Injected clock: the mirror judges its own stream's silence as the broker judges an
+    engine's; a holder's recorded state (a KV-event feed's lag) shows through otherwise."""
+    clock = FakeClock()
+    lagging = make_engine_info("feed")
+    lagging.exactness, lagging.exactness_reason = pb.INDEX_LAGGING, "replaying batches 4..6"
+    mirror = _mirror_with([make_engine_info("p0"), lagging], clock)
+
+    def states() -> dict[str, int]:
+        found = mirror.resolve("", CHAIN)
+        assert found is not None
+        return {m.engine_id: int(m.exactness) for m in found}
+
+    assert states() == {"p0": pb.INDEX_EXACT, "feed": pb.INDEX_LAGGING}  # as the broker recorded them
+    assert {s.engine_id: s.exactness for s in mirror.score("", CHAIN) or []} == {
+        "p0": pb.INDEX_EXACT,
+        "feed": pb.INDEX_LAGGING,
+    }
+    assert mirror.exactness("feed") == (pb.INDEX_LAGGING, "replaying batches 4..6")
+    clock.advance(2.9)  # under the limit: still as recorded, still fresh
+    assert mirror.fresh and states() == {"p0": pb.INDEX_EXACT, "feed": pb.INDEX_LAGGING}
+    clock.advance(0.2)  # silent for 3.1 s > 3 s
+    assert not mirror.fresh and mirror.synced
+    assert states() == {"p0": pb.INDEX_DEGRADED, "feed": pb.INDEX_DEGRADED}
+    assert {s.exactness for s in mirror.score("", CHAIN) or []} == {pb.INDEX_DEGRADED}
+    state, why = mirror.exactness("feed")
+    assert state == pb.INDEX_DEGRADED and why == "mirror silent for 3.1 s (limit 3.0 s)"
+    mirror.apply(pb.MirrorUpdate())  # the broker's keepalive: nothing changed, but it is alive
+    assert mirror.fresh and states() == {"p0": pb.INDEX_EXACT, "feed": pb.INDEX_LAGGING}
+    assert mirror.resolve("", CHAIN) is not None and mirror.total_blocks() == 8
+
+
+async def test_an_idle_mirror_stream_carries_keepalives_and_stays_fresh(
+    engine_info: Callable[..., pb.EngineInfo],
+) -> None:
+    """Real broker, real gRPC: with nothing changing, the stream still delivers an empty update
+    every --mirror-keepalive-ms, so a mirror with a silence limit of a few of them stays fresh."""
+    async with running_broker(mirror_keepalive_ms=50, shutdown_grace_s=0.1, stop_grace=0.1) as server:
+        holder = EngineSession(server.address, engine_info("p0"), ttl_ms=5_000)
+        await holder.start(wait_connected_s=5.0)
+        mirror = IndexMirror(holder.layout_id, silence_s=30.0)
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            task = asyncio.create_task(follow(mirror, ch))
+            try:
+                await until(lambda: mirror.synced)
+                after_sync = mirror.stats.updates
+                await until(lambda: mirror.stats.updates >= after_sync + 3, message="no keepalives arrived")
+                assert mirror.fresh and mirror.silent_for() < 30.0
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await holder.close()

@@ -120,16 +120,18 @@ def holds(fleet: Fleet, name: str, chain: list[int]) -> bool:
 
 
 def keep_busy(engine: EngineProcess, n: int, stop: threading.Event) -> list[threading.Thread]:
-    """`n` long streamed requests straight to `engine`, read until `stop` is set or they end."""
+    """`n` long streamed requests straight to `engine`, each sent again when it ends, read until
+    `stop` is set: the engine stays busy however long a loaded machine takes to route the turn."""
 
     def run(seed: int) -> None:
-        req = completion_request(engine, prompt_of(64, seed=seed), max_tokens=1500, stream=True)
-        try:
-            with urllib.request.urlopen(req, timeout=600) as resp:
-                while not stop.is_set() and resp.readline():
-                    pass
-        except OSError:
-            pass  # the engine stopped under it at teardown: no matter
+        while not stop.is_set():
+            req = completion_request(engine, prompt_of(64, seed=seed), max_tokens=1500, stream=True)
+            try:
+                with urllib.request.urlopen(req, timeout=600) as resp:
+                    while not stop.is_set() and resp.readline():
+                        pass
+            except OSError:
+                return  # the engine stopped under it at teardown: no matter
 
     threads = [threading.Thread(target=run, args=(100 + i,), daemon=True) for i in range(n)]
     for t in threads:
@@ -154,9 +156,13 @@ def test_a_busy_holder_sends_the_request_to_a_free_engine_that_pulls_the_prefix(
         pulled_before = read_stats(fleet.stats[other]).get("pulled_blocks", 0)
         turn2 = prefix + prompt_of(32, seed=23)
         out, headers = through_proxy(fleet, turn2, "dp-e2e-2")
+        load_after = load_at_proxy(fleet, holder)
     finally:
         stop.set()
-    assert (headers["X-KVBroker-Decode"], headers["X-KVBroker-Route"]) == (other, "dp_pull_busy_holder")
+    assert (headers["X-KVBroker-Decode"], headers["X-KVBroker-Route"]) == (other, "dp_pull_busy_holder"), (
+        f"the proxy sent turn 2 to {headers['X-KVBroker-Decode']} ({headers['X-KVBroker-Route']}); "
+        f"{holder}'s load at the proxy right after: {load_after}"
+    )
     assert wait_for(
         lambda: read_stats(fleet.stats[other]).get("pulled_blocks", 0) >= pulled_before + 8, 30
     ), f"{other} pulled the prefix from {holder}: {read_stats(fleet.stats[other])}"

@@ -4,8 +4,8 @@
 P prefills and holds, D pulls (the P to D flow), a loader thread sends P to D
 requests without pause. P is killed -9 in the middle of the load and started
 again as engine "P": a new NIXL agent under the old agent name. The broker
-gives the new registration a larger generation; D drops the old agent when a
-lease first names the new generation. Checked: every answer D gave equals a
+gives the new registration a larger generation and tells D at once; D drops
+the old agent before any lease names the new generation. Checked: every answer D gave equals a
 recompute token for token (0 wrong bytes), and from the moment the new P's
 registration is known no pull fails (no read went to the dead agent).
 """
@@ -134,6 +134,9 @@ def test_a_restarted_holder_is_never_read_as_its_old_self(
         assert wait_for(lambda: _p(client)[1], 30), "the restarted P did not register its rank"
         new_generation = _p(client)[0]
         assert new_generation > old_generation
+        # The broker's word alone (SessionDown.engine_generation): the loader still sends to the
+        # dead P, so no lease names the new one yet; D, idle, is woken and drops the old agent.
+        assert wait_for(lambda: stat("holder_agents_replaced") >= 1, 60), "D kept the dead P's agent"
         # From here on the broker names only the new P: no pull may fail (a read against the
         # dead agent would fail in NIXL, or be refused as a replaced holder's).
         failed_at_restart = stat("pulls_failed")

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbroker.engine_adapter.broker_link import LeaseEndNotice
+from kvbroker.engine_adapter.broker_link import LeaseEndNotice, NewGeneration
 from kvbroker.v1 import broker_pb2 as pb
 
 
@@ -40,6 +40,7 @@ class FakeLink:
         self.listener: Any = None
         self.loads: list[float] = []  # every set_load figure, in order
         self.given_up: list[tuple[str, str]] = []  # (lease id, reason) of every pin given up
+        self.generations: list[NewGeneration] = []  # what the broker said registered anew, not yet taken
 
     def _call(self, name: str, **args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -96,6 +97,10 @@ class FakeLink:
     def take_lease_ends(self) -> list[LeaseEndNotice]:
         ends, self.ends = self.ends, []
         return ends
+
+    def take_generations(self) -> list[NewGeneration]:
+        news, self.generations = self.generations, []
+        return news
 
     def set_load(self, load: float) -> None:
         self.loads.append(load)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvbroker.clients import errors
+from kvbroker.engine_adapter.broker_link import NewGeneration
 from kvbroker.engine_adapter.config import AdapterConfig
 from kvbroker.engine_adapter.metadata import ReadOutcomes
 from kvbroker.v1 import broker_pb2 as pb
@@ -460,3 +461,24 @@ def test_an_empty_step_waits_at_most_its_bound_and_takes_an_answer_from_another_
     sched.build_connector_meta([])  # returns when the answer is set (or at the bound)
     answer.join(10)  # a loaded machine may run the other thread only after the bound
     assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
+
+
+def test_an_engine_registered_anew_reaches_the_workers_with_the_next_step_once() -> None:
+    """SessionDown.engine_generation, queued by the link, goes out in the next step's metadata
+    (the workers drop the old agent before that step's reads), and only in that one; an idle
+    engine is woken for that step."""
+    sched, link, _ = make()
+    woken: list[int] = []
+    sched.gpu.wake = lambda: woken.append(1)
+    link.generations.append(NewGeneration("holder", 12))
+    assert sched.build_connector_meta().generations == [NewGeneration("holder", 12)]
+    assert sched.build_connector_meta().generations == [] and woken == []  # a step was running
+    link.generations.append(NewGeneration("holder", 13))
+    sched.on_link_event()  # the session thread, the engine idle
+    assert woken == [1] and sched.has_pool_returns(), "the idle engine was not asked to step"
+    link.generations.append(NewGeneration("other", 2))
+    assert sched.build_connector_meta().generations == [
+        NewGeneration("holder", 13),
+        NewGeneration("other", 2),
+    ]
+    assert not sched.has_pool_returns()

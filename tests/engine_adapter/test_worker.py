@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvbroker.engine_adapter.broker_link import NewGeneration
 from kvbroker.engine_adapter.metadata import AdapterMetadata, Commit, HolderRank, LoadSpec, RegionSpec
 from kvbroker.engine_adapter.topology import TopologyError, check_sizes, plan_layer_reads
 from kvbroker.engine_adapter.worker import AdapterWorker
@@ -220,6 +221,33 @@ def test_a_load_planned_against_the_replaced_engine_is_refused_not_read() -> Non
     # The new generation keeps reading from the agent it loaded, without loading it again.
     worker.start_load_kv(AdapterMetadata(loads=[generation_spec("again", 9, b"new")]))
     assert mover.peer_log.count(("add", "h-pp0-tp0", b"new")) == 1
+
+
+def test_the_brokers_word_drops_the_old_agent_at_once_and_no_read_goes_to_it() -> None:
+    """SessionDown.engine_generation, handed over in a step's metadata: the agent of the older
+    generation goes before that step's loads, without waiting for a lease on the new one, and a
+    load planned against the old engine is refused though nothing of it is loaded any more."""
+    worker, mover = make_worker()
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("r1", 5, b"old")]))
+    worker.get_finished(set())
+    worker.take_outcomes()
+    worker.start_load_kv(AdapterMetadata(generations=[NewGeneration("h", 9), NewGeneration("other", 3)]))
+    assert mover.peers == {} and mover.peer_log[-1] == ("remove", "h-pp0-tp0", b"")
+    worker.get_finished(set())
+    dropped = worker.take_outcomes()  # a step with no read still tells the scheduler (its stats)
+    assert dropped is not None and dropped.peers_replaced == 1 and not dropped.done
+    reads_before = len(mover.reads)
+    worker.start_load_kv(
+        AdapterMetadata(generations=[NewGeneration("h", 9)], loads=[generation_spec("stale", 5, b"old")])
+    )
+    assert len(mover.reads) == reads_before, "a read was issued against the replaced agent"
+    assert mover.peers == {}, "the old agent was put back"
+    worker.get_finished(set())
+    outcomes = worker.take_outcomes()
+    assert outcomes is not None and "was replaced" in outcomes.failed["stale"]
+    assert outcomes.peers_replaced == 0 and outcomes.stale_refused == 1
+    worker.start_load_kv(AdapterMetadata(loads=[generation_spec("new", 9, b"new")]))
+    assert mover.peers == {"h-pp0-tp0": b"new"} and len(mover.reads) == reads_before + 1
 
 
 def test_without_generations_new_metadata_replaces_the_agent() -> None:

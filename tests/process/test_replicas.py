@@ -297,3 +297,31 @@ async def test_kill9_during_load_from_several_sessions(
         await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
         a.stop()
         b.stop()
+
+
+@pytest.mark.parametrize("shared_store", ["redis"], indirect=True)
+async def test_an_engine_restarted_on_one_replica_is_announced_to_readers_on_the_other(
+    tmp_path: Path, shared_store: RedisServer
+) -> None:
+    """Reader D's session is on replica a, holder P's on b. P restarts (its session ends, a new
+    one of the engine id registers): D hears the new generation on its
+    own stream, unasked, through the fleet's channel: the generation ListEngines names."""
+    a, b = replica(tmp_path, shared_store, "a").start(), replica(tmp_path, shared_store, "b").start()
+    heard: list[pb.EngineGeneration] = []
+    d = EngineSession(a.address, engine_info("D"), ttl_ms=5_000, on_engine_generation=heard.append)
+    p = EngineSession(b.address, engine_info("P"), ttl_ms=5_000)
+    restarted = EngineSession(b.address, engine_info("P"), ttl_ms=5_000)
+    try:
+        await d.start(wait_connected_s=10.0)
+        await p.start(wait_connected_s=10.0)
+        await until(lambda: [g.engine_id for g in heard] == ["P"], message=f"D heard {heard}")
+        await p.close()
+        await restarted.start(wait_connected_s=10.0)
+        await until(lambda: len(heard) == 2, message=f"D heard {heard}")
+        listed = {e.engine_id: e.generation for e in (await d.client.list_engines()).engines}
+        assert heard[1].engine_id == "P" and heard[1].generation == listed["P"] > heard[0].generation
+    finally:
+        for session in (restarted, p, d):
+            await session.close()
+        a.stop()
+        b.stop()

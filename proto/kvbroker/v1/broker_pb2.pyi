@@ -1136,6 +1136,41 @@ class SessionError(_message.Message):
 Global___SessionError: _TypeAlias = SessionError  # noqa: Y015
 
 @_typing.final
+class EngineGeneration(_message.Message):
+    """To every other session of the layout: engine `engine_id` registered a new
+    session, numbered `generation` (EngineInfo.generation). A NIXL agent of that
+    engine's ranks loaded under an older generation belongs to a process that is
+    gone (or is about to be replaced): drop it now, and read from that engine
+    only under leases of this generation or later. Sent for every new session
+    of an engine id, the first included (the broker cannot tell a first start
+    from a restart after its own restart); not for a resumed session, whose
+    generation is unchanged. With broker replicas (--state) it reaches sessions
+    on every replica (fleet notice). Compatibility: added after
+    DeclineResponse; an older engine ignores the unknown oneof member and still
+    learns of the new generation from its next lease on that engine.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    generation: _builtins.int
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "generation", b"generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineGeneration: _TypeAlias = EngineGeneration  # noqa: Y015
+
+@_typing.final
 class SessionDown(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1150,6 +1185,7 @@ class SessionDown(_message.Message):
     HEARTBEAT_ACK_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     DECLINE_FIELD_NUMBER: _builtins.int
+    ENGINE_GENERATION_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """the SessionUp.seq this answers; 0 if unsolicited"""
     @_builtins.property
@@ -1176,6 +1212,10 @@ class SessionDown(_message.Message):
     def decline(self) -> Global___DeclineResponse:
         """answers decline"""
 
+    @_builtins.property
+    def engine_generation(self) -> Global___EngineGeneration:
+        """unsolicited: another engine registered anew"""
+
     def __init__(
         self,
         *,
@@ -1190,12 +1230,13 @@ class SessionDown(_message.Message):
         heartbeat_ack: Global___Heartbeat | None = ...,
         lease: Global___LeaseResponse | None = ...,
         decline: Global___DeclineResponse | None = ...,
+        engine_generation: Global___EngineGeneration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "drain", b"drain", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease", b"lease", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "drain", b"drain", "engine_generation", b"engine_generation", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease", b"lease", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "drain", b"drain", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease", b"lease", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "drain", b"drain", "engine_generation", b"engine_generation", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease", b"lease", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "resolve", "revoked", "lease_ended", "pin", "drain", "error", "heartbeat_ack", "lease", "decline"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "resolve", "revoked", "lease_ended", "pin", "drain", "error", "heartbeat_ack", "lease", "decline", "engine_generation"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 

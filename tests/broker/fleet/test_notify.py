@@ -15,6 +15,7 @@ from kvbroker.broker.fleet.leases import RedisLeaseTable
 from kvbroker.broker.fleet.notify import FleetNotifier
 from kvbroker.broker.fleet.registry import SeenRecords
 from kvbroker.broker.leases import Lease, packed_block_ids, packed_hashes
+from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.clock import FakeClock
@@ -72,3 +73,27 @@ async def test_an_ended_lease_reaches_the_session_on_another_replica_as_encoded(
     # ... and one that does not decode is dropped, not delivered half.
     b.deliver({"k": "ended", "s": "s-1", "rep": "x", "lease": "l-1", "down": "not base64!"})
     assert channel.queue.empty() and b.delivered == 2
+
+
+async def test_a_new_generation_reaches_the_sessions_on_every_replica(redis_server: RedisServer) -> None:
+    state = redis_state(redis_server)
+    clock = FakeClock()
+    a = FleetNotifier(clock, state, "a", SeenRecords(), RedisLeaseTable(state, history=4))
+    b = FleetNotifier(clock, state, "b", SeenRecords(), RedisLeaseTable(state, history=4))
+    here = a.attach("s-here", record=_record("D1", "s-here"))
+    there = b.attach("s-there", record=_record("D2", "s-there"))
+    sent = notices(a)
+    a.engine_generation("P", 7, "lay")
+    expected = pb.SessionDown(engine_generation=pb.EngineGeneration(engine_id="P", generation=7))
+    assert here.queue.get_nowait() == expected  # this replica's session: at once
+    assert [(n["k"], n["engine"], n["gen"]) for n in sent] == [("generation", "P", 7)]
+    a.deliver(sent[0])  # its own notice comes back to it: not told twice
+    assert here.queue.empty()
+    b.deliver(sent[0])
+    assert there.queue.get_nowait() == expected
+    b.deliver({"k": "generation", "s": "", "rep": "x", "engine": "P", "gen": "not a number"})
+    assert there.queue.empty()  # a notice this version did not write is dropped
+
+
+def _record(engine_id: str, session_id: str) -> EngineRecord:
+    return EngineRecord(engine_id, session_id, pb.EngineInfo(engine_id=engine_id), "lay", 5.0, 5.0, 0)

@@ -1,0 +1,92 @@
+"""--index-memory-mib with --state (broker/fleet/index_bytes.py): the store's index kept to a bytes
+budget through an entry bound derived from Redis's own MEMORY USAGE of the index's keys. The rule
+with fakes, then on a real redis-server and a real Redis Cluster: ten times the budget announced,
+the index keys' exact bytes stay within 10% of it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.fleet.index import RedisPrefixIndex, namespace_id
+from kvbroker.broker.fleet.index_bytes import (
+    MIN_SAMPLE_ENTRIES,
+    NAMESPACE_KEYS,
+    PRIOR_BYTES_PER_ENTRY,
+    StoreEntryBytes,
+    entry_bound,
+    sample_namespaces,
+)
+from kvbroker.common.model import Namespace, Tier
+from tests.broker.helpers import redis_state
+
+NS = Namespace("layout-a", "")
+BUDGET = 256 * 1024
+
+
+def test_the_bound_is_the_budget_over_the_bytes_an_entry_costs() -> None:
+    assert entry_bound(1024 * 1024, 163.0) == 6432
+    assert entry_bound(100, 1_000.0) == 1  # never 0: 0 means unbounded
+    sizes = [(n, f"ns{n}") for n in (0, 5, 900, 40, 7000, 3, 60)]
+    picked = sample_namespaces(sizes, 4, random.Random(1))
+    assert [n for n, _ in picked[:2]] == [7000, 900]  # the largest half ...
+    assert len(picked) == 4 and all(n > 0 for n, _ in picked)  # ... the rest at random, never empty ones
+
+
+def test_the_stores_figure_replaces_the_prior_once_the_sample_says_something() -> None:
+    sizing = StoreEntryBytes(BUDGET, seed=1)
+    assert sizing.per_entry == PRIOR_BYTES_PER_ENTRY and sizing.bound == BUDGET // 163
+    keys = lambda nsid: [f"{nsid}:{k}" for k in NAMESPACE_KEYS]  # noqa: E731
+    # Too few entries sampled: per-key overhead, not entries; the prior stays.
+    assert not sizing.calibrate([(MIN_SAMPLE_ENTRIES - 1, "a")], keys, lambda key: 10_000)
+    assert not sizing.measured and sizing.per_entry == PRIOR_BYTES_PER_ENTRY
+    asked: list[str] = []
+
+    def usage(key: str) -> int:
+        asked.append(key)
+        return 200_000 if key.endswith(":ix") else 100_000 if key.endswith(":lru") else 100
+
+    assert sizing.calibrate([(3_000, "a"), (2_000, "b")], keys, usage)
+    assert sorted(asked) == sorted(keys("a") + keys("b"))  # every key of each sampled namespace
+    assert sizing.measured and sizing.per_entry == pytest.approx((300_000 * 2 + 100 * 10) / 5_000)
+    assert sizing.bound == entry_bound(BUDGET, sizing.per_entry)
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def state(request: pytest.FixtureRequest) -> RedisState:
+    return redis_state(
+        request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
+    )
+
+
+def index_bytes(state: RedisState, index: RedisPrefixIndex) -> int:
+    """Redis's exact count (MEMORY USAGE SAMPLES 0) of every key of the namespace's index."""
+    keys = index._keys(namespace_id(NS), *NAMESPACE_KEYS)
+    return sum(int(state.client.memory_usage(k, samples=0) or 0) for k in keys)
+
+
+def test_ten_times_the_budget_announced_the_index_keys_stay_within_ten_percent(state: RedisState) -> None:
+    index = RedisPrefixIndex(state, memory_bytes=BUDGET)
+    assert index.memory().entry_cap == BUDGET // 163  # the prior, until the store is asked
+    rng = random.Random(7)
+    announced = 0
+    while announced < 10 * BUDGET // 163:
+        for _ in range(10):
+            index.add("a", Tier.GPU, NS, [rng.getrandbits(64) for _ in range(100)])
+            announced += 100
+        index._recount_at = 0.0  # as if RECOUNT_S had passed: recount, and ask the store again
+        index.maintain(64)
+    memory = index.memory()
+    used = index_bytes(state, index)
+    assert memory.budget_bytes == BUDGET and memory.forgotten > 0
+    assert index._bytes is not None and index._bytes.measured, "the store's own figure was never taken"
+    assert memory.entries <= memory.entry_cap == entry_bound(BUDGET, index._bytes.per_entry)
+    assert 0.5 * BUDGET <= used <= 1.10 * BUDGET, f"{used} bytes against a budget of {BUDGET}"
+    assert memory.estimated_bytes == pytest.approx(used, rel=0.2)
+
+
+def test_entries_and_bytes_are_not_both_a_bound(state: RedisState) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        RedisPrefixIndex(state, max_entries=10, memory_bytes=BUDGET)

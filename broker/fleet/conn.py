@@ -73,6 +73,8 @@ CALL_TIMEOUT_S = 0.25
 # Where the store has replicas: how long a lease's end waits for one to have it before its notice goes.
 DURABLE_WAIT_MS = 50
 _NO_RETRY = redis.asyncio.retry.Retry(NoBackoff(), retries=0)
+# Answers of unwaited commands (PUBLISH) left on a connection until its next command reads them.
+_MOST_UNREAD = 64
 
 # Answers that mean "not now" rather than "never": a replica or a loading store, and a Cluster
 # failing over or resharding (a script whose slot is half moved meets a key on another node; with
@@ -273,8 +275,9 @@ class RedisState:
 
     def publish(self, channel: str, body: str) -> None:
         """PUBLISH without waiting for its answer (how many listened, which nobody uses): on one
-        Redis it goes over this replica's own connection and its answer is read before the next
-        command's, so the event loop does not wait a round trip for it. Elsewhere, `command`."""
+        Redis it goes over this replica's own connection and its answer is read with the next
+        command's (at most _MOST_UNREAD wait so), so the event loop does not wait a round trip for
+        it. Elsewhere, `command`."""
         if self.cluster or threading.get_ident() != self._thread:
             self.command("PUBLISH", channel, body)
             return
@@ -286,7 +289,8 @@ class RedisState:
             conn = self._conn = own_connection(self.client.connection_pool)
         if self._sentinel is not None and conn._sock is None:
             conn.connect()  # see _command: only connect() asks the Sentinels for the primary
-        self._read_unread(conn)
+        if self._unread >= _MOST_UNREAD:  # a burst of notices: their answers must not fill a buffer
+            self._read_unread(conn)
         try:
             _send(conn, command)
         except BaseException:
@@ -354,9 +358,12 @@ class RedisState:
                     # Only connect() asks the Sentinels for the primary (send_command would dial
                     # the default address): after a failover this finds the new primary.
                     conn.connect()
-                self._read_unread(conn)
-                answer = round_trip(conn, command)  # straight on the socket (fleet/wire.py)
-                if answer is UNSENT:
+                # Straight on the socket (fleet/wire.py), reading the unwaited answers with this one's.
+                unread, self._unread = self._unread, 0
+                answer = round_trip(conn, command, unread)
+                if answer is UNSENT:  # nothing sent or read: redis-py's way
+                    self._unread = unread
+                    self._read_unread(conn)
                     _send(conn, command)
                     answer = conn.read_response()
                 return answer

@@ -24,7 +24,8 @@ import asyncio
 import json
 import logging
 import time
-from base64 import b64decode, b64encode
+from base64 import b64encode
+from binascii import a2b_base64
 from typing import Any
 
 import redis
@@ -225,7 +226,7 @@ class FleetNotifier(StreamNotifier):
         down = msg.get("down")
         if isinstance(down, str) and kind in ("revoked", "ended"):
             try:
-                ready = pb.SessionDown.FromString(b64decode(down, validate=True))
+                ready = pb.SessionDown.FromString(a2b_base64(down, strict_mode=True))
             except (ValueError, DecodeError):
                 return  # not a notice this version wrote
             self.delivered += 1

@@ -17,11 +17,22 @@ answer is raised as the exception the reader built (`NoScriptError`,
 `ResponseError`, ...). When the connection is not in the shape this relies on
 (not connected, another parser, a health check due), `round_trip`
 answers `UNSENT` and sends nothing: the caller takes redis-py's way.
+
+Answers of commands sent earlier without waiting (a `PUBLISH`: `skip` of them)
+are read in the same reads as the command's own answer and dropped, so they
+cost no read of their own. The command is written straight on the socket's
+file descriptor (a plain socket's; TLS goes through its socket), which a
+socket with a timeout keeps non-blocking: Python's `sendall` asks `poll`
+first whether the socket can take it, a system call per command that a few
+hundred bytes into an idle connection never need; what the kernel does not
+take at once goes by `sendall`.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
 from typing import Any
 
@@ -35,10 +46,14 @@ except ImportError:  # pragma: no cover - redis-py without hiredis, or another l
     _pack = None  # type: ignore[assignment]
 
 UNSENT: Any = object()  # nothing was sent: use redis-py's path
+_write = os.write
+_PLAIN = socket.socket  # a TLS socket (ssl.SSLSocket) is a subclass: its bytes must go through it
 
 
-def round_trip(conn: Any, command: tuple[Any, ...]) -> Any:
-    """Send `command` on `conn` and return its answer; `UNSENT` when this path does not apply."""
+def round_trip(conn: Any, command: tuple[Any, ...], skip: int = 0) -> Any:
+    """Send `command` on `conn` and return its answer, after dropping `skip` answers of commands
+    sent before it without waiting (error answers too); `UNSENT` when this path does not apply
+    (then nothing was sent or read)."""
     if _pack is None or " " in command[0]:
         return UNSENT
     parser = conn._parser
@@ -57,7 +72,12 @@ def round_trip(conn: Any, command: tuple[Any, ...]) -> Any:
     reader = parser._reader
     buffer = parser._buffer
     try:
-        sock.sendall(packed)
+        try:  # not TLS: its bytes go on the descriptor as they are
+            sent = _write(sock.fileno(), packed) if type(sock) is _PLAIN else 0
+        except BlockingIOError:
+            sent = 0
+        if sent < len(packed):
+            sock.sendall(packed[sent:])
         while True:
             answer = reader.gets()
             while answer is NOT_ENOUGH_DATA:
@@ -66,9 +86,12 @@ def round_trip(conn: Any, command: tuple[Any, ...]) -> Any:
                     raise redis.ConnectionError("the store closed the connection")
                 reader.feed(buffer, 0, n)  # type: ignore[arg-type]  # redis-py feeds its buffer so too
                 answer = reader.gets()
-            if not isinstance(answer, PushNotification):
+            if isinstance(answer, PushNotification):
+                parser.handle_push_response(answer)  # RESP3: a notice of the server's, not our answer
+            elif skip:
+                skip -= 1  # an earlier command's answer, not waited for
+            else:
                 break
-            parser.handle_push_response(answer)  # RESP3: a notice of the server's, not our answer
     except TimeoutError:
         conn.disconnect()
         raise redis.TimeoutError(f"no answer from the store within {conn.socket_timeout} s") from None

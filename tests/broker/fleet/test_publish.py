@@ -7,6 +7,7 @@ import secrets
 
 import redis
 
+from kvbroker.broker.fleet.conn import _MOST_UNREAD
 from testkit.redis_server import RedisServer
 from tests.broker.helpers import redis_state
 
@@ -35,6 +36,21 @@ def test_published_notices_arrive_and_later_answers_stay_in_order(redis_server: 
         assert state.run(script, [key], []) == b"v"
     finally:
         listener.close()
+        state.close()
+
+
+def test_a_burst_of_notices_leaves_at_most_the_bound_of_answers_unread(redis_server: RedisServer) -> None:
+    state = redis_state(redis_server)
+    key = f"k-{secrets.token_hex(3)}"
+    try:
+        state.command("SET", key, "v")
+        for i in range(3 * _MOST_UNREAD + 1):
+            state.publish("ch", f"notice {i}")
+            assert state._unread <= _MOST_UNREAD
+        assert state._unread > 0  # read with the next command's answer, not one by one
+        assert state.command("GET", key) == b"v"
+        assert state._unread == 0
+    finally:
         state.close()
 
 

@@ -5,6 +5,7 @@ the connection usable, and the pub/sub read hands over each message."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import redis
@@ -34,6 +35,40 @@ def test_a_round_trip_answers_values_and_errors_as_redis_py_does(redis_server: R
         wire.round_trip(conn, ("GET", key))
     assert wire.round_trip(conn, ("PING",)) == b"PONG"  # error answers are read whole
     assert state.command("HGET", key, "a") == b"1"  # and redis-py's way still works on it
+
+
+def test_a_round_trip_drops_the_answers_it_was_told_to_skip_error_answers_too(
+    redis_server: RedisServer,
+) -> None:
+    state = redis_state(redis_server)
+    conn = _connected(state)
+    key = f"{state.prefix}:h"
+    wire.round_trip(conn, ("HSET", key, "a", 1))
+    conn.send_command("GET", key)  # type: ignore[attr-defined]  # WRONGTYPE, not waited for
+    conn.send_command("HGET", key, "a")  # type: ignore[attr-defined]
+    assert wire.round_trip(conn, ("PING",), skip=2) == b"PONG"
+    assert wire.round_trip(conn, ("HGET", key, "a")) == b"1"  # nothing left over from them
+
+
+def test_a_round_trip_over_tls_goes_through_the_tls_socket(tmp_path: Path) -> None:
+    """A TLS connection's bytes are encrypted by its socket: never written on the descriptor raw."""
+    from testkit.redis_sentinel import _Server, _Tls
+
+    tls = _Tls(tmp_path / "pki")
+    server = _Server(tmp_path / "redis", tls)
+    server.start()
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5, **tls.options())
+    try:
+        conn = client.connection_pool.get_connection()
+        conn.connect()
+        assert wire.round_trip(conn, ("SET", "k", "v" * 1000)) == b"OK"
+        conn.send_command("PUBLISH", "ch", "not waited for")
+        assert wire.round_trip(conn, ("GET", "k"), skip=1) == b"v" * 1000
+        client.connection_pool.release(conn)
+        assert client.get("k") == b"v" * 1000
+    finally:
+        client.close()
+        server.stop()
 
 
 def test_a_connection_it_cannot_use_is_left_to_redis_py(redis_server: RedisServer) -> None:

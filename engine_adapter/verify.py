@@ -12,6 +12,9 @@ algorithm the holder named. Entries not stated yet are read again until
 ``VERIFY_WAIT_S`` has passed; a block whose bytes differ fails the load, which
 the scheduler then recomputes (the pull-failed path). A holder naming a digest
 this rank cannot compute is not read at all (recomputed), never reported corrupt.
+A large load is read in groups of blocks, each digested on a thread of its own as it
+lands while the next is read (engine_adapter/verify_overlap.py); ``check`` then compares
+those digests.
 
 DRAM is digested in place on the CPU; VRAM on its GPU, through the KV tensors.
 """

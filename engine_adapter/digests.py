@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,11 +230,13 @@ def check(
     block_ids: Sequence[int],
     block_hashes: Sequence[int],
     layers: Iterable[int] | Mapping[int, str],
+    actual: Callable[[], np.ndarray] | None = None,
 ) -> Check:
     """Reader: compare the entries read into `inbox` at `block_ids` with the digests of the bytes
     those blocks now hold, for every layer in `layers` (a mapping: each layer's algorithm, as its
     holder stated it; default ALGORITHM). While any entry is unstated, only the stamps are looked
-    at (the bytes are digested once, when all are stated)."""
+    at (the bytes are digested once, when all are stated). `actual`: those digests, computed
+    already (uint32 [blocks, layers], layers in `layers`' order; engine_adapter/verify_overlap.py)."""
     algorithm_of = dict(layers) if isinstance(layers, Mapping) else dict.fromkeys(layers, ALGORITHM)
     layers = list(algorithm_of)
     result = Check(blocks=len(block_ids))
@@ -251,14 +253,16 @@ def check(
     if result.unstated:
         return result
     algorithms = set(algorithm_of.values())
-    if len(algorithms) == 1:  # the usual case: one call for every block and layer
-        actual = local.digests(block_ids, layers, algorithms.pop())
+    if actual is not None:
+        actual_digests = actual()
+    elif len(algorithms) == 1:  # the usual case: one call for every block and layer
+        actual_digests = local.digests(block_ids, layers, algorithms.pop())
     else:
-        actual = np.empty_like(stated)
+        actual_digests = np.empty_like(stated)
         for algorithm in sorted(algorithms):
             cols = [j for j, layer in enumerate(layers) if algorithm_of[layer] == algorithm]
-            actual[:, cols] = local.digests(block_ids, [layers[j] for j in cols], algorithm)
-    bad = fresh & (stated != actual)
+            actual_digests[:, cols] = local.digests(block_ids, [layers[j] for j in cols], algorithm)
+    bad = fresh & (stated != actual_digests)
     for i, j in zip(*np.nonzero(bad), strict=True):
         result.mismatched.add(int(i))
         if result.first_mismatch is None:

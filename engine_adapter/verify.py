@@ -12,6 +12,9 @@ algorithm the holder named. Entries not stated yet are read again until
 ``VERIFY_WAIT_S`` has passed; a block whose bytes differ fails the load, which
 the scheduler then recomputes (the pull-failed path). A holder naming a digest
 this rank cannot compute is not read at all (recomputed), never reported corrupt.
+A large load is read in groups of blocks, each digested on a thread of its own as it
+lands while the next is read (engine_adapter/verify_overlap.py); ``check`` then compares
+those digests.
 
 DRAM is digested in place on the CPU; VRAM on its GPU, through the KV tensors.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +39,7 @@ from kvbroker.engine_adapter.digests import (
 )
 from kvbroker.engine_adapter.metadata import DigestSpec, LoadSpec, ReadOutcomes, RegionSpec
 from kvbroker.engine_adapter.topology import LayerRead
+from kvbroker.engine_adapter.verify_overlap import GroupDigests, OverlapPolicy
 from kvbroker.v1 import broker_pb2 as pb
 
 logger = logging.getLogger("vllm.kvbroker.worker")
@@ -59,6 +63,12 @@ class PendingCheck:
     deadline: float
     tries: int = 1
     next_try: float = 0.0
+    # A large load is read in groups, each digested as it lands (engine_adapter/verify_overlap.py).
+    digests: GroupDigests | None = None
+
+    def read_ended(self, handle: int, ok: bool) -> None:
+        if self.digests is not None:
+            self.digests.read_ended(handle, ok)
 
 
 class ByteVerifier:
@@ -69,6 +79,9 @@ class ByteVerifier:
         self._inbox: DigestTable | None = None
         self._stater: ThreadPoolExecutor | None = None  # one thread: specs are stated in order
         self._stating: list[Future[int]] = []
+        self.overlap = OverlapPolicy()  # how large loads are cut into groups digested as they land
+        # One thread: a load's groups in order (any Executor will do: tests run them inline).
+        self.checker: Executor | None = None
 
     def register(
         self,
@@ -128,8 +141,9 @@ class ByteVerifier:
         return blocks
 
     def close(self) -> None:
-        if self._stater is not None:
-            self._stater.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._stater, self.checker):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def state(self, spec: DigestSpec) -> int:
         """Compute and publish the entries of a DigestSpec's blocks; returns how many blocks."""
@@ -182,10 +196,71 @@ class ByteVerifier:
             )
         return handles
 
-    def check(self, spec: LoadSpec, reads: Sequence[LayerRead]) -> Check:
+    def overlapped(
+        self, spec: LoadSpec, reads: Sequence[LayerRead], bytes_per_block: int
+    ) -> GroupDigests | None:
+        """The groups a load is read in, each digested as it lands; None: read whole, check after
+        (a small load, or a holder stating another digest)."""
+        layers = _layers(reads)
+        if set(layers.values()) != {ALGORITHM}:
+            return None
+        groups = self.overlap.groups(len(spec.local_block_ids), bytes_per_block)
+        if len(groups) < 2:
+            return None
+        if self.checker is None:
+            self.checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbroker-check")
+        source = self._sources[pb.TIER_GPU]
+        return GroupDigests(source, spec.local_block_ids, list(layers), groups, self.checker)
+
+    def settle(
+        self,
+        reading: Any,
+        outcomes: ReadOutcomes,
+        now: float,
+        reread: Callable[[Any, list[LayerRead]], object],
+    ) -> bool:
+        """Compare a load whose reads all ended (`reading`: the worker's) with the holder's digests,
+        noting what was found in `reading.failure` and `outcomes`. False: entries the holder has
+        not stated yet are read again (`reread(reading, reads)`), so check again later."""
+        pending: PendingCheck | None = reading.check
+        if pending is None or reading.failure:
+            return True
+        spec, req_id = reading.spec, reading.spec.request_id
+        try:
+            found = self.check(spec, pending.reads, pending.digests)
+        except Exception as e:  # a check that cannot run is no verification: recompute
+            reading.failure = f"verify_bytes: cannot check the digests: {e}"
+            return True
+        if found.mismatched:
+            outcomes.mismatched[req_id] = len(found.mismatched)
+            reading.failure = mismatch_reason(found, spec)
+        elif found.unstated and now < pending.deadline:
+            # The holder states them at its next step: read its entries again, now and then.
+            if now >= pending.next_try:
+                pending.tries += 1
+                pending.next_try = now + VERIFY_RETRY_S
+                reread(reading, pending.reads)
+            return bool(reading.failure)
+        elif found.unstated:
+            reading.failure = (
+                f"verify_bytes: the holder stated no digests for {len(found.unstated)} of "
+                f"{found.blocks} blocks within {VERIFY_WAIT_S:.0f} s ({pending.tries} reads)"
+            )
+        else:
+            outcomes.verified[req_id] = found.blocks
+        return True
+
+    def check(self, spec: LoadSpec, reads: Sequence[LayerRead], digests: GroupDigests | None = None) -> Check:
+        """Compare the inbox's entries with the landed blocks' digests (`digests`: computed already)."""
         assert self._inbox is not None
-        layers = {layer: read.holder.digest_algorithm or CRC32 for read in reads for layer in read.layers}
-        return check(self._inbox, self._sources[pb.TIER_GPU], spec.local_block_ids, spec.block_hashes, layers)
+        source = self._sources[pb.TIER_GPU]
+        actual = None if digests is None else digests.result
+        return check(self._inbox, source, spec.local_block_ids, spec.block_hashes, _layers(reads), actual)
+
+
+def _layers(reads: Sequence[LayerRead]) -> dict[int, str]:
+    """Each layer read, with the digest its holder states (in the order the check lists them)."""
+    return {layer: read.holder.digest_algorithm or CRC32 for read in reads for layer in read.layers}
 
 
 def mismatch_reason(found: Check, spec: LoadSpec) -> str:

@@ -30,13 +30,7 @@ from kvbroker.engine_adapter.metadata import (
 )
 from kvbroker.engine_adapter.peer_agents import PeerAgents
 from kvbroker.engine_adapter.topology import LayerRead, TopologyError, plan_layer_reads
-from kvbroker.engine_adapter.verify import (
-    VERIFY_RETRY_S,
-    VERIFY_WAIT_S,
-    ByteVerifier,
-    PendingCheck,
-    mismatch_reason,
-)
+from kvbroker.engine_adapter.verify import VERIFY_WAIT_S, ByteVerifier, PendingCheck
 from kvbroker.v1 import broker_pb2 as pb
 
 logger = logging.getLogger("vllm.kvbroker.worker")
@@ -323,78 +317,58 @@ class AdapterWorker:
         except TopologyError as e:
             reading.failure = f"unmappable holder layout: {e}"
             return
+        if self.verifier is not None and (why := self.verifier.unverifiable(spec, reads)):
+            reading.failure = why
+            return
         for read in reads:
             holder = read.holder
             try:
-                first = not self._peers.is_loaded(holder.agent_name, holder.agent_metadata)
-                refused = self._peers.prepare(self.mover, spec, holder)
-                if refused:
-                    reading.failure = refused
-                    return
-                reading.first_from_peer = first
-                handle = self.mover.start_read(
-                    holder.agent_name,
-                    [self._region_factory(r) for r in holder.regions if r.layer in read.layers],
-                    spec.remote_block_ids,
-                    pb.TIER_GPU,
-                    spec.local_block_ids,
-                    layers=read.layers,
-                    peer_num_blocks=holder.num_blocks or None,
-                    peer_mem_type=holder.mem_type or None,
-                )
+                reading.first_from_peer = not self._peers.is_loaded(holder.agent_name, holder.agent_metadata)
+                reading.failure = self._peers.prepare(self.mover, spec, holder) or ""
             except Exception as e:  # a NIXL error on one request must not take the engine down
                 reading.failure = f"cannot start NIXL read from {holder.agent_name}: {e}"
+            if reading.failure:
                 return
-            reading.handles.add(handle)
-            self._handle_owner[handle] = spec.request_id
-            reading.bytes_total += sum(
-                self.block_bytes_per_layer.get(layer, 0) for layer in read.layers
-            ) * len(spec.local_block_ids)
+        per_block = sum(self.block_bytes_per_layer.get(layer, 0) for read in reads for layer in read.layers)
+        reading.bytes_total = per_block * len(spec.local_block_ids)
+        digests = self.verifier.overlapped(spec, reads, per_block) if self.verifier else None
         if self.verifier is not None:
-            reading.failure = self.verifier.unverifiable(spec, reads)
-            if not reading.failure:
-                reading.check = PendingCheck(list(reads), self._clock() + VERIFY_WAIT_S)
-                self._start_digest_reads(reading, reads)
+            reading.check = PendingCheck(list(reads), self._clock() + VERIFY_WAIT_S, digests=digests)
+            if not self._start_digest_reads(reading, reads):  # the holder's entries first: small
+                return
+        for group, blocks in enumerate(digests.groups if digests else [range(len(spec.local_block_ids))]):
+            for read in reads:
+                try:
+                    handle = self.mover.start_read(
+                        read.holder.agent_name,
+                        [self._region_factory(r) for r in read.holder.regions if r.layer in read.layers],
+                        spec.remote_block_ids[blocks.start : blocks.stop],
+                        pb.TIER_GPU,
+                        spec.local_block_ids[blocks.start : blocks.stop],
+                        layers=read.layers,
+                        peer_num_blocks=read.holder.num_blocks or None,
+                        peer_mem_type=read.holder.mem_type or None,
+                    )
+                except Exception as e:  # a NIXL error on one request must not take the engine down
+                    reading.failure = f"cannot start NIXL read from {read.holder.agent_name}: {e}"
+                    return  # the groups read so far end as usual; the load fails
+                reading.handles.add(handle)
+                self._handle_owner[handle] = spec.request_id
+                if digests is not None:
+                    digests.add_read(group, handle)
+            if digests is not None:
+                self._collect_reads()  # a group that landed is digested while the next is read
 
-    def _start_digest_reads(self, reading: _Reading, reads: Sequence[LayerRead]) -> None:
+    def _start_digest_reads(self, reading: _Reading, reads: Sequence[LayerRead]) -> bool:
         assert self.verifier is not None and self.mover is not None
         try:
             handles = self.verifier.start_reads(self.mover, reading.spec, reads)
         except Exception as e:  # as for the block reads: the load fails, the engine serves on
             reading.failure = f"cannot start the read of the holder's digests: {e}"
-            return
+            return False
         for handle in handles:
             reading.handles.add(handle)
             self._handle_owner[handle] = reading.spec.request_id
-
-    def _checked(self, req_id: str, reading: _Reading) -> bool:
-        """verify_bytes: compare what was read with the holder's digests. False: read again."""
-        pending = reading.check
-        if pending is None or reading.failure or self.verifier is None:
-            return True
-        spec = reading.spec
-        try:
-            found = self.verifier.check(spec, pending.reads)
-        except Exception as e:  # a check that cannot run is no verification: recompute
-            reading.failure = f"verify_bytes: cannot check the digests: {e}"
-            return True
-        if found.mismatched:
-            self._outcomes.mismatched[req_id] = len(found.mismatched)
-            reading.failure = mismatch_reason(found, spec)
-        elif found.unstated and self._clock() < pending.deadline:
-            # The holder states them at its next step: read its entries again, now and then.
-            if self._clock() >= pending.next_try:
-                pending.tries += 1
-                pending.next_try = self._clock() + VERIFY_RETRY_S
-                self._start_digest_reads(reading, pending.reads)
-            return bool(reading.failure)
-        elif found.unstated:
-            reading.failure = (
-                f"verify_bytes: the holder stated no digests for {len(found.unstated)} of "
-                f"{found.blocks} blocks within {VERIFY_WAIT_S:.0f} s ({pending.tries} reads)"
-            )
-        else:
-            self._outcomes.verified[req_id] = found.blocks
         return True
 
     def _start_restore(self, spec: LoadSpec, reading: _Reading) -> None:
@@ -414,15 +388,14 @@ class AdapterWorker:
     def poll(self) -> None:
         """Collect finished NIXL reads and CPU tier copies; report each request's outcome once."""
         self._poll_cpu_tier()
-        if self.mover is not None and self._handle_owner:
-            finished, failed = self.mover.poll()
-            for handle in finished:
-                self._handle_done(handle, "")
-            for handle, reason in failed.items():
-                self._handle_done(handle, reason or "NIXL transfer failed")
+        self._collect_reads()
         for req_id, reading in list(self._reading.items()):
-            if reading.handles or not self._checked(req_id, reading):
+            if reading.handles:
                 continue
+            if self.verifier is not None and not self.verifier.settle(
+                reading, self._outcomes, self._clock(), self._start_digest_reads
+            ):
+                continue  # the holder's digests are read again: not stated yet
             if reading.failure:
                 self._outcomes.failed[req_id] = reading.failure
             else:
@@ -443,6 +416,14 @@ class AdapterWorker:
             del self._reading[req_id]
         self._settle_commits()
 
+    def _collect_reads(self) -> None:
+        if self.mover is not None and self._handle_owner:
+            finished, failed = self.mover.poll()
+            for handle in finished:
+                self._handle_done(handle, "")
+            for handle, reason in failed.items():
+                self._handle_done(handle, reason or "NIXL transfer failed")
+
     def _handle_done(self, handle: int, failure: str, owners: dict[int, str] | None = None) -> None:
         """One read (NIXL, or a copy back from the CPU tier: `owners`) of a request ended."""
         req_id = (self._handle_owner if owners is None else owners).pop(handle, None)
@@ -450,6 +431,8 @@ class AdapterWorker:
         if reading is None:
             return
         reading.handles.discard(handle)
+        if reading.check is not None:
+            reading.check.read_ended(handle, ok=not failure)
         if failure and not reading.failure:
             reading.failure = failure
 

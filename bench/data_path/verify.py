@@ -5,17 +5,22 @@ BlockMover, one NIXL agent each, UCX). The holder builds KV caches in the
 layouts engines use (bench/data_path/kv_layouts.py) for the tiny test model and
 SmolLM2-135M, with verify_bytes on, and states the digests of a history's
 blocks (timed: the holder's part, on a thread of its worker, not on its
-step nor on the reader's path). The reader has two workers on identical caches, one without and one with
-verify_bytes, and pulls the history with each in turn, interleaved, through the
+step nor on the reader's path). The reader has three workers on identical caches, one without
+verify_bytes and two with it, and pulls the history with each in turn, interleaved, through the
 worker's own path (``LoadSpec`` in, ``poll`` until its outcome):
 
 - plain:    the NIXL read of the blocks;
-- verified: the same read, plus the read of the holder's digest entries and the
-            check (the digest of every byte that landed, compared per block and layer);
+- verified: the same read in groups (engine_adapter/verify_overlap.py), each digested on
+            a second thread as it lands while the next is read, plus the read of the holder's
+            digest entries and the comparison;
+- after:    the same, read whole and checked after the read (one group): what the overlap saves;
 - check:    the check alone, timed again after a verified pull (what of the
             verified pull's extra time is the digest, the rest being the entries' read);
 - one pass: a plain numpy sum over the same landed bytes, no hashing: what any
-            check that reads every byte once more costs at least here.
+            check that reads every byte once more costs at least here;
+- cores:    how many cores two threads of this process got just before and after the case
+            (2.0: two free cores; 1.0 or less: one, ``parallelism``): the overlap needs the second; a shared machine often
+            has it busy.
 
 Every verified pull must report all its blocks verified (that is also the byte
 check: the reader's digest of what landed equals the holder's of what it holds).
@@ -47,12 +52,15 @@ from bench.data_path.kv_layouts import LAYOUTS, MODELS, kv_caches
 from bench.harness.output import RESULTS_DIR, format_table, log, write_json
 from kvbroker.engine_adapter.multilinear import ALGORITHM
 from kvbroker.engine_adapter.nixl_agent import exit_skipping_nixl_teardown
+from kvbroker.engine_adapter.verify_overlap import MAX_GROUPS, MIN_GROUP_BYTES, OverlapPolicy
 
 TARGET_SHARE = 0.10
 TARGET_HISTORY = 2048
 
 
-def _worker(engine_id: str, caches: dict[str, Any], verify: bool) -> Any:
+def _worker(
+    engine_id: str, caches: dict[str, Any], verify: bool, overlap: OverlapPolicy | None = None
+) -> Any:
     from kvbroker.engine_adapter.block_mover import BlockMover
     from kvbroker.engine_adapter.kv_regions import Region, regions_from_kv_caches
     from kvbroker.engine_adapter.worker import AdapterWorker
@@ -67,7 +75,39 @@ def _worker(engine_id: str, caches: dict[str, Any], verify: bool) -> Any:
     )
     regions, num_blocks, mem_type = regions_from_kv_caches(caches)
     worker.register_memory(regions, num_blocks, mem_type, caches)
+    if overlap is not None and worker.verifier is not None:
+        worker.verifier.overlap = overlap
     return worker
+
+
+def parallelism(reps: int = 5) -> float:
+    """How many cores this process gets for two threads right now (2.0: two free): the wall time of
+    one thread digesting a cache-sized buffer, times two, over that of two threads doing so at
+    once. The overlap needs the second core; on a shared machine it is often taken."""
+    import threading
+
+    from kvbroker.engine_adapter.multilinear import RegionDigester
+
+    bufs = [np.ones(1 << 17, dtype=np.uint64) for _ in range(2)]  # 1 MiB each
+    digesters = [RegionDigester([[(int(b.ctypes.data), 8192, 8192)]]) for b in bufs]
+    ids = list(range(128)) * 64  # one long call (64 MiB from cache): cores, not the GIL, are measured
+
+    def work(d: RegionDigester) -> None:
+        for _ in range(8):
+            d.sums(ids)
+
+    ratios = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        work(digesters[0])
+        alone = time.perf_counter() - t0
+        other = threading.Thread(target=work, args=(digesters[1],))
+        t0 = time.perf_counter()
+        other.start()
+        work(digesters[0])
+        other.join()
+        ratios.append(2 * alone / (time.perf_counter() - t0))
+    return round(statistics.median(ratios), 2)
 
 
 def landed_views(caches: dict[str, Any], block_ids: list[int]) -> list[np.ndarray]:
@@ -160,15 +200,24 @@ def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]
             assert reason is None, reason
             n_pool = pool_blocks(shape.block_size, args.histories)
             # The workers keep addresses only (vLLM keeps the tensors in an engine): so do we.
-            plain_kv, verified_kv = (kv_caches(shape, layout, n_pool, None) for _ in range(2))
+            plain_kv, verified_kv, after_kv = (kv_caches(shape, layout, n_pool, None) for _ in range(3))
             plain = _worker(f"plain-{model}-{layout}", plain_kv, verify=False)
-            verified = _worker(f"verified-{model}-{layout}", verified_kv, verify=True)
+            overlap = OverlapPolicy(min_group_bytes=args.min_group_kb << 10, max_groups=args.groups)
+            verified = _worker(f"verified-{model}-{layout}", verified_kv, verify=True, overlap=overlap)
+            # The same check after the whole read (one group): what the overlap saves.
+            after = _worker(
+                f"after-{model}-{layout}", after_kv, verify=True, overlap=OverlapPolicy(max_groups=1)
+            )
+            kinds = (("plain", plain), ("verified", verified), ("after", after))
             for history in args.histories:
                 n = history // shape.block_size
-                times: dict[str, list[float]] = {"plain": [], "verified": [], "check": [], "pass": []}
+                times: dict[str, list[float]] = {
+                    k: [] for k in ("plain", "verified", "after", "check", "pass")
+                }
                 landed = landed_views(verified_kv, list(range(1, 1 + n)))
+                cores = parallelism()
                 for rep in range(args.reps + 1):  # the first of each is a warm-up (connection set-up)
-                    for name, worker in (("plain", plain), ("verified", verified)):
+                    for name, worker in kinds:
                         spec = LoadSpec(
                             request_id=f"{name}-{history}-{rep}",
                             lease_id="bench",
@@ -182,7 +231,7 @@ def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]
                         ms, outcomes = pull(worker, spec)
                         if outcomes.failed:
                             raise RuntimeError(f"{name} pull failed: {outcomes.failed}")
-                        if name == "verified" and outcomes.verified.get(spec.request_id) != n:
+                        if name != "plain" and outcomes.verified.get(spec.request_id) != n:
                             raise RuntimeError(f"verified pull checked {outcomes.verified} of {n} blocks")
                         if rep:
                             times[name].append(ms)
@@ -199,6 +248,7 @@ def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]
                             times["pass"].append((time.perf_counter() - t0) * 1000)
                 plain_ms = statistics.median(times["plain"])
                 verified_ms = statistics.median(times["verified"])
+                after_ms = statistics.median(times["after"])
                 state_ms = statistics.median(info[(model, layout)]["state_ms"][history])
                 row = {
                     "model": model,
@@ -208,6 +258,10 @@ def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]
                     "bytes": n * shape.block_bytes,
                     "plain_ms": round(plain_ms, 3),
                     "verified_ms": round(verified_ms, 3),
+                    "groups": len(overlap.groups(n, shape.block_bytes)),
+                    "after_ms": round(after_ms, 3),
+                    "after_extra_share": round((after_ms - plain_ms) / plain_ms, 3),
+                    "cores_for_two_threads": [cores, parallelism()],
                     "check_ms": round(statistics.median(times["check"]), 3),
                     "one_pass_ms": round(statistics.median(times["pass"]), 3),
                     "reader_extra_share": round((verified_ms - plain_ms) / plain_ms, 3),
@@ -218,11 +272,12 @@ def measure(args: argparse.Namespace, info: dict[tuple[str, str], dict[str, Any]
                 rows.append(row)
                 log(
                     f"{model} {layout} {history}: plain {plain_ms:.2f} ms, verified {verified_ms:.2f} ms "
-                    f"(+{row['reader_extra_share']:.0%}), holder states in {state_ms:.2f} ms"
+                    f"(+{row['reader_extra_share']:.0%}; checked after the read +{row['after_extra_share']:.0%}), "
+                    f"holder states in {state_ms:.2f} ms, cores for two threads {row['cores_for_two_threads']}"
                 )
-            plain.shutdown()
-            verified.shutdown()
-            del plain_kv, verified_kv
+            for _, worker in kinds:
+                worker.shutdown()
+            del plain_kv, verified_kv, after_kv
     return rows
 
 
@@ -235,6 +290,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         "plain ms",
         "verified ms",
         "reader extra",
+        "groups",
+        "after ms",
+        "after extra",
+        "cores",
         "check ms",
         "one pass ms",
         "holder ms",
@@ -248,6 +307,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['plain_ms']:.2f}",
             f"{r['verified_ms']:.2f}",
             f"{r['reader_extra_share']:+.0%}",
+            str(r["groups"]),
+            f"{r['after_ms']:.2f}",
+            f"{r['after_extra_share']:+.0%}",
+            "-".join(f"{c:.1f}" for c in r["cores_for_two_threads"]),
             f"{r['check_ms']:.2f}",
             f"{r['one_pass_ms']:.2f}",
             f"{r['holder_state_ms']:.2f}",
@@ -266,6 +329,18 @@ def main(argv: list[str] | None = None) -> int:
         "--histories", type=lambda s: [int(x) for x in s.split(",")], default=[TARGET_HISTORY], help="tokens"
     )
     p.add_argument("--reps", type=int, default=9, help="timed pulls per case and kind (default 9)")
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=MAX_GROUPS,
+        help=f"most groups a verified read is cut into, each digested as it lands (default {MAX_GROUPS}; 1: none)",
+    )
+    p.add_argument(
+        "--min-group-kb",
+        type=int,
+        default=MIN_GROUP_BYTES >> 10,
+        help=f"smallest group, KiB (default {MIN_GROUP_BYTES >> 10})",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--name", default="verify_bytes", help="JSON file name without .json")
     args = p.parse_args(argv)
@@ -299,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
             "layouts": args.layouts,
             "histories": args.histories,
             "reps": args.reps,
-            "digest": f"{ALGORITHM} per (block, layer), one core, one call per spec or check",
+            "digest": f"{ALGORITHM} per (block, layer); reader: groups digested as they land",
+            "groups": args.groups,
+            "min_group_kb": args.min_group_kb,
             "wall_s": round(time.monotonic() - started, 1),
             "load_avg_before_after": [
                 [round(x, 2) for x in load_before],

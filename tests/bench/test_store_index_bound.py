@@ -16,13 +16,19 @@ from tests.bench.run import run_module
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def test_store_index_bound_tiny(tmp_path: Path) -> None:
+def _quick_run(tmp_path: Path, *options: str) -> str:
+    """The benchmark's quick run with `options` on a redis-server of its own; its printout."""
     if reason := missing_reason():
         pytest.skip(reason)
-    tiny = ["--quick", "--bound", "2000", "--factor", "3", "--no-reference"]
-    proc = run_module("bench.scale.store_index_bound", *tiny, "--out-dir", str(tmp_path), timeout=100)
+    tiny = ["--quick", *options, "--no-reference", "--out-dir", str(tmp_path)]
+    proc = run_module("bench.scale.store_index_bound", *tiny, timeout=100)
     assert proc.returncode == 0, f"failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert "peak/at bound" in proc.stdout and "target: the index keys' peak MEMORY USAGE" in proc.stdout
+    return proc.stdout
+
+
+def test_store_index_bound_tiny(tmp_path: Path) -> None:
+    stdout = _quick_run(tmp_path, "--bound", "2000", "--factor", "3")
+    assert "peak/at bound" in stdout and "target: the index keys' peak MEMORY USAGE" in stdout
     (run,) = json.loads((tmp_path / "store_index_bound-quick.json").read_text())["results"]
     assert run["bound_entries"] == 2000 and run["blocks_announced"] >= 3 * 2000
     assert 0 < run["entries"] <= 2000 and run["forgotten"] >= run["blocks_announced"] - 2000
@@ -30,12 +36,8 @@ def test_store_index_bound_tiny(tmp_path: Path) -> None:
 
 
 def test_store_index_bytes_tiny(tmp_path: Path) -> None:
-    if reason := missing_reason():
-        pytest.skip(reason)
-    tiny = ["--quick", "--memory-mib", "1", "--factor", "2", "--no-reference"]
-    proc = run_module("bench.scale.store_index_bound", *tiny, "--out-dir", str(tmp_path), timeout=100)
-    assert proc.returncode == 0, f"failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert "peak over budget" in proc.stdout and "x the budget (--index-memory-mib)" in proc.stdout
+    stdout = _quick_run(tmp_path, "--memory-mib", "1", "--factor", "2")
+    assert "peak over budget" in stdout and "x the budget (--index-memory-mib)" in stdout
     (run,) = json.loads((tmp_path / "store_index_bytes-quick.json").read_text())["results"]
     assert run["budget_bytes"] == 1024 * 1024 and run["blocks_announced"] >= 2 * (1024 * 1024 // 163)
     assert 0 < run["entries"] <= run["entry_cap"] and run["forgotten"] > 0

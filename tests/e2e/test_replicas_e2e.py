@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -107,7 +108,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
                     e.engine_id for e in client.list_engines().engines if e.ranks and e.ranks[0].agent_name
                 }
 
-            assert wait_for(lambda: ranked() == {"prefill-0", "decode-0"}, 30), "engines did not register"
+            assert wait_for(lambda: ranked() == {"prefill-0", "decode-0"}, 90), "engines did not register"
         proxy = ProxyProcess(
             log_dir / "proxy.log",
             prefill={"prefill-0": p.url},
@@ -219,8 +220,15 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
         + " after the kill"
     )
     # The engines' sessions moved, resumed (not registered anew: their leases and blocks stayed),
-    # and the engines kept what they held for readers through it.
-    assert max(moved.values()) < FAILOVER_S, moved
+    # and the engines kept what they held for readers through it. Time the survivor itself did not
+    # run (a starved host: it logs each stall) is no failover's to save: it is added to the budget.
+    stalled = sum(
+        float(s)
+        for s in re.findall(
+            r"broker did not run for ([\d.]+) s", (fleet.log_dir / "replica-b.log").read_text()
+        )
+    )
+    assert max(moved.values()) < FAILOVER_S + stalled, (moved, f"survivor stalled {stalled:.2f} s")
     assert not [e for _, k, e in watch.events if k == "engine_registered"], watch.events
     for name in ("prefill-0", "decode-0"):
         log = (fleet.log_dir / f"{name}.log").read_text(errors="replace")

@@ -102,7 +102,10 @@ class SessionNotifier(Notifier, Protocol):
         """The session's outbound queue, from now until `detach`."""
         ...
 
-    def detach(self, session_id: str) -> None: ...
+    def detach(self, session_id: str, channel: SessionChannel | None = None) -> bool:
+        """Stop sending to the session (given `channel`: only while it is still the session's);
+        whether it was detached. False: a newer stream of the same session took over here."""
+        ...
 
     def close_session(self, session_id: str, code: str, message: str, cause: Cause | None = None) -> None: ...
 
@@ -171,8 +174,11 @@ class StreamNotifier:
         self._channels[session_id] = channel
         return channel
 
-    def detach(self, session_id: str) -> None:
+    def detach(self, session_id: str, channel: SessionChannel | None = None) -> bool:
+        if channel is not None and self._channels.get(session_id) is not channel:
+            return False
         self._channels.pop(session_id, None)
+        return True
 
     def _send(self, session_id: str, msg: pb.SessionDown) -> None:
         channel = self._channels.get(session_id)

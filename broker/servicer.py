@@ -157,8 +157,10 @@ class BrokerServicer(
                     await context.write(item)
         finally:
             reader.cancel()
-            self.notifier.detach(rec.session_id)
-            if not self.shutting_down:
+            # A newer stream of this session resumed here (its engine left this one as silent and
+            # came back): only this stream went, the session goes on.
+            mine = self.notifier.detach(rec.session_id, channel)
+            if mine and not self.shutting_down:
                 # Stream broken or ended: the session ends and its leases with it.
                 try:
                     self.core.stream_ended(rec)

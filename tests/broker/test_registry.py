@@ -3,6 +3,8 @@ contract suite (test_registry_contract.py): two replicas on one store, the core,
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvbroker.broker.fleet.leases import RedisLeaseTable
@@ -142,3 +144,29 @@ async def test_a_restarted_engine_is_announced_to_the_other_sessions_of_its_layo
     assert (await other.read_kind("engine_generation")).engine_generation.engine_id == "Y"
     for s in (p, d, other, restarted, later_a, later_b):
         await s.close()
+
+
+async def test_a_stream_left_for_a_newer_one_of_its_session_on_the_same_replica_ends_nothing(
+    stub: Stub, request: pytest.FixtureRequest
+) -> None:
+    """Real gRPC over shared state: an engine that left its replica's stream as silent and resumed
+    its session on a new stream of the same replica (the other replica was the dead one) then
+    cancels the old stream; the session and its new stream go on. (Before, the old stream's end
+    ended the session it had just resumed, and the engine had to register anew.)"""
+    if request.node.callspec.params["broker"] == "in-memory":
+        pytest.skip("one broker owns every session there: a session is never resumed")
+    old = RawSession(stub)
+    registered = await old.register(engine_info("P"), 5000)
+    new = RawSession(stub)
+    resume = pb.Register(
+        engine=engine_info("P"), session_ttl_ms=5000, resume_session_id=registered.session_id
+    )
+    await new.send(register=resume)
+    answer = (await new.read()).registered
+    assert answer.resumed and answer.session_id == registered.session_id
+    await old.close()
+    await asyncio.sleep(0.5)  # the broker has seen the old stream end
+    await new.applied()  # a heartbeat on the new stream is still answered
+    engines = (await stub.ListEngines(pb.ListEnginesRequest())).engines
+    assert [e.engine_id for e in engines] == ["P"]
+    await new.close()

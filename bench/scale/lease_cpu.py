@@ -227,7 +227,10 @@ async def main_async(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "load": load,
         "loads_per_round": loads,
-        "settings": vars(args),
+        # Folders by name only: a recorded result names no machine's paths.
+        "settings": {
+            k: Path(v).name if k in ("before", "out_dir") and v else v for k, v in vars(args).items()
+        },
         "in_memory_us_per_cycle": memory.per_cycle_us,
         "two_replicas_us_per_cycle": replicas.per_cycle_us,
         "in_memory_median_us": base,

@@ -107,7 +107,7 @@ def _turn_two(cluster: Cluster) -> tuple[list[int], list[int]]:
     chain = wire_chain(turn1 + answer[:-1], BLOCK_SIZE)
     with BrokerClient(cluster.broker.address) as client:
         assert wait_for(lambda: _held_by(client, "H", chain), 15), "H holds turn 1 for readers"
-    time.sleep(0.3)  # and R's index mirror has heard of it
+    time.sleep(2.0)  # and R's index mirror has heard of it (milliseconds; a loaded CI machine took longer)
     turn2 = turn1 + answer + prompt_of(NEW_TOKENS, seed=13)
     return turn2, output_ids(complete(cluster.reader, turn2, max_tokens=MAX_TOKENS))
 

@@ -76,7 +76,9 @@ async def test_over_grpc_resolve_score_and_list_engines_carry_exactness(stub: St
         matches = (await d.resolve(ns, H)).resolve.matches
         assert matches, f"P expired before it read as degraded ({loop.time() - silent_since:.1f} s silent)"
         match = matches[0]
-        if match.exactness != pb.INDEX_EXACT or loop.time() - silent_since > 5.2:
+        # A starved host moves both marks later (the broker gives sessions the time it did not
+        # run: "broker did not run for X s"), so the bound is P's expiry, not the clock.
+        if match.exactness != pb.INDEX_EXACT or loop.time() - silent_since > 20.0:
             break
         await asyncio.sleep(0.1)
     assert match.exactness == pb.INDEX_DEGRADED

@@ -131,7 +131,10 @@ async def test_a_watch_on_one_replica_shows_what_the_other_does(
             await until(
                 lambda: "engine_gone" in log.of_engine("E"), timeout=LOADED_S, message=f"{log.events}"
             )
-            assert log.of_engine("E") == ["engine_registered", "engine_gone"]
+            # A replica the loaded host starved may judge E silent for a moment: an
+            # `engine_exactness` event, if any, comes between the two.
+            seen = [kind for kind in log.of_engine("E") if kind != "engine_exactness"]
+            assert seen == ["engine_registered", "engine_gone"], f"{log.events}"
 
             # a's connection to Redis is cut; what b does before a is back still reaches the Watch.
             killed = cut_watch_readers(store)

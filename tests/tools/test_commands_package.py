@@ -123,3 +123,29 @@ def test_the_launcher_says_why_before_starting_vllm(tmp_path: Path, monkeypatch:
     with pytest.raises(EngineStartError, match=r"torch 2\.13\.0 is a CUDA build"):
         engine.start()
     assert engine.proc is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "one_process"),
+    [
+        ((), True),
+        (("--no-disaggregate",), True),
+        (("--tensor-parallel-size", "1"), True),
+        (("--tensor-parallel-size", "2"), False),
+        (("--pipeline-parallel-size=2",), False),
+        (("-tp", "2"), False),
+        (("--distributed-executor-backend", "mp"), False),
+    ],
+)
+def test_a_one_rank_engine_runs_its_model_in_the_engine_core(
+    tmp_path: Path, extra: tuple[str, ...], one_process: bool
+) -> None:
+    engine = EngineProcess(tmp_path, env={}, extra_args=extra, log_path=tmp_path / "engine.log")
+    command = engine.command()
+    uni = (
+        "--distributed-executor-backend" in command
+        and command[command.index("--distributed-executor-backend") + 1] == "uni"
+    )
+    assert uni is one_process, command
+    # vLLM's CPU build takes "uni" only with V1 multiprocessing off (its engine core still runs apart).
+    assert (engine.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is one_process, engine.env

@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack = start_stack(
             workdir,
-            proxy_port=args.proxy_port or free_port(),
+            proxy_port=args.proxy_port,
             broker_port=args.broker_port or free_port(),
             threshold=args.threshold,
             model=args.model,

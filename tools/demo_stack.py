@@ -187,9 +187,41 @@ def start_stack(
     proxy; `connector_extra` adds kv_connector_extra_config keys to every engine (e.g. hold_ttl_ms).
     With P/D the proxy prefills
     every turn on P (`local_prefill_tokens` 0), so the demo shows turn 2 pulling the history
-    D holds; the proxy's own default (256) lets D serve such a turn alone."""
+    D holds; the proxy's own default (256) lets D serve such a turn alone. `proxy_port` 0: a free
+    one. Whatever fails, what was started is stopped before the error goes on."""
     stack = Stack(workdir, model=model, served_name=SERVED_NAMES.get(model, model))
     atexit.register(stack.stop)
+    try:
+        _start_parts(
+            stack,
+            workdir,
+            proxy_port=proxy_port,
+            broker_port=broker_port,
+            threshold=threshold,
+            connector_extra=connector_extra,
+            broker_metrics_port=broker_metrics_port,
+            local_prefill_tokens=local_prefill_tokens,
+            topology=topology,
+        )
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def _start_parts(
+    stack: Stack,
+    workdir: Path,
+    *,
+    proxy_port: int,
+    broker_port: int,
+    threshold: int | None,
+    connector_extra: dict[str, Any] | None,
+    broker_metrics_port: int,
+    local_prefill_tokens: int,
+    topology: str,
+) -> None:
+    model = stack.model
     model_dir = model_folder(model, workdir)
 
     from kvbroker.tools.launch import free_port
@@ -276,24 +308,36 @@ def start_stack(
     # otherwise each engine's steps also pay for the others' busy-polling.
     pin_apart(list(stack.engines.values()), lambda m: say("      " + m))
 
-    stack.proxy_url = f"http://127.0.0.1:{proxy_port}"
+    # Port 0: one picked now, after the engines took theirs (a port picked earlier may be taken by
+    # then), and a second try on a new one if another process took it all the same.
+    for attempt in range(2 if proxy_port == 0 else 1):
+        port = proxy_port or free_port()
+        try:
+            stack.proxy = _start_proxy(stack, workdir, port, local_prefill_tokens)
+            break
+        except Exception as e:
+            if attempt or proxy_port:
+                raise
+            say(f"      the proxy failed to start on port {port}, retrying on a new one: {e}")
+
+
+def _start_proxy(stack: Stack, workdir: Path, port: int, local_prefill_tokens: int) -> ProxyProcess:
+    stack.proxy_url = f"http://127.0.0.1:{port}"
     say(f"[4/4] starting the proxy on {stack.proxy_url} ...")
-    if kind == "pd":
+    if stack.topology == "pd":
         assert stack.prefill is not None and stack.decode is not None
-        stack.proxy = ProxyProcess(
+        return ProxyProcess(
             workdir / "proxy.log",
             prefill={"prefill-0": stack.prefill.url},
             decode={"decode-0": stack.decode.url},
             broker=stack.broker_address,
             local_prefill_tokens=local_prefill_tokens,
-            port=proxy_port,
+            port=port,
         ).start()
-    else:
-        stack.proxy = ProxyProcess(
-            workdir / "proxy.log",
-            engines={name: e.url for name, e in stack.engines.items()},
-            broker=stack.broker_address,
-            extra_args=["--no-disaggregate"],
-            port=proxy_port,
-        ).start()
-    return stack
+    return ProxyProcess(
+        workdir / "proxy.log",
+        engines={name: e.url for name, e in stack.engines.items()},
+        broker=stack.broker_address,
+        extra_args=["--no-disaggregate"],
+        port=port,
+    ).start()

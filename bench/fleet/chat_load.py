@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         stack = start_stack(
             workdir,
-            proxy_port=free_port(),
+            proxy_port=0,
             broker_port=free_port(),
             threshold=32,
             model="real",

@@ -57,7 +57,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from kvbroker.tools.launch import free_port
 
     workdir = tmp_path_factory.mktemp("ops-e2e")
-    s = start_stack(workdir, proxy_port=free_port(), broker_port=free_port(), threshold=32)
+    s = start_stack(workdir, proxy_port=0, broker_port=free_port(), threshold=32)
     try:
         yield s
     finally:

@@ -28,7 +28,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from kvbroker.tools.launch import free_port
 
     s = start_stack(
-        tmp_path_factory.mktemp("pd-roles"), proxy_port=free_port(), broker_port=free_port(), threshold=None
+        tmp_path_factory.mktemp("pd-roles"), proxy_port=0, broker_port=free_port(), threshold=None
     )
     try:
         yield s

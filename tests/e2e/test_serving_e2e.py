@@ -44,7 +44,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> I
     saved = {k: os.environ.get(k) for k in otel_env}
     os.environ.update(otel_env)
     try:
-        s = start_stack(workdir, proxy_port=free_port(), broker_port=free_port(), threshold=32)
+        s = start_stack(workdir, proxy_port=0, broker_port=free_port(), threshold=32)
     finally:
         for k, v in saved.items():
             if v is None:

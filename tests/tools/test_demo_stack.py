@@ -105,3 +105,83 @@ def test_the_demo_prints_its_figures_with_their_workload() -> None:
     assert "follow-ups of 136, 136 tokens" in line and "1 chat, one request at a time" in line
     assert "1 core" in line and "load average 5.0 on 2 cores (measured under load" in line
     assert "under load" not in workload_line(rows, 1.0, 2)
+
+
+class _StandInEngine:
+    """What start_stack asks of an engine, without vLLM (a real one: tests/e2e/test_serving_e2e.py)."""
+
+    started: list[_StandInEngine] = []
+
+    def __init__(self, model_dir: Path, *, name: str, **_: object) -> None:
+        self.name, self.url, self.stopped = name, f"http://127.0.0.1:1/{name}", False
+
+    def start(self) -> _StandInEngine:
+        _StandInEngine.started.append(self)
+        return self
+
+    def wait_ready(self, **_: object) -> float:
+        return 0.0
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _stand_in_parts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kvbroker.tools import demo_stack
+
+    _StandInEngine.started = []
+    monkeypatch.setattr(demo_stack, "model_folder", lambda model, workdir: tmp_path / "model")
+    monkeypatch.setattr(demo_stack, "EngineProcess", _StandInEngine)
+    monkeypatch.setattr(demo_stack, "pin_apart", lambda engines, report: None)
+
+
+def test_a_proxy_port_taken_after_it_was_picked_is_picked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Port 0: the proxy's port is picked after the engines took theirs, and once more if another
+    process took it all the same (a CI run lost a whole module's stack to that race)."""
+    import socket
+
+    from kvbroker.tools import demo_stack, launch
+
+    _stand_in_parts(monkeypatch, tmp_path)
+    free_port = launch.free_port
+    broker_port, metrics_port = free_port(), free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        # The only port start_stack picks itself here is the proxy's: first the taken one.
+        picks = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(launch, "free_port", lambda *a: next(picks, 0) or free_port(*a))
+        stack = demo_stack.start_stack(
+            tmp_path, proxy_port=0, broker_port=broker_port, broker_metrics_port=metrics_port, threshold=None
+        )
+        try:
+            assert stack.proxy is not None and stack.proxy.alive()
+            assert stack.proxy_url != f"http://127.0.0.1:{taken.getsockname()[1]}"
+            assert next(picks, None) is None, "the taken port was offered"
+        finally:
+            stack.stop()
+
+
+def test_a_stack_that_fails_to_start_stops_what_it_started(tmp_path: Path) -> None:
+    """A proxy port the caller named that is taken fails the start (no second try on a port the
+    caller chose), and the broker and engines already started are stopped before the error goes on."""
+    import socket
+
+    from kvbroker.tools import demo_stack
+    from kvbroker.tools.launch import free_port
+
+    broker_port = free_port()
+    with pytest.MonkeyPatch.context() as monkeypatch, socket.socket() as taken:
+        _stand_in_parts(monkeypatch, tmp_path)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="proxy exited"):
+            demo_stack.start_stack(
+                tmp_path, proxy_port=taken.getsockname()[1], broker_port=broker_port, threshold=None
+            )
+    assert [e.name for e in _StandInEngine.started] == ["prefill-0", "decode-0"]
+    assert all(e.stopped for e in _StandInEngine.started)
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", broker_port)) != 0, "the broker is still up"

@@ -31,6 +31,17 @@ ENGINE_FILES = frozenset(
 )
 
 
+# Files with the mark that may all the same run beside the engines' worker: they start one engine
+# or none (vLLM's --help) and time nothing, so they cost the engine files some CPU, not a verdict.
+BESIDE_ENGINES = frozenset(
+    {
+        "tests/tools/test_documented_commands.py",
+        "tests/tools/test_launch.py",
+        "tests/broker/indexer/test_kv_events_vllm.py",
+    }
+)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """How pytest-xdist shares the tests out (`make test` runs two workers).
@@ -38,15 +49,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     Every file that starts vLLM engines runs on one worker, one file after
     another, exactly as in a plain run: engines never compete with engines for
     the two cores. The rest (brokers, Redis, NIXL, fakes: mostly waiting on
-    sockets and timers) runs beside them on the other worker, a whole file at a
-    time so module-scoped fixtures are built once.
+    sockets and timers, and BESIDE_ENGINES) runs beside them on the other
+    worker, a whole file at a time so module-scoped fixtures are built once.
     """
     from xdist.scheduler import LoadScopeScheduling
 
     class EnginesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "engines" if path in ENGINE_FILES else path
+            return "engines" if path in ENGINE_FILES - BESIDE_ENGINES else path
 
     return EnginesTogether(config, log)
 

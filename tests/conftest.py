@@ -10,6 +10,7 @@ finished (reports written), leave with pytest's own status instead.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,14 @@ from typing import Any
 import pytest
 
 from kvbroker.engine_adapter.nixl_agent import exit_skipping_nixl_teardown, nixl_agents_created
+from kvbroker.tools.launch import ONE_PROCESS_ENV
 from testkit.redis_server import RedisServer, missing_reason, running_redis
 
 _exit_status: list[int] = []
+
+# The suite's one-rank engines run their model in the engine core's process: 12 s sooner to start
+# (docs/adapter.md). Benchmarks and the demo keep vLLM's default, which decodes faster under load.
+os.environ.setdefault(ONE_PROCESS_ENV, "1")
 
 
 # Test files that start vLLM engines (a `vllm` mark anywhere in them), by path from the root.

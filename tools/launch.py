@@ -131,6 +131,10 @@ def vllm_otlp_traces_endpoint(env: Mapping[str, str]) -> str:
     return base
 
 
+# "1": one-rank engines run their model in the engine core's process (docs/adapter.md: the tests).
+ONE_PROCESS_ENV = "KVBROKER_ENGINE_ONE_PROCESS"
+
+
 def _one_rank(args: Sequence[str]) -> bool:
     """No parallel sizes above 1 and no executor named in the engine's own arguments."""
     sizes = ("tensor", "pipeline", "data")
@@ -177,6 +181,7 @@ class EngineProcess:
         log_path: str | Path | None = None,
         python: str = sys.executable,
         log_stats: bool = False,
+        one_process: bool | None = None,
     ) -> None:
         if block_size % 32 != 0:
             raise ValueError(f"block_size {block_size}: vLLM's CPU backend needs a multiple of 32")
@@ -197,9 +202,9 @@ class EngineProcess:
         # every step; benchmarks and tests leave them off unless they read /metrics.
         self.log_stats = log_stats
         self.env = engine_environment() if env is None else dict(env)
-        # A one-rank engine's model runs in its engine core's process (docs/adapter.md: 12 s less
-        # to start, 600 MiB less); vLLM's CPU build takes "uni" only with V1 multiprocessing off.
-        self.one_process_worker = _one_rank(self.extra_args)
+        # None: as ONE_PROCESS_ENV says. vLLM's CPU build takes "uni" only with V1 multiprocessing off.
+        wanted = os.environ.get(ONE_PROCESS_ENV) == "1" if one_process is None else one_process
+        self.one_process_worker = wanted and _one_rank(self.extra_args)
         if self.one_process_worker:
             self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if log_path is None:

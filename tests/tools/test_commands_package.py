@@ -15,7 +15,7 @@ import pytest
 from kvbroker.broker.server import add_serve_arguments, config_from_args
 from kvbroker.common.version import version
 from kvbroker.tools import cli, doctor
-from kvbroker.tools.launch import EngineProcess, EngineStartError
+from kvbroker.tools.launch import ONE_PROCESS_ENV, EngineProcess, EngineStartError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,9 @@ def test_the_launcher_says_why_before_starting_vllm(tmp_path: Path, monkeypatch:
 def test_a_one_rank_engine_runs_its_model_in_the_engine_core(
     tmp_path: Path, extra: tuple[str, ...], one_process: bool
 ) -> None:
-    engine = EngineProcess(tmp_path, env={}, extra_args=extra, log_path=tmp_path / "engine.log")
+    engine = EngineProcess(
+        tmp_path, env={}, extra_args=extra, log_path=tmp_path / "engine.log", one_process=True
+    )
     command = engine.command()
     uni = (
         "--distributed-executor-backend" in command
@@ -149,3 +151,17 @@ def test_a_one_rank_engine_runs_its_model_in_the_engine_core(
     assert uni is one_process, command
     # vLLM's CPU build takes "uni" only with V1 multiprocessing off (its engine core still runs apart).
     assert (engine.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is one_process, engine.env
+
+
+def test_one_process_engines_are_what_the_environment_asks_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's default (a worker process of its own) unless KVBROKER_ENGINE_ONE_PROCESS=1 (the suite
+    sets it) or the caller says so."""
+    monkeypatch.delenv(ONE_PROCESS_ENV, raising=False)
+    assert not EngineProcess(tmp_path, env={}, log_path=tmp_path / "e.log").one_process_worker
+    monkeypatch.setenv(ONE_PROCESS_ENV, "1")
+    assert EngineProcess(tmp_path, env={}, log_path=tmp_path / "e.log").one_process_worker
+    assert not EngineProcess(
+        tmp_path, env={}, log_path=tmp_path / "e.log", one_process=False
+    ).one_process_worker

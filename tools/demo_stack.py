@@ -308,36 +308,38 @@ def _start_parts(
     # otherwise each engine's steps also pay for the others' busy-polling.
     pin_apart(list(stack.engines.values()), lambda m: say("      " + m))
 
-    # Port 0: one picked now, after the engines took theirs (a port picked earlier may be taken by
-    # then), and a second try on a new one if another process took it all the same.
-    for attempt in range(2 if proxy_port == 0 else 1):
-        port = proxy_port or free_port()
+    # Port 0: ProxyProcess picks one now, after the engines took theirs (a port picked earlier may
+    # be taken by then), and a second try gets a new one if another process took it all the same.
+    for attempt in range(1 if proxy_port else 2):
         try:
-            stack.proxy = _start_proxy(stack, workdir, port, local_prefill_tokens)
+            stack.proxy = _start_proxy(stack, workdir, proxy_port, local_prefill_tokens)
             break
         except Exception as e:
             if attempt or proxy_port:
                 raise
-            say(f"      the proxy failed to start on port {port}, retrying on a new one: {e}")
+            say(f"      the proxy failed to start on {stack.proxy_url}, retrying on a new port: {e}")
 
 
 def _start_proxy(stack: Stack, workdir: Path, port: int, local_prefill_tokens: int) -> ProxyProcess:
-    stack.proxy_url = f"http://127.0.0.1:{port}"
-    say(f"[4/4] starting the proxy on {stack.proxy_url} ...")
+    """The proxy on `port` (0: a free one), started and answering."""
     if stack.topology == "pd":
         assert stack.prefill is not None and stack.decode is not None
-        return ProxyProcess(
+        proxy = ProxyProcess(
             workdir / "proxy.log",
             prefill={"prefill-0": stack.prefill.url},
             decode={"decode-0": stack.decode.url},
             broker=stack.broker_address,
             local_prefill_tokens=local_prefill_tokens,
             port=port,
-        ).start()
-    return ProxyProcess(
-        workdir / "proxy.log",
-        engines={name: e.url for name, e in stack.engines.items()},
-        broker=stack.broker_address,
-        extra_args=["--no-disaggregate"],
-        port=port,
-    ).start()
+        )
+    else:
+        proxy = ProxyProcess(
+            workdir / "proxy.log",
+            engines={name: e.url for name, e in stack.engines.items()},
+            broker=stack.broker_address,
+            extra_args=["--no-disaggregate"],
+            port=port,
+        )
+    stack.proxy_url = proxy.url
+    say(f"[4/4] starting the proxy on {stack.proxy_url} ...")
+    return proxy.start()

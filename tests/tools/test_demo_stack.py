@@ -142,17 +142,17 @@ def test_a_proxy_port_taken_after_it_was_picked_is_picked_again(
     process took it all the same (a CI run lost a whole module's stack to that race)."""
     import socket
 
-    from kvbroker.tools import demo_stack, launch
+    from kvbroker.tools import children, demo_stack
 
     _stand_in_parts(monkeypatch, tmp_path)
-    free_port = launch.free_port
+    free_port = children.free_port
     broker_port, metrics_port = free_port(), free_port()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         # The only port start_stack picks itself here is the proxy's: first the taken one.
         picks = iter([taken.getsockname()[1]])
-        monkeypatch.setattr(launch, "free_port", lambda *a: next(picks, 0) or free_port(*a))
+        monkeypatch.setattr(children, "free_port", lambda *a: next(picks, 0) or free_port(*a))
         stack = demo_stack.start_stack(
             tmp_path, proxy_port=0, broker_port=broker_port, broker_metrics_port=metrics_port, threshold=None
         )

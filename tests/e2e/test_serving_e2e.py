@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from testkit.waiting import wait_for
 from tests.clients.proxy.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -90,8 +91,6 @@ def test_pd_request_pulls_from_prefill_and_matches_single_engine(stack: Any) -> 
     assert headers["x-kvbroker-mode"] == "pd"
     assert headers["x-kvbroker-prefill"] == "prefill-0" and headers["x-kvbroker-decode"] == "decode-0"
     prompt_tokens = answer["usage"]["prompt_tokens"]
-    from testkit.waiting import wait_for
-
     # Every token came from P, its partial last block included; D computed only the last one.
     # (D's stats file is written after the answer: on a loaded machine, well after it.)
     assert wait_for(

@@ -130,8 +130,8 @@ class ProxyConfig:
     )
     placement_learn: bool = setting(
         False,
-        "placement load: fit busy_tokens and pull_token_cost to the first-token times of streamed "
-        "answers (each kept within 8x of its setting; placement_learner.py); off: the settings as given",
+        "placement load: fit busy_tokens, pull_token_cost and pull_fixed_tokens to the first-token "
+        "times of streamed answers (each kept within 8x of its setting; placement_learner.py); off: the settings as given",
     )
     local_prefill_tokens: int = setting(
         256,

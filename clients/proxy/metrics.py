@@ -157,13 +157,15 @@ class ProxyMetrics:
         """Gauges of the weights the data-parallel placement uses now (learned or as set)."""
         weight = Gauge(
             "kvbroker_proxy_placement_weight",
-            "The data-parallel placement's weights in use: busy_tokens and pull_token_cost, fitted to "
+            "The data-parallel placement's weights in use: busy_tokens, pull_token_cost and "
+            "pull_fixed_tokens, fitted to "
             "first-token times with --placement-learn, else as set (placement_learner.py)",
             ["weight"],
             registry=self.registry,
         )
         weight.labels("busy_tokens").set_function(lambda: learner.rule().busy_tokens)
         weight.labels("pull_token_cost").set_function(lambda: learner.rule().pull_token_cost)
+        weight.labels("pull_fixed_tokens").set_function(lambda: learner.rule().pull_fixed_tokens)
         samples = Gauge(
             "kvbroker_proxy_placement_samples",
             "Streamed answers the placement's fit has learned from",

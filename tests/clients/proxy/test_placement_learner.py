@@ -17,13 +17,15 @@ from tests.clients.proxy.test_dp_routing import TURN2, chat, fleet  # noqa: F401
 BASE = PlacementRule()
 
 
-def _timings(learner: PlacementLearner, n: int, s_token: float, s_pull: float, s_request: float) -> None:
+def _timings(
+    learner: PlacementLearner, n: int, s_token: float, s_pull: float, s_request: float, s_fixed: float = 0.0
+) -> None:
     """``n`` answers timed by the line the learner fits, with a little noise, some of them pulls."""
     rng = random.Random(7)
     for i in range(n):
         computed, load = rng.randrange(0, 2000), rng.randrange(0, 6)
         pulled = rng.randrange(100, 2000) if i % 3 == 0 else 0
-        seconds = 0.05 + s_token * computed + s_pull * pulled + s_request * load
+        seconds = 0.05 + s_token * computed + s_pull * pulled + s_request * load + s_fixed * (pulled > 0)
         learner.observe(computed, pulled, load, seconds * rng.uniform(0.99, 1.01))
 
 
@@ -35,7 +37,30 @@ def test_the_fit_recovers_the_weights_the_timings_imply() -> None:
     rule = learner.rule()
     assert rule.busy_tokens == pytest.approx(150, rel=0.05)  # 0.3 s a request / 2 ms a token
     assert rule.pull_token_cost == pytest.approx(0.2, rel=0.05)
+    assert rule.pull_fixed_tokens == BASE.pull_fixed_tokens / 8, "no fixed wait: as low as the clamp allows"
     assert (rule.min_prefix_tokens, rule.pull) == (BASE.min_prefix_tokens, BASE.pull)
+
+
+def test_a_pulls_fixed_wait_is_learned() -> None:
+    """Engines that share cores: every pull waits 0.3 s for the holder's steps, whatever its size
+    (150 tokens at 2 ms a token), which the setting (160 tokens) did not know."""
+    learner = PlacementLearner(BASE)
+    _timings(learner, 200, s_token=0.002, s_pull=0.0004, s_request=0.3, s_fixed=0.3)
+    rule = learner.rule()
+    assert rule.pull_fixed_tokens == pytest.approx(150, rel=0.05)
+    assert rule.pull_token_cost == pytest.approx(0.2, rel=0.05)
+    learner = PlacementLearner(BASE)
+    _timings(learner, 200, s_token=0.0003, s_pull=0.0, s_request=0.03, s_fixed=0.4)  # 1,333 tokens
+    assert learner.rule().pull_fixed_tokens == BASE.pull_fixed_tokens * 8, "within the clamp"
+
+
+def test_the_fixed_wait_needs_answers_that_did_not_pull() -> None:
+    learner = PlacementLearner(BASE)
+    for i in range(60):  # every answer pulled: the indicator never varied
+        computed, pulled = 100 + 50 * i, 200 + 10 * (i % 7)
+        learner.observe(computed, pulled, i % 5, 0.002 * computed + 0.0004 * pulled + 0.3 * (i % 5) + 0.5)
+    assert learner.rule().pull_fixed_tokens == BASE.pull_fixed_tokens
+    assert learner.rule().pull_token_cost == pytest.approx(0.2, rel=0.05)
 
 
 def test_a_term_that_never_varied_is_not_learned() -> None:
@@ -58,6 +83,7 @@ def test_pull_cost_needs_answers_that_pulled() -> None:
         learner.observe(computed, 0, load, 0.002 * computed + 0.3 * load)
     assert learner.rule().busy_tokens == pytest.approx(150, rel=0.01)
     assert learner.rule().pull_token_cost == BASE.pull_token_cost
+    assert learner.rule().pull_fixed_tokens == BASE.pull_fixed_tokens
 
 
 def test_answers_that_say_nothing_are_not_learned_from() -> None:

@@ -13,9 +13,12 @@ per layout instead (broker/fleet/mirror.py), because a mirror must not miss one.
 Pub/sub delivers at most once: a message published while a replica is
 reconnecting to Redis is lost to it. What depends on it is bounded anyway:
 a lost revocation is caught by the reader's failing release (it recomputes),
-a lost pin command by the pin timeout, a lost generation notice by the
-reader's next lease on that engine (it names the new generation, and the
-reader drops the old agent then, before reading).
+a lost pin command by the pin timeout. A lost generation notice is made good
+when the channel is back: after each (re)subscription the replica reads the
+engines' records from the store and tells its sessions every generation newer
+than the last one it told them of that engine (``catch_up_generations``);
+until then the reader's next lease on that engine names the new generation,
+and the reader drops the old agent before reading.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import time
 from base64 import b64encode
 from binascii import a2b_base64
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
@@ -40,6 +44,7 @@ from kvbroker.broker.fleet.registry import SeenRecords
 from kvbroker.broker.fleet.watch import FleetWatch
 from kvbroker.broker.fleet.wire import pushed
 from kvbroker.broker.leases import Lease, LeaseTable, packed_block_ids, packed_hashes
+from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -47,6 +52,9 @@ from kvbroker.v1 import broker_pb2 as pb
 log = logging.getLogger("kvbroker")
 
 _TO_ALL = ("settled", "moved", "engine", "watching", "generation")  # notices every replica acts on
+# Engines whose last generation told is remembered (a fleet's engine ids over a replica's life);
+# one forgotten is told again at the next catch-up, which a reader ignores (not newer than its own).
+_MOST_TOLD = 65_536
 
 
 class FleetNotifier(StreamNotifier):
@@ -66,6 +74,7 @@ class FleetNotifier(StreamNotifier):
             state, replica, self, lambda c: self._publish("watching", "", cats=",".join(c))
         )
         self.delivered = 0
+        self._told: dict[str, int] = {}  # engine id -> the newest generation this replica's sessions heard
 
     def _publish(self, kind: str, session_id: str, **more: Any) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
@@ -111,8 +120,25 @@ class FleetNotifier(StreamNotifier):
 
     def engine_generation(self, engine_id: str, generation: int, layout_id: str) -> None:
         """This replica's sessions hear it now; every other replica's from the fleet's channel."""
-        super().engine_generation(engine_id, generation, layout_id)
+        self._tell_generation(engine_id, generation, layout_id)
         self._publish("generation", "", engine=engine_id, gen=generation, layout=layout_id)
+
+    def _tell_generation(self, engine_id: str, generation: int, layout_id: str) -> bool:
+        """Tell this replica's sessions, unless they heard this generation (or a newer one) already."""
+        if generation <= self._told.get(engine_id, 0):
+            return False
+        self._told.pop(engine_id, None)  # most recently told last: the first ones go past the bound
+        self._told[engine_id] = generation
+        if len(self._told) > _MOST_TOLD:
+            del self._told[next(iter(self._told))]
+        super().engine_generation(engine_id, generation, layout_id)
+        return True
+
+    def catch_up_generations(self, records: Iterable[EngineRecord]) -> int:
+        """After the channel was (re)subscribed: tell this replica's sessions every generation in
+        `records` (the store's engines) newer than the one they heard of that engine, which covers
+        the notices published while the channel was down. How many were told."""
+        return sum(self._tell_generation(r.engine_id, r.generation, r.layout_id) for r in records)
 
     def pin(self, session_id: str, lease: Lease) -> None:
         if self._local(session_id):
@@ -202,7 +228,7 @@ class FleetNotifier(StreamNotifier):
                     generation = int(msg.get("gen", 0))
                 except (TypeError, ValueError):
                     return  # not a notice this version wrote
-                super().engine_generation(str(msg.get("engine", "")), generation, str(msg.get("layout", "")))
+                self._tell_generation(str(msg.get("engine", "")), generation, str(msg.get("layout", "")))
             return
         if kind == "settled" and msg.get("rep") == self.replica:
             return
@@ -253,8 +279,9 @@ class FleetNotifier(StreamNotifier):
         elif kind == "settled":
             super().pin_settled(lease)
 
-    async def follow(self) -> None:
-        """Receive the fleet's messages until cancelled, reconnecting to Redis as needed."""
+    async def follow(self, subscribed: Callable[[], None] | None = None) -> None:
+        """Receive the fleet's messages until cancelled, reconnecting to Redis as needed;
+        `subscribed` runs after each subscription (what was published before it is lost to it)."""
         while True:
             try:
                 client = await self._state.subscriber()
@@ -267,6 +294,8 @@ class FleetNotifier(StreamNotifier):
                 await pubsub.subscribe(self._channel, self._mine)
                 conn = pubsub.connection
                 assert conn is not None  # subscribe() made it
+                if subscribed is not None:
+                    subscribed()
                 while True:
                     # Straight from the connection: redis-py's layers per message (retry, parse,
                     # a dict per message) cost more CPU than delivering it. Subscribe

@@ -81,12 +81,27 @@ class Replica:
                     holder, request_id, "declined (through another broker replica) before its hold"
                 )
 
+    def _catch_up(self) -> None:
+        """The fleet's channel was (re)subscribed: generation notices sent while it was down are
+        read from the engines' records instead (a store that does not answer: the next lease)."""
+        try:
+            told = self.notifier.catch_up_generations(self.registry.all())
+        except BrokerError as err:
+            log.warning("cannot read the engines' generations after the fleet channel came back: %s", err)
+            return
+        if told:
+            log.info(
+                "told this replica's sessions of %d engine generation(s) missed on the fleet channel", told
+            )
+
     async def follow(self) -> None:
         """The fleet's notices (pub/sub), its watchers' record, the counters' flushes and the early
         declines until cancelled; then the mirror, watch and declines streams' readers stop too."""
         self.declines.follow()
         try:
-            await asyncio.gather(self.notifier.follow(), self.notifier.watch.run(), self.counters.run())
+            await asyncio.gather(
+                self.notifier.follow(self._catch_up), self.notifier.watch.run(), self.counters.run()
+            )
         finally:
             await self.mirrors.streams.stop()
             await self.notifier.watch.stop()

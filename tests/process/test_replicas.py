@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from process_engine_client import engine_info
 from process_harness import crossed_sessions, replica
 from test_process_liveness import Timeline
@@ -321,6 +322,40 @@ async def test_an_engine_restarted_on_one_replica_is_announced_to_readers_on_the
         listed = {e.engine_id: e.generation for e in (await d.client.list_engines()).engines}
         assert heard[1].engine_id == "P" and heard[1].generation == listed["P"] > heard[0].generation
     finally:
+        for session in (restarted, p, d):
+            await session.close()
+        a.stop()
+        b.stop()
+
+
+@pytest.mark.parametrize("shared_store", ["redis"], indirect=True)
+async def test_a_generation_published_while_a_replicas_channel_is_down_still_reaches_its_readers(
+    tmp_path: Path, shared_store: RedisServer
+) -> None:
+    """As above, but replica a's subscription to the fleet's channel is cut (CLIENT KILL TYPE pubsub,
+    as a network cut would) just before P registers anew on b: the notice b publishes is lost to a,
+    which resubscribes only after half a second. Once subscribed again, a reads the engines' records
+    and tells D the generation it missed, unasked, before any lease names it."""
+    a, b = replica(tmp_path, shared_store, "a").start(), replica(tmp_path, shared_store, "b").start()
+    heard: list[pb.EngineGeneration] = []
+    d = EngineSession(a.address, engine_info("D"), ttl_ms=5_000, on_engine_generation=heard.append)
+    p = EngineSession(b.address, engine_info("P"), ttl_ms=5_000)
+    restarted = EngineSession(b.address, engine_info("P"), ttl_ms=5_000)
+    store = redis.Redis.from_url(shared_store.url)
+    try:
+        await d.start(wait_connected_s=10.0)
+        await p.start(wait_connected_s=10.0)
+        await until(lambda: [g.engine_id for g in heard] == ["P"], message=f"D heard {heard}")
+        await p.close()
+        assert int(store.execute_command("CLIENT", "KILL", "TYPE", "pubsub")) >= 2  # both replicas'
+        await restarted.start(wait_connected_s=10.0)
+        await until(lambda: len(heard) == 2, timeout=10.0, message=f"D heard {heard}")
+        listed = {e.engine_id: e.generation for e in (await d.client.list_engines()).engines}
+        assert heard[1].engine_id == "P" and heard[1].generation == listed["P"] > heard[0].generation
+        await asyncio.sleep(1.0)
+        assert len(heard) == 2, f"told once: {heard}"
+    finally:
+        store.close()
         for session in (restarted, p, d):
             await session.close()
         a.stop()

@@ -95,5 +95,31 @@ async def test_a_new_generation_reaches_the_sessions_on_every_replica(redis_serv
     assert there.queue.empty()  # a notice this version did not write is dropped
 
 
-def _record(engine_id: str, session_id: str) -> EngineRecord:
-    return EngineRecord(engine_id, session_id, pb.EngineInfo(engine_id=engine_id), "lay", 5.0, 5.0, 0)
+async def test_generations_missed_on_the_channel_are_caught_up_from_the_records(
+    redis_server: RedisServer,
+) -> None:
+    """Replica b was not subscribed when P registered anew on a (its channel was down): after it
+    subscribes again it tells its sessions what the engines' records say, once per generation."""
+    state = redis_state(redis_server)
+    clock = FakeClock()
+    a = FleetNotifier(clock, state, "a", SeenRecords(), RedisLeaseTable(state, history=4))
+    b = FleetNotifier(clock, state, "b", SeenRecords(), RedisLeaseTable(state, history=4))
+    there = b.attach("s-there", record=_record("D2", "s-there"))
+    sent = notices(a)
+    a.engine_generation("P", 7, "lay")  # b never delivers it: lost to b
+    records = [_record("P", "s-p", generation=7), _record("Q", "s-q", generation=3)]
+    assert b.catch_up_generations(records) == 2
+    told = [there.queue.get_nowait().engine_generation for _ in range(2)]
+    assert [(g.engine_id, g.generation) for g in told] == [("P", 7), ("Q", 3)]
+    assert b.catch_up_generations(records) == 0, "told already"
+    b.deliver(sent[0])  # the notice itself, late: not told twice
+    b.deliver({"k": "generation", "s": "", "rep": "a", "engine": "P", "gen": 6, "layout": "lay"})  # older
+    assert there.queue.empty()
+    assert b.catch_up_generations([_record("P", "s-p2", generation=9)]) == 1
+    assert there.queue.get_nowait().engine_generation.generation == 9
+
+
+def _record(engine_id: str, session_id: str, generation: int = 0) -> EngineRecord:
+    return EngineRecord(
+        engine_id, session_id, pb.EngineInfo(engine_id=engine_id), "lay", 5.0, 5.0, 0, generation=generation
+    )

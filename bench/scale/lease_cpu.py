@@ -4,7 +4,9 @@
 Starts one in-memory `kvbroker serve` and two `kvbroker serve --state redis://...` replicas over a
 private redis-server, and two engine sessions (Python clients) on each setup: the holder P on the
 first replica, the reader D on the second, so every lease crosses replicas. A cycle is P's hold
-naming D, D's acquire and D's release, one at a time, as in `bench.scale.replicas`. The setups
+naming D, D's acquire and D's release, one at a time, as in `bench.scale.replicas` (with
+`--pairs N`, N such pairs cycle at the same time, each one cycle at a time: as engines do under
+concurrent load, where one wake-up of a broker's event loop serves several messages). The setups
 take turns (ROUNDS rounds of CYCLES cycles each, after a warm-up), so a change in the machine's
 load falls on both; the figure is the CPU seconds (user + system, from /proc) the broker processes
 used per cycle, which moves less with the load than wall time does, and the ratio of the medians.
@@ -15,6 +17,7 @@ cycle and how often it slept per cycle (what the figure mostly follows: docs/sca
     python -m bench.scale.lease_cpu --profile DIR         # also cProfile each broker (main thread)
     python -m bench.scale.lease_cpu --before ../base      # older code's replicas taking turns too
     python -m bench.scale.lease_cpu --one-replica         # and both sessions on one replica
+    python -m bench.scale.lease_cpu --pairs 8 --name lease_cpu-8pairs   # 8 P/D pairs cycling at once
 
 `--profile` runs the replicas and the in-memory broker under cProfile (DIR/replica-0.prof,
 replica-1.prof and memory.prof, written at their graceful stop, so that a function's cost can be
@@ -60,36 +63,51 @@ def _main_thread(pid: int) -> tuple[float, int]:
 class Setup:
     """A broker setup and its two sessions: P on the first address, D on the last."""
 
-    def __init__(self, name: str, brokers: list[BrokerProcess], store: RedisServer | None = None) -> None:
+    def __init__(
+        self, name: str, brokers: list[BrokerProcess], store: RedisServer | None = None, pairs: int = 1
+    ) -> None:
         self.name = name
+        self.pairs = pairs
         self.brokers = brokers
         self.store = store  # a store of its own (None: none, or the shared one)
         self.per_cycle_us: list[float] = []
         self.main_us: list[list[float]] = []  # per round: each broker's main thread, us per cycle
         self.sleeps: list[list[float]] = []  # per round: how often each main thread slept, per cycle
-        self.p: EngineSession | None = None
-        self.d: EngineSession | None = None
+        self.sessions: list[tuple[EngineSession, EngineSession]] = []  # (P, D) per pair
 
     async def open(self) -> None:
         addresses = [b.address for b in self.brokers]
         fast = Backoff(initial_s=0.05, max_s=0.5)
-        self.p = EngineSession(",".join(addresses), engine_info("P"), ttl_ms=5_000, backoff=fast)
-        self.d = EngineSession(",".join(reversed(addresses)), engine_info("D"), ttl_ms=5_000, backoff=fast)
-        await self.p.start(wait_connected_s=10.0)
-        await self.d.start(wait_connected_s=10.0)
+        for i in range(self.pairs):
+            suffix = str(i) if self.pairs > 1 else ""
+            p = EngineSession(",".join(addresses), engine_info("P" + suffix), ttl_ms=5_000, backoff=fast)
+            d = EngineSession(
+                ",".join(reversed(addresses)), engine_info("D" + suffix), ttl_ms=5_000, backoff=fast
+            )
+            self.sessions.append((p, d))
+            await p.start(wait_connected_s=10.0)
+            await d.start(wait_connected_s=10.0)
+
+    @staticmethod
+    async def _pair(p: EngineSession, d: EngineSession, n: int, chains: list[list[int]], first: int) -> None:
+        ns = (p.layout_id, "")
+        for i in range(first, first + n):
+            chain = chains[i % len(chains)][:8]
+            held = await p.hold(ns, GPU, chain, list(range(8)), 30_000, reader_engine_id=d.engine.engine_id)
+            acquired = await d.acquire(held.lease_id)
+            await d.release(held.lease_id, acquired.lease.epoch)
 
     async def cycles(self, n: int, chains: list[list[int]]) -> float:
-        """CPU seconds of the broker processes per cycle over `n` cycles."""
-        assert self.p is not None and self.d is not None
-        ns = (self.p.layout_id, "")
+        """CPU seconds of the broker processes per cycle over `n` cycles (split over the pairs,
+        which run theirs at the same time, each one cycle at a time)."""
         pids = [b.pid for b in self.brokers]
         cpu0 = sum(cpu_seconds(pid) for pid in pids)
         main0 = [_main_thread(pid) for pid in pids]
-        for i in range(n):
-            chain = chains[i % len(chains)][:8]
-            held = await self.p.hold(ns, GPU, chain, list(range(8)), 30_000, reader_engine_id="D")
-            acquired = await self.d.acquire(held.lease_id)
-            await self.d.release(held.lease_id, acquired.lease.epoch)
+        share = n // len(self.sessions)
+        n = share * len(self.sessions)
+        await asyncio.gather(
+            *(self._pair(p, d, share, chains, k * share) for k, (p, d) in enumerate(self.sessions))
+        )
         main1 = [_main_thread(pid) for pid in pids]
         self.main_us.append([(b[0] - a[0]) / n * 1e6 for a, b in zip(main0, main1, strict=True)])
         self.sleeps.append([(b[1] - a[1]) / n for a, b in zip(main0, main1, strict=True)])
@@ -101,8 +119,8 @@ class Setup:
         return [statistics.median(r[i] for r in rounds) for i in range(len(self.brokers))]
 
     async def close(self) -> None:
-        for s in (self.p, self.d):
-            if s is not None:
+        for pair in self.sessions:
+            for s in pair:
                 await s.close()
 
 
@@ -161,9 +179,12 @@ async def main_async(args: argparse.Namespace) -> int:
         log_dir = Path(tmp)
         store = RedisServer(log_dir / "redis")
         store.start()
-        memory = Setup("in-memory", [_broker(log_dir, "memory", "", profile)])
+        pairs = args.pairs
+        memory = Setup("in-memory", [_broker(log_dir, "memory", "", profile)], pairs=pairs)
         replicas = Setup(
-            "redis, 2 replicas", [_broker(log_dir, f"replica-{i}", store.url, profile) for i in range(2)]
+            "redis, 2 replicas",
+            [_broker(log_dir, f"replica-{i}", store.url, profile) for i in range(2)],
+            pairs=pairs,
         )
         setups = [memory, replicas]
         # Each further setup has a store of its own: the sessions' engine ids are the same.
@@ -171,10 +192,10 @@ async def main_async(args: argparse.Namespace) -> int:
             before = RedisServer(log_dir / "redis-before")
             code = Path(args.before).resolve()
             brokers = [_broker(log_dir, f"before-{i}", before.url, None, code) for i in range(2)]
-            setups.append(Setup("redis, 2 replicas (before)", brokers, before))
+            setups.append(Setup("redis, 2 replicas (before)", brokers, before, pairs))
         if args.one_replica:
             alone = RedisServer(log_dir / "redis-one")
-            setups.append(Setup("redis, 1 replica", [_broker(log_dir, "one", alone.url, None)], alone))
+            setups.append(Setup("redis, 1 replica", [_broker(log_dir, "one", alone.url, None)], alone, pairs))
         try:
             for s in setups:
                 if s.store is not None:
@@ -205,8 +226,9 @@ async def main_async(args: argparse.Namespace) -> int:
     two = statistics.median(replicas.per_cycle_us)
     ratio = two / base if base else float("nan")  # a run too short for one clock tick
     load = load_note()
+    concurrency = f", {pairs} P/D pairs at once" if pairs > 1 else ", one cycle at a time"
     print(
-        f"broker CPU per lease cycle (median of {args.rounds} rounds of {args.cycles:,}): in-memory "
+        f"broker CPU per lease cycle (median of {args.rounds} rounds of {args.cycles:,}{concurrency}): in-memory "
         f"{base:,.0f} us, redis 2 replicas {two:,.0f} us (both replicas summed): {ratio:.2f}x "
         f"(load average: {load})"
     )
@@ -251,6 +273,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cycles", type=int, default=1_000, help="lease cycles per round and setup")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, setups taking turns")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="P/D session pairs cycling at the same time (1: one cycle at a time, every store answer and "
+        "notice a wake-up of its own: the worst case for the replicas)",
+    )
     ap.add_argument("--warmup", type=int, default=200, help="cycles before measuring, per setup")
     ap.add_argument(
         "--profile", default="", help="a folder: cProfile the brokers, print the holder's replica's"

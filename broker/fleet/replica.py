@@ -89,6 +89,9 @@ class Replica:
         except BrokerError as err:
             log.warning("cannot read the engines' generations after the fleet channel came back: %s", err)
             return
+        except Exception:  # never the end of the fleet's channel: its readers keep the lease rule
+            log.exception("catching up engine generations after the fleet channel came back failed")
+            return
         if told:
             log.info(
                 "told this replica's sessions of %d engine generation(s) missed on the fleet channel", told

@@ -14,9 +14,9 @@ Pub/sub delivers at most once: a message published while a replica is
 reconnecting to Redis is lost to it. What depends on it is bounded anyway:
 a lost revocation is caught by the reader's failing release (it recomputes),
 a lost pin command by the pin timeout. A lost generation notice is made good
-when the channel is back: after each (re)subscription the replica reads the
+when the channel is back: after each resubscription the replica reads the
 engines' records from the store and tells its sessions every generation newer
-than the last one it told them of that engine (``catch_up_generations``);
+than the last one it told or noted of that engine (``catch_up_generations``);
 until then the reader's next lease on that engine names the new generation,
 and the reader drops the old agent before reading.
 """
@@ -75,6 +75,7 @@ class FleetNotifier(StreamNotifier):
         )
         self.delivered = 0
         self._told: dict[str, int] = {}  # engine id -> the newest generation this replica's sessions heard
+        self._generations_noted = False  # catch_up_generations ran once (the first subscription)
 
     def _publish(self, kind: str, session_id: str, **more: Any) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
@@ -137,7 +138,16 @@ class FleetNotifier(StreamNotifier):
     def catch_up_generations(self, records: Iterable[EngineRecord]) -> int:
         """After the channel was (re)subscribed: tell this replica's sessions every generation in
         `records` (the store's engines) newer than the one they heard of that engine, which covers
-        the notices published while the channel was down. How many were told."""
+        the notices published while the channel was down. How many were told.
+
+        The first call (the replica's first subscription) only notes the generations: what
+        registered before this replica started is no news to a session that registers with it,
+        and telling every engine to every session would cost engines x sessions messages."""
+        if not self._generations_noted:
+            self._generations_noted = True
+            for r in records:
+                self._told[r.engine_id] = max(r.generation, self._told.get(r.engine_id, 0))
+            return 0
         return sum(self._tell_generation(r.engine_id, r.generation, r.layout_id) for r in records)
 
     def pin(self, session_id: str, lease: Lease) -> None:

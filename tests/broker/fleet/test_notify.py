@@ -105,12 +105,18 @@ async def test_generations_missed_on_the_channel_are_caught_up_from_the_records(
     a = FleetNotifier(clock, state, "a", SeenRecords(), RedisLeaseTable(state, history=4))
     b = FleetNotifier(clock, state, "b", SeenRecords(), RedisLeaseTable(state, history=4))
     there = b.attach("s-there", record=_record("D2", "s-there"))
+    # b's first subscription notes what the store holds and tells no one: no news to anyone.
+    assert (
+        b.catch_up_generations([_record("P", "s-p0", generation=5), _record("R", "s-r", generation=2)]) == 0
+    )
+    assert there.queue.empty()
     sent = notices(a)
     a.engine_generation("P", 7, "lay")  # b never delivers it: lost to b
-    records = [_record("P", "s-p", generation=7), _record("Q", "s-q", generation=3)]
-    assert b.catch_up_generations(records) == 2
+    records = [_record("P", "s-p", generation=7), _record("Q", "s-q", generation=3), _record("R", "s-r", 2)]
+    assert b.catch_up_generations(records) == 2, "P's new generation, and Q, which registered meanwhile"
     told = [there.queue.get_nowait().engine_generation for _ in range(2)]
     assert [(g.engine_id, g.generation) for g in told] == [("P", 7), ("Q", 3)]
+    assert there.queue.empty(), "R did not change"
     assert b.catch_up_generations(records) == 0, "told already"
     b.deliver(sent[0])  # the notice itself, late: not told twice
     b.deliver({"k": "generation", "s": "", "rep": "a", "engine": "P", "gen": 6, "layout": "lay"})  # older

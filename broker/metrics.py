@@ -125,7 +125,8 @@ class BrokerCollector(Collector):
         if self._fleet is None:  # the shared store's index is not measured here
             yield GaugeMetricFamily(
                 "kvbroker_index_memory_estimated_bytes",
-                "Estimated memory of the in-memory prefix index: its tables plus 48 bytes a key",
+                "Estimated memory of the prefix index: in memory, its tables plus 48 bytes a key; with "
+                "--state, its entries at the store's measured bytes per entry plus the mirror change streams",
                 value=memory.estimated_bytes,
             )
         if self._fleet is None or memory.entry_cap:

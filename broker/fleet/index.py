@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvbroker.broker.fleet.conn import RedisState
@@ -209,11 +209,20 @@ class RedisPrefixIndex:
     """`max_entries`: the most distinct blocks the fleet's index keeps (0: unbounded); or
     `memory_bytes`: the most bytes its keys take in the store (an entry bound derived from them)."""
 
-    def __init__(self, state: RedisState, max_entries: int = 0, memory_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        state: RedisState,
+        max_entries: int = 0,
+        memory_bytes: int = 0,
+        stream_keys: Callable[[str], list[str]] | None = None,
+    ) -> None:
+        """`stream_keys(layout_id)`: the keys of that layout's mirror change stream, counted in a
+        bytes budget beside the entries (index_bytes.py)."""
         if max_entries and memory_bytes:
             raise ValueError("bound the store's index by entries or by bytes, not both")
         self._state = state
         self._bytes = StoreEntryBytes(memory_bytes) if memory_bytes else None
+        self._stream_keys = stream_keys
         self._cap = self._bytes.bound if self._bytes is not None else max_entries
         self._bounded = "1" if self._cap else ""
         self._forget = state.script(FORGET)
@@ -354,11 +363,9 @@ class RedisPrefixIndex:
         if not self._cap:
             return IndexMemory()
         entries = int(self._state.call(self._r.get, self._entries_key) or 0)
-        if self._bytes is not None:  # a bytes budget: the estimate at the store's own bytes per entry
-            per_entry = self._bytes.per_entry
-            return IndexMemory(
-                self._bytes.budget_bytes, int(entries * per_entry), entries, self._cap, self.forgotten
-            )
+        if self._bytes is not None:  # a bytes budget: entries at the store's own bytes per entry, streams
+            estimate = int(entries * self._bytes.per_entry) + self._bytes.beside_bytes
+            return IndexMemory(self._bytes.budget_bytes, estimate, entries, self._cap, self.forgotten)
         return IndexMemory(entries=entries, entry_cap=self._cap, forgotten=self.forgotten)
 
     # -- the bound (broker/fleet/index_bound.py) ---------------------------------------
@@ -423,13 +430,17 @@ class RedisPrefixIndex:
         """A bytes budget: the entry bound again, from the store's bytes per entry now (a larger
         figure lowers it, and the passes that follow forget down to it)."""
         assert self._bytes is not None
-        measured = self._bytes.calibrate(
-            [(n, nsid) for n, nsid, _ in sizes],
-            lambda nsid: self._keys(nsid, *NAMESPACE_KEYS),
-            lambda key: self._state.call(self._r.memory_usage, key, samples=MEMORY_SAMPLES),
+
+        def usage(key: str) -> int | None:
+            return self._state.call(self._r.memory_usage, key, samples=MEMORY_SAMPLES)  # type: ignore[no-any-return]
+
+        if self._stream_keys is not None:
+            layouts = sorted({ns.layout_id for _, _, ns in sizes})
+            self._bytes.measure_beside([k for lid in layouts for k in self._stream_keys(lid)], usage)
+        self._bytes.calibrate(
+            [(n, nsid) for n, nsid, _ in sizes], lambda nsid: self._keys(nsid, *NAMESPACE_KEYS), usage
         )
-        if measured:
-            self._cap = self._bytes.bound
+        self._cap = self._bytes.bound
 
     def maintain(self, budget: int) -> None:
         """Keep to the bound; rewrite up to about `budget` entries of one namespace that names

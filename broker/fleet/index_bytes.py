@@ -25,10 +25,14 @@ figure grows (namespaces outgrow their compact encodings) the bound drops
 and the maintenance pass forgets down to it, as for a bound an operator
 lowered.
 
-What the budget covers: the namespaces' index keys, as MEMORY USAGE counts
-them. Not: lease and registry keys (bounded by their own limits), the mirror
-change stream (the last minute of changes, broker/fleet/mirror.py), Redis's
-own overhead and fragmentation (INFO memory's used_memory minus the keys).
+What the budget covers: the namespaces' index keys and the index's change
+streams for mirrors (one per layout, the last minute of changes:
+broker/fleet/mirror.py), as MEMORY USAGE counts them. The streams' bytes are
+measured at each recount too and taken off the budget before the entry bound
+is derived (`beside_bytes`): a minute of heavy announcing leaves fewer bytes
+for entries, and the bound drops until the stream trims. Not covered: lease
+and registry keys (bounded by their own limits), and Redis's own overhead
+and fragmentation (INFO memory's used_memory minus the keys).
 """
 
 from __future__ import annotations
@@ -72,11 +76,16 @@ class StoreEntryBytes:
         self.budget_bytes = budget_bytes
         self.per_entry = PRIOR_BYTES_PER_ENTRY
         self.measured = False  # whether per_entry is the store's figure (else the prior)
+        self.beside_bytes = 0  # the store's bytes of what the budget covers besides the entries
         self._rng = random.Random(seed)
 
     @property
     def bound(self) -> int:
-        return entry_bound(self.budget_bytes, self.per_entry)
+        return entry_bound(max(0, self.budget_bytes - self.beside_bytes), self.per_entry)
+
+    def measure_beside(self, keys: Sequence[str], memory_usage: Callable[[str], int | None]) -> None:
+        """The bytes of `keys` (the mirror change streams), which the entries' share gives way to."""
+        self.beside_bytes = sum(int(memory_usage(key) or 0) for key in keys)
 
     def calibrate(
         self,

@@ -56,7 +56,12 @@ class Replica:
             config,
             clock=clock,
             notifier=self.notifier,
-            index=RedisPrefixIndex(state, config.index_max_entries, config.index_memory_mib * 1024 * 1024),
+            index=RedisPrefixIndex(
+                state,
+                config.index_max_entries,
+                config.index_memory_mib * 1024 * 1024,
+                stream_keys=self.mirrors.streams.keys,
+            ),
             leases=leases,
             registry=self.registry,
             mirrors=self.mirrors,

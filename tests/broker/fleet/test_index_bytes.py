@@ -90,3 +90,34 @@ def test_ten_times_the_budget_announced_the_index_keys_stay_within_ten_percent(s
 def test_entries_and_bytes_are_not_both_a_bound(state: RedisState) -> None:
     with pytest.raises(ValueError, match="not both"):
         RedisPrefixIndex(state, max_entries=10, memory_bytes=BUDGET)
+
+
+def test_the_mirror_streams_bytes_come_off_the_entries_share() -> None:
+    sizing = StoreEntryBytes(BUDGET, seed=1)
+    sizing.measure_beside(["s1", "s2", "gone"], {"s1": 64 * 1024, "s2": 32 * 1024}.get)
+    assert sizing.beside_bytes == 96 * 1024
+    assert sizing.bound == entry_bound(BUDGET - 96 * 1024, PRIOR_BYTES_PER_ENTRY)
+    sizing.measure_beside(["s1"], lambda key: 2 * BUDGET)  # the streams alone past the budget
+    assert sizing.bound == 1, "a bound of one entry, never 0 (unbounded)"
+
+
+def test_a_layouts_change_stream_counts_in_the_budget(state: RedisState) -> None:
+    """A real stream of about 100 KiB beside a 256 KiB budget: the recount measures it and the
+    entry bound is what the rest of the budget holds."""
+    stream = f"{state.prefix}:{{mirror-test}}:s"
+    index = RedisPrefixIndex(
+        state, memory_bytes=BUDGET, stream_keys=lambda lid: [stream] if lid == NS.layout_id else []
+    )
+    index.add("a", Tier.GPU, NS, list(range(1, 101)))
+    before = index.memory().entry_cap
+    for i in range(100):
+        state.client.xadd(stream, {"b": b"x" * 1000, "n": i})
+    index._recount_at = 0.0
+    index.maintain(64)
+    assert index._bytes is not None
+    streamed = int(state.client.memory_usage(stream, samples=0) or 0)
+    assert index._bytes.beside_bytes == pytest.approx(streamed, rel=0.2) and streamed > 90_000
+    assert index.memory().entry_cap == entry_bound(BUDGET - index._bytes.beside_bytes, index._bytes.per_entry)
+    assert index.memory().entry_cap < before * 0.7
+    entries = index.memory().entries
+    assert index.memory().estimated_bytes == int(entries * index._bytes.per_entry) + index._bytes.beside_bytes

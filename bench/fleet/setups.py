@@ -9,9 +9,9 @@
               behind bench.fleet.router's nixl-pd policy
     ours-dp   our proxy in data-parallel mode (--no-disaggregate --placement load) over N
               engines in kv_both with our connector, each pulling a prefix from whichever
-              engine holds it
-    ours-dp-learn  the same with --placement-learn (the proxy fits the placement's weights
-              to the first-token times it sees)
+              engine holds it, with the placement's weights as set (--no-placement-learn)
+    ours-dp-learn  the same with the proxy's default, learning (it fits the placement's
+              weights to the first-token times it sees)
     ours-dp-linear the same with the placement and the engines' pull policy counting neither
               a pull's fixed wait nor what a prefill costs the requests running beside it
               (the rule before those terms: --dp-pull-fixed-tokens 0 --dp-neighbour-cost 0,
@@ -350,7 +350,9 @@ def start_ours_dp(ctx: Context, name: str = "ours-dp", learn: bool = False, line
                 "--no-disaggregate",
                 "--placement",
                 "load",
-                *(["--placement-learn"] if learn else []),
+                # Learning is the proxy's default; the other two keep the weights as set.
+                *([] if learn else ["--no-placement-learn"]),
+                *(["--dp-pull-fixed-tokens", "0", "--dp-neighbour-cost", "0"] if linear else []),
             ],
         )
         running.children.append(proxy.start(timeout=60))

@@ -129,9 +129,10 @@ class ProxyConfig:
         "without the prefix recomputes it (engines without the connector)",
     )
     placement_learn: bool = setting(
-        False,
+        True,
         "placement load: fit busy_tokens, pull_token_cost and pull_fixed_tokens to the first-token "
-        "times of streamed answers (each kept within 8x of its setting; placement_learner.py); off: the settings as given",
+        "times of streamed answers (each kept within 8x of its setting; placement_learner.py); off: the "
+        "settings as given",
     )
     local_prefill_tokens: int = setting(
         256,

@@ -159,7 +159,7 @@ class ProxyMetrics:
             "kvbroker_proxy_placement_weight",
             "The data-parallel placement's weights in use: busy_tokens, pull_token_cost and "
             "pull_fixed_tokens, fitted to "
-            "first-token times with --placement-learn, else as set (placement_learner.py)",
+            "first-token times (the default), or as set with --no-placement-learn (placement_learner.py)",
             ["weight"],
             registry=self.registry,
         )

@@ -1,4 +1,4 @@
-"""The placement's weights, fitted to the first-token times this proxy sees (``--placement-learn``).
+"""The placement's weights, fitted to the first-token times this proxy sees (on unless ``--no-placement-learn``).
 
 The data-parallel rule (``common/placement.py``) prices a request on engine
 ``e`` in prompt-token equivalents: ``computed + pull_fixed_tokens +

@@ -122,7 +122,7 @@ class BrokerCollector(Collector):
             "--state, --index-max-entries)",
             value=memory.forgotten,
         )
-        if self._fleet is None:  # the shared store's index is not measured here
+        if self._fleet is None or memory.budget_bytes:  # the store's: only under a bytes budget
             yield GaugeMetricFamily(
                 "kvbroker_index_memory_estimated_bytes",
                 "Estimated memory of the prefix index: in memory, its tables plus 48 bytes a key; with "

@@ -61,7 +61,7 @@ def _main_thread(pid: int) -> tuple[float, int]:
 
 
 class Setup:
-    """A broker setup and its two sessions: P on the first address, D on the last."""
+    """A broker setup and its session pairs: each P on the first address, its D on the last."""
 
     def __init__(
         self, name: str, brokers: list[BrokerProcess], store: RedisServer | None = None, pairs: int = 1

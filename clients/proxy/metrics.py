@@ -158,8 +158,8 @@ class ProxyMetrics:
         weight = Gauge(
             "kvbroker_proxy_placement_weight",
             "The data-parallel placement's weights in use: busy_tokens, pull_token_cost and "
-            "pull_fixed_tokens, fitted to "
-            "first-token times (the default), or as set with --no-placement-learn (placement_learner.py)",
+            "pull_fixed_tokens, fitted to first-token times (the default), or as set with "
+            "--no-placement-learn (placement_learner.py)",
             ["weight"],
             registry=self.registry,
         )

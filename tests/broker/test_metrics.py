@@ -106,3 +106,27 @@ async def test_a_taken_metrics_port_turns_metrics_off_and_the_broker_serves(
                     stats = await broker_pb2_grpc.KVBrokerStub(channel).Stats(pb.StatsRequest())
                     assert stats.engines == 0
     assert f"port {port}" in caplog.text and "taken" in caplog.text
+
+
+def test_a_replicas_index_bytes_are_exported_only_under_a_bytes_budget() -> None:
+    """With --state the store's estimate (entries at its measured bytes per entry, plus the mirror
+    streams: broker/fleet/index.py) is exported when --index-memory-mib set a budget; an entry
+    bound alone measures no bytes."""
+    from types import SimpleNamespace
+
+    from kvbroker.broker.metrics import BrokerCollector
+    from kvbroker.common.index_budget import IndexMemory
+
+    def exported(memory: IndexMemory) -> dict[str, float]:
+        core = SimpleNamespace(index=SimpleNamespace(memory=lambda: memory))
+        collector = BrokerCollector(core, fleet=lambda stats: stats)  # type: ignore[arg-type]
+        return {m.name: m.samples[0].value for m in collector._index_memory()}
+
+    budgeted = exported(
+        IndexMemory(budget_bytes=1 << 20, estimated_bytes=900_000, entries=5_000, entry_cap=6_000)
+    )
+    assert budgeted["kvbroker_index_memory_estimated_bytes"] == 900_000
+    assert budgeted["kvbroker_index_memory_budget_bytes"] == 1 << 20
+    assert "kvbroker_index_memory_estimated_bytes" not in exported(
+        IndexMemory(entries=5_000, entry_cap=6_000)
+    )

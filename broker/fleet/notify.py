@@ -76,6 +76,11 @@ class FleetNotifier(StreamNotifier):
         self.delivered = 0
         self._told: dict[str, int] = {}  # engine id -> the newest generation this replica's sessions heard
         self._generations_noted = False  # catch_up_generations ran once (the first subscription)
+        # The fleet channel's liveness: a ping after this long without a message, and how long
+        # its answer may take before the connection counts as lost (then: resubscribe, catch up).
+        # Longer than a store that pauses for a few TTLs: its subscription resumes as it was.
+        self.ping_idle_s = 5.0
+        self.pong_wait_s = 10.0
 
     def _publish(self, kind: str, session_id: str, **more: Any) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
@@ -301,17 +306,31 @@ class FleetNotifier(StreamNotifier):
                 continue
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self._channel, self._mine)
+                try:
+                    await asyncio.wait_for(pubsub.subscribe(self._channel, self._mine), self.pong_wait_s)
+                except TimeoutError:
+                    raise redis.TimeoutError("the store did not confirm the subscription") from None
                 conn = pubsub.connection
                 assert conn is not None  # subscribe() made it
                 if subscribed is not None:
                     subscribed()
+                pinged = False
                 while True:
                     # Straight from the connection: redis-py's layers per message (retry, parse,
                     # a dict per message) cost more CPU than delivering it. Subscribe
-                    # confirmations are the only other answers on it. No timeout: it waits for
-                    # the next message (its socket's timeout would end an idle subscription).
-                    answer = await pushed(conn)  # fleet/wire.py
+                    # confirmations and pongs are the only other answers on it. A connection
+                    # that went silent (a partition, a frozen host: no reset) is found by a ping
+                    # after `ping_idle_s` without a message, unanswered for `pong_wait_s`.
+                    try:
+                        wait = self.pong_wait_s if pinged else self.ping_idle_s
+                        answer = await asyncio.wait_for(pushed(conn), wait)  # fleet/wire.py
+                    except TimeoutError:
+                        if pinged:
+                            raise redis.TimeoutError("the store did not answer a ping") from None
+                        await conn.send_command("PING")
+                        pinged = True
+                        continue
+                    pinged = False
                     if isinstance(answer, list) and len(answer) == 3 and answer[0] == b"message":
                         self.deliver(json.loads(answer[2]))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as err:

@@ -5,12 +5,15 @@ across real replicas and pub/sub: tests/broker/fleet/test_shared_state.py."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from typing import Any
 
 import pytest
 
 from kvbroker.broker.channels import ended_down, revoked_down
+from kvbroker.broker.fleet.conn import RedisState
 from kvbroker.broker.fleet.leases import RedisLeaseTable
 from kvbroker.broker.fleet.notify import FleetNotifier
 from kvbroker.broker.fleet.registry import SeenRecords
@@ -20,6 +23,8 @@ from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from testkit.clock import FakeClock
 from testkit.redis_server import RedisServer
+from testkit.tcp_proxy import TcpProxy
+from testkit.waiting import until
 from tests.broker.helpers import redis_state
 
 
@@ -123,6 +128,42 @@ async def test_generations_missed_on_the_channel_are_caught_up_from_the_records(
     assert there.queue.empty()
     assert b.catch_up_generations([_record("P", "s-p2", generation=9)]) == 1
     assert there.queue.get_nowait().engine_generation.generation == 9
+
+
+async def test_a_silent_fleet_channel_is_found_by_its_ping_and_subscribed_again(
+    redis_server: RedisServer,
+) -> None:
+    """Replica b reaches Redis through a link that goes dark (no reset, as a partition or a frozen
+    host): its subscription hears nothing, its ping gets no answer, it subscribes again once the
+    link is back, catches up (`subscribed`) and hears what is published after that."""
+    a_state = redis_state(redis_server)
+    with TcpProxy(f"127.0.0.1:{redis_server.port}") as link:
+        b_state = RedisState(f"redis://{link.address}/0", prefix=a_state.prefix)
+        clock = FakeClock()
+        a = FleetNotifier(clock, a_state, "a", SeenRecords(), RedisLeaseTable(a_state, history=4))
+        b = FleetNotifier(clock, b_state, "b", SeenRecords(), RedisLeaseTable(b_state, history=4))
+        b.ping_idle_s, b.pong_wait_s = 0.3, 0.3
+        there = b.attach("s-there", record=_record("D2", "s-there"))
+        subscriptions: list[float] = []
+        following = asyncio.create_task(b.follow(lambda: subscriptions.append(1.0)))
+        try:
+            await until(lambda: len(subscriptions) == 1, timeout=10.0)
+            a.engine_generation("P", 7, "lay")
+            await until(lambda: not there.queue.empty(), timeout=10.0)
+            assert there.queue.get_nowait().engine_generation.generation == 7
+            link.blackhole()
+            await asyncio.sleep(2.0)  # pings unanswered, subscriptions that go nowhere
+            a.engine_generation("P", 8, "lay")  # lost to b
+            assert len(subscriptions) == 1 and there.queue.empty()
+            link.restore()
+            await until(lambda: len(subscriptions) == 2, timeout=10.0)
+            a.engine_generation("P", 9, "lay")
+            await until(lambda: not there.queue.empty(), timeout=10.0)
+            assert there.queue.get_nowait().engine_generation.generation == 9
+        finally:
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await following
 
 
 def _record(engine_id: str, session_id: str, generation: int = 0) -> EngineRecord:

@@ -79,9 +79,9 @@ class BrokerConfig:
         "memory budget, in MiB, for the in-memory prefix index (0 = unbounded); past it the least recently "
         "matched or announced blocks are forgotten (a miss, never a wrong holder), those of the engine "
         "holding the most first; counted in kvbroker_index_forgotten_total (docs/broker.md#index-memory). "
-        "With --state: the store's index keys as Redis's MEMORY USAGE counts them, kept as an entry bound "
-        "derived from the store's bytes per entry (docs/scale.md#bounding-the-stores-index); not with "
-        "--index-max-entries",
+        "With --state: the store's index keys and mirror change streams as Redis's MEMORY USAGE counts "
+        "them (the streams an eighth, trimmed at every write), kept as an entry bound derived from the "
+        "store's bytes per entry (docs/scale.md#bounding-the-stores-index); not with --index-max-entries",
     )
     index_max_entries: int = setting(
         0,

@@ -215,14 +215,19 @@ class RedisPrefixIndex:
         max_entries: int = 0,
         memory_bytes: int = 0,
         stream_keys: Callable[[str], list[str]] | None = None,
+        stream_bytes: Callable[[int], None] | None = None,
     ) -> None:
-        """`stream_keys(layout_id)`: the keys of that layout's mirror change stream, counted in a
-        bytes budget beside the entries (index_bytes.py)."""
+        """`stream_keys(layout_id)`: the keys of that layout's mirror change stream (the stream
+        first), counted in a bytes budget beside the entries (index_bytes.py); `stream_bytes(n)` is
+        told the bytes each stream may keep under that budget, now and at each recount."""
         if max_entries and memory_bytes:
             raise ValueError("bound the store's index by entries or by bytes, not both")
         self._state = state
         self._bytes = StoreEntryBytes(memory_bytes) if memory_bytes else None
         self._stream_keys = stream_keys
+        self._stream_bytes = stream_bytes if self._bytes is not None else None
+        if self._stream_bytes is not None and self._bytes is not None:
+            self._stream_bytes(self._bytes.stream_bytes)
         self._cap = self._bytes.bound if self._bytes is not None else max_entries
         self._bounded = "1" if self._cap else ""
         self._forget = state.script(FORGET)
@@ -436,7 +441,9 @@ class RedisPrefixIndex:
 
         if self._stream_keys is not None:
             layouts = sorted({ns.layout_id for _, _, ns in sizes})
-            self._bytes.measure_beside([k for lid in layouts for k in self._stream_keys(lid)], usage)
+            self._bytes.measure_beside([self._stream_keys(lid) for lid in layouts], usage)
+            if self._stream_bytes is not None:
+                self._stream_bytes(self._bytes.stream_bytes)
         self._bytes.calibrate(
             [(n, nsid) for n, nsid, _ in sizes], lambda nsid: self._keys(nsid, *NAMESPACE_KEYS), usage
         )

@@ -27,12 +27,20 @@ lowered.
 
 What the budget covers: the namespaces' index keys and the index's change
 streams for mirrors (one per layout, the last minute of changes:
-broker/fleet/mirror.py), as MEMORY USAGE counts them. The streams' bytes are
-measured at each recount too and taken off the budget before the entry bound
-is derived (`beside_bytes`): a minute of heavy announcing leaves fewer bytes
-for entries, and the bound drops until the stream trims. Not covered: lease
-and registry keys (bounded by their own limits), and Redis's own overhead
-and fragmentation (INFO memory's used_memory minus the keys).
+broker/fleet/mirror.py), as MEMORY USAGE counts them. The streams get a fixed
+share of the budget (STREAM_SHARE), split between the layouts' streams
+(`stream_bytes`): each replica trims a stream by count too, at every append,
+to its bytes over what an entry costs (estimated from the bodies it appends:
+mirror.MirrorStreams), and a mirror further behind than the stream reaches
+resyncs, as after any gap. The entries get the rest. A stream's bytes are
+bounded at the write, not at the next recount: a minute of announcing at
+tens of thousands of blocks a second is tens of MiB of stream, which a 10 s
+recount cannot follow. The streams' bytes are measured at each recount too;
+if they exceed their share (the count trim is approximate: whole nodes of a
+hundred entries; and an estimate) the excess comes off the entries' share
+(`beside_bytes`). Not covered: lease and registry keys (bounded by their
+own limits), and Redis's own overhead and fragmentation (INFO memory's
+used_memory minus the keys).
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ SAMPLE_NAMESPACES = 6
 MEMORY_SAMPLES = 16
 # Every per-namespace key of the index (broker/fleet/index.py, index_bound.py).
 NAMESPACE_KEYS = ("ix", "lru", "slot", "slotof", "cnt", "seq", "tick")
+
+# The share of a bytes budget the layouts' mirror change streams may take together.
+STREAM_SHARE = 0.125
 
 T = TypeVar("T")
 
@@ -76,16 +87,32 @@ class StoreEntryBytes:
         self.budget_bytes = budget_bytes
         self.per_entry = PRIOR_BYTES_PER_ENTRY
         self.measured = False  # whether per_entry is the store's figure (else the prior)
-        self.beside_bytes = 0  # the store's bytes of what the budget covers besides the entries
+        self.beside_bytes = 0  # the store's bytes of the mirror change streams, last measured
+        self.streams = 1  # the layouts' streams the share is split between
         self._rng = random.Random(seed)
 
     @property
-    def bound(self) -> int:
-        return entry_bound(max(0, self.budget_bytes - self.beside_bytes), self.per_entry)
+    def stream_budget(self) -> int:
+        """The bytes the mirror change streams may take together."""
+        return int(self.budget_bytes * STREAM_SHARE)
 
-    def measure_beside(self, keys: Sequence[str], memory_usage: Callable[[str], int | None]) -> None:
-        """The bytes of `keys` (the mirror change streams), which the entries' share gives way to."""
-        self.beside_bytes = sum(int(memory_usage(key) or 0) for key in keys)
+    @property
+    def stream_bytes(self) -> int:
+        """The bytes one layout's stream may take."""
+        return self.stream_budget // self.streams
+
+    @property
+    def bound(self) -> int:
+        beside = max(self.beside_bytes, self.stream_budget)
+        return entry_bound(max(0, self.budget_bytes - beside), self.per_entry)
+
+    def measure_beside(
+        self, streams: Sequence[Sequence[str]], memory_usage: Callable[[str], int | None]
+    ) -> None:
+        """The bytes of the mirror change streams (each layout's keys): what the entries' share gives
+        way to past the streams' own share, and how many streams share it."""
+        self.beside_bytes = sum(int(memory_usage(key) or 0) for keys in streams for key in keys)
+        self.streams = max(1, len(streams))
 
     def calibrate(
         self,

@@ -45,14 +45,30 @@ log = logging.getLogger("kvbroker")
 KEEP_MS = 60_000
 
 # KEYS: the stream, its counter.  ARGV: keep_ms, replica, kind, body, step (2 after a change this
-# replica could not append: the readers see the jump and resync).
+# replica could not append: the readers see the jump and resync), cap (the most entries kept under
+# an index bytes budget, approximately: whole nodes go; 0: trimmed by age only).
 _APPEND = """
 local n = redis.call('INCRBY', KEYS[2], ARGV[5])
 local t = redis.call('TIME')
 local oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[1])
 redis.call('XADD', KEYS[1], 'MINID', '~', oldest, '*', 'n', n, 'rep', ARGV[2], 't', ARGV[3], 'b', ARGV[4])
+if tonumber(ARGV[6]) > 0 then
+  redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[6])
+end
 return n
 """
+
+# What a stream entry costs the store, from its body's length: the fields beside it and the stream
+# node's share (MEMORY USAGE over 3,000 entries on Redis 7: 160 bytes for a 100-byte body, 660 for
+# 520, 2,750 for 2,000, 10,570 for 8,300: a large entry fills a node of its own, which the allocator
+# rounds up). Averaged over about the last ENTRY_BYTES_SPAN appends, rising over ENTRY_BYTES_RISE.
+ENTRY_BYTES_SPAN = 256
+ENTRY_BYTES_RISE = 16
+
+
+def entry_bytes(body_len: int) -> float:
+    return 64 + 1.3 * body_len
+
 
 Apply = Callable[[str, str, bytes], None]  # layout id, kind ("blocks" or "engine"), serialized change
 
@@ -90,6 +106,9 @@ class MirrorStreams:
         self._block_ms = block_ms
         self._append = state.script(_APPEND)
         self._failed: set[str] = set()  # layouts whose last append failed
+        self.cap = 0  # the most entries a stream keeps (an index bytes budget's share; 0: by age only)
+        self._keep_bytes = 0  # that share in bytes, which `cap` follows
+        self._entry_bytes = 0.0  # what an entry appended here costs the store, a moving average
         self.readers: dict[str, LayoutReader] = {}
         self._ending: set[asyncio.Task[None]] = set()  # cancelled readers closing their connection
 
@@ -98,11 +117,35 @@ class MirrorStreams:
         base = f"{self._state.prefix}:{{mirror-{tag}}}:"
         return [base + "s", base + "n"]
 
+    def set_cap(self, entries: int) -> None:
+        """Keep at most about `entries` in each layout's stream from the next append on."""
+        self.cap = max(0, entries)
+
+    def keep_bytes(self, budget: int) -> None:
+        """Keep each layout's stream to about `budget` bytes (an index bytes budget's share for it):
+        a cap in entries, at what the entries appended lately cost (`entry_bytes`)."""
+        self._keep_bytes = max(0, budget)
+        self._follow_cap()
+
+    def _follow_cap(self) -> None:
+        if self._keep_bytes and self._entry_bytes:
+            self.cap = max(1, int(self._keep_bytes / self._entry_bytes))
+
     def append(self, layout_id: str, kind: str, body: bytes) -> None:
         step = 2 if layout_id in self._failed else 1
+        if self._keep_bytes:
+            cost = entry_bytes(len(body))
+            if not self._entry_bytes:
+                self._entry_bytes = cost
+            else:  # up quickly, down slowly: a change in what entries cost errs on keeping fewer
+                span = ENTRY_BYTES_RISE if cost > self._entry_bytes else ENTRY_BYTES_SPAN
+                self._entry_bytes += (cost - self._entry_bytes) / span
+            self._follow_cap()
         try:
             self._state.call(
-                self._append, keys=self.keys(layout_id), args=[KEEP_MS, self._replica, kind, body, step]
+                self._append,
+                keys=self.keys(layout_id),
+                args=[KEEP_MS, self._replica, kind, body, step, self.cap],
             )
             self._failed.discard(layout_id)
         except BrokerError as err:

@@ -61,6 +61,7 @@ class Replica:
                 config.index_max_entries,
                 config.index_memory_mib * 1024 * 1024,
                 stream_keys=self.mirrors.streams.keys,
+                stream_bytes=self.mirrors.streams.keep_bytes,
             ),
             leases=leases,
             registry=self.registry,

@@ -42,3 +42,4 @@ def test_store_index_bytes_tiny(tmp_path: Path) -> None:
     assert run["budget_bytes"] == 1024 * 1024 and run["blocks_announced"] >= 2 * (1024 * 1024 // 163)
     assert 0 < run["entries"] <= run["entry_cap"] and run["forgotten"] > 0
     assert run["index_bytes_peak"] > 0 and run["peak_over_budget"] is not None
+    assert run["store_used_growth_peak_over_budget"] > 0  # the whole store's growth, the streams' share in it

@@ -15,6 +15,7 @@ from kvbroker.broker.fleet.index_bytes import (
     MIN_SAMPLE_ENTRIES,
     NAMESPACE_KEYS,
     PRIOR_BYTES_PER_ENTRY,
+    STREAM_SHARE,
     StoreEntryBytes,
     entry_bound,
     sample_namespaces,
@@ -24,6 +25,7 @@ from tests.broker.helpers import redis_state
 
 NS = Namespace("layout-a", "")
 BUDGET = 256 * 1024
+ENTRIES_SHARE = BUDGET - int(BUDGET * STREAM_SHARE)  # what the entries get while the streams keep to theirs
 
 
 def test_the_bound_is_the_budget_over_the_bytes_an_entry_costs() -> None:
@@ -37,7 +39,7 @@ def test_the_bound_is_the_budget_over_the_bytes_an_entry_costs() -> None:
 
 def test_the_stores_figure_replaces_the_prior_once_the_sample_says_something() -> None:
     sizing = StoreEntryBytes(BUDGET, seed=1)
-    assert sizing.per_entry == PRIOR_BYTES_PER_ENTRY and sizing.bound == BUDGET // 163
+    assert sizing.per_entry == PRIOR_BYTES_PER_ENTRY and sizing.bound == ENTRIES_SHARE // 163
     keys = lambda nsid: [f"{nsid}:{k}" for k in NAMESPACE_KEYS]  # noqa: E731
     # Too few entries sampled: per-key overhead, not entries; the prior stays.
     assert not sizing.calibrate([(MIN_SAMPLE_ENTRIES - 1, "a")], keys, lambda key: 10_000)
@@ -51,7 +53,7 @@ def test_the_stores_figure_replaces_the_prior_once_the_sample_says_something() -
     assert sizing.calibrate([(3_000, "a"), (2_000, "b")], keys, usage)
     assert sorted(asked) == sorted(keys("a") + keys("b"))  # every key of each sampled namespace
     assert sizing.measured and sizing.per_entry == pytest.approx((300_000 * 2 + 100 * 10) / 5_000)
-    assert sizing.bound == entry_bound(BUDGET, sizing.per_entry)
+    assert sizing.bound == entry_bound(ENTRIES_SHARE, sizing.per_entry)
 
 
 @pytest.fixture(params=["redis", "redis-cluster"])
@@ -69,7 +71,7 @@ def index_bytes(state: RedisState, index: RedisPrefixIndex) -> int:
 
 def test_ten_times_the_budget_announced_the_index_keys_stay_within_ten_percent(state: RedisState) -> None:
     index = RedisPrefixIndex(state, memory_bytes=BUDGET)
-    assert index.memory().entry_cap == BUDGET // 163  # the prior, until the store is asked
+    assert index.memory().entry_cap == ENTRIES_SHARE // 163  # the prior, until the store is asked
     rng = random.Random(7)
     announced = 0
     while announced < 10 * BUDGET // 163:
@@ -82,7 +84,7 @@ def test_ten_times_the_budget_announced_the_index_keys_stay_within_ten_percent(s
     used = index_bytes(state, index)
     assert memory.budget_bytes == BUDGET and memory.forgotten > 0
     assert index._bytes is not None and index._bytes.measured, "the store's own figure was never taken"
-    assert memory.entries <= memory.entry_cap == entry_bound(BUDGET, index._bytes.per_entry)
+    assert memory.entries <= memory.entry_cap == entry_bound(ENTRIES_SHARE, index._bytes.per_entry)
     assert 0.5 * BUDGET <= used <= 1.10 * BUDGET, f"{used} bytes against a budget of {BUDGET}"
     assert memory.estimated_bytes == pytest.approx(used, rel=0.2)
 
@@ -92,12 +94,20 @@ def test_entries_and_bytes_are_not_both_a_bound(state: RedisState) -> None:
         RedisPrefixIndex(state, max_entries=10, memory_bytes=BUDGET)
 
 
-def test_the_mirror_streams_bytes_come_off_the_entries_share() -> None:
+def test_the_streams_keep_to_their_share_and_a_larger_measure_comes_off_the_entries() -> None:
     sizing = StoreEntryBytes(BUDGET, seed=1)
-    sizing.measure_beside(["s1", "s2", "gone"], {"s1": 64 * 1024, "s2": 32 * 1024}.get)
-    assert sizing.beside_bytes == 96 * 1024
-    assert sizing.bound == entry_bound(BUDGET - 96 * 1024, PRIOR_BYTES_PER_ENTRY)
-    sizing.measure_beside(["s1"], lambda key: 2 * BUDGET)  # the streams alone past the budget
+    share = int(BUDGET * STREAM_SHARE)
+    assert sizing.stream_bytes == share  # one stream until the recount says how many
+    # Streams within their share: the entries keep the rest, whatever the streams hold now.
+    sizing.measure_beside([["s1", "n1"], ["s2", "n2"]], {"s1": 4 * 1024, "s2": 2 * 1024}.get)
+    assert sizing.beside_bytes == 6 * 1024 and sizing.bound == entry_bound(
+        ENTRIES_SHARE, PRIOR_BYTES_PER_ENTRY
+    )
+    assert sizing.stream_bytes == share // 2  # split between two layouts
+    # Past their share (the trim is approximate): the excess comes off the entries.
+    sizing.measure_beside([["s1"]], lambda key: share + 64 * 1024)
+    assert sizing.bound == entry_bound(BUDGET - share - 64 * 1024, PRIOR_BYTES_PER_ENTRY)
+    sizing.measure_beside([["s1"]], lambda key: 2 * BUDGET)  # the streams alone past the budget
     assert sizing.bound == 1, "a bound of one entry, never 0 (unbounded)"
 
 
@@ -105,9 +115,14 @@ def test_a_layouts_change_stream_counts_in_the_budget(state: RedisState) -> None
     """A real stream of about 100 KiB beside a 256 KiB budget: the recount measures it and the
     entry bound is what the rest of the budget holds."""
     stream = f"{state.prefix}:{{mirror-test}}:s"
+    told: list[int] = []  # the bytes the replica's mirror streams are told to keep (stream_bytes)
     index = RedisPrefixIndex(
-        state, memory_bytes=BUDGET, stream_keys=lambda lid: [stream] if lid == NS.layout_id else []
+        state,
+        memory_bytes=BUDGET,
+        stream_keys=lambda lid: [stream] if lid == NS.layout_id else [],
+        stream_bytes=told.append,
     )
+    assert told == [int(BUDGET * STREAM_SHARE)]  # from the start, for one stream
     index.add("a", Tier.GPU, NS, list(range(1, 101)))
     before = index.memory().entry_cap
     for i in range(100):
@@ -118,6 +133,7 @@ def test_a_layouts_change_stream_counts_in_the_budget(state: RedisState) -> None
     streamed = int(state.client.memory_usage(stream, samples=0) or 0)
     assert index._bytes.beside_bytes == pytest.approx(streamed, rel=0.2) and streamed > 90_000
     assert index.memory().entry_cap == entry_bound(BUDGET - index._bytes.beside_bytes, index._bytes.per_entry)
+    assert told[-1] == int(BUDGET * STREAM_SHARE)  # one layout's stream: the whole share
     assert index.memory().entry_cap < before * 0.7
     entries = index.memory().entries
     assert index.memory().estimated_bytes == int(entries * index._bytes.per_entry) + index._bytes.beside_bytes

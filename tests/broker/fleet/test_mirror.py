@@ -122,3 +122,32 @@ async def test_a_replica_reads_only_its_mirrors_layouts_and_skips_its_own_change
         assert blocks_of(again.take()) == [([9], [])]
     finally:
         await a.streams.stop()
+
+
+async def test_a_stream_under_an_index_bytes_budget_keeps_to_its_bytes_and_a_reader_behind_it_resyncs(
+    store: RedisServer | RedisCluster,
+) -> None:
+    """Under --index-memory-mib each layout's stream keeps to its share of the budget
+    (index_bytes.STREAM_SHARE), trimmed by count at every append at what its entries cost: however
+    fast the index changes, the stream's bytes stay near the share, small entries or large; and a
+    replica that was away for more than the stream keeps resyncs its mirrors instead of missing
+    changes."""
+    state = redis_state(store)
+    a, b = replica(state, "a"), replica(state, "b")
+    share = 64 * 1024
+    a.streams.keep_bytes(share)
+    key = a.streams.keys(NS.layout_id)[0]
+    sub = b.subscribe(NS.layout_id, lambda: None)
+    try:
+        await until(lambda: cut_connections(store, "kvbroker-mirror-b") == 1)
+        for n, size in ((1_500, 1), (300, 256)):  # one block a change, then 256-block announcements
+            for h in range(n):
+                a.blocks("P", NS, Tier.GPU, stored=[size * h + i + 1 for i in range(size)])
+            kept = int(state.call(state.client.memory_usage, key, samples=0) or 0)
+            entries = int(state.call(state.client.xlen, key))
+            # `~`: whole nodes go, never part of one: up to a node's worth more than the cap.
+            assert 0.5 * share <= kept <= 1.3 * share, f"{kept} bytes in {entries} entries, share {share}"
+            assert entries < n, "never trimmed by count"
+        await until(lambda: sub.overflowed, message="b missed changes trimmed by count without resyncing")
+    finally:
+        await b.streams.stop()

@@ -28,13 +28,22 @@ Policies, all on `/v1/completions` with token-id prompts (what bench.fleet sends
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 import time
 from collections import Counter
 from typing import Any
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import (
+    ClientOSError,
+    ClientResponse,
+    ClientSession,
+    ClientTimeout,
+    ServerDisconnectedError,
+    TCPConnector,
+    web,
+)
 
 from bench.harness.baselines import decode_request, prefill_request
 
@@ -105,7 +114,8 @@ def build_app(picker: Picker, prefill: str = "", decode: str = "") -> web.Applic
     timeout = ClientTimeout(total=None, sock_read=600)
 
     async def on_startup(app: web.Application) -> None:
-        app["http"] = ClientSession(timeout=timeout)
+        # Idle connections close before vLLM's server closes them (5 s), as the proxy's do.
+        app["http"] = ClientSession(timeout=timeout, connector=TCPConnector(limit=0, keepalive_timeout=4.0))
         await picker.start()
 
     async def on_cleanup(app: web.Application) -> None:
@@ -113,9 +123,19 @@ def build_app(picker: Picker, prefill: str = "", decode: str = "") -> web.Applic
         if picker.client is not None:
             await picker.client.close()
 
+    async def post(http: ClientSession, url: str, body: dict[str, Any]) -> ClientResponse:
+        """POST, sent again (twice at most) when the connection fails before an answer started: a
+        pooled keep-alive connection the engine's server was closing as it was reused (uvicorn's
+        idle timeout races the next request) resets, and a router users run retries that; without
+        it, that race failed a request of this baseline that the engine never saw."""
+        for _ in range(2):
+            with contextlib.suppress(ClientOSError, ServerDisconnectedError):
+                return await http.post(url, json=body)
+        return await http.post(url, json=body)
+
     async def relay(request: web.Request, url: str, body: dict[str, Any]) -> web.StreamResponse:
         http: ClientSession = request.app["http"]
-        async with http.post(f"{url}/v1/completions", json=body) as resp:
+        async with await post(http, f"{url}/v1/completions", body) as resp:
             out = web.StreamResponse(
                 status=resp.status, headers={"Content-Type": resp.headers.get("Content-Type", "text/plain")}
             )
@@ -129,8 +149,8 @@ def build_app(picker: Picker, prefill: str = "", decode: str = "") -> web.Applic
         body = await request.json()
         if picker.policy == "nixl-pd":
             http: ClientSession = request.app["http"]
-            async with http.post(
-                f"{prefill}/v1/completions", json=prefill_request(body, {"do_remote_decode": True})
+            async with await post(
+                http, f"{prefill}/v1/completions", prefill_request(body, {"do_remote_decode": True})
             ) as resp:
                 p_answer = await resp.json()
                 if resp.status != 200:

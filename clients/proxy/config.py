@@ -90,6 +90,12 @@ class ProxyConfig:
     )
     probe_timeout_s: float = setting(2.0, "how long the liveness check waits for an engine's /health")
     cooldown_s: float = setting(5.0, "an engine that failed is tried only after the others for this long")
+    engine_keepalive_s: float = setting(
+        4.0,
+        "an idle connection to an engine is closed after this long; keep it under the engines' own "
+        "keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), or a request sent on a connection the "
+        "engine is closing fails and puts that engine in cooldown",
+    )
     max_attempts: int = setting(2, "engines tried per role before falling back to a single engine")
     disaggregate: bool = setting(
         True,
@@ -233,6 +239,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             "error: --dp-busy-tokens, --dp-pull-token-cost, --dp-pull-fixed-tokens, --dp-neighbour-cost "
             "and --dp-min-prefix-tokens must be >= 0"
         )
+    if args.engine_keepalive_s <= 0:
+        raise SystemExit("error: --engine-keepalive-s must be > 0")
     if args.first_byte_timeout_s < 0 or args.probe_timeout_s <= 0:
         raise SystemExit("error: --first-byte-timeout-s must be >= 0 and --probe-timeout-s > 0")
     security = settings.from_args(ClientSecurity, args)

@@ -335,7 +335,12 @@ def build_app(
     pool = EnginePool(config.engines, cooldown_s=config.cooldown_s)
     # Missed refreshes make the broker's list too old to vouch for an engine's liveness.
     pool.stale_after_s = max(3 * config.refresh_interval_s, 5.0)
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), json_serialize=json.dumps)
+    # Idle connections close before the engines close them (uvicorn: 5 s), so none is reused as the
+    # engine closes it: aiohttp does not send a POST again on a connection that reset.
+    http = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=config.engine_keepalive_s),
+        json_serialize=json.dumps,
+    )
     metrics = ProxyMetrics(access_log_on=config.access_log) if (config.metrics or config.access_log) else None
     if metrics is not None:
         metrics.pool = pool

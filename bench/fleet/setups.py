@@ -12,6 +12,9 @@
               engine holds it, with the placement's weights as set (--no-placement-learn)
     ours-dp-learn  the same with the proxy's default, learning (it fits the placement's
               weights to the first-token times it sees)
+    ours-dp-own-pull  ours-dp-learn with --no-dp-pull-as-placed: a turn placed to pull does not
+              tell its engine to pull, the engine's own pull policy decides (the proxy's way
+              before --dp-pull-as-placed)
     ours-dp-linear the same with the placement and the engines' pull policy counting neither
               a pull's fixed wait nor what a prefill costs the requests running beside it
               (the rule before those terms: --dp-pull-fixed-tokens 0 --dp-neighbour-cost 0,
@@ -50,7 +53,16 @@ from kvbroker.tools.launch import EngineProcess, free_port, pin_apart
 from testkit.engines import BLOCK_SIZE, read_stats
 from testkit.processes import REPO_ROOT, BrokerProcess, ChildProcess, ProxyProcess, python_env
 
-SETUPS = ("rr", "prefix", "ours-pd", "nixl-pd", "ours-dp", "ours-dp-learn", "ours-dp-linear")
+SETUPS = (
+    "rr",
+    "prefix",
+    "ours-pd",
+    "nixl-pd",
+    "ours-dp",
+    "ours-dp-learn",
+    "ours-dp-own-pull",
+    "ours-dp-linear",
+)
 ENGINE_ARGS = ["--enable-prompt-tokens-details"]
 HOLD_TTL_MS = 5000  # decode's multi-turn holds: leases must be gone this long after the run (+ slack)
 
@@ -335,9 +347,11 @@ def start_nixl_pd(ctx: Context) -> Running:
     return running
 
 
-def start_ours_dp(ctx: Context, name: str = "ours-dp", learn: bool = False, linear: bool = False) -> Running:
+def start_ours_dp(
+    ctx: Context, name: str = "ours-dp", learn: bool = False, linear: bool = False, own_pull: bool = False
+) -> Running:
     # Engines named apart per setup, so that each keeps its own log and stats in the work dir.
-    letter = "L" if learn else "R" if linear else "E"
+    letter = "O" if own_pull else "L" if learn else "R" if linear else "E"
     extra: dict[str, Any] = {"recompute_neighbour_cost": 0.0} if linear else {}
     roles = [(f"{letter}{i}", "both", extra) for i in range(ctx.engines)]
     running = _ours(ctx, name, roles)
@@ -353,6 +367,7 @@ def start_ours_dp(ctx: Context, name: str = "ours-dp", learn: bool = False, line
                 # Learning is the proxy's default; the other two keep the weights as set.
                 *([] if learn else ["--no-placement-learn"]),
                 *(["--dp-pull-fixed-tokens", "0", "--dp-neighbour-cost", "0"] if linear else []),
+                *(["--no-dp-pull-as-placed"] if own_pull else []),
             ],
         )
         running.children.append(proxy.start(timeout=60))
@@ -370,6 +385,7 @@ STARTERS: dict[str, Callable[[Context], Running]] = {
     "nixl-pd": start_nixl_pd,
     "ours-dp": start_ours_dp,
     "ours-dp-learn": lambda ctx: start_ours_dp(ctx, "ours-dp-learn", learn=True),
+    "ours-dp-own-pull": lambda ctx: start_ours_dp(ctx, "ours-dp-own-pull", learn=True, own_pull=True),
     "ours-dp-linear": lambda ctx: start_ours_dp(ctx, "ours-dp-linear", linear=True),
 }
 SHARES_STOCK = ("rr", "prefix")

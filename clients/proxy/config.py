@@ -134,6 +134,13 @@ class ProxyConfig:
         "placement load: engines pull prefixes from each other (our connector, kv_both); off: an engine "
         "without the prefix recomputes it (engines without the connector)",
     )
+    dp_pull_as_placed: bool = setting(
+        True,
+        "placement load: a request placed to pull its prefix tells its engine which holder to pull from "
+        "and to pull (kv_transfer_params kvbroker.holder_engine_id, kv_recompute_threshold 0), so the "
+        "engine does what the placement priced; off: the engine's own pull policy decides, and may "
+        "recompute a turn the placement moved to pull",
+    )
     placement_learn: bool = setting(
         True,
         "placement load: fit busy_tokens, pull_token_cost and pull_fixed_tokens to the first-token "

@@ -51,7 +51,7 @@ from kvbroker.clients.proxy.outcome import (
 from kvbroker.clients.proxy.p_queue import PrefillQueues
 from kvbroker.clients.proxy.pd_bodies import decode_body, prefill_body
 from kvbroker.clients.proxy.placement_learner import PlacementLearner
-from kvbroker.clients.proxy.routing import Route, dp_order, placed_backlog
+from kvbroker.clients.proxy.routing import Route, dp_order, placed_backlog, pull_params
 from kvbroker.clients.proxy.tracing import current_context_carrier, get_tracer
 
 log = logging.getLogger("kvbroker.proxy")
@@ -74,9 +74,12 @@ class Forwarder:
         on_failure: FailureHook | None = None,
         on_retry: RetryHook | None = None,
         placement: PlacementLearner | None = None,
+        pull_as_placed: bool = True,
     ) -> None:
         # Without disaggregation: how one engine is picked (common/placement.py); None: the prefix order.
         self.placement = placement
+        # A request placed to pull names the holder and asks its engine to pull (routing.pull_params).
+        self.pull_as_placed = pull_as_placed
         self._rotation = 0
         self.tracer = tracer or get_tracer()
         self.http = http
@@ -164,12 +167,14 @@ class Forwarder:
             # each one's load against the prefix it holds (and a pull of it from the holder).
             self._rotation += 1
             engines = _single_order([*d_list, *p_list], [])
-            order, placed = dp_order(route, engines, self.pool, self.placement.rule(), self._rotation)
+            rule = self.placement.rule()
+            order, placed = dp_order(route, engines, self.pool, rule, self._rotation)
             if placed is not None:  # why: on the span, in the metrics, in a response header
                 outcome.route_reason, outcome.route_detail = placed.reason, placed.detail
                 outcome.prefill_tokens = placed_backlog(order, placed)
+            first = pull_params(placed, rule) if self.pull_as_placed else None
             sent = time.perf_counter()
-            answer = await self._serve_single(request, endpoint, body, order, outcome, tried, "dp")
+            answer = await self._serve_single(request, endpoint, body, order, outcome, tried, "dp", first)
             ttft = outcome.first_byte_at - sent if outcome.first_byte_at is not None else None
             self.placement.served(placed, outcome.decode is order[0], bool(body.get("stream")), ttft)
             return answer
@@ -228,12 +233,15 @@ class Forwarder:
         outcome: Outcome,
         tried: list[EngineSpec],
         mode: str = "single",
+        first_params: dict[str, Any] | None = None,
     ) -> web.StreamResponse:
+        """`first_params`: kv_transfer_params for the first engine only (a placed pull's)."""
         headers = self._engine_headers(request, outcome.request_id)
-        for engine in engines:
+        for k, engine in enumerate(engines):
             self._attempt(outcome)
+            params = first_params if k == 0 else None
             try:
-                return await self._decode(request, engine, endpoint, body, None, headers, outcome, mode)
+                return await self._decode(request, engine, endpoint, body, params, headers, outcome, mode)
             except EngineFailure as e:
                 self._failed(e, outcome, tried)
         outcome.mode = "none"

@@ -11,6 +11,7 @@ turn 1's blocks are because its prompt starts with them.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ import aiohttp
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EngineLayout, EnginePool
 from kvbroker.common.hashing import wire_chain
-from kvbroker.common.placement import Candidate, Placement, PlacementRule, place
+from kvbroker.common.placement import DP_PULL, Candidate, Placement, PlacementRule, place
 from kvbroker.v1 import broker_pb2 as pb
 
 log = logging.getLogger("kvbroker.proxy")
@@ -125,6 +126,18 @@ def dp_order(
     ]
     placed = place(route.num_tokens if route.scored else None, candidates, rule, rotation)
     return [healthy[i] for i in placed.order] + cooling, placed
+
+
+def pull_params(placed: Placement | None, rule: PlacementRule) -> dict[str, Any] | None:
+    """kv_transfer_params for the engine a placement sent a request to pull: the fixed rule
+    (`kv_recompute_threshold`) at the shortest missing part the placement finds worth pulling, so the
+    engine pulls, as the placement priced, instead of recomputing by its own estimate (a turn moved
+    off a busy holder to pull and then recomputed costs the fleet the most of all three ways). None
+    unless the placement chose a pull. The engine still picks the holder and the blocks."""
+    if placed is None or placed.reason != DP_PULL or rule.pull_token_cost >= 1.0:
+        return None
+    worth = rule.pull_fixed_tokens / (1.0 - rule.pull_token_cost)  # pulled where fixed + cost * gap < gap
+    return {"kvbroker": {"kv_recompute_threshold": max(1, math.ceil(worth))}}
 
 
 def placed_backlog(order: Sequence[EngineSpec], placed: Placement) -> dict[str, float]:

@@ -370,6 +370,7 @@ def build_app(
             on_failure=metrics.engine_failed if metrics is not None else None,
             on_retry=metrics.engine_retried if metrics is not None else None,
             placement=placement_rule(config),
+            pull_as_placed=config.dp_pull_as_placed,
         ),
         broker=broker,
         tracer=tracer,

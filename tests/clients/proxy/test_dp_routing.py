@@ -104,6 +104,10 @@ async def test_a_busy_holder_sends_the_turn_to_a_free_engine_and_says_why(fleet:
     assert server.attributes["kvbroker.route_reason"] == "dp_pull_busy_holder"
     assert "pulls" in server.attributes["kvbroker.route_detail"]
     assert "from E2" in server.attributes["kvbroker.route_detail"]
+    # E1 is asked to pull, as the placement priced it, at least the part a pull is worth there
+    # (pull_fixed_tokens / (1 - pull_token_cost), the defaults: 160 / 0.9).
+    sent = fleet["fakes"]["E1"].completions()[-1].body
+    assert sent["kv_transfer_params"]["kvbroker"] == {"kv_recompute_threshold": 178}
     # Idle again: the holder gets its conversation back.
     fleet["sessions"]["E2"].set_load(0)
     for _ in range(200):
@@ -111,6 +115,16 @@ async def test_a_busy_holder_sends_the_turn_to_a_free_engine_and_says_why(fleet:
             break
         await asyncio.sleep(0.05)
     assert (await chat(fleet, TURN2))["X-KVBroker-Decode"] == "E2"
+
+
+@pytest.mark.parametrize("fleet", [{"dp_pull_as_placed": False}], indirect=True)
+async def test_without_pull_as_placed_the_engine_decides_for_itself(fleet: dict[str, Any]) -> None:
+    await announce(fleet, "E2", HISTORY, pb.TIER_GPU)
+    fleet["sessions"]["E2"].set_load(4)
+    await wait_load(fleet, "E2", 4)
+    h = await chat(fleet, TURN2)
+    assert (h["X-KVBroker-Decode"], h["X-KVBroker-Route"]) == ("E1", "dp_pull_busy_holder")
+    assert "kv_transfer_params" not in fleet["fakes"]["E1"].completions()[-1].body
 
 
 async def test_short_prompts_nobody_holds_are_balanced(fleet: dict[str, Any]) -> None:

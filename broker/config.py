@@ -55,6 +55,9 @@ class BrokerConfig:
     max_mirrors: int = setting(
         256, "most concurrent Mirror streams (each costs a copy of every index change of its layout)"
     )
+    max_health_watchers: int = setting(
+        1_024, "most concurrent grpc.health.v1 Watch streams (beyond: RESOURCE_EXHAUSTED)"
+    )
     mirror_chunk: int = setting(
         8_192, "index entries per snapshot step of a new Mirror stream (smaller: shorter pauses)"
     )

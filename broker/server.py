@@ -27,6 +27,7 @@ from kvbroker.broker.clock import Clock, MonotonicClock, WallClock
 from kvbroker.broker.config import ENV_PREFIX, BrokerConfig
 from kvbroker.broker.core import BrokerCore
 from kvbroker.broker.errors import InvalidArgument, Unavailable
+from kvbroker.broker.health_service import HealthService
 from kvbroker.broker.indexer.feed_metrics import KvEventsCollector
 from kvbroker.broker.indexer.http import IndexerHttp
 from kvbroker.broker.indexer.kv_events import KvEventsFeed, parse_sources
@@ -311,7 +312,7 @@ async def start_server(
         ],
     )
     broker_pb2_grpc.add_KVBrokerServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthService(config.max_health_watchers, config.max_id_bytes)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

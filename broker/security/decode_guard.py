@@ -2,8 +2,10 @@
 
 Left alone, grpc.aio reports a protobuf DecodeError as UNKNOWN (and logs a
 traceback); bad bytes are bad input and get a precise status like any other
-(cause bad_request): unary calls, server streams (Watch, Mirror) and every
-message of a bidirectional stream (Session).
+(cause bad_request): unary calls, server streams (Watch, Mirror, and the health
+service's Watch, which writes with context.write) and every message of a
+bidirectional stream (Session, and reflection's ServerReflectionInfo, an async
+generator): every service the server answers, whatever shape its handler has.
 """
 
 from __future__ import annotations
@@ -26,6 +28,39 @@ class _Malformed:
         self.reason = reason
 
 
+async def _refuse(context: grpc.aio.ServicerContext, what: str, reason: str) -> None:
+    await abort(
+        context,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{what} is not a valid message: {reason}",
+        Cause.BAD_REQUEST,
+    )
+
+
+def _same_shape(
+    inner: Callable[..., Any], prelude: Callable[[Any, Any], Awaitable[Any]]
+) -> Callable[..., Any]:
+    """A handler shaped as `inner` (async generator or coroutine) that awaits
+    `prelude(request, context)` (which aborts on a malformed request or returns
+    what to pass on) before handing over to `inner`."""
+    if inspect.isasyncgenfunction(inner):
+
+        async def generator(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in inner(await prelude(request, context), context):
+                yield response
+
+        return generator
+
+    async def coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await inner(await prelude(request, context), context)
+
+    return coroutine
+
+
+def _async(fn: Callable[..., Any] | None) -> bool:
+    return fn is not None and (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn))
+
+
 class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
@@ -44,73 +79,41 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             except DecodeError as err:
                 return _Malformed(str(err))
 
-        if handler.stream_stream is not None:
-            if not inspect.iscoroutinefunction(handler.stream_stream):
-                return handler  # e.g. reflection's generator handlers: left as they are
-            return self._guard_stream(handler, guarded_decode, method)
-        if handler.unary_stream is not None:
-            if not inspect.isasyncgenfunction(handler.unary_stream):
-                return handler
-            return self._guard_server_stream(handler, guarded_decode, method)
-        if handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
-
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def checked_request(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Malformed):
-                await abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request to {method} is not a valid message: {request.reason}",
-                    Cause.BAD_REQUEST,
-                )
-            return await inner(request, context)
+                await _refuse(context, f"request to {method}", request.reason)
+            return request
 
-        return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=guarded_decode, response_serializer=handler.response_serializer
-        )
-
-    @staticmethod
-    def _guard_server_stream(
-        handler: grpc.RpcMethodHandler, guarded_decode: Callable[[bytes], Any], method: str
-    ) -> grpc.RpcMethodHandler:
-        inner = handler.unary_stream
-
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if isinstance(request, _Malformed):
-                await abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request to {method} is not a valid message: {request.reason}",
-                    Cause.BAD_REQUEST,
-                )
-            async for response in inner(request, context):
-                yield response
-
-        return grpc.unary_stream_rpc_method_handler(
-            guarded, request_deserializer=guarded_decode, response_serializer=handler.response_serializer
-        )
-
-    @staticmethod
-    def _guard_stream(
-        handler: grpc.RpcMethodHandler, guarded_decode: Callable[[bytes], Any], method: str
-    ) -> grpc.RpcMethodHandler:
-        inner = handler.stream_stream
-
-        async def guarded(request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        async def checked_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
             async def checked() -> AsyncIterator[Any]:
-                async for request in request_iterator:
+                async for request in requests:
                     if isinstance(request, _Malformed):
-                        await abort(
-                            context,
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"message on {method} is not a valid message: {request.reason}",
-                            Cause.BAD_REQUEST,
-                        )
+                        await _refuse(context, f"message on {method}", request.reason)
                     yield request
 
-            return await inner(checked(), context)
+            return checked()
 
-        return grpc.stream_stream_rpc_method_handler(
-            guarded, request_deserializer=guarded_decode, response_serializer=handler.response_serializer
+        serialize = handler.response_serializer
+        if handler.stream_stream is not None:
+            if not _async(handler.stream_stream):
+                return handler  # a synchronous handler: not one grpc.aio runs here
+            return grpc.stream_stream_rpc_method_handler(
+                _same_shape(handler.stream_stream, checked_stream),
+                request_deserializer=guarded_decode,
+                response_serializer=serialize,
+            )
+        if handler.unary_stream is not None:
+            if not _async(handler.unary_stream):
+                return handler
+            return grpc.unary_stream_rpc_method_handler(
+                _same_shape(handler.unary_stream, checked_request),
+                request_deserializer=guarded_decode,
+                response_serializer=serialize,
+            )
+        if handler.unary_unary is None or not _async(handler.unary_unary):
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            _same_shape(handler.unary_unary, checked_request),
+            request_deserializer=guarded_decode,
+            response_serializer=serialize,
         )

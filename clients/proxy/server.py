@@ -94,6 +94,8 @@ async def _read_body(request: web.Request, salted: bool) -> dict[str, Any] | web
         body = await request.json()
     except (ValueError, UnicodeDecodeError) as e:
         return openai_error(400, f"request body is not valid JSON: {e}", "invalid_request_error")
+    except RecursionError:  # thousands of nested [ or {: Python's parser gives up, not a 500
+        return openai_error(400, "request body nests too deeply to parse", "invalid_request_error")
     if not isinstance(body, dict):
         return openai_error(400, "request body must be a JSON object", "invalid_request_error")
     if state.api_keys is not None:

@@ -44,6 +44,10 @@ async def test_unknown_paths_and_wrong_methods_get_openai_errors(engines: Any, p
         _is_openai_error(await resp.json(), 405)
     status, _, _ = await px.post("/v1/completions", b"{not json")
     assert status == 400
+    # Nested past Python's recursion limit: was a bare 500 "Server got itself in trouble".
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        status, _, raw = await px.post(path, b'{"a":' * 5000 + b"1" + b"}" * 5000)
+        assert status == 400 and "nests too deeply" in _is_openai_error(json.loads(raw), 400)["message"]
 
 
 async def test_a_rejected_request_is_logged_with_its_status(

@@ -57,6 +57,24 @@ def _same_shape(
     return coroutine
 
 
+def _writing(inner: Callable[..., Any], prelude: Callable[[Any, Any], Awaitable[Any]]) -> Callable[..., Any]:
+    """`_same_shape`, but an async generator's answers written here with context.write: when
+    the client went away with answers still unsent (reflection's answers to a burst of
+    requests it never read), the failed write ends the call quietly; left to grpc, each
+    such call logged an ExecuteBatchError traceback."""
+    if not inspect.isasyncgenfunction(inner):
+        return _same_shape(inner, prelude)
+
+    async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async for response in inner(await prelude(request, context), context):
+            try:
+                await context.write(response)
+            except Exception:  # grpc's ExecuteBatchError: the stream is gone, nobody to tell
+                return
+
+    return writer
+
+
 def _async(fn: Callable[..., Any] | None) -> bool:
     return fn is not None and (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn))
 
@@ -98,7 +116,7 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             if not _async(handler.stream_stream):
                 return handler  # a synchronous handler: not one grpc.aio runs here
             return grpc.stream_stream_rpc_method_handler(
-                _same_shape(handler.stream_stream, checked_stream),
+                _writing(handler.stream_stream, checked_stream),
                 request_deserializer=guarded_decode,
                 response_serializer=serialize,
             )

@@ -5,6 +5,8 @@ and no stream kept without bound."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 
 import grpc
 import pytest
@@ -103,3 +105,30 @@ async def test_health_watch_streams_are_bounded() -> None:
         again.cancel()
         for w in watches[1:]:
             w.cancel()
+
+
+async def test_a_reflection_client_gone_with_answers_unsent_logs_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Requests sent in a burst and never read, then the client leaves: each such stream logged
+    grpc's ExecuteBatchError traceback (an error in the broker's log for a client's choice)."""
+    request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvbroker.v1.KVBroker")
+    async with running_broker() as running:
+        with caplog.at_level(logging.ERROR):
+            async with grpc.aio.insecure_channel(running.address) as ch:
+                calls = []
+                for _ in range(3):
+                    call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        for _ in range(20_000):  # until flow control holds the writes back
+                            await asyncio.wait_for(call.write(request), 0.2)
+                    calls.append(call)
+                for call in calls:
+                    call.cancel()
+            await asyncio.sleep(0.5)
+            health = health_pb2_grpc.HealthStub(ch2 := grpc.aio.insecure_channel(running.address))
+            assert (
+                await health.Check(health_pb2.HealthCheckRequest())
+            ).status == health_pb2.HealthCheckResponse.SERVING
+            await ch2.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[:2000]

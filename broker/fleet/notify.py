@@ -306,8 +306,11 @@ class FleetNotifier(StreamNotifier):
                 continue
             try:
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+                # that lands as its inner call finishes, and this loop then never ends.
                 try:
-                    await asyncio.wait_for(pubsub.subscribe(self._channel, self._mine), self.pong_wait_s)
+                    async with asyncio.timeout(self.pong_wait_s):
+                        await pubsub.subscribe(self._channel, self._mine)
                 except TimeoutError:
                     raise redis.TimeoutError("the store did not confirm the subscription") from None
                 conn = pubsub.connection
@@ -322,8 +325,8 @@ class FleetNotifier(StreamNotifier):
                     # that went silent (a partition, a frozen host: no reset) is found by a ping
                     # after `ping_idle_s` without a message, unanswered for `pong_wait_s`.
                     try:
-                        wait = self.pong_wait_s if pinged else self.ping_idle_s
-                        answer = await asyncio.wait_for(pushed(conn), wait)  # fleet/wire.py
+                        async with asyncio.timeout(self.pong_wait_s if pinged else self.ping_idle_s):
+                            answer = await pushed(conn)  # fleet/wire.py
                     except TimeoutError:
                         if pinged:
                             raise redis.TimeoutError("the store did not answer a ping") from None

@@ -117,10 +117,6 @@ class MirrorStreams:
         base = f"{self._state.prefix}:{{mirror-{tag}}}:"
         return [base + "s", base + "n"]
 
-    def set_cap(self, entries: int) -> None:
-        """Keep at most about `entries` in each layout's stream from the next append on."""
-        self.cap = max(0, entries)
-
     def keep_bytes(self, budget: int) -> None:
         """Keep each layout's stream to about `budget` bytes (an index bytes budget's share for it):
         a cap in entries, at what the entries appended lately cost (`entry_bytes`)."""

@@ -78,7 +78,7 @@ class Forwarder:
     ) -> None:
         # Without disaggregation: how one engine is picked (common/placement.py); None: the prefix order.
         self.placement = placement
-        # A request placed to pull names the holder and asks its engine to pull (routing.pull_params).
+        # A request placed to pull asks its engine to pull (routing.pull_params).
         self.pull_as_placed = pull_as_placed
         self._rotation = 0
         self.tracer = tracer or get_tracer()

@@ -48,6 +48,7 @@ class FakeEngine:
     # As a prefill engine: the hold its answer names (default: a made-up request id).
     hold_request_id: str = ""
     seen: list[Seen] = field(default_factory=list)
+    health_probes: int = 0  # GET /health calls, answered or not
     server: TestServer | None = None
 
     @property
@@ -86,6 +87,7 @@ class FakeEngine:
     _froze: bool = False
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.health_probes += 1
         if self.frozen:
             await asyncio.sleep(3600)
         return web.Response(text="")

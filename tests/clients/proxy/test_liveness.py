@@ -224,10 +224,13 @@ def test_engines_missing_from_a_restarted_brokers_list_are_not_dropped_at_once()
 
 async def test_an_engine_that_hung_is_not_tried_again_for_the_same_request(engines: Any, proxy: Any) -> None:
     """One engine in both roles, frozen: prefill on it is abandoned, and the single-engine fallback
-    does not wait on it a second time: the 504 comes after one budget, not two."""
+    does not wait on it a second time: one request, one liveness probe, then the 504. (Counted,
+    not timed: one budget here is 0.6 s and two are 1.2 s, and a loaded CI machine has taken
+    1.4 s over one.)"""
     frozen = await engines("D", mode="frozen")
     px = await proxy([frozen.url], [frozen.url], **FAST)
     started = time.monotonic()
     status, _, _ = await px.post("/v1/completions", COMPLETION)
-    assert status == 504 and time.monotonic() - started < 1.2
+    assert status == 504 and time.monotonic() - started < 10.0  # not the 300 s read timeout
     assert len(frozen.completions()) == 1
+    assert frozen.health_probes == 1

@@ -277,7 +277,7 @@ async def test_resolve_while_disconnected_fails_at_once(engine_info: Callable[..
     started = time.monotonic()
     with pytest.raises(errors.Unavailable):
         await session.resolve(("L", ""), CHAIN)
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < 1.0  # not its reconnect backoff (loose: CI machines are loaded)
     session.announce_stored(("", ""), GPU, CHAIN)  # kept in the mirror, never blocks
     assert session.inventory.total_held() == len(CHAIN)
     await session.close()
@@ -357,7 +357,9 @@ async def test_threaded_session_never_blocks_the_caller(
         started = time.monotonic()
         holder.announce_stored(ns, GPU, CHAIN[:4])
         future = reader.resolve_async(ns, CHAIN)
-        assert time.monotonic() - started < 0.05  # neither call waited for the broker
+        # Neither call waited for the broker: it runs on this loop, which this code has not yet
+        # yielded, so a call that waited could not have returned at all (the bound only guards a hang).
+        assert time.monotonic() - started < 1.0
         assert isinstance(future, concurrent.futures.Future)
         response = await asyncio.wrap_future(future)
         await asyncio.to_thread(holder.applied)  # blocks its caller until the broker applied the announce

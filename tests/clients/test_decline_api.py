@@ -33,7 +33,7 @@ async def test_a_declined_hold_ends_at_once_and_its_holder_is_told(
         took = time.monotonic() - started
         assert answer.lease.lease_id == lease.lease_id == ended.lease_id
         assert ended.state == pb.LEASE_REVOKED and ended.cause == pb.REVOKE_DECLINED
-        assert took < 1.0
+        assert took < 5.0  # at once, not at the hold's 30 s TTL (loose: CI machines are loaded)
         # Again: nothing live to end, not an error.
         assert not (await client.decline(holder_engine_id="P", request_id="req-1")).HasField("lease")
         with pytest.raises(errors.InvalidArgument, match="holder_engine_id and the request_id"):
@@ -72,7 +72,7 @@ async def test_the_proxy_declines_p_s_hold_when_no_decode_engine_will_read_it(
                 status = resp.status
                 json.loads(await resp.read())
         ended = (await seen.wait_for("lease_ended"))[0].lease
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 5.0  # declined, not left to the hold's 30 s TTL
         assert ended.cause == pb.REVOKE_DECLINED and ended.request_id == "p-req-7"
         await until(lambda: "declined P's hold of request p-req-7" in caplog.text)  # the proxy's log line
         # D's rejection goes back to the client; a broken D falls back to P alone.

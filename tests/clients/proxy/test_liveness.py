@@ -70,7 +70,8 @@ async def test_a_frozen_decode_engine_is_abandoned_and_another_serves(engines: A
     started = time.monotonic()
     status, headers, _ = await px.post("/v1/completions", COMPLETION)
     assert status == 200 and headers["X-KVBroker-Decode"] == d2.url
-    assert time.monotonic() - started < 1.0
+    assert len(frozen.completions()) == 1 and frozen.health_probes == 1  # not tried, not probed
+    assert time.monotonic() - started < 3.0
 
 
 async def test_a_busy_but_live_engine_keeps_its_request(engines: Any, proxy: Any) -> None:
@@ -194,7 +195,7 @@ async def test_a_live_broker_session_outweighs_a_slow_health_probe(engines: Any)
         with pytest.raises(EngineHung, match="broker session ended"):
             async with watch.guard(engine):
                 await asyncio.sleep(5.0)
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 3.0  # one budget (0.2 s), not the step's 5 s
         pool.stale_after_s = 0.0  # a broker list too old says nothing: the probe decides
         pool.apply_broker_engines([_info("d", frozen.url)])
         await asyncio.sleep(0.05)

@@ -5,6 +5,7 @@ test_hung_engine_e2e.py.)"""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -19,10 +20,6 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def _start(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def documented_vllm_subcommands() -> set[tuple[str, ...]]:
@@ -42,22 +39,38 @@ def test_the_docs_name_the_working_vllm_commands() -> None:
     assert ".venv/bin/kvbroker vllm serve" in adapter
 
 
+# Runs each argv through `kvbroker`'s own main (what the console script calls) in one process,
+# so vLLM is imported once, not once per command (four imports took 110 s of a CI run).
+_HELPS = """
+import contextlib, io, json, sys
+from kvbroker.tools.cli import main
+answers = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    answers.append([code, out.getvalue(), err.getvalue()[-3000:]])
+print(json.dumps(answers))
+"""
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_documented_vllm_commands_answer_help() -> None:
     pytest.importorskip("vllm")
-    # Each command imports vLLM (several seconds of CPU): all at once, so they share the cores.
-    helps = {
-        words: _start([str(BIN / "kvbroker"), "vllm", *words, "--help"])
-        for words in sorted(documented_vllm_subcommands())
-    }
-    version = _start([str(BIN / "kvbroker"), "vllm", "--version"])
-    for words, proc in helps.items():
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, f"kvbroker vllm {' '.join(words)} --help:\n{err[-3000:]}"
-        assert f"usage: vllm {' '.join(words)}" in out
-    out, err = version.communicate(timeout=240)
-    assert version.returncode == 0 and "cpu" in out, err[-2000:]
+    argvs = [["vllm", *words, "--help"] for words in sorted(documented_vllm_subcommands())]
+    argvs.append(["vllm", "--version"])
+    done = _run([sys.executable, "-c", _HELPS, json.dumps(argvs)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    for argv, (code, out, err) in zip(argvs[:-1], answers[:-1], strict=True):
+        assert code == 0, f"kvbroker {' '.join(argv)}:\n{err}"
+        assert f"usage: vllm {' '.join(argv[1:-1])}" in out
+    code, out, err = answers[-1]
+    assert code == 0 and "cpu" in out, err
 
 
 def test_programs_the_hints_name_answer_help() -> None:

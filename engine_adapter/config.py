@@ -93,6 +93,13 @@ class AdapterConfig:
         "and recompute on a mismatch or when the holder states none. DRAM or VRAM KV memory; costs one "
         "pass over the bytes on both sides (docs/data_path.md).",
     )
+    verify_sample: float = setting(
+        1.0,
+        "With verify_bytes, the share of each pulled block's layers the reader digests and checks, drawn "
+        "at random for every pull and every block (at least one layer per block). 1.0: every byte. Below "
+        "1 a wrong block is still always caught and a fault in one layer of one block with about this "
+        "probability per pull, for that share of the check's cost (0.125: docs/data_path.md).",
+    )
     retain_gpu_fraction: float = setting(
         0.5,
         "Most of the GPU KV cache that retentions (the broker's Retain: blocks kept with no reader) may pin "
@@ -165,6 +172,11 @@ class AdapterConfig:
         if not 0.0 <= self.retain_gpu_low_water < 1.0:
             raise AdapterConfigError(
                 f"retain_gpu_low_water must be in [0, 1) (got {self.retain_gpu_low_water})"
+            )
+        if not 0.0 < self.verify_sample <= 1.0:  # NaN too
+            raise AdapterConfigError(
+                f"verify_sample must be in (0, 1] (got {self.verify_sample}): the share of each "
+                "block's layers a verified pull checks, 1.0 for all"
             )
         if not 0.0 <= self.retain_gpu_fraction <= 1.0:
             raise AdapterConfigError(

@@ -175,6 +175,7 @@ class BrokerConnector(KVConnectorBase_V1):
             cpu_tier_slots=config.cpu_tier_blocks,
             cpu_tier_factory=_make_cpu_tier,
             verify_bytes=config.verify_bytes,
+            verify_sample=config.verify_sample,
             step_wait_s=config.step_wait_ms / 1000,
         )
 

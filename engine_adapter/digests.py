@@ -27,6 +27,7 @@ only) is still computed for holders from before the digest was named on the wire
 from __future__ import annotations
 
 import ctypes
+import math
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,6 +110,20 @@ class BlockBytes:
         if self._in_place is not None:
             return self._in_place.digests(block_ids, cols)
         return self._on_device(block_ids, cols)
+
+    def pair_digests(
+        self, block_ids: np.ndarray, layers: Sequence[int], algorithm: str = ALGORITHM
+    ) -> np.ndarray:
+        """uint32 [len(block_ids)]: the digest of block block_ids[i] of layer layers[i]."""
+        if self._in_place is not None and algorithm == ALGORITHM:  # one compiled call
+            return self._in_place.pair_digests(block_ids, np.array([self._column[x] for x in layers]))
+        out = np.empty(len(block_ids), dtype=np.uint32)
+        by_layer: dict[int, list[int]] = {}
+        for i, layer in enumerate(layers):
+            by_layer.setdefault(int(layer), []).append(i)
+        for layer, rows in by_layer.items():  # one call per layer drawn (VRAM, CRC32)
+            out[rows] = self.digests([int(block_ids[r]) for r in rows], [layer], algorithm)[:, 0]
+        return out
 
     def crc(self, block_id: int, layer: int) -> int:
         return int(self._crcs([block_id], [self._column[layer]])[0, 0])
@@ -224,6 +239,24 @@ class Check:
         return not self.unstated and not self.mismatched
 
 
+def sample_mask(blocks: int, layers: int, share: float, rng: np.random.Generator) -> np.ndarray | None:
+    """bool [blocks, layers]: which (block, layer) entries a sampled check digests; None: all.
+
+    Each block gets k = ceil(share * layers) of its layers (at least one), evenly spread from an
+    offset drawn afresh for each call and each block, so every layer of every block is drawn
+    with probability k / layers, independently per block: a whole block that is wrong (another
+    block's bytes, a stale occupant, a wrong layout) is always caught, and a fault in one layer of
+    many blocks almost surely (in one layer of one block: with probability k / layers per pull)."""
+    k = max(1, math.ceil(share * layers - 1e-9))
+    if k >= layers or blocks == 0:
+        return None
+    spread = (np.arange(k) * layers) // k  # k distinct positions
+    picked = (rng.integers(0, layers, size=(blocks, 1)) + spread) % layers
+    mask = np.zeros((blocks, layers), dtype=bool)
+    np.put_along_axis(mask, picked, True, axis=1)
+    return mask
+
+
 def check(
     inbox: DigestTable,
     local: BlockBytes,
@@ -231,12 +264,15 @@ def check(
     block_hashes: Sequence[int],
     layers: Iterable[int] | Mapping[int, str],
     actual: Callable[[], np.ndarray] | None = None,
+    sample: np.ndarray | None = None,
 ) -> Check:
     """Reader: compare the entries read into `inbox` at `block_ids` with the digests of the bytes
     those blocks now hold, for every layer in `layers` (a mapping: each layer's algorithm, as its
     holder stated it; default ALGORITHM). While any entry is unstated, only the stamps are looked
     at (the bytes are digested once, when all are stated). `actual`: those digests, computed
-    already (uint32 [blocks, layers], layers in `layers`' order; engine_adapter/verify_overlap.py)."""
+    already (uint32 [blocks, layers], layers in `layers`' order; engine_adapter/verify_overlap.py).
+    `sample` (``sample_mask``): digest and compare only those entries (every stamp is still
+    checked)."""
     algorithm_of = dict(layers) if isinstance(layers, Mapping) else dict.fromkeys(layers, ALGORITHM)
     layers = list(algorithm_of)
     result = Check(blocks=len(block_ids))
@@ -253,7 +289,10 @@ def check(
     if result.unstated:
         return result
     algorithms = set(algorithm_of.values())
-    if actual is not None:
+    if sample is not None:
+        actual_digests = _sampled(local, block_ids, layers, algorithm_of, sample, stated)
+        fresh &= sample
+    elif actual is not None:
         actual_digests = actual()
     elif len(algorithms) == 1:  # the usual case: one call for every block and layer
         actual_digests = local.digests(block_ids, layers, algorithms.pop())
@@ -268,3 +307,26 @@ def check(
         if result.first_mismatch is None:
             result.first_mismatch = (int(i), layers[int(j)])
     return result
+
+
+def _sampled(
+    local: BlockBytes,
+    block_ids: Sequence[int],
+    layers: Sequence[int],
+    algorithm_of: Mapping[int, str],
+    sample: np.ndarray,
+    stated: np.ndarray,
+) -> np.ndarray:
+    """The digests of the sampled entries (on DRAM one compiled call per algorithm); the rest
+    hold the stated value, compared with nothing (``check`` masks them out)."""
+    if sample.shape != stated.shape:
+        raise ValueError(f"a sample of shape {sample.shape} for {stated.shape} entries")
+    out = stated.copy()
+    rows, cols = np.nonzero(sample)
+    ids = np.asarray(block_ids, dtype=np.int64)[rows]
+    for algorithm in sorted(set(algorithm_of.values())):
+        at = np.array([algorithm_of[layers[c]] == algorithm for c in cols], dtype=bool)
+        if at.any():
+            drawn = [layers[c] for c in cols[at]]
+            out[rows[at], cols[at]] = local.pair_digests(ids[at], drawn, algorithm)
+    return out

@@ -103,6 +103,13 @@ def _kernel() -> Any:
     return sums
 
 
+def _pair_kernel() -> Any:
+    """The compiled kernel of (block, layer) pairs (a sampled check)."""
+    from kvbroker.engine_adapter.multilinear_kernel import pair_sums
+
+    return pair_sums
+
+
 class RegionDigester:
     """Digests of many (block, layer) entries of DRAM regions in one call, reading them in place.
 
@@ -139,6 +146,19 @@ class RegionDigester:
     def digests(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> np.ndarray:
         """uint32 [len(block_ids), len(layers)]."""
         return fold(self.sums(block_ids, layers))
+
+    def pair_digests(self, block_ids: np.ndarray, layers: np.ndarray) -> np.ndarray:
+        """uint32 [n]: the digest of block block_ids[i] of layer layers[i] (positions in `pieces`),
+        in one call however many layers the pairs name (a sampled check's)."""
+        ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+        cols = np.ascontiguousarray(layers, dtype=np.int64)
+        if ids.shape != cols.shape or ids.ndim != 1:
+            raise ValueError(f"{ids.shape} block ids for {cols.shape} layers")
+        if cols.size and not 0 <= int(cols.min()) <= int(cols.max()) < self.bases.shape[0]:
+            raise ValueError(f"layer positions out of 0..{self.bases.shape[0] - 1}")
+        out = np.empty(ids.shape[0], dtype=np.uint64)
+        _pair_kernel()(self.bases, self.strides, self.words, ids, cols, self._k_lo, self._k_hi, out)
+        return fold(out)
 
 
 # ----------------------------------------------------------------------------- any device: torch

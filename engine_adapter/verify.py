@@ -14,7 +14,8 @@ the scheduler then recomputes (the pull-failed path). A holder naming a digest
 this rank cannot compute is not read at all (recomputed), never reported corrupt.
 A large load is read in groups of blocks, each digested on a thread of its own as it
 lands while the next is read (engine_adapter/verify_overlap.py); ``check`` then compares
-those digests.
+those digests. With ``verify_sample`` below 1 a check digests only that share of each block's
+layers, drawn afresh per check (``digests.sample_mask``), read whole and checked after.
 
 DRAM is digested in place on the CPU; VRAM on its GPU, through the KV tensors.
 """
@@ -27,6 +28,8 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvbroker.engine_adapter.digests import (
     ALGORITHM,
     CRC32,
@@ -36,6 +39,7 @@ from kvbroker.engine_adapter.digests import (
     DigestTable,
     check,
     digest_tier,
+    sample_mask,
 )
 from kvbroker.engine_adapter.metadata import DigestSpec, LoadSpec, ReadOutcomes, RegionSpec
 from kvbroker.engine_adapter.topology import LayerRead
@@ -72,7 +76,13 @@ class PendingCheck:
 
 
 class ByteVerifier:
-    def __init__(self, region_factory: Callable[[RegionSpec], Any]) -> None:
+    def __init__(self, region_factory: Callable[[RegionSpec], Any], sample: float = 1.0) -> None:
+        """`sample` (verify_sample): the share of each read block's layers a check digests, drawn
+        afresh per check (1.0: every byte; see ``digests.sample_mask``)."""
+        if not 0.0 < sample <= 1.0:
+            raise ValueError(f"verify_sample must be in (0, 1] (got {sample})")
+        self.sample = sample
+        self._rng = np.random.default_rng()  # seeded from the OS: a holder cannot know the draw
         self._region_factory = region_factory
         self._sources: dict[int, BlockBytes] = {}
         self._tables: dict[int, DigestTable] = {}
@@ -104,6 +114,8 @@ class ByteVerifier:
         try:
             source = BlockBytes(regions, num_blocks, mem_type, given)
             source.digests([], source.layers)  # compiles (or loads) the digest now, not on a pull
+            if self.sample < 1.0:
+                source.pair_digests(np.zeros(0, dtype=np.int64), [])  # and the sampled check's
         except ValueError as e:
             raise VerifyUnsupportedError(f"verify_bytes cannot digest tier {pb.Tier.Name(tier)}: {e}") from e  # type: ignore[arg-type]
         table = DigestTable(num_blocks, source.layers)
@@ -202,8 +214,8 @@ class ByteVerifier:
         """The groups a load is read in, each digested as it lands; None: read whole, check after
         (a small load, or a holder stating another digest)."""
         layers = _layers(reads)
-        if set(layers.values()) != {ALGORITHM}:
-            return None
+        if set(layers.values()) != {ALGORITHM} or self.sample < 1.0:
+            return None  # a sampled check digests a few layers per block: after the read
         groups = self.overlap.groups(len(spec.local_block_ids), bytes_per_block)
         if len(groups) < 2:
             return None
@@ -255,7 +267,11 @@ class ByteVerifier:
         assert self._inbox is not None
         source = self._sources[pb.TIER_GPU]
         actual = None if digests is None else digests.result
-        return check(self._inbox, source, spec.local_block_ids, spec.block_hashes, _layers(reads), actual)
+        layers = _layers(reads)
+        sample = None
+        if self.sample < 1.0:
+            sample = sample_mask(len(spec.local_block_ids), len(layers), self.sample, self._rng)
+        return check(self._inbox, source, spec.local_block_ids, spec.block_hashes, layers, actual, sample)
 
 
 def _layers(reads: Sequence[LayerRead]) -> dict[int, str]:

@@ -112,6 +112,7 @@ class AdapterWorker:
         cpu_tier_slots: int = 0,
         cpu_tier_factory: Callable[[list[Any], int], CpuTierLike] | None = None,
         verify_bytes: bool = False,
+        verify_sample: float = 1.0,
         step_wait_s: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -147,7 +148,7 @@ class AdapterWorker:
         self._restore_of_handle: dict[int, str] = {}  # copy handle (CPU tier -> KV) -> request id
         self._storing: dict[str, int] = {}  # request id -> copies in flight (its blocks stay allocated)
         # verify_bytes: digest tables as holder, digest checks as reader (engine_adapter/verify.py).
-        self.verifier = ByteVerifier(region_factory) if verify_bytes else None
+        self.verifier = ByteVerifier(region_factory, verify_sample) if verify_bytes else None
         # Reads started in this step are polled to their end before the step's output, up to
         # this long (step_wait_ms): reported in this step, the scheduler can release and finish
         # the load in it. UCX's same-host copy usually ends inside the post (block_mover.py).

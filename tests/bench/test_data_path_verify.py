@@ -2,7 +2,8 @@
 all its blocks (the benchmark raises otherwise), and it writes its JSON. Never asserts on speed.
 
 With 16 KiB groups the verified pulls take the overlapped path (groups read and digested as they
-land) over real NIXL between two processes; the "after" pulls check after one whole read."""
+land) over real NIXL between two processes; the "after" pulls check after one whole read, the
+"sampled" ones a share of each block's layers (verify_sample), each reporting every block checked."""
 
 from __future__ import annotations
 
@@ -37,3 +38,5 @@ def test_verify_bench_runs_and_writes_json(tmp_path: Path) -> None:
         assert all(c > 0 for c in row["cores_for_two_threads"]), "below 1.0 on a loaded machine"
         assert row["plain_ms"] > 0 and row["verified_ms"] > 0 and row["holder_state_ms"] > 0
         assert row["check_ms"] > 0 and row["one_pass_ms"] > 0
+        assert len(row["samples_ms"]["sampled"]) == 2 and row["sampled_ms"] > 0
+    assert doc["settings"]["sample"] == 0.125 and "verdict" in doc["target"]["sampled"]

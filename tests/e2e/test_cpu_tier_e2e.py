@@ -8,7 +8,9 @@ same prompt: it resolves, the broker names A on tier CPU, B's lease makes A
 pin the CPU-tier slots (PinCommand -> PinResult with slot ids), B NIXL-READs
 A's CPU tier into its own KV cache, releases, and its greedy output must equal
 a recompute token for token. Both run with verify_bytes: B's pull from A's CPU
-tier is checked against the digests A states when it pins the slots.
+tier is checked against the digests A states when it pins the slots, sampled
+(B's verify_sample 0.5: one layer of each block, drawn per pull; test_adapter_e2e
+checks every byte).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             role="both",
             env=dev_env,
             verify_bytes=True,
+            verify_sample=0.5,  # a sampled check: one of the tiny model's two layers per block
         )
         engines.append(b)
         for engine in engines:

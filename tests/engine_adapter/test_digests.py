@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvbroker.engine_adapter.digests import CRC32, ENTRY_BYTES, BlockBytes, DigestTable, check, stamp_of
+from kvbroker.engine_adapter.digests import (
+    CRC32,
+    ENTRY_BYTES,
+    BlockBytes,
+    DigestTable,
+    check,
+    sample_mask,
+    stamp_of,
+)
 from kvbroker.engine_adapter.kv_regions import regions_from_kv_caches
 from kvbroker.engine_adapter.multilinear import digest_words
 from tests.engine_adapter.kv_fixtures import LAYER_NAME, cpu_backend_kv_caches, legacy_split_kv_caches
@@ -123,3 +131,90 @@ def test_mismatched_lengths_are_refused() -> None:
         check(table, source, [0], [5, 6], [0])
     assert check(table, source, [], [], [0]).ok
     assert np.all(table.entries == 0)
+
+
+def test_a_sample_draws_its_share_of_each_block_s_layers_afresh_each_time() -> None:
+    rng = np.random.default_rng(7)
+    assert sample_mask(64, 30, 1.0, rng) is None and sample_mask(0, 30, 0.5, rng) is None
+    first = sample_mask(64, 30, 0.125, rng)
+    assert first is not None and first.shape == (64, 30) and first.dtype == bool
+    assert (first.sum(axis=1) == 4).all(), "ceil(0.125 * 30) layers of every block"
+    second = sample_mask(64, 30, 0.125, rng)
+    assert second is not None and (first != second).any(), "drawn afresh"
+    one = sample_mask(5, 3, 0.01, rng)
+    assert one is not None and (one.sum(axis=1) == 1).all(), "at least one layer per block"
+    # Every layer is drawn about as often (a fixed seed: the same counts every run).
+    counts = sum(m for m in (sample_mask(64, 30, 0.125, rng) for _ in range(200)) if m is not None)
+    per_layer = counts.sum(axis=0) / (200 * 64)
+    assert per_layer.min() > 0.10 and per_layer.max() < 0.17
+
+
+def _read_pair() -> tuple[DigestTable, dict[str, torch.Tensor], BlockBytes]:
+    holder = cpu_backend_kv_caches(seed=1)
+    reader = cpu_backend_kv_caches(seed=None)
+    table = DigestTable(24, [0, 1, 2])
+    table.state(block_bytes_of(holder), [2, 3, 9], HASHES)
+    inbox = DigestTable(24, [0, 1, 2])
+    inbox.entries[[10, 11, 12]] = table.entries[[2, 3, 9]]
+    for name in holder:
+        reader[name][[10, 11, 12]] = holder[name][[2, 3, 9]]
+    return inbox, reader, block_bytes_of(reader)
+
+
+def test_a_sampled_check_digests_only_the_drawn_entries_and_finds_a_flip_there() -> None:
+    inbox, reader, local = _read_pair()
+    digested: list[list[tuple[int, int]]] = []
+    real = local.pair_digests
+
+    def counting(block_ids: np.ndarray, layers: list[int], algorithm: str = "multilinear32-v1") -> np.ndarray:
+        digested.append(sorted(zip(block_ids.tolist(), layers, strict=True)))
+        return real(block_ids, layers, algorithm)
+
+    local.pair_digests = counting  # type: ignore[method-assign]
+    mask = np.array([[True, False, False], [False, False, True], [False, True, False]])
+    assert check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=mask).ok
+    assert digested == [[(10, 0), (11, 2), (12, 1)]], "the drawn entries only, in one call"
+    # A flipped bit where the sample looks is found; where it does not, it is not.
+    reader[LAYER_NAME.format(2)][11].view(torch.uint8).view(-1)[100] ^= 0x01
+    found = check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=mask)
+    assert found.mismatched == {1} and found.first_mismatch == (1, 2)
+    other = np.array([[True, False, False], [True, False, False], [False, True, False]])
+    assert check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=other).ok
+    # Stamps are checked for every entry, drawn or not.
+    kept, inbox.entries[12, 2] = inbox.entries[12, 2], 0
+    assert check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=other).unstated == {2}
+    inbox.entries[12, 2] = kept
+    with pytest.raises(ValueError, match="a sample of shape"):
+        check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=mask[:2])
+
+
+def test_a_wrong_block_is_caught_by_every_sampled_check() -> None:
+    """Another block's bytes (a stale occupant, a wrong block id, a wrong layout) differ in every
+    layer, so any draw finds them."""
+    inbox, reader, local = _read_pair()
+    for name in reader:
+        reader[name][11] = reader[name][12]
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        found = check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=sample_mask(3, 3, 0.3, rng))
+        assert found.mismatched == {1}
+
+
+def test_pairs_digest_as_the_grid_does_on_every_path() -> None:
+    for kv in (cpu_backend_kv_caches(seed=5), legacy_split_kv_caches(seed=6)):
+        source = block_bytes_of(kv)
+        first, last = source.layers[0], source.layers[-1]
+        grid = source.digests([1, 4, 7], [first, last])
+        ids, layers = np.array([7, 1, 4, 7]), [first, last, last, last]
+        assert source.pair_digests(ids, layers).tolist() == [grid[2, 0], grid[0, 1], grid[1, 1], grid[2, 1]]
+        regions, n, _ = regions_from_kv_caches(kv)
+        through_tensors = BlockBytes(regions, n, "VRAM", kv.values())  # the torch path, on CPU tensors
+        assert through_tensors.pair_digests(ids, layers).tolist() == source.pair_digests(ids, layers).tolist()
+        crcs = source.digests([1, 7], [first, last], CRC32)
+        assert source.pair_digests(np.array([7, 1]), [last, first], CRC32).tolist() == [
+            crcs[1, 1],
+            crcs[0, 0],
+        ]
+    assert source._in_place is not None
+    with pytest.raises(ValueError, match="layer positions out of"):
+        source._in_place.pair_digests(np.array([1]), np.array([5]))

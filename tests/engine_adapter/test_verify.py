@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvbroker.engine_adapter.block_mover import BlockMover
+from kvbroker.engine_adapter.config import AdapterConfig, AdapterConfigError
 from kvbroker.engine_adapter.digests import ALGORITHM, CRC32
 from kvbroker.engine_adapter.kv_regions import Region, regions_from_kv_caches
 from kvbroker.engine_adapter.lease_reads import holder_ranks
@@ -78,7 +79,12 @@ class Pair:
 
 
 def _worker(
-    name: str, fabric: FakeFabric, clock: FakeClock, kv: dict[str, torch.Tensor], verify: bool
+    name: str,
+    fabric: FakeFabric,
+    clock: FakeClock,
+    kv: dict[str, torch.Tensor],
+    verify: bool,
+    sample: float = 1.0,
 ) -> AdapterWorker:
     worker = AdapterWorker(
         engine_id=name,
@@ -90,18 +96,19 @@ def _worker(
         region_factory=_region,
         clock=clock,
         verify_bytes=verify,
+        verify_sample=sample,
     )
     regions, num_blocks, mem_type = regions_from_kv_caches(kv)
     worker.register_memory(regions, num_blocks, mem_type, kv)
     return worker
 
 
-def _pair(holder_verifies: bool = True) -> Pair:
+def _pair(holder_verifies: bool = True, sample: float = 1.0) -> Pair:
     fabric, clock = FakeFabric(), FakeClock(start=0.0)
     holder_kv, reader_kv = cpu_backend_kv_caches(seed=1), cpu_backend_kv_caches(seed=None)
     return Pair(
         _worker("h", fabric, clock, holder_kv, holder_verifies),
-        _worker("d", fabric, clock, reader_kv, True),
+        _worker("d", fabric, clock, reader_kv, True, sample),
         holder_kv,
         reader_kv,
         clock,
@@ -144,6 +151,32 @@ def test_holder_bytes_corrupted_after_stating_fail_the_read(pair: Pair) -> None:
         "1 of 3 blocks read differ from the holder's digests (first: holder block 4, layer 1)"
         in (outcomes.failed["r1"])
     )
+
+
+def test_a_sampled_pull_is_verified_and_a_wrong_block_always_fails_it() -> None:
+    """verify_sample 0.34 of 3 layers: one layer per block, drawn afresh for each pull."""
+    p = _pair(sample=0.34)
+    try:
+        assert p.reader.verifier is not None and p.reader.verifier.sample == 0.34
+        p.state()
+        p.reader.start_load_kv(AdapterMetadata(loads=[p.load()]))
+        assert p.outcomes().verified == {"r1": 3}
+        for name in p.holder_kv:  # holder block 4 now holds block 9's bytes in every layer
+            p.holder_kv[name][4] = p.holder_kv[name][9]
+        for _ in range(5):
+            p.reader.start_load_kv(AdapterMetadata(loads=[p.load()]))
+            outcomes = p.outcomes()
+            assert outcomes.mismatched == {"r1": 1} and "first: holder block 4" in outcomes.failed["r1"]
+    finally:
+        p.reader.shutdown()
+        p.holder.shutdown()
+
+
+def test_a_sample_outside_0_to_1_is_refused() -> None:
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(AdapterConfigError, match=r"verify_sample must be in \(0, 1\]"):
+            AdapterConfig.from_extra_config({"verify_bytes": True, "verify_sample": bad})
+    assert AdapterConfig.from_extra_config({"verify_sample": 0.125}).verify_sample == 0.125
 
 
 def test_digests_stated_late_are_read_again_until_they_come(pair: Pair) -> None:

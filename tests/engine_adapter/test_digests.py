@@ -71,16 +71,7 @@ def test_table_regions_address_each_entry() -> None:
 
 
 def test_stated_digests_check_out_and_a_flipped_byte_is_found() -> None:
-    holder = cpu_backend_kv_caches(seed=1)
-    reader = cpu_backend_kv_caches(seed=None)
-    table = DigestTable(24, [0, 1, 2])
-    table.state(block_bytes_of(holder), [2, 3, 9], HASHES)
-    # The reader's inbox gets the entries at its own ids, as a NIXL read puts them.
-    inbox = DigestTable(24, [0, 1, 2])
-    inbox.entries[[10, 11, 12]] = table.entries[[2, 3, 9]]
-    for name in holder:
-        reader[name][[10, 11, 12]] = holder[name][[2, 3, 9]]
-    local = block_bytes_of(reader)
+    inbox, reader, local = _read_pair()
     found = check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2])
     assert found.ok and found.blocks == 3
     reader[LAYER_NAME.format(2)][11].view(torch.uint8).view(-1)[100] ^= 0x01  # one bit
@@ -150,6 +141,8 @@ def test_a_sample_draws_its_share_of_each_block_s_layers_afresh_each_time() -> N
 
 
 def _read_pair() -> tuple[DigestTable, dict[str, torch.Tensor], BlockBytes]:
+    """Holder blocks 2, 3, 9 stated and read into the reader's 10, 11, 12; the reader's inbox
+    holds the entries at its own ids, as a NIXL read puts them."""
     holder = cpu_backend_kv_caches(seed=1)
     reader = cpu_backend_kv_caches(seed=None)
     table = DigestTable(24, [0, 1, 2])

@@ -290,8 +290,11 @@ def mismatch_reason(found: Check, spec: LoadSpec) -> str:
     )
 
 
-def record_verification(stats: Any, outcomes: ReadOutcomes, span_of: Callable[[str], Any]) -> None:
-    """Scheduler side: count what the ranks' checks found, and put it on each pull's span.
+def record_verification(
+    stats: Any, outcomes: ReadOutcomes, span_of: Callable[[str], Any], sample: float = 1.0
+) -> None:
+    """Scheduler side: count what the ranks' checks found, and put it on each pull's span
+    (`sample` below 1, verify_sample: as `kvbroker.verify.sample`, the share of layers checked).
     A mismatched pull also fails (its reason names the mismatch), so vLLM recomputes it."""
     stats.count("blocks_digested", outcomes.blocks_digested)
     for key, counts in (("verified", outcomes.verified), ("mismatched", outcomes.mismatched)):
@@ -302,3 +305,5 @@ def record_verification(stats: Any, outcomes: ReadOutcomes, span_of: Callable[[s
             span = span_of(req_id)
             if span is not None:
                 span.set_attribute(f"kvbroker.verify.{key}_blocks", blocks)
+                if sample < 1.0:
+                    span.set_attribute("kvbroker.verify.sample", sample)

@@ -250,7 +250,8 @@ def test_memory_it_cannot_digest_is_refused_with_the_reason() -> None:
 # --- scheduler side: the hashes go to the reader, a mismatch is recomputed, counted and traced
 
 
-def test_a_mismatch_fails_the_pull_counts_it_and_marks_its_span() -> None:
+@pytest.mark.parametrize("sample", [1.0, 0.25])
+def test_a_mismatch_fails_the_pull_counts_it_and_marks_its_span(sample: float) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -262,7 +263,7 @@ def test_a_mismatch_fails_the_pull_counts_it_and_marks_its_span() -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracing.set_tracer(provider.get_tracer("test"))
     try:
-        sched, link, _ = make(verify_bytes=True)
+        sched, link, _ = make(verify_bytes=True, verify_sample=sample)
         info = holder_info()
         info.ranks[0].tiers[0].digest_regions.add(layer=0, base_addr=1 << 20, block_stride=16, block_bytes=8)
         info.ranks[0].tiers[0].digest_regions.add(
@@ -290,6 +291,8 @@ def test_a_mismatch_fails_the_pull_counts_it_and_marks_its_span() -> None:
     assert sched.stats.counters["pulls_failed"] == 1
     (pull,) = [s for s in exporter.get_finished_spans() if s.name == "kvbroker.pull"]
     assert pull.attributes is not None and pull.attributes["kvbroker.verify.mismatched_blocks"] == 1
+    # A sampled check says so on the span: the share of each block's layers it checked.
+    assert pull.attributes.get("kvbroker.verify.sample") == (None if sample == 1.0 else sample)
     assert pull.status.description is not None and "differ" in pull.status.description
 
 

@@ -171,12 +171,7 @@ class Loads:
         self._ctx.stats.count("reads_refused_replaced_holder", outcomes.stale_refused)  # 0: not counted
         self._ctx.stats.count("holder_agents_replaced", outcomes.peers_replaced)
         # verify_bytes: counts, and each pull's span (a mismatch also fails the pull below).
-        record_verification(
-            self._ctx.stats,
-            outcomes,
-            lambda r: getattr(self.active.get(r), "span", None),
-            self._ctx.config.verify_sample,
-        )
+        record_verification(self._ctx, outcomes, lambda r: getattr(self.active.get(r), "span", None))
         for req_id, reason in outcomes.failed.items():
             load = self.active.get(req_id)
             if load is not None and not load.failure:

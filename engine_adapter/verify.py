@@ -290,12 +290,12 @@ def mismatch_reason(found: Check, spec: LoadSpec) -> str:
     )
 
 
-def record_verification(
-    stats: Any, outcomes: ReadOutcomes, span_of: Callable[[str], Any], sample: float = 1.0
-) -> None:
-    """Scheduler side: count what the ranks' checks found, and put it on each pull's span
-    (`sample` below 1, verify_sample: as `kvbroker.verify.sample`, the share of layers checked).
-    A mismatched pull also fails (its reason names the mismatch), so vLLM recomputes it."""
+def record_verification(ctx: Any, outcomes: ReadOutcomes, span_of: Callable[[str], Any]) -> None:
+    """Scheduler side (`ctx`: its stats and config): count what the ranks' checks found, and put
+    it on each pull's span (with verify_sample below 1, as `kvbroker.verify.sample`, the share of
+    layers checked). A mismatched pull also fails (its reason names the mismatch), so vLLM
+    recomputes it."""
+    stats, sample = ctx.stats, ctx.config.verify_sample
     stats.count("blocks_digested", outcomes.blocks_digested)
     for key, counts in (("verified", outcomes.verified), ("mismatched", outcomes.mismatched)):
         for req_id, blocks in counts.items():

@@ -22,6 +22,7 @@ import pytest
 
 from kvbroker.broker.errors import Unavailable
 from kvbroker.broker.fleet.conn import DURABLE_WAIT_MS, RedisState
+from kvbroker.broker.fleet.nodes import online_replicas
 from testkit.processes import stopped
 from testkit.redis_cluster import RedisCluster, running_cluster
 from testkit.redis_server import RedisServer, missing_reason
@@ -122,6 +123,9 @@ def test_a_lease_end_waits_for_the_replica_of_the_primary_that_wrote_it(replicat
     primary = replicated.node_for_slot(LEASES_SLOT)
     replica = replicated.replicas[replicated.nodes.index(primary)]  # type: ignore[arg-type]
     script = state.script(_SET)
+    # The tests above freeze nodes, which can drop this replica's link for a while; a primary with
+    # no replica online is rightly not waited on, so this starts once the primary has one again.
+    assert wait_for(lambda: online_replicas(primary.client().info("replication")) >= 1, 30.0)  # type: ignore[attr-defined]
     try:
         before = _waits(primary)
         state.run(script, ["{leases}end"], ["1"])

@@ -32,6 +32,11 @@ class ClusterNode(RedisServer):
         super().__init__(workdir)
         self.bus_port = free_port()
 
+    def renew_ports(self) -> None:
+        super().renew_ports()
+        self.bus_port = free_port()
+        (self.workdir / "nodes.conf").unlink(missing_ok=True)  # written before the bind failed
+
     def extra_args(self) -> list[str]:
         return [
             "--cluster-port", str(self.bus_port),

@@ -99,6 +99,7 @@ class RedisSentinel:
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.primary.start()
+        self.replica.primary_port = self.primary.port  # its port may have been picked again
         self.replica.start()
         conf = self.workdir / "sentinel.conf"
         tls = (

@@ -41,6 +41,14 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir
         self.child: ChildProcess | None = None
+        # Free ports picked here are picked again if one is taken before the first start binds it
+        # (never on a restart in place: its callers know the old port).
+        self._ports_chosen = port is None
+
+    def renew_ports(self) -> None:
+        """New free ports (a free port can be taken by another process before the server binds it)."""
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
 
     @property
     def proc(self) -> subprocess.Popen[bytes] | None:
@@ -48,6 +56,19 @@ class RedisServer:
         return self.child.proc if self.child is not None else None
 
     def start(self, timeout: float = 10.0) -> None:
+        for attempt in range(3):
+            try:
+                self._start(timeout)
+                self._ports_chosen = False
+                return
+            except RuntimeError:
+                log = self.workdir / f"redis-{self.port}.log"
+                taken = log.exists() and "Address already in use" in log.read_text(errors="replace")
+                if not (taken and self._ports_chosen) or attempt == 2:
+                    raise
+                self.renew_ports()
+
+    def _start(self, timeout: float) -> None:
         binary = server_binary()
         if binary is None:
             raise RuntimeError(missing_reason())
@@ -55,18 +76,30 @@ class RedisServer:
         argv += ["--dir", str(self.workdir), *self.extra_args()]
         self.child = ChildProcess("redis-server", argv, self.workdir / f"redis-{self.port}.log").start()
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, **self.client_options())
+        client = redis.Redis(
+            port=self.port,
+            socket_connect_timeout=0.2,
+            socket_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),  # each probe once: wait_for is the retry
+            **self.client_options(),
+        )
 
         def answers() -> bool:
             try:
                 return bool(client.ping())
-            except redis.ConnectionError:
+            except redis.RedisError:  # refused, or another process that took the port not answering
                 return False
 
         child = self.child
         try:
-            if not wait_for(lambda: answers() or not child.alive(), timeout) or not answers():
+            if (
+                not wait_for(lambda: not child.alive() or answers(), timeout)
+                or not child.alive()
+                or not answers()
+            ):
                 raise RuntimeError(f"redis-server did not start; see {self.workdir}")
         finally:
             client.close()

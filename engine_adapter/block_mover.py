@@ -1,36 +1,33 @@
 """Moves KV blocks between engine ranks with NIXL READs.
 
-One `BlockMover` per rank owns one NIXL agent (UCX backend, NIXL's progress
-thread off). Local memory is registered per tier (the KV cache as tier GPU,
-the offload buffer as tier CPU). A read of N blocks x L layers is a single
-NIXL transfer whose descriptors are coalesced first (xfer_descs.py): runs of
-blocks that are adjacent on both sides, and in block-outermost layouts the
-layers of one block, travel as one descriptor each.
+One `BlockMover` per rank owns one NIXL agent (UCX backend, NIXL's progress thread off). Local
+memory is registered per tier (the KV cache as tier GPU, the offload buffer as tier CPU). A read
+of N blocks x L layers is a single NIXL transfer whose descriptors are coalesced first
+(xfer_descs.py): runs of blocks that are adjacent on both sides, and in block-outermost layouts
+the layers of one block, travel as one descriptor each.
 
-Small reads take a shorter way: building and coalescing descriptors costs a
-fixed ~0.2 ms per read, more than reading a history of a few hundred KB. A read
-of at most `_PREPPED_MAX_DESCS` (region, block) pieces is made from two index
-arrays (`make_prepped_xfer`) into lists prepared once per local tier and per
-peer tier, one descriptor per region and block. Large reads keep coalescing.
-What a read shares with the previous ones (layer matching, index offsets, the
-lists) is kept in a `ReadPlan` per peer (read_plan.py), and a read that UCX
-finishes inside `transfer()` is released there: the per-read Python is a few
-numpy operations around NIXL's own calls.
+Small reads take a shorter way: building and coalescing descriptors costs a fixed ~0.2 ms per
+read, more than reading a history of a few hundred KB. A read of at most `_PREPPED_MAX_DESCS`
+(region, block) pieces is made from two index arrays (`make_prepped_xfer`) into lists prepared
+once per local tier and per peer tier, one descriptor per region and block. Large reads keep
+coalescing, except into a tier of tiny pieces (a digest table's 8-byte entries): coalescing
+thousands costs more than their read, and NIXL merges consecutive descriptors. What a read
+shares with the previous ones (layer matching, index offsets, the lists) is kept in a `ReadPlan`
+per peer (read_plan.py), and a read that UCX finishes inside `transfer()` is released there: the
+per-read Python is a few numpy operations around NIXL's own calls.
 
-Failure model: anything that goes wrong with a peer (unknown, disconnected,
-killed with -9, a transfer in an error state, a read that outlives its
-timeout) becomes a failed handle reported by `poll()`; it never raises to the
-caller. Caller mistakes (unknown local tier, block ids out of range, layer or
-block geometry that does not match) raise ValueError from `start_read`.
+Failure model: anything that goes wrong with a peer (unknown, disconnected, killed with -9, a
+transfer in an error state, a read that outlives its timeout) becomes a failed handle reported
+by `poll()`; it never raises to the caller. Caller mistakes (unknown local tier, block ids out
+of range, layer or block geometry that does not match) raise ValueError from `start_read`.
 
-Threading: NIXL calls are serialised by one process-wide lock. Without NIXL's progress
-thread a side makes progress only while it calls into its agent, and a holder
-must answer the UCX connection handshake of a new reader even when its engine
-is idle, so a ticker thread polls for notifications: every
-`progress_interval_s` (5 ms) while reads are in flight or anything happened in
-the last second, every `idle_progress_interval_s` (25 ms) otherwise. It spins
-nothing: an idle engine's ticker costs well under 1% of a core, and the first
-read of a new reader waits at most one idle tick for the holder's handshake.
+Threading: NIXL calls are serialised by one process-wide lock. Without NIXL's progress thread a
+side makes progress only while it calls into its agent, and a holder must answer the UCX
+connection handshake of a new reader even when its engine is idle, so a ticker thread polls for
+notifications: every `progress_interval_s` (5 ms) while reads are in flight or anything happened
+in the last second, every `idle_progress_interval_s` (25 ms) otherwise. It spins nothing: an
+idle engine's ticker costs well under 1% of a core, and the first read of a new reader waits at
+most one idle tick for the holder's handshake.
 """
 
 from __future__ import annotations
@@ -64,6 +61,8 @@ log = logging.getLogger(__name__)
 _BUSY_AFTER_ACTIVITY_S = 1.0
 # Reads of at most this many (region, block) pieces use prepared descriptor lists.
 _PREPPED_MAX_DESCS = 1024
+# A tier of pieces this small (digest entries) reads from prepared lists at any size (above).
+_TINY_PIECE_BYTES = 64
 # Prepared lists are built only for tiers of at most this many (region, block)
 # descriptors (a list costs about 24 bytes per descriptor in NIXL), and at most
 # this many per peer (a peer re-registering often falls back to coalescing).
@@ -83,6 +82,7 @@ class _LocalTier:
     table: RegionTable  # the regions as columns, for a read's descriptor math
     regions_of_layer: dict[int, list[int]]
     dlist: Any = None  # prepared list, index = region * num_blocks + block (built on first use)
+    tiny: bool = False  # pieces of at most _TINY_PIECE_BYTES
 
 
 @dataclass
@@ -161,7 +161,10 @@ class BlockMover:
             for i, r in enumerate(regions):
                 by_layer.setdefault(r.layer, []).append(i)
             table = RegionTable.of(regions, spans)
-            self._tiers[tier] = _LocalTier(mem_type, list(regions), num_blocks, reg, spans, table, by_layer)
+            tiny = max(r.block_bytes for r in regions) <= _TINY_PIECE_BYTES
+            self._tiers[tier] = _LocalTier(
+                mem_type, list(regions), num_blocks, reg, spans, table, by_layer, tiny=tiny
+            )
 
     def agent_metadata(self) -> bytes:
         """This agent's NIXL metadata (connection info and registered memory) for peers."""
@@ -395,7 +398,8 @@ class BlockMover:
         notif: bytes | None,
     ) -> Any:
         """A READ request: from prepared lists for a small read, from coalesced descriptors otherwise."""
-        if peer_num_blocks is not None and len(plan.local_rows) * ids.shape[1] <= _PREPPED_MAX_DESCS:
+        most = _PREPPED_MAX_ROWS if tier.tiny else _PREPPED_MAX_DESCS
+        if peer_num_blocks is not None and len(plan.local_rows) * ids.shape[1] <= most:
             if not plan.prepped_tried:
                 plan.prepped = self._prepped(
                     tier, plan, peer_agent, peer, peer_regions, peer_num_blocks, peer_mem

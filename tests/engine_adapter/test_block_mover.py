@@ -360,6 +360,30 @@ def test_large_reads_and_unknown_sizes_coalesce(
     assert torch.equal(pair.layer(pair.reader_kv, 2)[4:10], pair.layer(pair.holder_kv, 2)[[0, 1, 2, 3, 8, 9]])
 
 
+def test_a_tier_of_tiny_pieces_reads_from_prepared_lists_at_any_size(
+    pair: Pair, fabric: FakeFabric, coalescing: None
+) -> None:
+    """A digest table (8 bytes per block and layer) reads from prepared lists even where a read of
+    KV that large coalesces: NIXL merges its consecutive descriptors, numpy would cost more."""
+    blocks, layers = 40, 3
+    theirs = np.arange(blocks * layers, dtype=np.uint64).reshape(blocks, layers) + 1
+    ours = np.zeros_like(theirs)
+
+    def table(t: np.ndarray) -> list[Region]:
+        return [Region(j, t.ctypes.data + 8 * j, 8 * layers, 8) for j in range(layers)]
+
+    pair.holder.register_tier(7, "DRAM", table(theirs), blocks)
+    pair.reader.register_tier(7, "DRAM", table(ours), blocks)
+    pair.reader.add_peer("holder", pair.holder.agent_metadata())
+    remote, local = list(range(5, 35)), list(range(2, 32))
+    h = pair.reader.start_read("holder", table(theirs), remote, 7, local, peer_num_blocks=blocks)
+    assert poll_until_settled(pair.reader)[0] == [h]
+    assert np.array_equal(ours[2:32], theirs[5:35]) and not ours[32:].any() and not ours[:2].any()
+    assert fabric.prepped_transfers == 1, "90 pieces, where KV coalesces any read (the fixture)"
+    pair.read([1], [1])  # the KV tier still coalesces
+    assert fabric.prepped_transfers == 1
+
+
 def test_a_read_finished_inside_transfer_holds_no_handle(pair: Pair, fabric: FakeFabric) -> None:
     """The fake, like UCX between processes on one host, can finish a read inside transfer()."""
     h = pair.read([3, 4], [5, 6], peer_num_blocks=pair.num_blocks)

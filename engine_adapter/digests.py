@@ -59,7 +59,10 @@ def stamp_of(block_hash: int) -> int:
 
 def stamps_of(block_hashes: Sequence[int]) -> np.ndarray:
     """uint32 [n]: ``stamp_of`` of each hash, in one numpy pass."""
-    h = np.array([int(x) & 0xFFFFFFFFFFFFFFFF for x in block_hashes], dtype=np.uint64)
+    try:  # hashes as vLLM makes them (64-bit, not negative): one conversion
+        h = np.array(block_hashes, dtype=np.uint64)
+    except OverflowError:
+        h = np.array([int(x) & 0xFFFFFFFFFFFFFFFF for x in block_hashes], dtype=np.uint64)
     s = ((h ^ (h >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     s[s == 0] = 1
     return s
@@ -86,6 +89,8 @@ class BlockBytes:
         self._in_place: multilinear.RegionDigester | None = None
         self._tensor_views: list[list[Any]] | None = None
         self._device_keys: dict[Any, Any] = {}
+        # in_place_check's columns, per (inbox, layers): the inbox's and the digester's
+        self._check_cols: dict[tuple[DigestTable, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = {}
         if mem_type == "DRAM":
             self._in_place = multilinear.RegionDigester(
                 [[(r.base_addr, r.block_stride, r.block_bytes) for r in layer] for layer in self._pieces]
@@ -124,6 +129,52 @@ class BlockBytes:
         for layer, rows in by_layer.items():  # one call per layer drawn (VRAM, CRC32)
             out[rows] = self.digests([int(block_ids[r]) for r in rows], [layer], algorithm)[:, 0]
         return out
+
+    def in_place_check(
+        self,
+        inbox: DigestTable,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[int],
+        layers: Sequence[int],
+        sample: Sample,
+    ) -> Check | None:
+        """``check`` of a sample of ALGORITHM digests in one compiled call over DRAM and the
+        inbox (no per-entry numpy: a pull's check runs with caches its read just emptied);
+        None where that cannot be (VRAM, a table larger than the tier)."""
+        if self._in_place is None or inbox.num_blocks > self.num_blocks:
+            return None
+        key = (inbox, tuple(layers))
+        cols = self._check_cols.get(key)
+        if cols is None:
+            if len(self._check_cols) > 64:
+                self._check_cols.clear()
+            cols = self._check_cols[key] = (
+                np.array([inbox.column(layer) for layer in layers], dtype=np.int64),
+                np.array([self._column[layer] for layer in layers], dtype=np.int64),
+            )
+        if len(sample.offsets) != len(block_ids) or sample.layers != len(layers):
+            raise ValueError(
+                f"a sample of {len(sample.offsets)} blocks x {sample.layers} layers for "
+                f"{len(block_ids)} blocks x {len(layers)} layers"
+            )
+        unstated, found = self._in_place.sampled_check(
+            inbox.entries,
+            np.asarray(block_ids, dtype=np.int64),
+            cols[0],
+            stamps_of(block_hashes).astype(np.uint64),
+            sample.offsets,
+            sample.k,
+            cols[1],
+        )
+        result = Check(blocks=len(found))
+        if unstated:
+            result.unstated = {int(i) for i in np.flatnonzero(found < 0)}
+            return result
+        bad = np.flatnonzero(found > 0)
+        result.mismatched = {int(i) for i in bad}
+        if len(bad):
+            result.first_mismatch = (int(bad[0]), layers[int(found[bad[0]]) - 1])
+        return result
 
     def crc(self, block_id: int, layer: int) -> int:
         return int(self._crcs([block_id], [self._column[layer]])[0, 0])
@@ -219,6 +270,9 @@ class DigestTable:
             # One 8-byte store per entry: a reader sees the old entry or the new one, never half.
             self.entries[b, cols] = stamps[i] | (digests[i] << np.uint64(32))
 
+    def column(self, layer: int) -> int:
+        return self._column[layer]
+
     def entries_of(self, block_ids: Sequence[int], layers: Sequence[int]) -> np.ndarray:
         return self.entries[np.ix_(list(block_ids), [self._column[layer] for layer in layers])]
 
@@ -239,8 +293,26 @@ class Check:
         return not self.unstated and not self.mismatched
 
 
-def sample_mask(blocks: int, layers: int, share: float, rng: np.random.Generator) -> np.ndarray | None:
-    """bool [blocks, layers]: which (block, layer) entries a sampled check digests; None: all.
+@dataclass(frozen=True)
+class Sample:
+    """The entries a sampled check digests: of `layers` layers (positions in the check's list),
+    block i's k, evenly spread from offsets[i]: ``(offsets[i] + t * layers // k) % layers``."""
+
+    offsets: np.ndarray  # int64 [blocks], each in [0, layers)
+    k: int
+    layers: int
+
+    def mask(self) -> np.ndarray:
+        """bool [blocks, layers]: True where an entry is drawn."""
+        spread = (np.arange(self.k) * self.layers) // self.k  # k distinct positions
+        picked = (self.offsets[:, None] + spread) % self.layers
+        mask = np.zeros((len(self.offsets), self.layers), dtype=bool)
+        np.put_along_axis(mask, picked, True, axis=1)
+        return mask
+
+
+def draw_sample(blocks: int, layers: int, share: float, rng: np.random.Generator) -> Sample | None:
+    """Which (block, layer) entries a sampled check digests; None: all.
 
     Each block gets k = ceil(share * layers) of its layers (at least one), evenly spread from an
     offset drawn afresh for each call and each block, so every layer of every block is drawn
@@ -250,11 +322,7 @@ def sample_mask(blocks: int, layers: int, share: float, rng: np.random.Generator
     k = max(1, math.ceil(share * layers - 1e-9))
     if k >= layers or blocks == 0:
         return None
-    spread = (np.arange(k) * layers) // k  # k distinct positions
-    picked = (rng.integers(0, layers, size=(blocks, 1)) + spread) % layers
-    mask = np.zeros((blocks, layers), dtype=bool)
-    np.put_along_axis(mask, picked, True, axis=1)
-    return mask
+    return Sample(rng.integers(0, layers, size=blocks, dtype=np.int64), k, layers)
 
 
 def check(
@@ -264,15 +332,15 @@ def check(
     block_hashes: Sequence[int],
     layers: Iterable[int] | Mapping[int, str],
     actual: Callable[[], np.ndarray] | None = None,
-    sample: np.ndarray | None = None,
+    sample: Sample | None = None,
 ) -> Check:
     """Reader: compare the entries read into `inbox` at `block_ids` with the digests of the bytes
     those blocks now hold, for every layer in `layers` (a mapping: each layer's algorithm, as its
     holder stated it; default ALGORITHM). While any entry is unstated, only the stamps are looked
     at (the bytes are digested once, when all are stated). `actual`: those digests, computed
     already (uint32 [blocks, layers], layers in `layers`' order; engine_adapter/verify_overlap.py).
-    `sample` (``sample_mask``): digest and compare only those entries (every stamp is still
-    checked)."""
+    `sample` (``draw_sample``): digest and compare only those entries (every stamp is still
+    checked; on DRAM all in one compiled call)."""
     algorithm_of = dict(layers) if isinstance(layers, Mapping) else dict.fromkeys(layers, ALGORITHM)
     layers = list(algorithm_of)
     result = Check(blocks=len(block_ids))
@@ -280,6 +348,10 @@ def check(
         return result
     if len(block_ids) != len(block_hashes):
         raise ValueError(f"{len(block_ids)} block ids for {len(block_hashes)} hashes")
+    if sample is not None and set(algorithm_of.values()) == {ALGORITHM}:
+        in_place = local.in_place_check(inbox, block_ids, block_hashes, layers, sample)
+        if in_place is not None:
+            return in_place
     entries = inbox.entries_of(block_ids, layers)
     stamps = (entries & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     stated = (entries >> np.uint64(32)).astype(np.uint32)
@@ -290,8 +362,9 @@ def check(
         return result
     algorithms = set(algorithm_of.values())
     if sample is not None:
-        actual_digests = _sampled(local, block_ids, layers, algorithm_of, sample, stated)
-        fresh &= sample
+        mask = _mask_for(sample, stated.shape)
+        actual_digests = _sampled(local, block_ids, layers, algorithm_of, mask, stated)
+        fresh &= mask
     elif actual is not None:
         actual_digests = actual()
     elif len(algorithms) == 1:  # the usual case: one call for every block and layer
@@ -309,20 +382,27 @@ def check(
     return result
 
 
+def _mask_for(sample: Sample, shape: tuple[int, ...]) -> np.ndarray:
+    if (len(sample.offsets), sample.layers) != shape:
+        raise ValueError(
+            f"a sample of {len(sample.offsets)} blocks x {sample.layers} layers for "
+            f"{shape[0]} blocks x {shape[1]} layers"
+        )
+    return sample.mask()
+
+
 def _sampled(
     local: BlockBytes,
     block_ids: Sequence[int],
     layers: Sequence[int],
     algorithm_of: Mapping[int, str],
-    sample: np.ndarray,
+    mask: np.ndarray,
     stated: np.ndarray,
 ) -> np.ndarray:
-    """The digests of the sampled entries (on DRAM one compiled call per algorithm); the rest
-    hold the stated value, compared with nothing (``check`` masks them out)."""
-    if sample.shape != stated.shape:
-        raise ValueError(f"a sample of shape {sample.shape} for {stated.shape} entries")
+    """The digests of the sampled entries (one call per algorithm); the rest hold the stated
+    value, compared with nothing (``check`` masks them out)."""
     out = stated.copy()
-    rows, cols = np.nonzero(sample)
+    rows, cols = np.nonzero(mask)
     ids = np.asarray(block_ids, dtype=np.int64)[rows]
     for algorithm in sorted(set(algorithm_of.values())):
         at = np.array([algorithm_of[layers[c]] == algorithm for c in cols], dtype=bool)

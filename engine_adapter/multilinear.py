@@ -110,6 +110,12 @@ def _pair_kernel() -> Any:
     return pair_sums
 
 
+def _sampled_check_kernel() -> Any:
+    from kvbroker.engine_adapter.multilinear_kernel import sampled_check
+
+    return sampled_check
+
+
 class RegionDigester:
     """Digests of many (block, layer) entries of DRAM regions in one call, reading them in place.
 
@@ -159,6 +165,49 @@ class RegionDigester:
         out = np.empty(ids.shape[0], dtype=np.uint64)
         _pair_kernel()(self.bases, self.strides, self.words, ids, cols, self._k_lo, self._k_hi, out)
         return fold(out)
+
+    def sampled_check(
+        self,
+        entries: np.ndarray,
+        rows: np.ndarray,
+        cols: np.ndarray,
+        expected: np.ndarray,
+        offsets: np.ndarray,
+        k: int,
+        layers: np.ndarray,
+    ) -> tuple[int, np.ndarray]:
+        """A reader's sampled check in one compiled call, on a digest table's `entries` (uint64
+        [blocks, columns], ``stamp | digest << 32``): block rows[i]'s entries in columns `cols`
+        must be stamped expected[i] (uint32), and for its k drawn positions j (from offsets[i],
+        ``digests.Sample``) the digest of its bytes of layer position layers[j] must be the
+        entry's. Returns (blocks unstated, found): found[i] is -1 (unstated), 0 (as stated) or
+        1 + the least drawn j that differs. No bytes are digested while a block is unstated."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if offsets.shape != rows.shape or cols.shape != layers.shape or not 0 < k <= len(cols):
+            raise ValueError(
+                f"a sample of {offsets.shape} offsets, k={k}, for {rows.shape} blocks x {cols.shape} layers"
+            )
+        if layers.size and not 0 <= int(layers.min()) <= int(layers.max()) < self.bases.shape[0]:
+            raise ValueError(f"layer positions out of 0..{self.bases.shape[0] - 1}")
+        found = np.empty(len(rows), dtype=np.int64)
+        unstated = _sampled_check_kernel()(
+            entries,
+            rows,
+            cols,
+            expected,
+            offsets,
+            k,
+            self.bases,
+            self.strides,
+            self.words,
+            layers,
+            self._k_lo,
+            self._k_hi,
+            found,
+        )
+        if unstated < 0:
+            raise ValueError(f"block ids outside the table's {entries.shape[0]} blocks")
+        return int(unstated), found
 
 
 # ----------------------------------------------------------------------------- any device: torch

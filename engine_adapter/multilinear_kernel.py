@@ -13,8 +13,11 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from kvbroker.engine_adapter.multilinear import FOLD
+
 _LO32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
+_FOLD = np.uint64(FOLD)
 
 
 @intrinsic  # type: ignore[misc]
@@ -46,18 +49,131 @@ def _entry(bases, strides, words, j, block, k_lo, k_hi):  # type: ignore[no-unty
     return acc
 
 
+def _eight(bases, strides, words, js, bs, k_lo, k_hi, out, o):  # type: ignore[no-untyped-def]
+    """out[o + t] = the unfolded sum of block bs[t] of layer js[t], t < 8, whose layers' pieces
+    are the sizes of row js[0]'s. Eight streams from memory at once: one entry at a time leaves
+    the memory idle between its misses (a pull's check reads bytes no cache holds); eight read
+    it two to three times as fast here."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.uint64(0)
+    at = 0
+    for p in range(bases.shape[1]):
+        n = words[js[0], p]
+        if n == 0:
+            continue
+        w0 = numba.carray(_words_at(np.uint64(bases[js[0], p] + bs[0] * strides[js[0], p])), (n,))
+        w1 = numba.carray(_words_at(np.uint64(bases[js[1], p] + bs[1] * strides[js[1], p])), (n,))
+        w2 = numba.carray(_words_at(np.uint64(bases[js[2], p] + bs[2] * strides[js[2], p])), (n,))
+        w3 = numba.carray(_words_at(np.uint64(bases[js[3], p] + bs[3] * strides[js[3], p])), (n,))
+        w4 = numba.carray(_words_at(np.uint64(bases[js[4], p] + bs[4] * strides[js[4], p])), (n,))
+        w5 = numba.carray(_words_at(np.uint64(bases[js[5], p] + bs[5] * strides[js[5], p])), (n,))
+        w6 = numba.carray(_words_at(np.uint64(bases[js[6], p] + bs[6] * strides[js[6], p])), (n,))
+        w7 = numba.carray(_words_at(np.uint64(bases[js[7], p] + bs[7] * strides[js[7], p])), (n,))
+        kl, kh = k_lo[at : at + n], k_hi[at : at + n]
+        for x in range(n):
+            lo, hi = kl[x] & _LO32, kh[x] & _LO32
+            v = w0[x]
+            a0 += (v & _LO32) * lo + (v >> _S32) * hi
+            v = w1[x]
+            a1 += (v & _LO32) * lo + (v >> _S32) * hi
+            v = w2[x]
+            a2 += (v & _LO32) * lo + (v >> _S32) * hi
+            v = w3[x]
+            a3 += (v & _LO32) * lo + (v >> _S32) * hi
+            v = w4[x]
+            a4 += (v & _LO32) * lo + (v >> _S32) * hi
+            v = w5[x]
+            a5 += (v & _LO32) * lo + (v >> _S32) * hi
+            v = w6[x]
+            a6 += (v & _LO32) * lo + (v >> _S32) * hi
+            v = w7[x]
+            a7 += (v & _LO32) * lo + (v >> _S32) * hi
+        at += n
+    out[o], out[o + 1], out[o + 2], out[o + 3] = a0, a1, a2, a3
+    out[o + 4], out[o + 5], out[o + 6], out[o + 7] = a4, a5, a6, a7
+
+
+def _alike(words, a, b):  # type: ignore[no-untyped-def]
+    """Layers a and b have pieces of the same sizes (``eight`` can read them together)."""
+    for p in range(words.shape[1]):  # noqa: SIM110 (a loop numba compiles, not a generator)
+        if words[a, p] != words[b, p]:
+            return False
+    return True
+
+
 def _sums(bases, strides, words, block_ids, k_lo, k_hi, out):  # type: ignore[no-untyped-def]
     """out[i, j] = the unfolded sum of block block_ids[i] of layer j (pieces of layer j: row j)."""
     # Layer-major, so that consecutive blocks of a layer are consecutive in memory.
+    n = block_ids.shape[0]
+    column = np.empty(n, dtype=np.uint64)
     for j in range(bases.shape[0]):
-        for i in range(block_ids.shape[0]):
-            out[i, j] = entry(bases, strides, words, j, block_ids[i], k_lo, k_hi)
+        js = np.full(8, j, dtype=np.int64)
+        i = 0
+        while i + 7 < n:
+            eight(bases, strides, words, js, block_ids[i : i + 8], k_lo, k_hi, column, i)
+            i += 8
+        for r in range(i, n):
+            column[r] = entry(bases, strides, words, j, block_ids[r], k_lo, k_hi)
+        out[:, j] = column
 
 
 def _pair_sums(bases, strides, words, block_ids, layers, k_lo, k_hi, out):  # type: ignore[no-untyped-def]
-    """out[i] = the unfolded sum of block block_ids[i] of layer layers[i] (a sampled check's)."""
-    for i in range(block_ids.shape[0]):
-        out[i] = entry(bases, strides, words, layers[i], block_ids[i], k_lo, k_hi)
+    """out[i] = the unfolded sum of block block_ids[i] of layer layers[i] (a sampled check's),
+    eight at a time where their layers are alike."""
+    n = block_ids.shape[0]
+    i = 0
+    while i + 7 < n:
+        js = layers[i : i + 8]
+        same = True
+        for t in range(1, 8):
+            same = same and alike(words, js[0], js[t])
+        if same:
+            eight(bases, strides, words, js, block_ids[i : i + 8], k_lo, k_hi, out, i)
+            i += 8
+        else:
+            out[i] = entry(bases, strides, words, js[0], block_ids[i], k_lo, k_hi)
+            i += 1
+    for r in range(i, n):
+        out[r] = entry(bases, strides, words, layers[r], block_ids[r], k_lo, k_hi)
+
+
+def _sampled_check(
+    entries, rows, cols, expected, offsets, k, bases, strides, words, dcols, k_lo, k_hi, found
+):  # type: ignore[no-untyped-def]
+    """A sampled check in one pass (engine_adapter/digests.py, ``check``). For block rows[i]:
+    found[i] = -1 if an entry entries[rows[i], cols[j]] of any layer j is not stamped
+    expected[i]; else 1 + the least drawn layer j whose bytes' digest (digester row dcols[j])
+    differs from the entry's, drawn: j = (offsets[i] + t * L // k) % L for t < k, L layers;
+    else 0. While any block is unstated no bytes are digested. Returns the blocks unstated,
+    or -1 for a row outside `entries`."""
+    n, layers = rows.shape[0], cols.shape[0]
+    unstated = 0
+    for i in range(n):
+        b = rows[i]
+        if b < 0 or b >= entries.shape[0]:
+            return -1
+        found[i] = 0
+        for j in range(layers):
+            if entries[b, cols[j]] & _LO32 != expected[i]:
+                found[i] = -1
+                unstated += 1
+                break
+    if unstated:
+        return unstated
+    drawn = np.empty(n * k, dtype=np.int64)  # positions j in the check's layers
+    blocks = np.empty(n * k, dtype=np.int64)
+    for i in range(n):
+        for t in range(k):
+            drawn[i * k + t] = (offsets[i] + (t * layers) // k) % layers
+            blocks[i * k + t] = rows[i]
+    sums = np.empty(n * k, dtype=np.uint64)
+    pair_sums(bases, strides, words, blocks, dcols[drawn], k_lo, k_hi, sums)
+    for q in range(n * k):
+        i, j = q // k, drawn[q]
+        if (sums[q] * _FOLD) >> _S32 != entries[rows[i], cols[j]] >> _S32 and (
+            found[i] == 0 or j + 1 < found[i]
+        ):
+            found[i] = j + 1
+    return 0
 
 
 def _compile(f: Any, **kw: Any) -> Any:
@@ -68,5 +184,8 @@ def _compile(f: Any, **kw: Any) -> Any:
 
 
 entry = _compile(_entry, inline="always")
+eight = _compile(_eight, inline="always")
+alike = _compile(_alike, inline="always")
 sums = _compile(_sums)
 pair_sums = _compile(_pair_sums)
+sampled_check = _compile(_sampled_check)

@@ -15,7 +15,7 @@ this rank cannot compute is not read at all (recomputed), never reported corrupt
 A large load is read in groups of blocks, each digested on a thread of its own as it
 lands while the next is read (engine_adapter/verify_overlap.py); ``check`` then compares
 those digests. With ``verify_sample`` below 1 a check digests only that share of each block's
-layers, drawn afresh per check (``digests.sample_mask``), read whole and checked after.
+layers, drawn afresh per check (``digests.draw_sample``), read whole and checked after.
 
 DRAM is digested in place on the CPU; VRAM on its GPU, through the KV tensors.
 """
@@ -37,9 +37,10 @@ from kvbroker.engine_adapter.digests import (
     BlockBytes,
     Check,
     DigestTable,
+    Sample,
     check,
     digest_tier,
-    sample_mask,
+    draw_sample,
 )
 from kvbroker.engine_adapter.metadata import DigestSpec, LoadSpec, ReadOutcomes, RegionSpec
 from kvbroker.engine_adapter.topology import LayerRead
@@ -78,7 +79,7 @@ class PendingCheck:
 class ByteVerifier:
     def __init__(self, region_factory: Callable[[RegionSpec], Any], sample: float = 1.0) -> None:
         """`sample` (verify_sample): the share of each read block's layers a check digests, drawn
-        afresh per check (1.0: every byte; see ``digests.sample_mask``)."""
+        afresh per check (1.0: every byte; see ``digests.draw_sample``)."""
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"verify_sample must be in (0, 1] (got {sample})")
         self.sample = sample
@@ -116,6 +117,8 @@ class ByteVerifier:
             source.digests([], source.layers)  # compiles (or loads) the digest now, not on a pull
             if self.sample < 1.0:
                 source.pair_digests(np.zeros(0, dtype=np.int64), [])  # and the sampled check's
+                one = source.layers[:1]  # an unstated entry: compiles the one-call check, digests nothing
+                source.in_place_check(DigestTable(1, one), [0], [1], one, Sample(np.zeros(1, np.int64), 1, 1))
         except ValueError as e:
             raise VerifyUnsupportedError(f"verify_bytes cannot digest tier {pb.Tier.Name(tier)}: {e}") from e  # type: ignore[arg-type]
         table = DigestTable(num_blocks, source.layers)
@@ -270,7 +273,7 @@ class ByteVerifier:
         layers = _layers(reads)
         sample = None
         if self.sample < 1.0:
-            sample = sample_mask(len(spec.local_block_ids), len(layers), self.sample, self._rng)
+            sample = draw_sample(len(spec.local_block_ids), len(layers), self.sample, self._rng)
         return check(self._inbox, source, spec.local_block_ids, spec.block_hashes, layers, actual, sample)
 
 

@@ -15,8 +15,9 @@ from kvbroker.engine_adapter.digests import (
     ENTRY_BYTES,
     BlockBytes,
     DigestTable,
+    Sample,
     check,
-    sample_mask,
+    draw_sample,
     stamp_of,
 )
 from kvbroker.engine_adapter.kv_regions import regions_from_kv_caches
@@ -124,20 +125,28 @@ def test_mismatched_lengths_are_refused() -> None:
     assert np.all(table.entries == 0)
 
 
+def _mask(blocks: int, layers: int, share: float, rng: np.random.Generator) -> np.ndarray | None:
+    drawn = draw_sample(blocks, layers, share, rng)
+    return None if drawn is None else drawn.mask()
+
+
 def test_a_sample_draws_its_share_of_each_block_s_layers_afresh_each_time() -> None:
     rng = np.random.default_rng(7)
-    assert sample_mask(64, 30, 1.0, rng) is None and sample_mask(0, 30, 0.5, rng) is None
-    first = sample_mask(64, 30, 0.125, rng)
+    assert draw_sample(64, 30, 1.0, rng) is None and draw_sample(0, 30, 0.5, rng) is None
+    first = _mask(64, 30, 0.125, rng)
     assert first is not None and first.shape == (64, 30) and first.dtype == bool
     assert (first.sum(axis=1) == 4).all(), "ceil(0.125 * 30) layers of every block"
-    second = sample_mask(64, 30, 0.125, rng)
+    second = _mask(64, 30, 0.125, rng)
     assert second is not None and (first != second).any(), "drawn afresh"
-    one = sample_mask(5, 3, 0.01, rng)
+    one = _mask(5, 3, 0.01, rng)
     assert one is not None and (one.sum(axis=1) == 1).all(), "at least one layer per block"
     # Every layer is drawn about as often (a fixed seed: the same counts every run).
-    counts = sum(m for m in (sample_mask(64, 30, 0.125, rng) for _ in range(200)) if m is not None)
+    counts = sum(m for m in (_mask(64, 30, 0.125, rng) for _ in range(200)) if m is not None)
     per_layer = counts.sum(axis=0) / (200 * 64)
     assert per_layer.min() > 0.10 and per_layer.max() < 0.17
+    spread = Sample(np.array([0, 29]), 4, 30).mask()
+    assert np.flatnonzero(spread[0]).tolist() == [0, 7, 15, 22]
+    assert np.flatnonzero(spread[1]).tolist() == [6, 14, 21, 29], "from the offset, wrapping around"
 
 
 def _read_pair() -> tuple[DigestTable, dict[str, torch.Tensor], BlockBytes]:
@@ -154,8 +163,14 @@ def _read_pair() -> tuple[DigestTable, dict[str, torch.Tensor], BlockBytes]:
     return inbox, reader, block_bytes_of(reader)
 
 
-def test_a_sampled_check_digests_only_the_drawn_entries_and_finds_a_flip_there() -> None:
+@pytest.mark.parametrize("path", ["in place", "pairs"])
+def test_a_sampled_check_digests_only_the_drawn_entries_and_finds_a_flip_there(path: str) -> None:
+    """On DRAM the whole check is one compiled call (``in_place_check``); elsewhere (VRAM, read
+    here through the tensors) the drawn entries are digested as pairs, in one call."""
     inbox, reader, local = _read_pair()
+    if path == "pairs":
+        regions, n, _ = regions_from_kv_caches(reader)
+        local = BlockBytes(regions, n, "VRAM", reader.values())
     digested: list[list[tuple[int, int]]] = []
     real = local.pair_digests
 
@@ -164,21 +179,54 @@ def test_a_sampled_check_digests_only_the_drawn_entries_and_finds_a_flip_there()
         return real(block_ids, layers, algorithm)
 
     local.pair_digests = counting  # type: ignore[method-assign]
-    mask = np.array([[True, False, False], [False, False, True], [False, True, False]])
+    mask = Sample(np.array([0, 2, 1]), 1, 3)  # block 10: layer 0, 11: layer 2, 12: layer 1
     assert check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=mask).ok
-    assert digested == [[(10, 0), (11, 2), (12, 1)]], "the drawn entries only, in one call"
+    if path == "pairs":
+        assert digested == [[(10, 0), (11, 2), (12, 1)]], "the drawn entries only, in one call"
+    else:
+        assert digested == [], "no pairs: one call does the stamps, the digests and the comparison"
     # A flipped bit where the sample looks is found; where it does not, it is not.
     reader[LAYER_NAME.format(2)][11].view(torch.uint8).view(-1)[100] ^= 0x01
     found = check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=mask)
     assert found.mismatched == {1} and found.first_mismatch == (1, 2)
-    other = np.array([[True, False, False], [True, False, False], [False, True, False]])
+    other = Sample(np.array([0, 0, 1]), 1, 3)
     assert check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=other).ok
-    # Stamps are checked for every entry, drawn or not.
+    # Stamps are checked for every entry, drawn or not; then no bytes are digested.
     kept, inbox.entries[12, 2] = inbox.entries[12, 2], 0
+    digested.clear()
     assert check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=other).unstated == {2}
+    assert digested == []
     inbox.entries[12, 2] = kept
-    with pytest.raises(ValueError, match="a sample of shape"):
-        check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=mask[:2])
+    # Two blocks wrong: both found, the first one named.
+    reader[LAYER_NAME.format(0)][10].view(torch.uint8).view(-1)[8] ^= 0x80
+    found = check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=mask)
+    assert found.mismatched == {0, 1} and found.first_mismatch == (0, 0)
+    with pytest.raises(ValueError, match="a sample of 2 blocks x 3 layers for 3 blocks x 3 layers"):
+        check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=Sample(np.array([0, 2]), 1, 3))
+
+
+def test_the_one_call_check_finds_what_the_pairs_find() -> None:
+    """Random draws and random flips: the compiled check and the pairs agree on every outcome."""
+    inbox, reader, local = _read_pair()
+    regions, n, _ = regions_from_kv_caches(reader)
+    pairs = BlockBytes(regions, n, "VRAM", reader.values())
+    rng = np.random.default_rng(11)
+    names = sorted(reader)
+    caught = 0
+    for _ in range(40):
+        block, name = int(rng.integers(10, 13)), names[int(rng.integers(0, len(names)))]
+        flat = reader[name][block].view(torch.uint8).view(-1)
+        at, bit = int(rng.integers(0, flat.numel())), 1 << int(rng.integers(0, 8))
+        flat[at] ^= bit
+        mask = draw_sample(3, 3, 0.34, rng)
+        fused, paired = (
+            check(inbox, b, [10, 11, 12], HASHES, [0, 1, 2], sample=mask) for b in (local, pairs)
+        )
+        assert (fused.mismatched, fused.first_mismatch) == (paired.mismatched, paired.first_mismatch)
+        caught += bool(fused.mismatched)
+        flat[at] ^= bit
+    assert 5 < caught < 35, "a one-layer flip is found about a third of the time at a share of 1/3"
+    assert check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=mask).ok
 
 
 def test_a_wrong_block_is_caught_by_every_sampled_check() -> None:
@@ -189,7 +237,7 @@ def test_a_wrong_block_is_caught_by_every_sampled_check() -> None:
         reader[name][11] = reader[name][12]
     rng = np.random.default_rng(3)
     for _ in range(20):
-        found = check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=sample_mask(3, 3, 0.3, rng))
+        found = check(inbox, local, [10, 11, 12], HASHES, [0, 1, 2], sample=draw_sample(3, 3, 0.3, rng))
         assert found.mismatched == {1}
 
 

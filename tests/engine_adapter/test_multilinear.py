@@ -107,6 +107,29 @@ def _layer_block(kv: dict[str, torch.Tensor], layout: str, layer: int, block: in
     return b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
 
 
+def test_entries_read_eight_at_once_equal_one_at_a_time_for_any_count_and_unlike_layers() -> None:
+    """The kernel reads eight entries together where their layers' pieces are alike, one at a time
+    elsewhere: every count of blocks, and pairs that mix layers of other sizes, give the
+    reference digests."""
+    rng = np.random.default_rng(5)
+    blocks = 11
+    sizes = [[64], [96, 32], [64], [200 * 8]]  # bytes per piece, per layer: 0 and 2 are alike
+    bufs = [[rng.integers(0, 256, (blocks, n), dtype=np.uint8) for n in layer] for layer in sizes]
+    digester = ml.RegionDigester([[(b.ctypes.data, b.shape[1], b.shape[1]) for b in layer] for layer in bufs])
+
+    def reference(block: int, layer: int) -> int:
+        return ml.digest_words(b"".join(b[block].tobytes() for b in bufs[layer]))
+
+    for count in range(1, 18):
+        ids = rng.integers(0, blocks, count)
+        want = np.array([[reference(int(b), j) for j in range(len(sizes))] for b in ids])
+        assert np.array_equal(digester.digests(ids), want), f"{count} blocks"
+    ids = rng.integers(0, blocks, 41)
+    for layers in (rng.integers(0, 4, 41), np.array([0, 2] * 20 + [1]), np.array([0] * 7 + [1] + [2] * 33)):
+        want = [reference(int(b), int(j)) for b, j in zip(ids, layers, strict=True)]
+        assert digester.pair_digests(ids, layers).tolist() == want
+
+
 def test_pieces_that_are_not_whole_words_are_refused() -> None:
     with pytest.raises(ValueError, match="whole 8-byte words; a piece is 12 bytes"):
         ml.RegionDigester([[(4096, 12, 12)]])

@@ -98,7 +98,7 @@ class AdapterConfig:
         "With verify_bytes, the share of each pulled block's layers the reader digests and checks, drawn "
         "at random for every pull and every block (at least one layer per block). 1.0: every byte. Below "
         "1 a wrong block is still always caught and a fault in one layer of one block with about this "
-        "probability per pull, for less of the check's cost (0.0625: +9-12% of a read here, docs/data_path.md).",
+        "probability per pull, for less of the check's cost (0.0625: +2-7% of a read here, docs/data_path.md).",
     )
     retain_gpu_fraction: float = setting(
         0.5,

@@ -39,4 +39,5 @@ def test_verify_bench_runs_and_writes_json(tmp_path: Path) -> None:
         assert row["plain_ms"] > 0 and row["verified_ms"] > 0 and row["holder_state_ms"] > 0
         assert row["check_ms"] > 0 and row["one_pass_ms"] > 0
         assert len(row["samples_ms"]["sampled"]) == 2 and row["sampled_ms"] > 0
-    assert doc["settings"]["sample"] == 0.125 and "verdict" in doc["target"]["sampled"]
+    assert doc["settings"]["sample"] == 0.0625 and "verdict" in doc["target"]["sampled"]
+    assert doc["target"]["per_model"] == {}, "no history at the target size (2,048 tokens) here"

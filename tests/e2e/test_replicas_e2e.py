@@ -2,15 +2,17 @@
 redis-server, a prefill engine P and a decode engine D (real vLLM on the tiny model, our connector,
 real NIXL) and the P/D proxy, every one of them given both replicas' addresses.
 
-Both engines and the proxy name replica a first, so all their sessions and calls start there: the
+Both engines and the proxy name replica a first, so their sessions and calls start there: the
 kill -9 of a then moves every session at once, the holder's and the reader's, in the middle of
 pulls in both directions (P -> D for each turn's prompt, D -> P for the history of the next
-turn). Cross-replica traffic (holder on one replica, reader on the other) is covered by
+turn). On a loaded host a client can find a failing fast (its store slow to answer) and start on
+b instead: the test then kills the replica that serves most sessions (each replica's Watch says
+where each engine registered or resumed), and an engine on the survivor must not notice. Cross-replica traffic (holder on one replica, reader on the other) is covered by
 tests/process/test_replicas.py with Python sessions.
 
 Concurrent multi-turn chats run through the proxy while a is killed. Every request must succeed
-with the tokens P alone answers for the same conversation; both sessions must resume on b (same
-session, leases kept) within 2 s of the kill; pulls go on afterwards; no lease ends because of
+with the tokens P alone answers for the same conversation; the killed replica's sessions must
+resume on the survivor (same session, leases kept) within 2 s of the kill; pulls go on afterwards; no lease ends because of
 the failover, and once the holds are read or expired none is left.
 """
 
@@ -44,13 +46,27 @@ FAILOVER_S = 2.0
 @dataclass
 class Fleet:
     redis: Any  # testkit.redis_server.RedisServer
-    a: Any  # testkit.processes.BrokerProcess: the replica the test kills
-    b: Any  # the survivor
+    a: Any  # testkit.processes.BrokerProcess: a replica, named first in every client's list
+    b: Any  # the other
     p: Any  # kvbroker.tools.launch.EngineProcess
     d: Any
     proxy_url: str
     stats: dict[str, Path]
     log_dir: Path
+    # Each replica's own engine events since before the engines started ("a", "b").
+    watches: dict[str, EngineEvents] = field(default_factory=dict)
+
+    def serving(self, engine_id: str) -> str | None:
+        """The replica ("a" or "b") whose stream the engine's session is on: where it last
+        registered or resumed. Clients try a first; one that found a failing fast (its store
+        slow to answer, on a loaded host) is on b."""
+        seen = [
+            (t, name)
+            for name, watch in self.watches.items()
+            for t, kind, e in list(watch.events)
+            if e == engine_id and kind in ("engine_registered", "engine_resumed")
+        ]
+        return max(seen)[1] if seen else None
 
     def stat(self, name: str, key: str, *, settle: bool = True) -> int:
         """`settle`: wait a moment first (the stats file is written from a thread, after the answer)."""
@@ -86,6 +102,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             parts.append(replicas[-1].start())
         a, b = replicas
         both = f"{a.address},{b.address}"
+        watches = {"a": EngineEvents(a.address).start(), "b": EngineEvents(b.address).start()}
+        parts += watches.values()  # closed (stop()) with the rest
         common: dict[str, Any] = dict(
             broker_address=both,
             served_model_name=MODEL,
@@ -120,7 +138,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         parts.append(proxy)
         proxy.start()
         print(f"replicas e2e logs in {log_dir}")
-        yield Fleet(redis, a, b, p, d, proxy.url, {"P": p_stats, "D": d_stats}, log_dir)
+        fleet = Fleet(redis, a, b, p, d, proxy.url, {"P": p_stats, "D": d_stats}, log_dir, watches)
+        assert wait_for(lambda: all(fleet.serving(e) for e in ("prefill-0", "decode-0")), 10), (
+            "no replica told of the engines' sessions"
+        )
+        yield fleet
     finally:
         for part in reversed(parts):
             with contextlib.suppress(Exception):
@@ -157,12 +179,14 @@ class EngineEvents:
         time.sleep(0.3)  # the stream is open on the replica before anything happens
         return self
 
-    def first(self, kind: str, engine_id: str) -> float | None:
-        return next((t for t, k, e in list(self.events) if k == kind and e == engine_id), None)
+    def first(self, kind: str, engine_id: str, after: float = 0.0) -> float | None:
+        return next((t for t, k, e in list(self.events) if k == kind and e == engine_id and t > after), None)
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+
+    stop = close
 
 
 def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
@@ -181,7 +205,13 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
     )
     assert all(not r.error for r in reference), [r.error for r in reference]
 
-    watch = EngineEvents(fleet.b.address).start()
+    # The replica to kill serves the sessions (both, unless a loaded host's store made one
+    # engine's client find the first replica failing fast and start on the other).
+    placement = {e: fleet.serving(e) for e in ("prefill-0", "decode-0")}
+    victim = max(("a", "b"), key=lambda r: (list(placement.values()).count(r), r == placement["prefill-0"]))
+    survivor = "b" if victim == "a" else "a"
+    moving = [e for e, r in placement.items() if r == victim]
+    watch = fleet.watches[survivor]
     done = [0]
     runs: list[Any] = []
     load = threading.Thread(
@@ -204,18 +234,19 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
         assert wait_for(lambda: done[0] >= CONVERSATIONS, 120, 0.05), "the load did not get going"
         pulled_before = {name: fleet.stat(name, "pulled_tokens", settle=False) for name in ("P", "D")}
         killed, killed_after = time.monotonic(), done[0]
-        fleet.a.kill9()
+        getattr(fleet, victim).kill9()
         assert wait_for(
-            lambda: all(watch.first("engine_resumed", e) for e in ("prefill-0", "decode-0")), 10, 0.01
-        ), f"sessions did not resume on the survivor: {watch.events}"
-        moved = {e: (watch.first("engine_resumed", e) or 0.0) - killed for e in ("prefill-0", "decode-0")}
+            lambda: all(watch.first("engine_resumed", e, after=killed) for e in moving), 10, 0.01
+        ), f"sessions {moving} did not resume on the survivor {survivor}: {watch.events}"
+        moved = {e: (watch.first("engine_resumed", e, after=killed) or 0.0) - killed for e in moving}
         load.join(300)
         assert not load.is_alive(), "the load did not finish"
     finally:
         watch.close()
 
     print(
-        f"\nkilled replica a after {killed_after} of {CONVERSATIONS * TURNS} turns; sessions resumed on b "
+        f"\nsessions on replica {victim}: {moving}; killed it after {killed_after} of "
+        f"{CONVERSATIONS * TURNS} turns; sessions resumed on {survivor} "
         + ", ".join(f"{e} {s * 1000:.0f} ms" for e, s in moved.items())
         + " after the kill"
     )
@@ -225,11 +256,11 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
     stalled = sum(
         float(s)
         for s in re.findall(
-            r"broker did not run for ([\d.]+) s", (fleet.log_dir / "replica-b.log").read_text()
+            r"broker did not run for ([\d.]+) s", (fleet.log_dir / f"replica-{survivor}.log").read_text()
         )
     )
     assert max(moved.values()) < FAILOVER_S + stalled, (moved, f"survivor stalled {stalled:.2f} s")
-    assert not [e for _, k, e in watch.events if k == "engine_registered"], watch.events
+    assert not [e for t, k, e in watch.events if k == "engine_registered" and t > killed], watch.events
     for name in ("prefill-0", "decode-0"):
         log = (fleet.log_dir / f"{name}.log").read_text(errors="replace")
         assert "held blocks: broker session lost" not in log, f"{name} freed its holds at the kill"
@@ -291,7 +322,7 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
     )
 
     # No lease is left once the holds nobody reads have expired, and none ended for the failover.
-    with BrokerClient(fleet.b.address) as client:
+    with BrokerClient(getattr(fleet, survivor).address) as client:
 
         def live() -> list[Any]:
             return list(client.list_leases().leases)

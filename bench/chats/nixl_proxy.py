@@ -115,15 +115,16 @@ def build_app(prefill_url: str, decode_url: str, decode_stream: bool) -> Any:
 
     book = ConversationBook()
     timeout = aiohttp.ClientTimeout(total=600)
+    session_key = web.AppKey("http", aiohttp.ClientSession)
 
     async def on_startup(app: web.Application) -> None:
-        app["http"] = aiohttp.ClientSession(timeout=timeout)
+        app[session_key] = aiohttp.ClientSession(timeout=timeout)
 
     async def on_cleanup(app: web.Application) -> None:
-        await app["http"].close()
+        await app[session_key].close()
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        http: aiohttp.ClientSession = request.app["http"]
+        http = request.app[session_key]
         body = await request.json()
         conversation = request.headers.get(CONVERSATION_HEADER)
         started = time.perf_counter()

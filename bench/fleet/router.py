@@ -48,6 +48,7 @@ from aiohttp import (
 from bench.harness.baselines import decode_request, prefill_request
 
 POLICIES = ("rr", "prefix", "nixl-pd")
+HTTP: web.AppKey[ClientSession] = web.AppKey("http", ClientSession)
 
 
 class Picker:
@@ -115,11 +116,11 @@ def build_app(picker: Picker, prefill: str = "", decode: str = "") -> web.Applic
 
     async def on_startup(app: web.Application) -> None:
         # Idle connections close before vLLM's server closes them (5 s), as the proxy's do.
-        app["http"] = ClientSession(timeout=timeout, connector=TCPConnector(limit=0, keepalive_timeout=4.0))
+        app[HTTP] = ClientSession(timeout=timeout, connector=TCPConnector(limit=0, keepalive_timeout=4.0))
         await picker.start()
 
     async def on_cleanup(app: web.Application) -> None:
-        await app["http"].close()
+        await app[HTTP].close()
         if picker.client is not None:
             await picker.client.close()
 
@@ -134,7 +135,7 @@ def build_app(picker: Picker, prefill: str = "", decode: str = "") -> web.Applic
         return await http.post(url, json=body)
 
     async def relay(request: web.Request, url: str, body: dict[str, Any]) -> web.StreamResponse:
-        http: ClientSession = request.app["http"]
+        http = request.app[HTTP]
         async with await post(http, f"{url}/v1/completions", body) as resp:
             out = web.StreamResponse(
                 status=resp.status, headers={"Content-Type": resp.headers.get("Content-Type", "text/plain")}
@@ -148,7 +149,7 @@ def build_app(picker: Picker, prefill: str = "", decode: str = "") -> web.Applic
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if picker.policy == "nixl-pd":
-            http: ClientSession = request.app["http"]
+            http = request.app[HTTP]
             async with await post(
                 http, f"{prefill}/v1/completions", prefill_request(body, {"do_remote_decode": True})
             ) as resp:

@@ -60,6 +60,12 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily("kvbroker_engines", "Registered engines (live sessions)", value=stats.engines)
         yield GaugeMetricFamily("kvbroker_sessions", "Live engine sessions", value=stats.sessions)
         yield GaugeMetricFamily(
+            "kvbroker_own_sessions",
+            "Engine sessions whose stream this broker serves (with --state: this replica's; "
+            "kvbroker_sessions counts the fleet's)",
+            value=len(self._core.registry.own_sessions()),
+        )
+        yield GaugeMetricFamily(
             "kvbroker_blocks_indexed", "Blocks in the prefix index (per holder)", value=stats.blocks_indexed
         )
         yield GaugeMetricFamily(

@@ -426,6 +426,7 @@ async def test_metrics_and_tracing() -> None:
         assert 'kvbroker_rpc_seconds_count{code="NOT_FOUND",method="Drain"} 1.0' in body
         assert (
             "kvbroker_engines 0.0" in body
+            and "kvbroker_own_sessions 0.0" in body
             and "kvbroker_mirrors 0.0" in body
             and 'kvbroker_revocations_total{cause="ttl_expired"} 0.0' in body
         )

@@ -6,9 +6,10 @@ Both engines and the proxy name replica a first, so their sessions and calls sta
 kill -9 of a then moves every session at once, the holder's and the reader's, in the middle of
 pulls in both directions (P -> D for each turn's prompt, D -> P for the history of the next
 turn). On a loaded host a client can find a failing fast (its store slow to answer) and start on
-b instead: the test then kills the replica that serves most sessions (each replica's Watch says
-where each engine registered or resumed), and an engine on the survivor must not notice. Cross-replica traffic (holder on one replica, reader on the other) is covered by
-tests/process/test_replicas.py with Python sessions.
+b instead: the test then kills the replica that serves most sessions (each replica's
+`kvbroker_own_sessions`), and an engine on the survivor must not notice. Cross-replica traffic
+(holder on one replica, reader on the other) is covered by tests/process/test_replicas.py with
+Python sessions.
 
 Concurrent multi-turn chats run through the proxy while a is killed. Every request must succeed
 with the tokens P alone answers for the same conversation; the killed replica's sessions must
@@ -53,20 +54,7 @@ class Fleet:
     proxy_url: str
     stats: dict[str, Path]
     log_dir: Path
-    # Each replica's own engine events since before the engines started ("a", "b").
-    watches: dict[str, EngineEvents] = field(default_factory=dict)
-
-    def serving(self, engine_id: str) -> str | None:
-        """The replica ("a" or "b") whose stream the engine's session is on: where it last
-        registered or resumed. Clients try a first; one that found a failing fast (its store
-        slow to answer, on a loaded host) is on b."""
-        seen = [
-            (t, name)
-            for name, watch in self.watches.items()
-            for t, kind, e in list(watch.events)
-            if e == engine_id and kind in ("engine_registered", "engine_resumed")
-        ]
-        return max(seen)[1] if seen else None
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # "a", "b"
 
     def stat(self, name: str, key: str, *, settle: bool = True) -> int:
         """`settle`: wait a moment first (the stats file is written from a thread, after the answer)."""
@@ -75,6 +63,14 @@ class Fleet:
         if settle:
             time.sleep(0.3)
         return int(read_stats(self.stats[name], settle=False).get(key, 0))
+
+    def own_sessions(self, replica: str) -> int:
+        """The engine sessions whose stream the replica serves (its `kvbroker_own_sessions`)."""
+        url = f"http://127.0.0.1:{self.metrics_ports[replica]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            found = re.search(r"^kvbroker_own_sessions (\S+)$", resp.read().decode(), re.MULTILINE)
+        assert found, f"replica {replica} serves no kvbroker_own_sessions"
+        return int(float(found.group(1)))
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +82,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         pytest.skip(reason)
     from kvbroker.clients.sync import BrokerClient
     from testkit.engines import start_engine
+    from testkit.ports import free_port
     from testkit.processes import SERVE, BrokerProcess, ProxyProcess
     from testkit.redis_server import RedisServer
     from testkit.waiting import wait_for
@@ -96,14 +93,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     parts: list[Any] = []
     try:
         replicas = []
+        metrics_ports = {"a": free_port(), "b": free_port()}
         for name in ("a", "b"):
-            args = ["--state", redis.url, "--metrics-port", "0"]
+            args = ["--state", redis.url, "--metrics-port", str(metrics_ports[name])]
             replicas.append(BrokerProcess(log_dir, args, command=SERVE, log_name=f"replica-{name}.log"))
             parts.append(replicas[-1].start())
         a, b = replicas
         both = f"{a.address},{b.address}"
-        watches = {"a": EngineEvents(a.address).start(), "b": EngineEvents(b.address).start()}
-        parts += watches.values()  # closed (stop()) with the rest
         common: dict[str, Any] = dict(
             broker_address=both,
             served_model_name=MODEL,
@@ -138,10 +134,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         parts.append(proxy)
         proxy.start()
         print(f"replicas e2e logs in {log_dir}")
-        fleet = Fleet(redis, a, b, p, d, proxy.url, {"P": p_stats, "D": d_stats}, log_dir, watches)
-        assert wait_for(lambda: all(fleet.serving(e) for e in ("prefill-0", "decode-0")), 10), (
-            "no replica told of the engines' sessions"
-        )
+        fleet = Fleet(redis, a, b, p, d, proxy.url, {"P": p_stats, "D": d_stats}, log_dir, metrics_ports)
         yield fleet
     finally:
         for part in reversed(parts):
@@ -186,8 +179,6 @@ class EngineEvents:
         if self._client is not None:
             self._client.close()
 
-    stop = close
-
 
 def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
     from kvbroker.clients.sync import BrokerClient
@@ -205,13 +196,14 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
     )
     assert all(not r.error for r in reference), [r.error for r in reference]
 
-    # The replica to kill serves the sessions (both, unless a loaded host's store made one
-    # engine's client find the first replica failing fast and start on the other).
-    placement = {e: fleet.serving(e) for e in ("prefill-0", "decode-0")}
-    victim = max(("a", "b"), key=lambda r: (list(placement.values()).count(r), r == placement["prefill-0"]))
+    # The replica to kill serves the sessions: both, unless a loaded host's store made one engine's
+    # client find the first replica failing fast and start on the other (then it kills a, whose one
+    # session moves, and the other engine must not notice).
+    own = {r: fleet.own_sessions(r) for r in ("a", "b")}
+    assert sum(own.values()) == 2, own
+    victim = "a" if own["a"] >= own["b"] else "b"
     survivor = "b" if victim == "a" else "a"
-    moving = [e for e, r in placement.items() if r == victim]
-    watch = fleet.watches[survivor]
+    watch = EngineEvents(getattr(fleet, survivor).address).start()  # a Watch shows the whole fleet
     done = [0]
     runs: list[Any] = []
     load = threading.Thread(
@@ -235,17 +227,25 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
         pulled_before = {name: fleet.stat(name, "pulled_tokens", settle=False) for name in ("P", "D")}
         killed, killed_after = time.monotonic(), done[0]
         getattr(fleet, victim).kill9()
-        assert wait_for(
-            lambda: all(watch.first("engine_resumed", e, after=killed) for e in moving), 10, 0.01
-        ), f"sessions {moving} did not resume on the survivor {survivor}: {watch.events}"
-        moved = {e: (watch.first("engine_resumed", e, after=killed) or 0.0) - killed for e in moving}
+
+        def resumed() -> dict[str, float]:
+            return {
+                e: t - killed
+                for e in ("prefill-0", "decode-0")
+                if (t := watch.first("engine_resumed", e, after=killed)) is not None
+            }
+
+        assert wait_for(lambda: len(resumed()) == own[victim], 10, 0.01), (
+            f"{own[victim]} sessions of replica {victim} did not resume on {survivor}: {watch.events}"
+        )
+        moved = resumed()
         load.join(300)
         assert not load.is_alive(), "the load did not finish"
     finally:
         watch.close()
 
     print(
-        f"\nsessions on replica {victim}: {moving}; killed it after {killed_after} of "
+        f"\nsessions per replica {own}; killed {victim} after {killed_after} of "
         f"{CONVERSATIONS * TURNS} turns; sessions resumed on {survivor} "
         + ", ".join(f"{e} {s * 1000:.0f} ms" for e, s in moved.items())
         + " after the kill"
@@ -261,6 +261,7 @@ def test_kill9_of_the_replica_under_pd_chat_load(fleet: Fleet) -> None:
     )
     assert max(moved.values()) < FAILOVER_S + stalled, (moved, f"survivor stalled {stalled:.2f} s")
     assert not [e for t, k, e in watch.events if k == "engine_registered" and t > killed], watch.events
+    assert fleet.own_sessions(survivor) == 2, "the survivor serves both sessions"
     for name in ("prefill-0", "decode-0"):
         log = (fleet.log_dir / f"{name}.log").read_text(errors="replace")
         assert "held blocks: broker session lost" not in log, f"{name} freed its holds at the kill"

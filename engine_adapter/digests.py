@@ -152,11 +152,7 @@ class BlockBytes:
                 np.array([inbox.column(layer) for layer in layers], dtype=np.int64),
                 np.array([self._column[layer] for layer in layers], dtype=np.int64),
             )
-        if len(sample.offsets) != len(block_ids) or sample.layers != len(layers):
-            raise ValueError(
-                f"a sample of {len(sample.offsets)} blocks x {sample.layers} layers for "
-                f"{len(block_ids)} blocks x {len(layers)} layers"
-            )
+        _fits(sample, len(block_ids), len(layers))
         unstated, found = self._in_place.sampled_check(
             inbox.entries,
             np.asarray(block_ids, dtype=np.int64),
@@ -362,7 +358,8 @@ def check(
         return result
     algorithms = set(algorithm_of.values())
     if sample is not None:
-        mask = _mask_for(sample, stated.shape)
+        _fits(sample, *stated.shape)
+        mask = sample.mask()
         actual_digests = _sampled(local, block_ids, layers, algorithm_of, mask, stated)
         fresh &= mask
     elif actual is not None:
@@ -382,13 +379,13 @@ def check(
     return result
 
 
-def _mask_for(sample: Sample, shape: tuple[int, ...]) -> np.ndarray:
-    if (len(sample.offsets), sample.layers) != shape:
+def _fits(sample: Sample, blocks: int, layers: int) -> None:
+    """A sample drawn for this check's blocks and layers (either path's check of it)."""
+    if (len(sample.offsets), sample.layers) != (blocks, layers):
         raise ValueError(
             f"a sample of {len(sample.offsets)} blocks x {sample.layers} layers for "
-            f"{shape[0]} blocks x {shape[1]} layers"
+            f"{blocks} blocks x {layers} layers"
         )
-    return sample.mask()
 
 
 def _sampled(

@@ -51,8 +51,6 @@ def find_holders(
         if require_exact and exactness is not Exactness.EXACT:
             continue
         matches.append(HolderMatch(engine_id, tier, n, rec.load, exactness=int(exactness)))
-    if len(matches) > 1:
-        matches = rank_holders(matches)
     reader = asker.engine_id if asker is not None else ""
     for m in matches:
         hold, m.reads = covering_hold(leases, m, ns, hashes, reader)
@@ -62,7 +60,8 @@ def find_holders(
             # its holder announces them once granted, and a prompt's partial last block
             # (held for a P -> D handover) is announced by no cache event at all.
             m.matched = max(m.matched, common_prefix(hold.block_hashes, hashes))
-    return matches
+    # Ranked once the holds are known: a hold makes a busy holder's GPU copy ready to read.
+    return rank_holders(matches) if len(matches) > 1 else matches
 
 
 def covering_hold(

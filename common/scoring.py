@@ -29,9 +29,23 @@ class HolderMatch:
     exactness: int = 1  # IndexExactness of the broker's picture of this holder (1: exact)
 
 
+# A holder with at least this load (requests its scheduler has taken up and not finished) is
+# stepping: a pin of its GPU copy waits for its scheduler's current step to end (hundreds of
+# milliseconds for a prefill chunk on a busy engine), while its CPU tier pins at once.
+BUSY_LOAD = 1.0
+
+
+def waits_on_step(m: HolderMatch) -> bool:
+    """Whether reading this match needs the holder's scheduler to pin it first while that scheduler
+    is busy: a GPU copy with no hold already covering it, on a holder with a load of BUSY_LOAD+."""
+    return m.tier == Tier.GPU and not m.hold_lease_id and m.load >= BUSY_LOAD
+
+
 def rank_holders(matches: list[HolderMatch]) -> list[HolderMatch]:
-    """Best first: longest prefix, then GPU before CPU, then lower load."""
-    return sorted(matches, key=lambda m: (-m.matched, m.tier, m.load, m.engine_id))
+    """Best first: longest prefix; then a copy that is ready to read before one whose pin waits on a
+    busy holder's step (so a busy holder's CPU copy comes before its GPU copy, unless a hold
+    already pins the GPU one); then GPU before CPU; then lower load."""
+    return sorted(matches, key=lambda m: (-m.matched, waits_on_step(m), m.tier, m.load, m.engine_id))
 
 
 @dataclass(slots=True)

@@ -129,6 +129,32 @@ def test_longest_prefix_per_holder_and_tier_best_first():
     assert ("X", Tier.GPU, 5) in [(m.engine_id, m.tier, m.matched) for m in core.resolve(d, ns, H).matches]
 
 
+def test_a_busy_holders_cpu_copy_comes_before_its_gpu_copy_unless_a_hold_covers_it():
+    """A pin of a busy holder's GPU copy waits for its scheduler's step; its CPU tier pins at once."""
+    core, _clock, _n, p, d, ns = setup_pair()
+    core.update_inventory(p, ns, Tier.GPU, H[:20], [])
+    core.update_inventory(p, ns, Tier.CPU, H[:20], [])
+
+    def order() -> list[tuple[str, Tier, int]]:
+        return [(m.engine_id, m.tier, m.matched) for m in core.resolve(d, ns, H).matches]
+
+    assert order() == [("P", Tier.GPU, 20), ("P", Tier.CPU, 20)], "an idle holder: GPU first"
+    core.heartbeat(p, 2.0)
+    assert order() == [("P", Tier.CPU, 20), ("P", Tier.GPU, 20)], "a busy holder: its CPU copy first"
+    # A longer prefix still wins: the CPU copy is preferred among equals only.
+    core.update_inventory(p, ns, Tier.GPU, H[20:24], [])
+    assert order()[0] == ("P", Tier.GPU, 24)
+    # A hold of the GPU copy for this reader is pinned already: no step to wait for.
+    core.update_inventory(p, ns, Tier.GPU, [], H[20:24])
+    core.hold("P", ns, Tier.GPU, H[:20], list(range(20)), reader_id="D")
+    matches = core.resolve(d, ns, H).matches
+    assert [(m.tier, bool(m.hold_lease_id)) for m in matches] == [(Tier.GPU, True), (Tier.CPU, False)]
+    # An idle engine's GPU copy of as much comes before a busy holder's CPU copy.
+    x = core.register(engine_info("X"), 3000)
+    core.update_inventory(x, ns, Tier.GPU, H[:20], [])
+    assert core.resolve(d, ns, H).matches[0].engine_id == "X"
+
+
 def test_resolve_acquire_claims_covering_hold():
     core, _clock, notes, p, d, ns = setup_pair()
     core.update_inventory(p, ns, Tier.GPU, H[:8], [])

@@ -86,6 +86,14 @@ async def test_mirror_follows_the_broker(
         assert "p2" not in {e.engine_id for e in mirror.engines()}
         assert answer(mirror.resolve("t", CHAIN)) == await broker_answer(broker.address, layout, "t", CHAIN)
 
+        # A busy holder's CPU copy comes before its GPU copy of as much (its GPU pin would wait on
+        # its scheduler's step), in the mirror as at the broker, once the load is republished.
+        p1.announce_stored((layout, "t"), CPU, CHAIN[:7])
+        await until(lambda: answer(mirror.resolve("t", CHAIN))[:2] == [("p1", GPU, 7), ("p1", CPU, 7)])
+        p1.set_load(3.0)
+        await until(lambda: answer(mirror.resolve("t", CHAIN))[:2] == [("p1", CPU, 7), ("p1", GPU, 7)])
+        assert answer(mirror.resolve("t", CHAIN)) == await broker_answer(broker.address, layout, "t", CHAIN)
+
         # An asker never sees itself, as in a session resolve.
         seen_by_p1 = mirror.resolve("t", CHAIN, asker=engine_info("p1"))
         assert seen_by_p1 is not None and [m.engine_id for m in seen_by_p1] == ["p0"]

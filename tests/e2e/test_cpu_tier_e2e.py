@@ -15,6 +15,7 @@ checks every byte).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,40 @@ def test_reader_pulls_a_prefix_held_only_on_the_holders_cpu_tier(pair: Pair) -> 
     complete(pair.a, prompt_of(40, seed=32), max_tokens=1)
     assert wait_for(lambda: pair.stat("A", "cpu_pins") >= 1, 15), read_stats(pair.stats["A"])
     assert wait_for(lambda: int(read_stats(pair.stats["A"]).get("cpu_tier_pinned_slots", -1)) == 0, 15)
+
+
+def test_a_reader_takes_a_busy_holders_cpu_copy_instead_of_waiting_for_its_step(pair: Pair) -> None:
+    """A holds a prompt on both tiers. Idle, the broker names its GPU copy first; busy (a long
+    generation running), its CPU copy, which A pins on its session thread at once where a GPU pin
+    waits for A's scheduler step; B reads that copy and its output equals a recompute."""
+    prompt = prompt_of(200, seed=81)
+    full_blocks = len(prompt) // BLOCK_SIZE
+    reference = recompute_reference(pair.b, prompt, MAX_TOKENS)
+    assert output_ids(complete(pair.a, prompt, max_tokens=MAX_TOKENS)) == reference
+    both = [("A", pb.TIER_GPU, full_blocks), ("A", pb.TIER_CPU, full_blocks)]
+    assert wait_for(lambda: broker_matches(pair, prompt)[:2] == both, 30), broker_matches(pair, prompt)
+
+    def a_load() -> float:
+        with BrokerClient(pair.broker.address) as client:
+            return next(e.load for e in client.list_engines().engines if e.engine_id == "A")
+
+    long_run = threading.Thread(
+        target=complete, args=(pair.a, prompt_of(40, seed=82)), kwargs={"max_tokens": 1900}, daemon=True
+    )
+    long_run.start()
+    try:
+        assert wait_for(lambda: a_load() >= 1, 30), "A never reported the long generation as load"
+        assert broker_matches(pair, prompt)[:2] == both[::-1], "a busy holder: its CPU copy first"
+        cpu_before = pair.stat("B", "pulled_blocks_tier_cpu")
+        assert output_ids(complete(pair.b, prompt, max_tokens=MAX_TOKENS)) == reference
+        assert long_run.is_alive(), "the long generation ended before B's pull: A was not busy"
+        assert wait_for(lambda: pair.stat("B", "pulled_blocks_tier_cpu") == cpu_before + full_blocks, 15), (
+            read_stats(pair.stats["B"])
+        )
+    finally:
+        long_run.join(timeout=120)
+    # A idle again for the next test (the long answer's blocks then fill most of A's CPU tier).
+    assert wait_for(lambda: a_load() < 1, 30)
 
 
 def test_remote_decode_request_is_offloaded_whole_and_stays_after_the_gpu_hold_ends(pair: Pair) -> None:

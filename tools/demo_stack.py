@@ -59,6 +59,10 @@ def parse_topology(text: str) -> tuple[str, int]:
 
 # KV cache per engine: about 340 blocks of the real model (1.5 MB each, 10,900 tokens), thousands of the tiny one's.
 KV_CACHE_BYTES = {"real": 512 << 20, "tiny": 256 << 20}
+# Data-parallel engines' CPU offload tier, in blocks (SmolLM2: 360 MiB of host memory each): a
+# pull from a busy holder reads its CPU copy, pinned at once, instead of waiting for the holder's
+# scheduler step to pin its GPU copy (docs/serving.md, "Data-parallel fleets").
+DP_CPU_TIER_BLOCKS = 256
 
 
 def say(msg: str) -> None:
@@ -275,7 +279,7 @@ def _start_parts(
             # D holds each finished turn (prompt + answer) so the next turn's prefill can pull it.
             # Data-parallel engines offer what their prefix caches hold (pinned when pulled).
             multi_turn=(role == "decode"),
-            **(connector_extra or {}),
+            **({"cpu_tier_blocks": DP_CPU_TIER_BLOCKS} if role == "both" else {}) | (connector_extra or {}),
         )
         return EngineProcess(
             model_dir,

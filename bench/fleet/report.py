@@ -92,6 +92,8 @@ def summarize(
         "reuse_of_ideal": round(reuse / ideal_share, 3) if ideal_share else float("nan"),
         "pulled_tokens": pulled,
         "pulled_blocks": _delta(connector[1], connector[0], "pulled_blocks"),
+        "pulled_blocks_cpu_tier": _delta(connector[1], connector[0], "pulled_blocks_tier_cpu"),
+        "restored_blocks_own_cpu_tier": _delta(connector[1], connector[0], "cpu_restored_blocks"),
         "pulled_bytes": pulled_bytes if pulled_bytes else pulled * kv_bytes_per_token,
         "pulled_bytes_estimated": not pulled_bytes and pulled > 0,
         # The readers' scheduler steps from a load's allocation to its prefill (1 the fewest;

@@ -19,6 +19,13 @@
               a pull's fixed wait nor what a prefill costs the requests running beside it
               (the rule before those terms: --dp-pull-fixed-tokens 0 --dp-neighbour-cost 0,
               recompute_neighbour_cost 0)
+    ours-dp-gpu-only  ours-dp-learn without the CPU offload tier: a pull from a busy holder
+              then waits for that holder's scheduler step to pin its GPU copy
+
+Every ours-dp setup but ours-dp-gpu-only gives each engine a CPU offload tier of
+CPU_TIER_BLOCKS blocks: finished requests' blocks are copied there, and a reader pulling
+from a busy holder reads that copy, which the holder pins at once (common/scoring.py,
+rank_holders), instead of waiting for the holder's current step.
 
 `ours-dp` is the proxy's data-parallel mode (docs/serving.md, "Data-parallel fleets"):
 engines with our connector, role `both` (kv_both), given as `--engine ID=URL`, and the proxy
@@ -62,7 +69,20 @@ SETUPS = (
     "ours-dp-learn",
     "ours-dp-own-pull",
     "ours-dp-linear",
+    "ours-dp-gpu-only",
 )
+# Our connector's counters the report reads (summed over the engines; engine_adapter/loads.py).
+CONNECTOR_COUNTS = (
+    "pulled_blocks",
+    "pulled_tokens",
+    "pulled_bytes",
+    "loads_ready",
+    "load_ready_steps",
+    "pulled_blocks_tier_cpu",  # of pulled_blocks, read from a holder's CPU tier
+    "cpu_restored_blocks",  # copied back from the engine's own CPU tier (no pull)
+)
+# Per engine: 256 blocks of SmolLM2-135M are 360 MiB of host memory (the GPU tier is 256 MiB).
+CPU_TIER_BLOCKS = 256
 ENGINE_ARGS = ["--enable-prompt-tokens-details"]
 HOLD_TTL_MS = 5000  # decode's multi-turn holds: leases must be gone this long after the run (+ slack)
 
@@ -133,7 +153,7 @@ class Running:
         out: dict[str, int] = {}
         for path in self.stats_paths.values():
             stats = read_stats(path, settle=False)
-            for key in ("pulled_blocks", "pulled_tokens", "pulled_bytes", "loads_ready", "load_ready_steps"):
+            for key in CONNECTOR_COUNTS:
                 out[key] = out.get(key, 0) + int(stats.get(key, 0))
         return out
 
@@ -348,11 +368,18 @@ def start_nixl_pd(ctx: Context) -> Running:
 
 
 def start_ours_dp(
-    ctx: Context, name: str = "ours-dp", learn: bool = False, linear: bool = False, own_pull: bool = False
+    ctx: Context,
+    name: str = "ours-dp",
+    learn: bool = False,
+    linear: bool = False,
+    own_pull: bool = False,
+    cpu_tier: bool = True,
 ) -> Running:
     # Engines named apart per setup, so that each keeps its own log and stats in the work dir.
-    letter = "O" if own_pull else "L" if learn else "R" if linear else "E"
+    letter = "G" if not cpu_tier else "O" if own_pull else "L" if learn else "R" if linear else "E"
     extra: dict[str, Any] = {"recompute_neighbour_cost": 0.0} if linear else {}
+    if cpu_tier:
+        extra["cpu_tier_blocks"] = CPU_TIER_BLOCKS
     roles = [(f"{letter}{i}", "both", extra) for i in range(ctx.engines)]
     running = _ours(ctx, name, roles)
     try:
@@ -387,6 +414,7 @@ STARTERS: dict[str, Callable[[Context], Running]] = {
     "ours-dp-learn": lambda ctx: start_ours_dp(ctx, "ours-dp-learn", learn=True),
     "ours-dp-own-pull": lambda ctx: start_ours_dp(ctx, "ours-dp-own-pull", learn=True, own_pull=True),
     "ours-dp-linear": lambda ctx: start_ours_dp(ctx, "ours-dp-linear", linear=True),
+    "ours-dp-gpu-only": lambda ctx: start_ours_dp(ctx, "ours-dp-gpu-only", learn=True, cpu_tier=False),
 }
 SHARES_STOCK = ("rr", "prefix")
 

@@ -56,7 +56,7 @@ from typing import Any
 from bench.harness.baselines import nixl_engine
 from bench.harness.engines import broker_connector_config
 from bench.harness.output import log
-from kvbroker.tools.launch import EngineProcess, free_port, pin_apart
+from kvbroker.tools.launch import EngineProcess, EngineStartError, free_port, pin_apart
 from testkit.engines import BLOCK_SIZE, read_stats
 from testkit.processes import REPO_ROOT, BrokerProcess, ChildProcess, ProxyProcess, python_env
 
@@ -245,10 +245,28 @@ class _Stock:
         self.broker.stop()
 
 
+class _PortTaken(Exception):
+    """An engine could not bind the KV-event port chosen for it: another process took it first."""
+
+
 def _stock(ctx: Context) -> _Stock:
-    """N stock engines publishing KV events, and a broker following them (started once, shared)."""
+    """N stock engines publishing KV events, and a broker following them (started once, shared).
+
+    Each engine's KV-event port is chosen free before the engines start, and an engine starting
+    beside it may bind that port first for one of its own sockets: then all start once more on
+    new ports."""
     if "stock" in ctx.shared:
         return ctx.shared["stock"]  # type: ignore[no-any-return]
+    try:
+        stock = _start_stock(ctx)
+    except _PortTaken as e:
+        log(f"{e}; starting the stock engines once more on new ports")
+        stock = _start_stock(ctx)
+    ctx.shared["stock"] = stock
+    return stock
+
+
+def _start_stock(ctx: Context) -> _Stock:
     engines, specs = [], []
     for i in range(ctx.engines):
         port = free_port()
@@ -264,11 +282,20 @@ def _stock(ctx: Context) -> _Stock:
         for engine in engines:
             engine.start()
         _ready(ctx, engines)
-    except BaseException:
+    except BaseException as e:
         stock.stop()
+        taken = [x.name for x in engines if "Address already in use" in _text(x.log_path)]
+        if taken and isinstance(e, EngineStartError):
+            raise _PortTaken(f"{', '.join(taken)}: a port was taken while the engines started") from e
         raise
-    ctx.shared["stock"] = stock
     return stock
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def start_rr(ctx: Context) -> Running:

@@ -59,9 +59,10 @@ def parse_topology(text: str) -> tuple[str, int]:
 
 # KV cache per engine: about 340 blocks of the real model (1.5 MB each, 10,900 tokens), thousands of the tiny one's.
 KV_CACHE_BYTES = {"real": 512 << 20, "tiny": 256 << 20}
-# Data-parallel engines' CPU offload tier, in blocks (SmolLM2: 360 MiB of host memory each): a
-# pull from a busy holder reads its CPU copy, pinned at once, instead of waiting for the holder's
-# scheduler step to pin its GPU copy (docs/serving.md, "Data-parallel fleets").
+# Data-parallel engines' CPU offload tier, in blocks (here and in the fleet benchmark's ours-dp
+# setups; SmolLM2-135M: 360 MiB of host memory per engine): a pull from a busy holder reads its
+# CPU copy, pinned at once, instead of waiting for the holder's scheduler step to pin its GPU copy
+# (docs/serving.md, "Data-parallel fleets").
 DP_CPU_TIER_BLOCKS = 256
 
 

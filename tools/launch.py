@@ -338,12 +338,12 @@ class EngineProcess:
                 progress(f"{self.name} starting... {now - self.started_at:.0f} s  | {last[-100:]}")
             time.sleep(0.5)
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_tail(self, lines: int | None = 40) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return text if lines is None else "\n".join(text.splitlines()[-lines:])  # None: the whole log
 
     def _signal_group(self, sig: int) -> None:
         if self.proc is None:

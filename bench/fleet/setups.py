@@ -23,9 +23,10 @@
               then waits for that holder's scheduler step to pin its GPU copy
 
 Every ours-dp setup but ours-dp-gpu-only gives each engine a CPU offload tier of
-CPU_TIER_BLOCKS blocks: finished requests' blocks are copied there, and a reader pulling
-from a busy holder reads that copy, which the holder pins at once (common/scoring.py,
-rank_holders), instead of waiting for the holder's current step.
+DP_CPU_TIER_BLOCKS blocks (kvbroker.tools.demo_stack, as `make up TOPOLOGY=dp:N` does): finished
+requests' blocks are copied there, and a reader pulling from a busy holder reads that copy,
+which the holder pins at once (common/scoring.py, rank_holders), instead of waiting for the
+holder's current step.
 
 `ours-dp` is the proxy's data-parallel mode (docs/serving.md, "Data-parallel fleets"):
 engines with our connector, role `both` (kv_both), given as `--engine ID=URL`, and the proxy
@@ -56,6 +57,7 @@ from typing import Any
 from bench.harness.baselines import nixl_engine
 from bench.harness.engines import broker_connector_config
 from bench.harness.output import log
+from kvbroker.tools.demo_stack import DP_CPU_TIER_BLOCKS
 from kvbroker.tools.launch import EngineProcess, EngineStartError, free_port, pin_apart
 from testkit.engines import BLOCK_SIZE, read_stats
 from testkit.processes import REPO_ROOT, BrokerProcess, ChildProcess, ProxyProcess, python_env
@@ -81,8 +83,6 @@ CONNECTOR_COUNTS = (
     "pulled_blocks_tier_cpu",  # of pulled_blocks, read from a holder's CPU tier
     "cpu_restored_blocks",  # copied back from the engine's own CPU tier (no pull)
 )
-# Per engine: 256 blocks of SmolLM2-135M are 360 MiB of host memory (the GPU tier is 256 MiB).
-CPU_TIER_BLOCKS = 256
 ENGINE_ARGS = ["--enable-prompt-tokens-details"]
 HOLD_TTL_MS = 5000  # decode's multi-turn holds: leases must be gone this long after the run (+ slack)
 
@@ -284,18 +284,11 @@ def _start_stock(ctx: Context) -> _Stock:
         _ready(ctx, engines)
     except BaseException as e:
         stock.stop()
-        taken = [x.name for x in engines if "Address already in use" in _text(x.log_path)]
+        taken = [x.name for x in engines if "Address already in use" in x.log_tail(None)]
         if taken and isinstance(e, EngineStartError):
             raise _PortTaken(f"{', '.join(taken)}: a port was taken while the engines started") from e
         raise
     return stock
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
 
 
 def start_rr(ctx: Context) -> Running:
@@ -406,7 +399,7 @@ def start_ours_dp(
     letter = "G" if not cpu_tier else "O" if own_pull else "L" if learn else "R" if linear else "E"
     extra: dict[str, Any] = {"recompute_neighbour_cost": 0.0} if linear else {}
     if cpu_tier:
-        extra["cpu_tier_blocks"] = CPU_TIER_BLOCKS
+        extra["cpu_tier_blocks"] = DP_CPU_TIER_BLOCKS
     roles = [(f"{letter}{i}", "both", extra) for i in range(ctx.engines)]
     running = _ours(ctx, name, roles)
     try:

@@ -79,6 +79,15 @@ def test_bad_model_dir_fails_fast_with_log(tmp_path: Path) -> None:
         engine.stop()
 
 
+def test_log_tail_reads_the_last_lines_or_the_whole_log(tmp_path: Path) -> None:
+    engine = EngineProcess(tmp_path, name="logged", log_path=tmp_path / "logged.log")
+    assert engine.log_tail() == engine.log_tail(None) == "", "no log yet"
+    (tmp_path / "logged.log").write_text("".join(f"line {i}\n" for i in range(100)))
+    assert engine.log_tail(2) == "line 98\nline 99"
+    assert engine.log_tail().splitlines()[0] == "line 60"
+    assert engine.log_tail(None).startswith("line 0\n") and engine.log_tail(None).endswith("line 99\n")
+
+
 class _Pinned:
     def __init__(self, name: str) -> None:
         self.name = name

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from bench.fleet import connector_cost as cc
+from testkit.http import serve_app
 
 
 def test_prompts_share_a_system_prompt_per_class_and_differ_per_seed() -> None:
@@ -47,13 +48,9 @@ async def streaming_server() -> AsyncIterator[tuple[str, list[dict[str, object]]
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve_app(app)
     try:
-        yield f"http://127.0.0.1:{port}", bodies
+        yield url, bodies
     finally:
         await runner.cleanup()
 

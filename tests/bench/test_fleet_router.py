@@ -12,6 +12,7 @@ import struct
 from aiohttp import ClientSession
 
 from bench.fleet.router import Picker, build_app
+from testkit.http import serve_app
 
 ANSWER = b'{"choices": [{"text": "ok"}]}'
 
@@ -46,22 +47,13 @@ async def _engine(resets: int) -> tuple[asyncio.Server, list[str]]:
 
 
 async def _through_router(resets: int) -> tuple[int, bytes, list[str]]:
-    from aiohttp import web
-
     engine, seen = await _engine(resets)
     port = engine.sockets[0].getsockname()[1]
-    app = build_app(Picker({"e0": f"http://127.0.0.1:{port}"}, "rr"))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    router_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await serve_app(build_app(Picker({"e0": f"http://127.0.0.1:{port}"}, "rr")))
     try:
         async with ClientSession() as http:
             body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
-            async with http.post(
-                f"http://127.0.0.1:{router_port}/v1/completions", data=json.dumps(body)
-            ) as r:
+            async with http.post(f"{url}/v1/completions", data=json.dumps(body)) as r:
                 return r.status, await r.read(), seen
     finally:
         await runner.cleanup()

@@ -1,5 +1,6 @@
-"""Seeded wire fuzzing of a real `kvbroker serve` process: random, truncated and mutated bytes to
-every method the service declares, unary and streaming alike.
+"""Seeded wire fuzzing of a real `kvbroker serve` process (on its in-memory default, and as a replica
+over a real redis-server): random, truncated and mutated bytes to every method the service
+declares, unary and streaming alike.
 
 Every call must end with a status that names the caller's mistake (or OK, where the bytes happen
 to decode into a request the broker can answer), never INTERNAL, UNKNOWN or UNAVAILABLE; the
@@ -23,6 +24,7 @@ from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.builders import engine_info
 from testkit.processes import BrokerProcess
+from testkit.redis_server import missing_reason, running_redis
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,13 +44,22 @@ ALLOWED = {
 }
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    proc = BrokerProcess(tmp_path_factory.mktemp("fuzz"), ["--register-timeout-ms", "500"]).start()
-    try:
+@pytest.fixture(scope="module", params=["in-memory", "redis"])
+def broker(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BrokerProcess]:
+    """The broker on its default state, and a replica over a real redis-server (the store's path)."""
+    work = tmp_path_factory.mktemp(f"fuzz-{request.param}")
+    with contextlib.ExitStack() as stack:
+        args = ["--register-timeout-ms", "500"]
+        if request.param == "redis":
+            reason = missing_reason()
+            if reason:
+                pytest.skip(reason)
+            args += ["--state", stack.enter_context(running_redis(work / "redis")).url]
+        proc = BrokerProcess(work, args).start()
+        stack.callback(proc.stop)
         yield proc
-    finally:
-        proc.stop()
 
 
 def _payloads(rng: random.Random, valid: bytes) -> Iterator[bytes]:

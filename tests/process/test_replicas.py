@@ -173,13 +173,18 @@ async def test_store_restart_refuses_leases_then_the_fleet_rebuilds_its_index(
         store.start()  # the same port, empty: every session, lease and block is gone from it
 
         async def rebuilt() -> bool:
+            # Both engines registered anew (each is told when its replica next finds its session
+            # gone from the store: D may hear it after P's blocks are back), and P's blocks indexed.
+            if p.registrations < 2 or d.registrations < 2:
+                return False
             with contextlib.suppress(errors.BrokerError):
                 found = await d.resolve((d.layout_id, ""), BLOCKS)
                 return [(m.engine_id, m.matched_blocks) for m in found.matches] == [("P", 5)]
             return False
 
         await until(rebuilt, timeout=15.0, interval=0.1)
-        assert p.registrations >= 2 and p.registered is not None and not p.registered.resumed
+        for engine in (p, d):
+            assert engine.registered is not None and not engine.registered.resumed
         held = await p.hold((p.layout_id, ""), GPU, BLOCKS, [1, 2, 3, 4, 5], 60_000, reader_engine_id="D")
         acquired = await d.acquire(held.lease_id)
         assert (await d.release(held.lease_id, acquired.lease.epoch)).state == pb.LEASE_RELEASED

@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.fleet.driver import Turn, one_turn
 from bench.fleet.setups import Context
 from bench.harness.engines import broker_connector_config
 from bench.harness.output import load_note, log, write_json
@@ -62,41 +63,35 @@ def prompts(seed: int, n: int) -> list[list[int]]:
 
 
 async def serve(url: str, model: str, batch: list[list[int]], concurrency: int) -> dict[str, float]:
-    """Stream every prompt's answer, `concurrency` at a time: wall seconds, TTFT and TPOT p50 (ms)."""
+    """Stream every prompt's answer, `concurrency` at a time, timed as bench.fleet times a turn
+    (driver.one_turn): wall seconds, TTFT and TPOT p50 (ms)."""
     gate = asyncio.Semaphore(concurrency)
-    ttfts: list[float] = []
-    tpots: list[float] = []
+    turns: list[Turn] = []
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> None:
+    async def one(http: aiohttp.ClientSession, i: int, prompt: list[int]) -> None:
         body = {
             "model": model,
             "prompt": prompt,
             "max_tokens": ANSWER_TOKENS,
             "temperature": 0,
             "ignore_eos": True,
+            "return_token_ids": True,
             "stream": True,
         }
+        turn = Turn(f"cost-{i}", 0, 0.0, len(prompt))
         async with gate:
-            sent = time.perf_counter()
-            first, chunks = 0.0, 0
-            async with session.post(url + "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                async for line in r.content:
-                    if line.startswith(b"data: {"):
-                        chunks += 1
-                        first = first or time.perf_counter()
-            done = time.perf_counter()
-            if not first:
-                raise RuntimeError(f"{url} answered no token")
-            ttfts.append((first - sent) * 1000)
-            if chunks > 1:
-                tpots.append((done - first) / (chunks - 1) * 1000)
+            await one_turn(http, url, body, turn.sid, turn)
+        turns.append(turn)
 
     started = time.perf_counter()
-    async with aiohttp.ClientSession() as session:
-        await asyncio.gather(*(one(session, p) for p in batch))
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(one(http, i, p) for i, p in enumerate(batch)))
     wall = time.perf_counter() - started
-    return {"wall_s": wall, "ttft_ms_p50": statistics.median(ttfts), "tpot_ms_p50": statistics.median(tpots)}
+    return {
+        "wall_s": wall,
+        "ttft_ms_p50": statistics.median(t.ttft_s for t in turns) * 1000,
+        "tpot_ms_p50": statistics.median(t.tpot_s for t in turns) * 1000,
+    }
 
 
 def ratios(runs: dict[str, list[dict[str, float]]], key: str, base: str = "stock") -> dict[str, float]:

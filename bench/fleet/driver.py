@@ -57,9 +57,10 @@ class RunRecord:
     outputs: dict[str, list[list[int]]]  # session id -> every answer's token ids
 
 
-async def _one_turn(
-    http: Any, url: str, body: dict[str, Any], sid: str, turn: Turn, started: float
-) -> list[int]:
+async def one_turn(http: Any, url: str, body: dict[str, Any], sid: str, turn: Turn) -> list[int]:
+    """One streamed `/v1/completions` request (`body` asks for `return_token_ids`): the answer's
+    token ids; `turn` gets its TTFT, end-to-end time, output and cached tokens. RuntimeError on a
+    status other than 200, an error in the stream, or a stream with no token."""
     ids: list[int] = []
     sent = time.perf_counter()
     async with http.post(f"{url}/v1/completions", json=body, headers={SESSION_HEADER: sid}) as resp:
@@ -126,7 +127,7 @@ async def _session(
             "cache_salt": salt,
         }
         try:
-            ids = await asyncio.wait_for(_one_turn(http, url, body, session.sid, turn, started), timeout_s)
+            ids = await asyncio.wait_for(one_turn(http, url, body, session.sid, turn), timeout_s)
         except (TimeoutError, RuntimeError, OSError, ValueError, aiohttp.ClientError) as e:
             turn.error = f"{type(e).__name__}: {e}"[:400]
             record.not_sent += session.turns - k - 1

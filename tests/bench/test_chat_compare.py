@@ -21,7 +21,7 @@ from bench.chats.nixl_proxy import (
 )
 from bench.chats.results import compare_answers, per_turn, targets
 from bench.chats.workload import chat_body, fit_message, stream_chat
-from testkit.ports import free_port
+from testkit.http import serve_app
 
 D_PARAMS = {
     "do_remote_prefill": False,
@@ -124,24 +124,14 @@ async def _fake_engine(role: str, seen: list[dict[str, Any]]) -> tuple[Any, str]
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_app(app)
 
 
 async def test_proxy_carries_ds_params_to_the_next_turn_of_the_same_conversation() -> None:
-    from aiohttp import web
-
     seen: list[dict[str, Any]] = []
     p_runner, p_url = await _fake_engine("P", seen)
     d_runner, d_url = await _fake_engine("D", seen)
-    runner = web.AppRunner(build_app(p_url, d_url, decode_stream=False))
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
+    runner, url = await serve_app(build_app(p_url, d_url, decode_stream=False))
     try:
         body = chat_body([{"role": "user", "content": "hi"}], 8)
         t1 = await asyncio.to_thread(stream_chat, url, body, {CONVERSATION_HEADER: "c1"})

@@ -28,7 +28,8 @@ def test_prompts_share_a_system_prompt_per_class_and_differ_per_seed() -> None:
 
 @pytest.fixture
 async def streaming_server() -> AsyncIterator[tuple[str, list[dict[str, object]]]]:
-    """Streams `max_tokens` chunks, 2 ms apart, after 20 ms; a prompt of one token gets a 500."""
+    """Streams `max_tokens` chunks of one token id each (as vLLM does with `return_token_ids`),
+    2 ms apart, after 20 ms; a prompt of one token gets a 500."""
     bodies: list[dict[str, object]] = []
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -40,7 +41,7 @@ async def streaming_server() -> AsyncIterator[tuple[str, list[dict[str, object]]
         await response.prepare(request)
         await asyncio.sleep(0.02)
         for i in range(int(body["max_tokens"])):
-            chunk = {"choices": [{"text": f"t{i}"}]}
+            chunk = {"choices": [{"text": f"t{i}", "token_ids": [100 + i]}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await asyncio.sleep(0.002)
         await response.write(b"data: [DONE]\n\n")
@@ -62,6 +63,7 @@ async def test_serve_times_the_first_token_and_the_ones_after(
     run = await cc.serve(url, "m", cc.prompts(1, 6), concurrency=2)
     assert len(bodies) == 6
     assert all(b["max_tokens"] == cc.ANSWER_TOKENS and b["temperature"] == 0 and b["stream"] for b in bodies)
+    assert all(b["return_token_ids"] for b in bodies), "tokens counted by id, as the fleet counts them"
     assert 20 <= run["ttft_ms_p50"] < 1000
     assert 2 <= run["tpot_ms_p50"] < 200
     assert run["wall_s"] >= 3 * 0.02, "two at a time: three waves at least"

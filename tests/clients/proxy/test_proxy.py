@@ -9,7 +9,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 from opentelemetry.sdk.trace import TracerProvider
@@ -18,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvbroker.clients.proxy import EngineSpec, ProxyConfig, build_app
 from kvbroker.tools.launch import free_port
+from testkit.http import serve_app
 from tests.clients.proxy.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)
@@ -188,11 +188,9 @@ async def test_a_client_that_leaves_does_not_fail_the_engine(engines: Any, leave
     # handler when its client leaves; its next write fails instead).
     p, d = await engines("P"), await engines("D", mode="trickle", delay_s=0.2, words=3)
     specs = (EngineSpec(p.url, "prefill"), EngineSpec(d.url, "decode"))
-    runner = web.AppRunner(build_app(ProxyConfig(engines=specs, connect_timeout_s=1.0, cooldown_s=60.0)))
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
+    runner, url = await serve_app(
+        build_app(ProxyConfig(engines=specs, connect_timeout_s=1.0, cooldown_s=60.0))
+    )
     try:
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:

@@ -11,7 +11,9 @@ one is pinned), so one conversation keeps one retention.
 
 It runs after the answer, in the background: the engine announces the turn's
 blocks to the broker a moment after it answers, so a retain that finds
-nothing yet (``not_cached``) is tried again for a few seconds. An outcome is
+nothing yet (``not_cached``) is tried again for a few seconds, and a retain
+waits (as long) until the engine holds the whole prompt, not just the previous
+turn's prefix. An outcome is
 logged and counted (``counts``), never turned into an error of a request that
 was already answered.
 """
@@ -103,6 +105,7 @@ class Retainer:
             key=key,
             replaces_lease_id=self._latest.get(key, "") if key else "",
         )
+        await self._wait_for_announce(engine_id, namespace, hashes, give_up)
         while True:
             try:
                 answer = await self.broker.retain(request)
@@ -132,6 +135,28 @@ class Retainer:
             lease.lease_id,
             pb.Tier.Name(lease.tier),
         )
+
+    async def _wait_for_announce(
+        self, engine_id: str, namespace: pb.Namespace, hashes: list[int], give_up: float
+    ) -> None:
+        """Wait (until `give_up`) for `engine_id` to hold the whole prompt. The engine announces the
+        turn's blocks a moment after it answered, and until then it may hold the previous turn's
+        prefix only: retaining at once would keep that shorter prefix (and answer `retained`)."""
+        from kvbroker.clients.errors import BrokerError
+
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                answer = await self.broker.score(
+                    namespace=namespace, block_hashes=hashes, candidates=[engine_id]
+                )
+            except BrokerError as e:
+                log.info("not waiting for %s to announce the turn: %s", engine_id, e)
+                return  # the retain says precisely what is wrong
+            held = max((max(s.gpu_blocks, s.cpu_blocks) for s in answer.scores), default=0)
+            if held >= len(hashes) or loop.time() >= give_up:
+                return
+            await asyncio.sleep(self.retry_s)
 
     async def close(self) -> None:
         """Stop the retains under way (the proxy is shutting down)."""

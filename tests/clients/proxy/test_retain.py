@@ -4,6 +4,7 @@ broker sessions pin what the broker asks."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -77,6 +78,10 @@ async def test_a_turn_with_the_header_is_retained_on_its_decode_engine_and_the_n
         # The next turn of the conversation: retained again, the first retention ended.
         messages += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
         await turn(s, messages, {"X-KV-Retain-Seconds": "600", "X-KV-Retain-Key": "conv-1"})
+        # D announces late: until then it holds the first turn's prefix, and the retain must not
+        # keep just that (the clean-clone CI once had it retain before this announce).
+        await asyncio.sleep(0.5)
+        assert s["retainer"].counts["retained"] == 1
         await d_caches(s, messages)
         await s["retainer"].drain()
         [second] = await retentions(s)

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(120)
 GPU = pb.TIER_GPU
 BLOCKS = [501, 502, 503]
 DROPPED, STORED = [511, 512], [521, 522]  # announced before the pause / during it
-TTL_MS = 2_000
+TTL_MS = 3_000  # the engines move off a replica silent for a quarter of it (0.75 s)
 
 
 @pytest.mark.parametrize("pause_s", [1.0, 5.0, 3 * TTL_MS / 1000], ids=["1s", "5s", "3xTTL"])

@@ -21,13 +21,21 @@ the heartbeat loop, whether to give the stream up. Two rules:
 
 Time this process itself did not run (a timer firing ``STALL_S`` or more
 late) is not counted as the broker's silence: the broker's answers may be
-waiting unread in the socket.
+waiting unread in the socket. For the same reason, before a silent replica
+is given up the read loop gets ``READ_PASSES`` passes of the event loop: a
+move costs the session where the store is away (the next replica cannot
+resume it), so an answer that a busy process has not read yet must count.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 # A timer firing later than this past its time means this process did not run.
 STALL_S = 0.25
+# Passes of the event loop the read loop gets before a silent replica is given up.
+READ_PASSES = 5
 # Give the stream up after this many session TTLs without a word from the broker.
 SILENCE_TTLS = 3
 # With several replicas: move on after a heartbeat or request went unanswered this part of the TTL.
@@ -88,3 +96,15 @@ class Liveness:
             raise GaveUp(
                 f"broker answered nothing for {SILENCE_TTLS * ttl_s:g} s ({SILENCE_TTLS} session TTLs)"
             )
+
+    async def check_after_reads(
+        self, now: float, clock: Callable[[], float], ttl_s: float, several: bool
+    ) -> None:
+        """``check``, but a replica found silent is given up only after the read loop had
+        READ_PASSES passes of the event loop to read an answer already in the socket."""
+        try:
+            self.check(now, ttl_s, several)
+        except Silent:
+            for _ in range(READ_PASSES):
+                await asyncio.sleep(0)
+            self.check(clock(), ttl_s, several)

@@ -49,8 +49,6 @@ PinReply: TypeAlias = "pb.PinResult | Awaitable[pb.PinResult] | concurrent.futur
 Settle: TypeAlias = Callable[[Any, "errors.BrokerError | None"], None]
 
 DEFAULT_SESSION_TTL_MS = 10_000
-# Passes of the event loop the read loop gets before a silent replica is given up (see _heartbeat_loop).
-READ_PASSES = 5
 
 
 class SessionStream:
@@ -392,15 +390,7 @@ class SessionStream:
                 self.liveness.stalled(now, stalled)
                 # Due now whatever the interval (now - (now - interval) may round below it).
                 last_sent = -math.inf
-            try:
-                self.liveness.check(now, ttl_s, self.several)
-            except Silent:
-                # An answer may already wait in the socket for a loop this process kept busy: give
-                # the read loop a few passes before moving a session that a move could cost (a
-                # store that is away cannot resume it on the next replica).
-                for _ in range(READ_PASSES):
-                    await asyncio.sleep(0)
-                self.liveness.check(clock.now(), ttl_s, self.several)
+            await self.liveness.check_after_reads(now, clock.now, ttl_s, self.several)
             if now - last_sent >= interval_s:
                 self._seq += 1
                 outbox.put_nowait(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvbroker.clients.liveness import SILENCE_TTLS, GaveUp, Liveness, Silent, register_timeout_s
@@ -54,3 +56,22 @@ def test_registration_waits_at_most_half_the_ttl_with_several_replicas() -> None
     assert register_timeout_s(5.0, 30.0, several=True) == 5.0
     assert register_timeout_s(5.0, 0.5, several=True) == 1.0  # a floor, for a busy replica
     assert register_timeout_s(5.0, 2.0, several=False) == 5.0
+
+
+async def test_an_answer_read_in_the_passes_before_the_verdict_keeps_the_replica() -> None:
+    """The heartbeat loop's verdict: an answer the read loop takes from the socket within
+    READ_PASSES passes of the event loop counts; without one the replica is given up."""
+    live = Liveness()
+    live.connected(0.0)
+    live.asked(1.0)
+
+    async def read_loop() -> None:  # the answer was in the socket; its read runs next pass
+        await asyncio.sleep(0)
+        live.heard(1.6)
+
+    reader = asyncio.ensure_future(read_loop())
+    await live.check_after_reads(1.6, lambda: 1.6, TTL_S, several=True)  # no Silent
+    await reader
+    live.asked(2.0)
+    with pytest.raises(Silent):
+        await live.check_after_reads(2.6, lambda: 2.6, TTL_S, several=True)

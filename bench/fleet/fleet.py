@@ -150,6 +150,7 @@ def run_setup(
     for plan in plans:
         salt = f"{running.name}-{plan.rate:g}-{time.time_ns()}"
         sources = running.prompt_sources()
+        per_engine = running.engine_counts()
         connector = running.connector_stats()
         router_before = running.router_stats()
         log(
@@ -170,6 +171,7 @@ def run_setup(
         summary["outputs_differ_from"] = ref[0]
         summary["sessions_differing"] = differing_sessions(record.outputs, ref[1])
         summary["router"] = router_delta(router_before, running.router_stats())
+        summary["per_engine"] = report.per_engine(per_engine, running.engine_counts())
         log(
             f"  goodput {summary['goodput_rps']}/s, TTFT p90 {summary['ttft_ms']['p90']} ms, "
             f"reuse {summary['prefix_reuse']:.0%} (ideal {summary['ideal_reuse']:.0%}), failed {summary['failed']}"

@@ -106,6 +106,28 @@ def summarize(
     }
 
 
+def per_engine(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """One run's share of each engine (differences of its vLLM counters): requests it finished,
+    prompt tokens it computed, and its requests' mean time per output token. An engine that took
+    more than its share, or decoded slower than the others, shows here."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, now in after.items():
+        then = before.get(name, {})
+
+        def grew(key: str, now: dict[str, float] = now, then: dict[str, float] = then) -> float:
+            return now.get(key, 0.0) - then.get(key, 0.0)
+
+        tpots = grew("tpot_count")
+        out[name] = {
+            "requests": round(grew("requests")),
+            "computed_tokens": round(grew("source:local_compute")),
+            "tpot_ms_mean": round(1000 * grew("tpot_s_sum") / tpots, 1) if tpots else None,
+        }
+    return out
+
+
 def table(results: dict[str, dict[str, Any]]) -> str:
     headers = [
         "setup",
@@ -113,6 +135,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         "goodput/s",
         "req/s",
         "TTFT p50/p90/p99 ms",
+        "TPOT p50 ms",
+        "per engine: req/TPOT ms",
         "reuse (ideal)",
         "recomputed",
         "pulled tok (bytes)",
@@ -123,7 +147,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     rows, notes = [], []
     for name, entry in results.items():
         if "unavailable" in entry:
-            rows.append([name, "-", "unavailable", *["-"] * 8])
+            rows.append([name, "-", "unavailable", *["-"] * 10])
             notes.append(f"{name} unavailable: {entry['unavailable']}")
             continue
         for r in entry["runs"]:
@@ -135,6 +159,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                     f"{r['goodput_rps']:.2f}",
                     f"{r['throughput_rps']:.2f}",
                     f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f}",
+                    f"{r['tpot_ms_p50']:.0f}",
+                    _engines_cell(r.get("per_engine")),
                     f"{r['prefix_reuse']:.0%} ({r['ideal_reuse']:.0%})",
                     str(r["recomputed_tokens"]),
                     f"{r['pulled_tokens']} ({r['pulled_bytes'] / 2**20:.1f} MiB)",
@@ -144,6 +170,15 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                 ]
             )
     return "\n".join([format_table(headers, rows), *notes])
+
+
+def _engines_cell(engines: dict[str, dict[str, Any]] | None) -> str:
+    if not engines:
+        return "-"
+    return " ".join(
+        f"{e['requests']}/{'-' if e['tpot_ms_mean'] is None else format(e['tpot_ms_mean'], '.0f')}"
+        for e in engines.values()
+    )
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path, title: str, footnote: str) -> Path | None:

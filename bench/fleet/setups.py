@@ -144,10 +144,17 @@ class Running:
     def prompt_sources(self) -> dict[str, int]:
         """Prompt tokens by source, summed over the engines (vLLM's /metrics)."""
         out: dict[str, int] = {}
-        for engine in self.engines:
-            for source, n in _by_source(engine.url).items():
-                out[source] = out.get(source, 0) + n
+        for counts in self.engine_counts().values():
+            for key, n in counts.items():
+                if key.startswith(SOURCE):
+                    source = key[len(SOURCE) :]
+                    out[source] = out.get(source, 0) + int(n)
         return out
+
+    def engine_counts(self) -> dict[str, dict[str, float]]:
+        """Each engine's counters (vLLM's /metrics): requests finished, prompt tokens by source
+        (``source:NAME``) and its requests' time per output token (sum and count)."""
+        return {engine.name: _engine_counts(engine.url) for engine in self.engines}
 
     def connector_stats(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -201,15 +208,28 @@ class Running:
                 self.broker.stop()
 
 
-def _by_source(url: str) -> dict[str, int]:
+SOURCE = "source:"
+# vLLM's counters read per engine (summed over their other labels), by the key they are kept under.
+_ENGINE_COUNTERS = {
+    "vllm:request_success_total": "requests",
+    "vllm:request_time_per_output_token_seconds_sum": "tpot_s_sum",
+    "vllm:request_time_per_output_token_seconds_count": "tpot_count",
+}
+
+
+def _engine_counts(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    out: dict[str, int] = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            labels, _, value = line.rpartition(" ")
-            source = labels.split('source="', 1)[1].split('"', 1)[0]
-            out[source] = out.get(source, 0) + int(float(value))
+        name, _, rest = line.partition("{")
+        if name == "vllm:prompt_tokens_by_source_total":
+            key = SOURCE + rest.split('source="', 1)[1].split('"', 1)[0]
+        elif name in _ENGINE_COUNTERS:
+            key = _ENGINE_COUNTERS[name]
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(line.rpartition(" ")[2])
     return out
 
 

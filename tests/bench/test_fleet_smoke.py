@@ -52,6 +52,13 @@ def test_quick_mode_smallest(tmp_path: Path) -> None:
         assert run["completed"] == run["requests_sent"] == doc["workload"]["requests"]
         assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p90"] <= run["ttft_ms"]["p99"]
         assert 0 <= run["prefix_reuse"] <= 1
+        # Each engine's share, from its own counters: together they finished every request.
+        engines = run["per_engine"]
+        assert len(engines) == 2 and sum(e["requests"] for e in engines.values()) == run["completed"]
+        assert all(e["tpot_ms_mean"] is None or e["tpot_ms_mean"] > 0 for e in engines.values())
+    # Round robin alternates: its two engines finished the same number of requests, give or take one.
+    rr = [e["requests"] for e in doc["setups"]["rr"]["runs"][0]["per_engine"].values()]
+    assert abs(rr[0] - rr[1]) <= 1, rr
     # The prefix router asked the broker, which follows the engines' KV events, and it named holders.
     assert doc["setups"]["prefix"]["runs"][0]["router"]["scored_hits"] > 0
     assert "rr" in proc.stdout and "prefix" in proc.stdout

@@ -21,6 +21,10 @@
               recompute_neighbour_cost 0)
     ours-dp-gpu-only  ours-dp-learn without the CPU offload tier: a pull from a busy holder
               then waits for that holder's scheduler step to pin its GPU copy
+    ours-dp-stock  our proxy's load placement without pulls (--no-dp-pull, learning) over the
+              stock engines of rr and prefix, scored from their KV events: our routing
+              without our connector, to tell the routing's share of a result from the
+              connector's and the pulls'
 
 Every ours-dp setup but ours-dp-gpu-only gives each engine a CPU offload tier of
 DP_CPU_TIER_BLOCKS blocks (kvbroker.tools.demo_stack, as `make up TOPOLOGY=dp:N` does): finished
@@ -72,6 +76,7 @@ SETUPS = (
     "ours-dp-own-pull",
     "ours-dp-linear",
     "ours-dp-gpu-only",
+    "ours-dp-stock",
 )
 # Our connector's counters the report reads (summed over the engines; engine_adapter/loads.py).
 CONNECTOR_COUNTS = (
@@ -335,6 +340,20 @@ def start_prefix(ctx: Context) -> Running:
     return Running("prefix", url, stock.engines, [router], stock.broker, owns_engines=False)
 
 
+def start_ours_stock(ctx: Context) -> Running:
+    """Our proxy's load-aware placement (no pulls) over the stock engines of `rr` and `prefix`,
+    which the broker follows by their KV events: our routing without our connector."""
+    stock = _stock(ctx)
+    proxy = ProxyProcess(
+        ctx.work / "proxy-ours-dp-stock.log",
+        engines={e.name: e.url for e in stock.engines},
+        broker=stock.broker.address,
+        extra_args=["--no-disaggregate", "--placement", "load", "--no-dp-pull"],
+    )
+    proxy.start(timeout=60)
+    return Running("ours-dp-stock", proxy.url, stock.engines, [proxy], stock.broker, owns_engines=False)
+
+
 def _ours(ctx: Context, name: str, roles: list[tuple[str, str, dict[str, Any]]]) -> Running:
     """A broker and engines with our connector (name, role, extra connector options each)."""
     broker = BrokerProcess(ctx.work, log_name=f"broker-{name}.log").start()
@@ -455,8 +474,9 @@ STARTERS: dict[str, Callable[[Context], Running]] = {
     "ours-dp-own-pull": lambda ctx: start_ours_dp(ctx, "ours-dp-own-pull", learn=True, own_pull=True),
     "ours-dp-linear": lambda ctx: start_ours_dp(ctx, "ours-dp-linear", linear=True),
     "ours-dp-gpu-only": lambda ctx: start_ours_dp(ctx, "ours-dp-gpu-only", learn=True, cpu_tier=False),
+    "ours-dp-stock": start_ours_stock,
 }
-SHARES_STOCK = ("rr", "prefix")
+SHARES_STOCK = ("rr", "prefix", "ours-dp-stock")
 
 
 def start(name: str, ctx: Context) -> Running:

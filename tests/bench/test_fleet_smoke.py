@@ -1,6 +1,6 @@
 """Smoke test of `python -m bench.fleet.fleet --quick` on its smallest settings: one rate, four
-sessions, the two cheapest setups (round robin and prefix-affinity routing share one pair of
-stock engines), and `ours-dp` reported unavailable or run.
+sessions, the three cheapest setups (round robin, prefix-affinity routing and our proxy's
+placement share one pair of stock engines).
 
 It proves the program starts the engines, broker and routers, drives the sessions, and writes
 the JSON every setup and rate is read from, with 0 failed requests. Never asserts on speed.
@@ -37,14 +37,14 @@ RUN_KEYS = {
 
 
 def test_quick_mode_smallest(tmp_path: Path) -> None:
-    argv = ["--quick", "--setups", "rr,prefix", "--rates", "4", "--sessions", "4", "--no-plot"]
+    argv = ["--quick", "--setups", "rr,prefix,ours-dp-stock", "--rates", "4", "--sessions", "4", "--no-plot"]
     argv += ["--name", "fleet-smoke", "--out-dir", str(tmp_path)]
     proc = run_module("bench.fleet.fleet", *argv, timeout=840)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     doc = json.loads((tmp_path / "fleet-smoke.json").read_text())
     assert doc["slo"]["ttft_ms"] > 0 and doc["rates"] == [4.0]
     assert 0 < doc["workload"]["ideal_reuse"] < 1
-    assert set(doc["setups"]) == {"rr", "prefix"}
+    assert set(doc["setups"]) == {"rr", "prefix", "ours-dp-stock"}
     for name, entry in doc["setups"].items():
         (run,) = entry["runs"]
         assert set(run) >= RUN_KEYS, (name, sorted(run))
@@ -61,4 +61,7 @@ def test_quick_mode_smallest(tmp_path: Path) -> None:
     assert abs(rr[0] - rr[1]) <= 1, rr
     # The prefix router asked the broker, which follows the engines' KV events, and it named holders.
     assert doc["setups"]["prefix"]["runs"][0]["router"]["scored_hits"] > 0
+    # Our proxy placed every request over the same engines, and said why.
+    reasons = doc["setups"]["ours-dp-stock"]["runs"][0]["router"]["route_reasons"]
+    assert sum(reasons.values()) == doc["workload"]["requests"], reasons
     assert "rr" in proc.stdout and "prefix" in proc.stdout

@@ -38,6 +38,8 @@ RETAIN_KEY_HEADER = "X-KV-Retain-Key"
 MAX_KEY_CHARS = 200
 # A conversation's latest retention, per key, for the next turn to replace (oldest keys forgotten).
 MAX_KEYS = 10_000
+# The longest pause between two Score calls while a retain waits for the engine's announce.
+MAX_SCORE_PAUSE_S = 0.5
 
 
 def retain_request(headers: Mapping[str, str]) -> tuple[float, str] | None:
@@ -145,6 +147,7 @@ class Retainer:
         from kvbroker.clients.errors import BrokerError
 
         loop = asyncio.get_running_loop()
+        pause = self.retry_s
         while True:
             try:
                 answer = await self.broker.score(
@@ -156,7 +159,10 @@ class Retainer:
             held = max((max(s.gpu_blocks, s.cpu_blocks) for s in answer.scores), default=0)
             if held >= len(hashes) or loop.time() >= give_up:
                 return
-            await asyncio.sleep(self.retry_s)
+            # Growing pauses: an engine whose blocks never all show (hashed apart from the proxy's
+            # chain, say) costs the broker about a dozen Score calls per turn, not fifty.
+            await asyncio.sleep(min(pause, give_up - loop.time()))
+            pause = min(pause * 1.5, MAX_SCORE_PAUSE_S)
 
     async def close(self) -> None:
         """Stop the retains under way (the proxy is shutting down)."""

@@ -94,6 +94,36 @@ async def test_a_turn_with_the_header_is_retained_on_its_decode_engine_and_the_n
         assert s["retainer"].counts["retained"] == 2
 
 
+async def test_an_engine_that_never_holds_the_whole_prompt_gets_its_prefix_retained_after_the_wait() -> None:
+    """D announces only the first two blocks of the prompt (its chain differs from the proxy's
+    past them, say): the retain waits out announce_wait_s, asking the broker a few times with
+    growing pauses, then retains the two blocks D holds."""
+    async with stack() as s:
+        retainer = s["retainer"]
+        retainer.announce_wait_s = 1.0
+        scores = 0
+        score = retainer.broker.score
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal scores
+            scores += 1
+            return await score(*args, **kwargs)
+
+        retainer.broker.score = counted
+        messages = [{"role": "user", "content": "a long question that is half announced " * 4}]
+        session = s["sessions"]["D"]
+        hashes = wire_chain(fake_tokens(chat_text(messages)), BLOCK)
+        assert len(hashes) > 2
+        session.announce_stored(pb.Namespace(layout_id=session.layout_id, tenant=""), pb.TIER_GPU, hashes[:2])
+        session.flush()
+        await session.applied()
+        await turn(s, messages, {"X-KV-Retain-Seconds": "60"})
+        await retainer.drain()
+        [lease] = await retentions(s)
+        assert list(lease.block_hashes) == hashes[:2]
+        assert 3 <= scores <= 7, scores  # pauses 0.1, 0.15, 0.225, ... s: not one call per 0.1 s
+
+
 @pytest.mark.parametrize("value", ["soon", "0", "-5", "nan", "inf"])
 async def test_a_bad_retain_header_is_refused_before_any_engine_works(value: str) -> None:
     async with stack() as s:

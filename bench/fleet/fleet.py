@@ -28,7 +28,7 @@ from typing import Any
 from bench.fleet import report
 from bench.fleet.agent_sessions import Plan, WorkloadSpec, generate
 from bench.fleet.driver import drive, warm_up
-from bench.fleet.setups import HOLD_TTL_MS, SETUPS, Context, Running, Unavailable, start
+from bench.fleet.setups import HOLD_TTL_MS, SETUPS, Context, Running, Unavailable, prompt_sources, start
 from bench.harness.engines import add_run_arguments
 from bench.harness.output import RESULTS_DIR, load_note, log, write_json
 from bench.harness.plot import matplotlib_missing
@@ -149,8 +149,7 @@ def run_setup(
     slo_ttft, slo_tpot = args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000
     for plan in plans:
         salt = f"{running.name}-{plan.rate:g}-{time.time_ns()}"
-        sources = running.prompt_sources()
-        per_engine = running.engine_counts()
+        engines_before = running.engine_counts()
         connector = running.connector_stats()
         router_before = running.router_stats()
         log(
@@ -158,12 +157,13 @@ def run_setup(
         )
         record = drive(running.url, plan, model=ctx.model_name, salt=salt, timeout_s=args.request_timeout_s)
         time.sleep(1.0)  # the connector writes its stats file from a background thread
+        engines_after = running.engine_counts()
         summary = report.summarize(
             record,
             plan,
             slo_ttft_s=slo_ttft,
             slo_tpot_s=slo_tpot,
-            sources=(sources, running.prompt_sources()),
+            sources=(prompt_sources(engines_before), prompt_sources(engines_after)),
             connector=(connector, running.connector_stats()),
             kv_bytes_per_token=kv_bytes_per_token(ctx.model),
         )
@@ -171,7 +171,7 @@ def run_setup(
         summary["outputs_differ_from"] = ref[0]
         summary["sessions_differing"] = differing_sessions(record.outputs, ref[1])
         summary["router"] = router_delta(router_before, running.router_stats())
-        summary["per_engine"] = report.per_engine(per_engine, running.engine_counts())
+        summary["per_engine"] = report.per_engine(engines_before, engines_after)
         log(
             f"  goodput {summary['goodput_rps']}/s, TTFT p90 {summary['ttft_ms']['p90']} ms, "
             f"reuse {summary['prefix_reuse']:.0%} (ideal {summary['ideal_reuse']:.0%}), failed {summary['failed']}"

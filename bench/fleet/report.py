@@ -115,15 +115,12 @@ def per_engine(
     out: dict[str, dict[str, Any]] = {}
     for name, now in after.items():
         then = before.get(name, {})
-
-        def grew(key: str, now: dict[str, float] = now, then: dict[str, float] = then) -> float:
-            return now.get(key, 0.0) - then.get(key, 0.0)
-
-        tpots = grew("tpot_count")
+        grew = {key: value - then.get(key, 0.0) for key, value in now.items()}
+        tpots = grew.get("tpot_count", 0.0)
         out[name] = {
-            "requests": round(grew("requests")),
-            "computed_tokens": round(grew("source:local_compute")),
-            "tpot_ms_mean": round(1000 * grew("tpot_s_sum") / tpots, 1) if tpots else None,
+            "requests": round(grew.get("requests", 0.0)),
+            "computed_tokens": round(grew.get("source:local_compute", 0.0)),
+            "tpot_ms_mean": round(1000 * grew.get("tpot_s_sum", 0.0) / tpots, 1) if tpots else None,
         }
     return out
 

@@ -146,16 +146,6 @@ class Running:
     holds_leases: bool = False  # engines with our connector: leases are counted after the run
     note: str = ""
 
-    def prompt_sources(self) -> dict[str, int]:
-        """Prompt tokens by source, summed over the engines (vLLM's /metrics)."""
-        out: dict[str, int] = {}
-        for counts in self.engine_counts().values():
-            for key, n in counts.items():
-                if key.startswith(SOURCE):
-                    source = key[len(SOURCE) :]
-                    out[source] = out.get(source, 0) + int(n)
-        return out
-
     def engine_counts(self) -> dict[str, dict[str, float]]:
         """Each engine's counters (vLLM's /metrics): requests finished, prompt tokens by source
         (``source:NAME``) and its requests' time per output token (sum and count)."""
@@ -220,6 +210,17 @@ _ENGINE_COUNTERS = {
     "vllm:request_time_per_output_token_seconds_sum": "tpot_s_sum",
     "vllm:request_time_per_output_token_seconds_count": "tpot_count",
 }
+
+
+def prompt_sources(counts: dict[str, dict[str, float]]) -> dict[str, int]:
+    """Prompt tokens by source, summed over the engines of one `Running.engine_counts` reading."""
+    out: dict[str, int] = {}
+    for engine in counts.values():
+        for key, n in engine.items():
+            if key.startswith(SOURCE):
+                source = key[len(SOURCE) :]
+                out[source] = out.get(source, 0) + int(n)
+    return out
 
 
 def _engine_counts(url: str) -> dict[str, float]:

@@ -29,6 +29,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BROKER_MODULE = ("-m", "kvbroker.broker")
 SERVE = ("-m", "kvbroker.tools.cli", "serve")
 READY_LINE = b"kvbroker listening on"
+# A broker is up in under a second on a quiet host; a CI machine of two cores shared with busy
+# engines once left one silent for 30 s (the timeout then dumps its stacks to say where it hung).
+START_TIMEOUT_S = 60.0
 # As docs/broker.md advises on a host shared with engines: the broker before the
 # engines' busy-polling workers (where this user may raise priority).
 ENGINE_HOST_PRIORITY = -5
@@ -88,11 +91,13 @@ class BrokerProcess(ChildProcess):
             priority=priority,
         )
 
-    def start(self, timeout: float = 30.0) -> BrokerProcess:
+    def start(self, timeout: float = START_TIMEOUT_S) -> BrokerProcess:
         super().start()
         try:
             self.wait_line(READY_LINE, timeout)
-        except RuntimeError:
-            self.kill9()
+        except RuntimeError as err:
+            stacks = self.abort()  # alive but silent: where it hangs is the question
+            if stacks:
+                raise RuntimeError(f"{err}\nits stacks (SIGABRT):\n{stacks}") from None
             raise
         return self

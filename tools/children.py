@@ -25,6 +25,8 @@ from pathlib import Path
 
 from kvbroker.tools.launch import free_port
 
+# How long a child asked for its stacks (SIGABRT, answered by faulthandler) gets to write them.
+STACKS_WAIT_S = 5.0
 # A SIGKILLed child is gone at once on a quiet host; on a starved one (a CI machine of two cores
 # shared with vLLM engines) the kernel took more than 10 s to let it die and be reaped.
 KILLED_WAIT_S = 60.0
@@ -36,7 +38,9 @@ class ChildProcess:
     `env` replaces the environment (None: inherit), `cwd` the working folder,
     `priority` is set on the child where this user may (None: leave it),
     `fresh_log` truncates the log at each start. `start()` may be called again
-    after the child exited or was stopped (a restart in place).
+    after the child exited or was stopped (a restart in place). A Python child
+    runs with faulthandler on (PYTHONFAULTHANDLER), so a crash or `abort()`
+    leaves every thread's stack in its log.
     """
 
     def __init__(
@@ -77,6 +81,8 @@ class ChildProcess:
 
     def start(self) -> ChildProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         with open(self.log_path, "wb" if self.fresh_log else "ab") as log:  # the child keeps its own
             self._log_offset = log.tell()
             self._proc = subprocess.Popen(
@@ -84,7 +90,7 @@ class ChildProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env=env,
                 cwd=str(self.cwd) if self.cwd is not None else None,
                 start_new_session=True,
             )
@@ -153,6 +159,19 @@ class ChildProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(KILLED_WAIT_S)
+
+    def abort(self) -> str:
+        """Stop a child that hangs, asking it first where: SIGABRT to the child alone (a Python
+        child's faulthandler writes every thread's stack to the log), then SIGKILL to the group.
+        Returns the log's tail, with those stacks; "" when the child had already exited."""
+        if not self.alive():
+            return ""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(STACKS_WAIT_S)
+        self.kill9()
+        return self.log_tail(80)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the group, then SIGKILL after `grace_s`."""

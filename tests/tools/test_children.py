@@ -1,7 +1,8 @@
 """The one launcher of child processes (kvbroker.tools.children, re-exported by testkit.processes):
 readiness by log line, port and HTTP answer, a clear error with the log's tail when the child dies
-first or takes too long, stop and kill9 reaching the whole process group, restart in place, and the
-proxy's command line. Real child processes throughout (small Python programs)."""
+first or takes too long (a hung broker aborted with its stacks), stop and kill9 reaching the whole
+process group, restart in place, and the proxy's command line. Real child processes throughout
+(small Python programs)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,23 @@ def test_the_broker_is_ready_when_it_says_it_listens(tmp_path: Path) -> None:
         assert broker.alive()
         assert "kvbroker listening on" in (tmp_path / "broker.log").read_text()
     assert not broker.alive()
+
+
+def test_a_broker_that_hangs_at_start_is_aborted_with_its_stacks(tmp_path: Path) -> None:
+    """A broker alive but silent past the timeout: the error carries where it was (faulthandler's
+    dump on SIGABRT), and the child is gone after."""
+    hang = "import time\ndef stuck_in_start(): time.sleep(600)\nstuck_in_start()"
+    broker = BrokerProcess(tmp_path, command=["-c", hang], priority=None, log_level=None)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)no 'kvbroker listening on' within 1 s.*its stacks.*stuck_in_start"
+    ):
+        broker.start(timeout=1)
+    assert not broker.alive()
+    assert broker.abort() == ""  # nothing left to abort
+
+
+def test_a_child_that_exited_is_not_aborted(tmp_path: Path) -> None:
+    child = ChildProcess("quick", python("print('done')"), tmp_path / "q.log").start()
+    child.proc.wait(20)
+    assert child.abort() == ""
+    assert child.returncode == 0

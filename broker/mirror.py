@@ -250,8 +250,11 @@ async def live_updates(
     loop = asyncio.get_running_loop()
     alive_at = loop.time() + keepalive_s
     while not sub.overflowed and not sub.closed:
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation that lands as
+        # `ready` is set, and this loop would then outlive its stream.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ready.wait(), max(0.0, alive_at - loop.time()))
+            async with asyncio.timeout(max(0.0, alive_at - loop.time())):
+                await ready.wait()
         if loop.time() >= alive_at:
             alive_at = loop.time() + keepalive_s
             yield pb.MirrorUpdate()

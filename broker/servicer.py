@@ -89,7 +89,8 @@ class BrokerServicer(
     ) -> None:
         timeout_ms = self.core.config.register_timeout_ms
         try:
-            first = await asyncio.wait_for(anext(aiter(request_iterator), None), timeout_ms / 1000)
+            async with asyncio.timeout(timeout_ms / 1000):  # not wait_for: see broker/mirror.py
+                first = await anext(aiter(request_iterator), None)
         except TimeoutError:
             await abort(
                 context,

@@ -191,9 +191,9 @@ class AsyncBrokerClient:
         for tries_left in range(len(endpoints), 0, -1):
             address = endpoints.current
             try:
-                await asyncio.wait_for(
-                    self.stub_for(address)[1].channel_ready(), (deadline - loop.time()) / tries_left
-                )
+                # asyncio.timeout, not wait_for (Python 3.11's can lose a cancellation).
+                async with asyncio.timeout((deadline - loop.time()) / tries_left):
+                    await self.stub_for(address)[1].channel_ready()
                 return
             except TimeoutError:
                 endpoints.fail_over(address)

@@ -330,7 +330,8 @@ class SessionStream:
         timeout_s = register_timeout_s(self.register_timeout_s, self.session_ttl_s, self.several)
         try:
             await call.write(pb.SessionUp(seq=self._seq, register=register))
-            reply = await asyncio.wait_for(call.read(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for (Python 3.11's can lose a cancel)
+                reply = await call.read()
         except TimeoutError:
             raise errors.Unavailable(
                 f"broker did not answer the registration within {timeout_s:g} s"

@@ -268,3 +268,20 @@ def test_no_module_is_longer_than_one_sitting() -> None:
         and str(p.relative_to(ROOT)) not in LONGER_WITH_REASON
     }
     assert long == {}, f"split these modules along their seams (or state why not): {long}"
+
+
+def test_the_wheel_never_calls_asyncio_wait_for() -> None:
+    """Python 3.11's asyncio.wait_for loses a cancellation that lands as the awaited call finishes:
+    a loop around it then outlives its task's cancel (a Mirror stream did, tests/broker/test_mirror.py).
+    The wheel uses `async with asyncio.timeout(...)` instead."""
+    calls = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "wait_for"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "asyncio"
+            ):
+                calls.append(f"{module}:{node.lineno}")
+    assert calls == [], f"use asyncio.timeout, not asyncio.wait_for: {calls}"

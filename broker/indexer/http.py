@@ -145,7 +145,8 @@ class IndexerHttp:
         if self.server is not None:
             self.server.close()
             with contextlib.suppress(OSError, TimeoutError):
-                await asyncio.wait_for(self.server.wait_closed(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await self.server.wait_closed()
 
     # -- transport ---------------------------------------------------------------------
 
@@ -159,7 +160,9 @@ class IndexerHttp:
             while True:
                 try:
                     timeout = READ_TIMEOUT_S if identified else HANDSHAKE_TIMEOUT_S
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+                    # asyncio.timeout, not wait_for (Python 3.11's can lose a cancellation).
+                    async with asyncio.timeout(timeout):
+                        head = await reader.readuntil(b"\r\n\r\n")
                 except (
                     asyncio.IncompleteReadError,
                     asyncio.LimitOverrunError,
@@ -207,9 +210,8 @@ class IndexerHttp:
                     self.connections += 1
                     identified = True
                 try:
-                    raw = (
-                        await asyncio.wait_for(reader.readexactly(length), READ_TIMEOUT_S) if length else b""
-                    )
+                    async with asyncio.timeout(READ_TIMEOUT_S):
+                        raw = await reader.readexactly(length) if length else b""
                 except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
                     return
                 status, answer = self._handle(method, target, headers, raw, writer)

@@ -4,13 +4,14 @@ snapshot is being taken (property test), and the hub keeps order and bounds."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbroker.broker.core import BrokerCore
-from kvbroker.broker.mirror import MirrorHub, mirror_engine_info
+from kvbroker.broker.mirror import MirrorHub, MirrorSubscriber, live_updates, mirror_engine_info
 from kvbroker.clients.mirror import IndexMirror
 from kvbroker.common.model import Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
@@ -248,3 +249,26 @@ def test_mirror_engine_info_drops_nixl_blobs() -> None:
     assert not slim.ranks[0].tiers[0].HasField("digest_table")
     assert slim.ranks[0].end_layer == info.ranks[0].end_layer and slim.layout == info.layout
     assert info.ranks[0].agent_metadata == b"meta", "the original must not change"
+
+
+async def test_a_stream_cancelled_as_a_change_arrives_ends() -> None:
+    """The Mirror stream's loop ends on a cancel that lands in the same turn as a wake-up (a
+    shutdown or a client gone while changes flow); Python 3.11's wait_for lost that cancel and the
+    loop went on waiting for the next change."""
+    ready = asyncio.Event()
+    sub = MirrorSubscriber("L", ready.set)
+
+    async def consume() -> None:
+        async for _update in live_updates(sub, ready, keepalive_s=30.0):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)  # waiting for a change
+    ready.set()
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=2.0)
+    if not done:  # let the loop go before failing
+        sub.closed = "test over"
+        ready.set()
+        await asyncio.wait([task], timeout=2.0)
+    assert done and task.cancelled()

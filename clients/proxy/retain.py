@@ -27,6 +27,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+from kvbroker.clients.errors import BrokerError
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.validate import InvalidRequest
 from kvbroker.v1 import broker_pb2 as pb
@@ -95,8 +96,6 @@ class Retainer:
     async def _retain(
         self, engine_id: str, namespace: pb.Namespace, hashes: list[int], seconds: float, key: str
     ) -> None:
-        from kvbroker.clients.errors import BrokerError
-
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.announce_wait_s
         request = pb.RetainRequest(
@@ -144,8 +143,6 @@ class Retainer:
         """Wait (until `give_up`) for `engine_id` to hold the whole prompt. The engine announces the
         turn's blocks a moment after it answered, and until then it may hold the previous turn's
         prefix only: retaining at once would keep that shorter prefix (and answer `retained`)."""
-        from kvbroker.clients.errors import BrokerError
-
         loop = asyncio.get_running_loop()
         pause = self.retry_s
         while True:

@@ -55,6 +55,11 @@ class BrokerConfig:
     max_mirrors: int = setting(
         256, "most concurrent Mirror streams (each costs a copy of every index change of its layout)"
     )
+    max_pending_calls: int = setting(
+        10_000,
+        "most calls that have arrived and wait for the broker to take them up (a burst); beyond, gRPC "
+        "refuses a call with CANCELLED (each waiting call costs about 10 KiB)",
+    )
     max_health_watchers: int = setting(
         1_024, "most concurrent grpc.health.v1 Watch streams (beyond: RESOURCE_EXHAUSTED)"
     )
@@ -223,6 +228,7 @@ class BrokerConfig:
             "pin_timeout_ms",
             "max_hashes",
             "max_message_bytes",
+            "max_pending_calls",
             "expiry_interval_ms",
             "expiry_batch",
             "mirror_chunk",

@@ -307,6 +307,10 @@ async def start_server(
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
+            # gRPC's own defaults (1,000 waiting calls, then dropping at random up to 3,000) refuse
+            # a router's burst with a bare CANCELLED: wait for the handlers instead, up to a bound.
+            ("grpc.server.max_pending_requests", config.max_pending_calls),
+            ("grpc.server.max_pending_requests_hard_limit", config.max_pending_calls),
             # Accept the keepalive pings clients send on quiet Watch and Mirror streams.
             *keepalive.server_options(config.keepalive_min_ping_interval_ms),
         ],

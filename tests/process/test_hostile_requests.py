@@ -227,5 +227,48 @@ async def test_bad_loads_are_refused(engine_stub: broker_pb2_grpc.KVBrokerStub, 
     await session.close()
 
 
+async def test_a_burst_of_calls_is_answered_not_refused(broker: BrokerProcess) -> None:
+    """4,000 calls sent at once (a router's burst). gRPC's own server defaults let 1,000 wait for a
+    handler, then drop calls at random up to 3,000, with a bare CANCELLED that names no cause: an
+    earlier broker refused 40% of such a burst. Now each call is answered (--max-pending-calls)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{broker.port}") as channel:
+        stub = broker_pb2_grpc.KVBrokerStub(channel)
+
+        async def one() -> str:
+            try:
+                await stub.Stats(pb.StatsRequest(), timeout=50)
+            except grpc.aio.AioRpcError as err:
+                return err.code().name
+            return "OK"
+
+        outcomes = await asyncio.gather(*(one() for _ in range(4_000)))
+    assert outcomes.count("OK") == len(outcomes), {o: outcomes.count(o) for o in set(outcomes)}
+
+
+async def test_a_burst_of_sessions_that_never_register_each_gets_the_precise_status(
+    broker: BrokerProcess,
+) -> None:
+    """1,500 Session streams opened at once that never send: each ends with DEADLINE_EXCEEDED naming
+    the register message, none with gRPC's bare CANCELLED."""
+
+    async def silent() -> AsyncIterator[pb.SessionUp]:
+        await asyncio.sleep(3600)
+        yield pb.SessionUp()
+
+    async def ending(call: object) -> str:
+        try:
+            async for _ in call:  # type: ignore[attr-defined]
+                pass
+        except grpc.aio.AioRpcError as err:
+            return f"{err.code().name}: {'register' in (err.details() or '')}"
+        return "OK"
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{broker.port}") as channel:
+        stub = broker_pb2_grpc.KVBrokerStub(channel)
+        calls = [stub.Session(silent()) for _ in range(1_500)]
+        outcomes = await asyncio.wait_for(asyncio.gather(*(ending(c) for c in calls)), 50)
+    assert set(outcomes) == {"DEADLINE_EXCEEDED: True"}, {o: outcomes.count(o) for o in set(outcomes)}
+
+
 def test_the_broker_survived(broker: BrokerProcess, tmp_path: Path) -> None:
     assert broker.alive(), broker.log_tail()

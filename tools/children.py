@@ -188,7 +188,9 @@ class ChildProcess:
     close = stop
 
     def __enter__(self) -> ChildProcess:
-        return self.start()
+        # `with child.start():` must not start a second child over the first (which then outlives
+        # the block, unstopped): a child already running is entered as it is.
+        return self if self.alive() else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

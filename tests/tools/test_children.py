@@ -150,3 +150,20 @@ def test_a_child_that_exited_is_not_aborted(tmp_path: Path) -> None:
     child.proc.wait(20)
     assert child.abort() == ""
     assert child.returncode == 0
+
+
+def test_entering_a_running_child_does_not_start_a_second(tmp_path: Path) -> None:
+    """`with child.start():` once started a second child over the first, which then outlived the
+    block; a running child is entered as it is and stopped at the block's end."""
+    child = ChildProcess("sayer", python(SAY_READY), tmp_path / "sayer.log")
+    started = child.start()
+    first = child.proc
+    try:
+        with started:
+            assert child.proc is first and child.alive()
+    finally:
+        for proc in {first, child.proc}:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert first.returncode is not None and first.returncode < 0  # stopped by the block (SIGTERM)

@@ -46,6 +46,7 @@ from kvbroker.broker.servicer import BrokerServicer
 from kvbroker.broker.tracing import TracingInterceptor, make_tracer_provider
 from kvbroker.common import keepalive, settings
 from kvbroker.common.causes import Cause
+from kvbroker.common.open_files import raise_open_files_limit
 from kvbroker.common.telemetry import TelemetryError
 from kvbroker.common.version import version
 from kvbroker.v1 import broker_pb2, broker_pb2_grpc
@@ -451,6 +452,7 @@ def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    raise_open_files_limit()  # one descriptor per connection: the fleet's, and a hostile client's
     import uvloop
 
     try:

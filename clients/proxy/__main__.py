@@ -12,6 +12,7 @@ from aiohttp import web
 from kvbroker.clients.proxy.config import ProxyConfig, build_parser, config_from_args
 from kvbroker.clients.proxy.server import build_app
 from kvbroker.clients.proxy.tracing import setup_tracing
+from kvbroker.common.open_files import raise_open_files_limit
 from kvbroker.common.telemetry import TelemetryError
 
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    raise_open_files_limit()  # one descriptor per client connection and per engine connection
     try:
         import uvloop
 

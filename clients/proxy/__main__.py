@@ -21,7 +21,9 @@ async def run(config: ProxyConfig) -> None:
     app = build_app(config)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    # aiohttp's default queue of 128 made 2,000 clients connecting at once (a load generator's
+    # start) wait a second each for 6-8% of them; vLLM's own server queues 2,048.
+    site = web.TCPSite(runner, config.host, config.port, backlog=config.backlog)
     await site.start()
     engines = ", ".join(f"{e.role}={e.url}" for e in config.engines) or "from the broker"
     print(

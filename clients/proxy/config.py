@@ -59,6 +59,11 @@ ENV_PREFIX = "KVBROKER_PROXY_"
 class ProxyConfig:
     host: str = setting("0.0.0.0", "listen address")
     port: int = setting(8000, "listen port")
+    backlog: int = setting(
+        2048,
+        "connections the kernel queues before the proxy accepts them (capped by net.core.somaxconn); "
+        "a burst beyond it waits a second for the client's SYN retry",
+    )
     engines: tuple[EngineSpec, ...] = setting((), "engines from --prefill/--decode/--engine", flag=False)
     broker: str = setting(
         "",
@@ -246,6 +251,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             "error: --dp-busy-tokens, --dp-pull-token-cost, --dp-pull-fixed-tokens, --dp-neighbour-cost "
             "and --dp-min-prefix-tokens must be >= 0"
         )
+    if args.backlog < 1:
+        raise SystemExit("error: --backlog must be at least 1")
     if args.engine_keepalive_s <= 0:
         raise SystemExit("error: --engine-keepalive-s must be > 0")
     if args.first_byte_timeout_s < 0 or args.probe_timeout_s <= 0:

@@ -91,13 +91,29 @@ class BrokerProcess(ChildProcess):
             priority=priority,
         )
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> BrokerProcess:
-        super().start()
-        try:
-            self.wait_line(READY_LINE, timeout)
-        except RuntimeError as err:
-            stacks = self.abort()  # alive but silent: where it hangs is the question
-            if stacks:
-                raise RuntimeError(f"{err}\nits stacks (SIGABRT):\n{stacks}") from None
-            raise
-        return self
+    def start(self, timeout: float = START_TIMEOUT_S, attempts: int = 2) -> BrokerProcess:
+        """Start, and return once the broker says it listens. A broker alive but silent past
+        `timeout` is aborted with its stacks and its state and started again, up to `attempts`
+        times in all: a busy CI machine twice left one silent for the whole timeout, stuck in
+        its imports. A broker that exits is not started again: its log says why."""
+        silent: list[str] = []
+        for _ in range(attempts):
+            super().start()
+            try:
+                self.wait_line(READY_LINE, timeout)
+            except RuntimeError as err:
+                state = self.state()  # before the abort: is it stopped, starved, swapping?
+                stacks = self.abort()
+                if not stacks:  # it exited on its own
+                    raise
+                silent.append(f"{err}\nits state: {state}\nits stacks (SIGABRT):\n{stacks}")
+                continue
+            if silent:
+                print(
+                    f"{self.name}: up at attempt {len(silent) + 1}, after:\n" + "\n".join(silent),
+                    file=sys.stderr,
+                )
+            return self
+        raise RuntimeError(
+            "".join(f"\n--- attempt {i} of {attempts} ---\n{text}" for i, text in enumerate(silent, 1))
+        )

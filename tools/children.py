@@ -160,6 +160,28 @@ class ChildProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(KILLED_WAIT_S)
 
+    def state(self) -> str:
+        """What the kernel says of the child and its host (Linux /proc), for an error about a child
+        that says nothing: stopped (T) or running, its CPU time, its major page faults (a starved
+        or swapping host), its memory; "" where /proc has nothing."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+            load = Path("/proc/loadavg").read_text().split()[:3]
+            meminfo = Path("/proc/meminfo").read_text()
+        except (OSError, IndexError):
+            return ""
+        tick = os.sysconf("SC_CLK_TCK")
+        rss = next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), "?")
+        free = next(
+            (line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:")), "0"
+        )
+        return (
+            f"state {stat[0]}, {(int(stat[11]) + int(stat[12])) / tick:.2f} s of CPU, "
+            f"{int(stat[9]):,} major page faults, {int(rss) // 1024 if rss.isdigit() else rss} MiB resident; "
+            f"host load {' '.join(load)}, {int(free) / (1 << 20):.1f} GiB available"
+        )
+
     def abort(self) -> str:
         """Stop a child that hangs, asking it first where: SIGABRT to the child alone (a Python
         child's faulthandler writes every thread's stack to the log), then SIGKILL to the group.

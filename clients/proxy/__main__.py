@@ -10,7 +10,7 @@ import sys
 from aiohttp import web
 
 from kvbroker.clients.proxy.config import ProxyConfig, build_parser, config_from_args
-from kvbroker.clients.proxy.server import build_app
+from kvbroker.clients.proxy.server import RUNNER_OPTIONS, build_app
 from kvbroker.clients.proxy.tracing import setup_tracing
 from kvbroker.common.open_files import raise_open_files_limit
 from kvbroker.common.telemetry import TelemetryError
@@ -19,7 +19,7 @@ from kvbroker.common.telemetry import TelemetryError
 async def run(config: ProxyConfig) -> None:
     provider = setup_tracing(config.otlp_endpoint)
     app = build_app(config)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, **RUNNER_OPTIONS)
     await runner.setup()
     # aiohttp's default queue of 128 made 2,000 clients connecting at once (a load generator's
     # start) wait a second each for 6-8% of them; vLLM's own server queues 2,048.

@@ -320,6 +320,15 @@ def placement_rule(config: ProxyConfig) -> PlacementLearner | None:
     return PlacementLearner(rule, learn=config.placement_learn and config.placement == "load")
 
 
+# How the proxy's aiohttp server runs (`python -m kvbroker.clients.proxy`, and the tests' servers).
+# handler_cancellation: a client that leaves cancels its request's handler, which closes the
+# proxy's own request to the engine, so vLLM aborts it and frees its KV blocks, as it does for a
+# client of its own; P's hold is declined (forward.py), the request counted 499 (metrics.py).
+# aiohttp's default since 3.9 lets the handler run on: a non-streamed request was computed to
+# its end for nobody, and a streamed one until its first write.
+RUNNER_OPTIONS: dict[str, Any] = {"access_log": None, "handler_cancellation": True}
+
+
 def build_app(
     config: ProxyConfig, *, broker: Any | None = None, tracer_provider: trace.TracerProvider | None = None
 ) -> web.Application:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -77,6 +79,45 @@ async def test_the_proxy_declines_p_s_hold_when_no_decode_engine_will_read_it(
         await until(lambda: "declined P's hold of request p-req-7" in caplog.text)  # the proxy's log line
         # D's rejection goes back to the client; a broken D falls back to P alone.
         assert status == (400 if decode_mode == "reject400" else 200)
+    finally:
+        await server.close()
+        await p.stop()
+        await d.stop()
+
+
+async def test_a_client_that_leaves_during_decode_cancels_d_and_p_s_hold_is_declined(
+    broker: Any, sessions: Any, recorder: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client gives up while D works (a user's stop, a benchmark's timeout): the proxy's request
+    to D is closed, as vLLM needs to abort it and free its blocks, and P's hold is declined at once.
+    (aiohttp's test server always cancels the handler of a client that left; the proxy's own
+    process does since RUNNER_OPTIONS: tests/clients/proxy/test_proxy_process.py.)"""
+    caplog.set_level("INFO", logger="kvbroker.proxy")
+    seen = recorder()
+    p_session = await sessions("P", **seen.callbacks())
+    await p_session.hold((p_session.layout_id, ""), pb.TIER_GPU, [31], [4], 30_000, request_id="p-req-9")
+    p = await FakeEngine("P", hold_request_id="p-req-9").start()
+    d = await FakeEngine("D", mode="hang").start()
+    client = AsyncBrokerClient(broker.address)
+    config = ProxyConfig(
+        engines=(EngineSpec(p.url, "prefill"), EngineSpec(d.url, "decode")), connect_timeout_s=1.0
+    )
+    server = TestServer(build_app(config, broker=client))
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "tiny", "prompt": "hello " * 40, "max_tokens": 4}
+            request = asyncio.ensure_future(http.post(str(server.make_url("/v1/completions")), json=body))
+            await until(lambda: len(d.completions()) == 1)  # D has the request and works on it
+            left = time.monotonic()
+            request.cancel()  # the client leaves
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+        await until(lambda: d.cancelled == 1)
+        ended = (await seen.wait_for("lease_ended"))[0].lease
+        assert time.monotonic() - left < 5.0  # declined, not left to the hold's 30 s TTL
+        assert ended.cause == pb.REVOKE_DECLINED and ended.request_id == "p-req-9"
+        await until(lambda: "the client went away before decode" in caplog.text)
     finally:
         await server.close()
         await p.stop()

@@ -49,6 +49,9 @@ class FakeEngine:
     hold_request_id: str = ""
     seen: list[Seen] = field(default_factory=list)
     health_probes: int = 0  # GET /health calls, answered or not
+    # Completions whose client (the proxy) left before the answer: vLLM aborts those and frees their
+    # KV blocks; the fake's test server cancels the handler as vLLM's notices the disconnect.
+    cancelled: int = 0
     server: TestServer | None = None
 
     @property
@@ -72,7 +75,7 @@ class FakeEngine:
         return app
 
     async def start(self) -> FakeEngine:
-        self.server = TestServer(self.app())
+        self.server = TestServer(self.app())  # aiohttp's test server cancels a handler whose client left
         await self.server.start_server()
         return self
 
@@ -143,6 +146,13 @@ class FakeEngine:
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": 4096})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._answer(request)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(Seen(request.path, body, CIMultiDict(request.headers)))
         params = body.get("kv_transfer_params") or {}

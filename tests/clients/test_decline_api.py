@@ -50,22 +50,30 @@ async def test_a_hold_declined_before_it_arrives_is_refused(broker: Any, session
         await p.hold((p.layout_id, ""), pb.TIER_GPU, [11], [1], 30_000, request_id="req-early")
 
 
+async def _p_d_behind_a_proxy(
+    broker: Any, sessions: Any, recorder: Any, request_id: str, decode_mode: str
+) -> tuple[Any, FakeEngine, FakeEngine, TestServer]:
+    """P's broker session holding `request_id`'s blocks, fake engines P (answering with that hold)
+    and D (`decode_mode`), and an in-process proxy over them that can decline through the broker."""
+    seen = recorder()
+    p_session = await sessions("P", **seen.callbacks())
+    await p_session.hold((p_session.layout_id, ""), pb.TIER_GPU, [21], [3], 30_000, request_id=request_id)
+    p = await FakeEngine("P", hold_request_id=request_id).start()
+    d = await FakeEngine("D", mode=decode_mode).start()
+    config = ProxyConfig(
+        engines=(EngineSpec(p.url, "prefill"), EngineSpec(d.url, "decode")), connect_timeout_s=1.0
+    )
+    server = TestServer(build_app(config, broker=AsyncBrokerClient(broker.address)))
+    await server.start_server()
+    return seen, p, d, server
+
+
 @pytest.mark.parametrize("decode_mode", ["reject400", "error500"])
 async def test_the_proxy_declines_p_s_hold_when_no_decode_engine_will_read_it(
     broker: Any, sessions: Any, recorder: Any, decode_mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="kvbroker.proxy")
-    seen = recorder()
-    p_session = await sessions("P", **seen.callbacks())
-    await p_session.hold((p_session.layout_id, ""), pb.TIER_GPU, [21], [3], 30_000, request_id="p-req-7")
-    p = await FakeEngine("P", hold_request_id="p-req-7").start()
-    d = await FakeEngine("D", mode=decode_mode).start()
-    client = AsyncBrokerClient(broker.address)
-    config = ProxyConfig(
-        engines=(EngineSpec(p.url, "prefill"), EngineSpec(d.url, "decode")), connect_timeout_s=1.0
-    )
-    server = TestServer(build_app(config, broker=client))
-    await server.start_server()
+    seen, p, d, server = await _p_d_behind_a_proxy(broker, sessions, recorder, "p-req-7", decode_mode)
     try:
         async with aiohttp.ClientSession() as http:
             body = {"model": "tiny", "prompt": "hello " * 40, "max_tokens": 4}
@@ -93,17 +101,7 @@ async def test_a_client_that_leaves_during_decode_cancels_d_and_p_s_hold_is_decl
     (aiohttp's test server always cancels the handler of a client that left; the proxy's own
     process does since RUNNER_OPTIONS: tests/clients/proxy/test_proxy_process.py.)"""
     caplog.set_level("INFO", logger="kvbroker.proxy")
-    seen = recorder()
-    p_session = await sessions("P", **seen.callbacks())
-    await p_session.hold((p_session.layout_id, ""), pb.TIER_GPU, [31], [4], 30_000, request_id="p-req-9")
-    p = await FakeEngine("P", hold_request_id="p-req-9").start()
-    d = await FakeEngine("D", mode="hang").start()
-    client = AsyncBrokerClient(broker.address)
-    config = ProxyConfig(
-        engines=(EngineSpec(p.url, "prefill"), EngineSpec(d.url, "decode")), connect_timeout_s=1.0
-    )
-    server = TestServer(build_app(config, broker=client))
-    await server.start_server()
+    seen, p, d, server = await _p_d_behind_a_proxy(broker, sessions, recorder, "p-req-9", "hang")
     try:
         async with aiohttp.ClientSession() as http:
             body = {"model": "tiny", "prompt": "hello " * 40, "max_tokens": 4}

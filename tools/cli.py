@@ -9,6 +9,8 @@ exit non-zero (see ``EXIT_CODES``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
@@ -22,7 +24,16 @@ from kvbroker.tools.cli_commands import cmd_serve
 from kvbroker.tools.cli_parser import build_parser
 from kvbroker.tools.cli_render import format_table, to_json
 
-__all__ = ["EXIT_CODES", "EXIT_USAGE", "build_parser", "exit_code_of", "format_table", "main", "to_json"]
+__all__ = [
+    "EXIT_BROKEN_PIPE",
+    "EXIT_CODES",
+    "EXIT_USAGE",
+    "build_parser",
+    "exit_code_of",
+    "format_table",
+    "main",
+    "to_json",
+]
 
 # Exit status per error class (first match wins, so subclasses come first).
 EXIT_CODES: tuple[tuple[type[errors.BrokerError], int], ...] = (
@@ -35,6 +46,9 @@ EXIT_CODES: tuple[tuple[type[errors.BrokerError], int], ...] = (
     (errors.BrokerError, 1),
 )
 EXIT_USAGE = 2
+# The reader of our output left (`kvbroker watch | head`): what a shell reports for a command
+# killed by SIGPIPE (128 + 13), without Python's traceback.
+EXIT_BROKEN_PIPE = 141
 
 
 def exit_code_of(err: errors.BrokerError) -> int:
@@ -79,6 +93,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         options = keepalive.client_options(args.keepalive_ms)
         with BrokerClient(args.broker, timeout=args.timeout, options=options, security=security) as client:
             return int(args.handler(client, args, out))
+    except BrokenPipeError:
+        if out is sys.stdout:  # the interpreter flushes stdout at exit: point it where nobody reads
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except errors.BrokerError as err:
         print(f"kvbroker {args.command}: {_explain(err, args)}", file=sys.stderr)
         return exit_code_of(err)

@@ -276,3 +276,22 @@ def test_console_script_runs() -> None:
     )
     assert result.returncode == 3, result.stderr
     assert "cannot reach the broker" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["stats", "engines"])
+async def test_a_reader_that_leaves_ends_the_command_quietly(
+    broker: Any, engines: dict[str, EngineSession], command: str
+) -> None:
+    """`kvbroker stats | head -0`: the pipe's reader is gone before the table is written. The
+    command exits as one killed by SIGPIPE would (141), not with Python's BrokenPipeError traceback."""
+
+    def run() -> tuple[int, str]:
+        argv = [sys.executable, "-m", "kvbroker.tools.cli", "--broker", broker.address, command]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader leaves before the command has written a byte
+        err = proc.stderr.read().decode()
+        return proc.wait(60), err
+
+    code, err = await asyncio.to_thread(run)
+    assert code == cli.EXIT_BROKEN_PIPE and "Traceback" not in err, err

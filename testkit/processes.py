@@ -6,6 +6,8 @@
     BrokerProcess  `python -m kvbroker.broker` (or `kvbroker serve`) on a free port
     python_env()   this environment with the source tree first on PYTHONPATH, for children
                    that run `python -m bench.*` or `python -m testkit.*`
+    with_low_soft_limit(), soft_open_files()   a server started under a low soft limit of open
+                   files, and a process's limit as the kernel has it
 
 vLLM engines are started by testkit.engines (kvbroker.tools.launch.EngineProcess).
 """
@@ -22,7 +24,16 @@ from pathlib import Path
 from kvbroker.tools.children import ChildProcess, ProxyProcess
 from testkit.ports import free_port
 
-__all__ = ["REPO_ROOT", "BrokerProcess", "ChildProcess", "ProxyProcess", "python_env"]
+__all__ = [
+    "LOW_SOFT_OPEN_FILES",
+    "REPO_ROOT",
+    "BrokerProcess",
+    "ChildProcess",
+    "ProxyProcess",
+    "python_env",
+    "soft_open_files",
+    "with_low_soft_limit",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # `python -m kvbroker.broker`; the process tests run `kvbroker serve` instead (SERVE).
@@ -53,6 +64,29 @@ def stopped(pid: int) -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+# A server started as many systems start programs: a low soft limit of open files (256 here, the
+# failure of 1,024 at a quarter of the connections) under the hard limit this machine has.
+LOW_SOFT_OPEN_FILES = 256
+_WITH_LOW_SOFT_LIMIT = """
+import resource, runpy, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+sys.argv = [{module!r}, *sys.argv[1:]]
+runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+"""
+
+
+def with_low_soft_limit(module: str) -> tuple[str, str]:
+    """The interpreter arguments that run `python -m MODULE` under LOW_SOFT_OPEN_FILES."""
+    return ("-c", _WITH_LOW_SOFT_LIMIT.format(soft=LOW_SOFT_OPEN_FILES, module=module))
+
+
+def soft_open_files(pid: int) -> int:
+    """Process `pid`'s soft limit of open files, as the kernel has it now (Linux)."""
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    return int(line.split()[3])
 
 
 class BrokerProcess(ChildProcess):

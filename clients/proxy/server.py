@@ -320,7 +320,8 @@ def placement_rule(config: ProxyConfig) -> PlacementLearner | None:
     return PlacementLearner(rule, learn=config.placement_learn and config.placement == "load")
 
 
-# How the proxy's aiohttp server runs (`python -m kvbroker.clients.proxy`, and the tests' servers).
+# How the proxy's aiohttp server runs (`python -m kvbroker.clients.proxy`, and anyone embedding
+# build_app; aiohttp's TestServer ignores them and always cancels).
 # handler_cancellation: a client that leaves cancels its request's handler, which closes the
 # proxy's own request to the engine, so vLLM aborts it and frees its KV blocks, as it does for a
 # client of its own; P's hold is declined (forward.py), the request counted 499 (metrics.py).

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.tools.children import ProxyProcess
+from kvbroker.common.open_files import UNLIMITED_CAP
+from testkit.processes import LOW_SOFT_OPEN_FILES, ProxyProcess, soft_open_files, with_low_soft_limit
 
 _RUN = """
 import resource, sys
@@ -31,7 +32,7 @@ def test_a_low_soft_limit_is_raised_to_the_hard_one() -> None:
         pytest.skip(f"hard limit {hard}")
     before, after, now, child_hard = _in_child(64)
     assert before == 64 and after == now > 64
-    assert now == (child_hard if child_hard != resource.RLIM_INFINITY else 1 << 20)
+    assert now == (child_hard if child_hard != resource.RLIM_INFINITY else UNLIMITED_CAP)
 
 
 def test_a_soft_limit_already_at_the_hard_one_is_left() -> None:
@@ -42,23 +43,15 @@ def test_a_soft_limit_already_at_the_hard_one_is_left() -> None:
     assert before == after == now == hard
 
 
-_PROXY_LOW_SOFT_LIMIT = """
-import resource, runpy, sys
-resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-sys.argv = ["kvbroker.clients.proxy", *sys.argv[1:]]
-runpy.run_module("kvbroker.clients.proxy", run_name="__main__", alter_sys=True)
-"""
-
-
 def test_the_proxy_raises_its_soft_limit(tmp_path: Path) -> None:
     """The proxy holds a descriptor per client and per engine connection: started with a soft limit
     of 256, it runs with the hard one (the broker's case: tests/process/test_hostile_load.py)."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    if hard != resource.RLIM_INFINITY and hard <= 256:
+    if hard != resource.RLIM_INFINITY and hard <= LOW_SOFT_OPEN_FILES:
         pytest.skip(f"hard limit {hard}")
     proxy = ProxyProcess(tmp_path / "proxy.log", engines={"E": "http://127.0.0.1:1"})
     assert proxy.argv[1:3] == ["-m", "kvbroker.clients.proxy"]
-    proxy.argv[1:3] = ["-c", _PROXY_LOW_SOFT_LIMIT]
-    with proxy, open(f"/proc/{proxy.pid}/limits") as f:
-        soft = int(next(line for line in f if line.startswith("Max open files")).split()[3])
-    assert soft > 256
+    proxy.argv[1:3] = with_low_soft_limit("kvbroker.clients.proxy")
+    with proxy:
+        soft = soft_open_files(proxy.pid)
+    assert soft > LOW_SOFT_OPEN_FILES

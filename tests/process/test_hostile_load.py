@@ -24,7 +24,7 @@ from kvbroker.clients.aio import AsyncBrokerClient
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
 from testkit.builders import engine_info
-from testkit.processes import BrokerProcess
+from testkit.processes import LOW_SOFT_OPEN_FILES, BrokerProcess, soft_open_files, with_low_soft_limit
 from tests.broker.session_util import RawSession
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -224,22 +224,6 @@ async def test_an_engine_that_never_reads_its_session_is_ended(tmp_path: Path) -
         broker.stop()
 
 
-# `kvbroker.broker` started with a soft limit of open files as many systems set it (here 256: the
-# same failure at a fifth of the connections), under the hard limit this machine has.
-_LOW_SOFT_LIMIT = """
-import resource, runpy, sys
-resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-sys.argv = ["kvbroker.broker", *sys.argv[1:]]
-runpy.run_module("kvbroker.broker", run_name="__main__", alter_sys=True)
-"""
-
-
-def _soft_open_files(pid: int) -> int:
-    with open(f"/proc/{pid}/limits") as f:
-        line = next(line for line in f if line.startswith("Max open files"))
-    return int(line.split()[3])
-
-
 async def test_many_connections_do_not_lock_out_a_newcomer(tmp_path: Path) -> None:
     """600 connections, each with a call, then one more client: all answered. Started with a soft
     limit of 256 open files, an earlier broker stopped accepting at about 200 connections ("File
@@ -248,13 +232,13 @@ async def test_many_connections_do_not_lock_out_a_newcomer(tmp_path: Path) -> No
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1_024:
         pytest.skip(f"this machine's hard limit of open files is {hard}")
-    broker = BrokerProcess(tmp_path, command=("-c", _LOW_SOFT_LIMIT)).start()
+    broker = BrokerProcess(tmp_path, command=with_low_soft_limit("kvbroker.broker")).start()
     channels = [
         grpc.aio.insecure_channel(broker.address, options=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(600)
     ]
     try:
-        assert _soft_open_files(broker.pid) > 256
+        assert soft_open_files(broker.pid) > LOW_SOFT_OPEN_FILES
 
         async def stats(channel: grpc.aio.Channel) -> str:
             try:

@@ -53,6 +53,37 @@ class SessionChannel:
     max_bytes: int = 64 * 1024 * 1024
     pending_bytes: int = 0
     record: EngineRecord | None = None  # the session's engine (a fleet's drain notice marks it)
+    # Register.lease_ends_on_answers: the engine reads lease ends attached to answers. Ends held
+    # back (a fleet replica's, taken from the store with a hold: broker/fleet/notify.py) ride on
+    # the next lease answer then; otherwise, or with no answer in this step, each goes on its own.
+    ends_on_answers: bool = False
+    held_ends: list[pb.LeaseEnded] = field(default_factory=list)
+
+    def hold_ends(self, ends: list[pb.LeaseEnded]) -> None:
+        """Send `ends` with the answer put in this step (`put_answer`), else on their own."""
+        if not self.held_ends:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush_ends)
+            except RuntimeError:  # no loop (a synchronous caller): nothing will answer in this step
+                self.held_ends.extend(ends)
+                self.flush_ends()
+                return
+        self.held_ends.extend(ends)
+
+    def flush_ends(self) -> None:
+        ends, self.held_ends = self.held_ends, []
+        for ended in ends:
+            self.put(pb.SessionDown(lease_ended=ended))
+
+    def put_answer(self, reply: pb.SessionDown) -> None:
+        """A lease command's answer, with the ends held back before it."""
+        if self.held_ends:
+            if self.ends_on_answers:
+                reply.lease_ends.extend(self.held_ends)
+                self.held_ends = []
+            else:
+                self.flush_ends()
+        self.put(reply)
 
     def put(self, msg: pb.SessionDown) -> None:
         if self.closed is not None:

@@ -120,6 +120,7 @@ class BrokerServicer(
             return
         self.engines.registered(rec, caller)
         channel = self.notifier.attach(rec.session_id, self.core.config.session_buffer_bytes, rec)
+        channel.ends_on_answers = reg.lease_ends_on_answers
         lock = asyncio.Lock()
         ttl_ms = int(rec.ttl_s * 1000)
         await context.write(
@@ -229,8 +230,9 @@ class BrokerServicer(
                 # A lease command's answer takes the notifications' queue, in the same
                 # synchronous step as the core call: whatever the command causes later
                 # (the LeaseEnded of this hold, say) is queued behind it, and the writer
-                # writes the queue in order, so the engine reads this answer first.
-                channel.put(reply)
+                # writes the queue in order, so the engine reads this answer first. Ends of
+                # earlier leases that the command's store call took go with it (put_answer).
+                channel.put_answer(reply)
             else:
                 async with lock:
                     await context.write(reply)

@@ -326,6 +326,7 @@ class SessionStream:
         register = pb.Register(
             engine=self.engine, session_ttl_ms=self.ttl_ms, expected_ranks=self.expected_ranks
         )
+        register.lease_ends_on_answers = True  # read in _dispatch
         register.resume_session_id = self.registered.session_id if self.registered else ""  # shared state
         timeout_s = register_timeout_s(self.register_timeout_s, self.session_ttl_s, self.several)
         try:
@@ -450,18 +451,17 @@ class SessionStream:
                 pending[1].cancel()  # the caller was cancelled
 
     async def _barrier(self, timeout: float) -> None:
-        """Return once the broker has handled every message sent on this stream before the call.
-
-        The broker reads one session's stream in order and answers a heartbeat
-        (heartbeat_ack, same seq) only after handling it, so the ack proves
-        that everything queued before the heartbeat was handled too.
-        """
+        """Return once the broker has handled every message sent on this stream before the call:
+        it reads one session's stream in order and acks a heartbeat (same seq) only after handling
+        it, so the ack proves that everything queued before the heartbeat was handled too."""
         heartbeat = pb.SessionUp(heartbeat=pb.Heartbeat(load=self._current_load()))
         await self._request(heartbeat, timeout, "the barrier heartbeat")
 
     # -- messages from the broker -------------------------------------------
 
     def _dispatch(self, message: pb.SessionDown) -> None:
+        for ended in message.lease_ends:  # they came before the message they ride on
+            self._callback(self.on_lease_ended, ended)
         kind = message.WhichOneof("msg")
         if kind in ("resolve", "lease", "decline"):
             self._settle(message.seq, result=getattr(message, kind))

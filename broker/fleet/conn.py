@@ -64,7 +64,7 @@ from kvbroker.broker.fleet.urls import (
     shown_url,
     tls_options,
 )
-from kvbroker.broker.fleet.wire import UNSENT, round_trip
+from kvbroker.broker.fleet.wire import UNSENT, round_trip, send_only
 
 T = TypeVar("T")
 log = logging.getLogger("kvbroker.broker.fleet")
@@ -274,29 +274,35 @@ class RedisState:
         return _raw(answer)
 
     def publish(self, channel: str, body: str) -> None:
-        """PUBLISH without waiting for its answer (how many listened, which nobody uses): on one
-        Redis it goes over this replica's own connection and its answer is read with the next
-        command's (at most _MOST_UNREAD wait so), so the event loop does not wait a round trip for
-        it. Elsewhere, `command`."""
-        if self.cluster or threading.get_ident() != self._thread:
-            self.command("PUBLISH", channel, body)
-            return
-        self.call(self._send_only, ("PUBLISH", channel, body))
+        self.send_unwaited(("PUBLISH", channel, body))
 
-    def _send_only(self, command: tuple[Any, ...]) -> None:
+    def send_unwaited(self, *commands: tuple[Any, ...]) -> None:
+        """Commands whose answers nobody uses (PUBLISH: how many listened), sent without waiting:
+        on one Redis over this replica's own connection, their answers read with the next
+        command's (at most _MOST_UNREAD wait so), so the event loop does not wait a round trip
+        for them. Elsewhere, each by `command`."""
+        if self.cluster or threading.get_ident() != self._thread:
+            for command in commands:
+                self.command(*command)
+            return
+        self.call(self._send_only, commands)
+
+    def _send_only(self, commands: tuple[tuple[Any, ...], ...]) -> None:
         conn = self._conn
         if conn is None:
             conn = self._conn = own_connection(self.client.connection_pool)
         if self._sentinel is not None and conn._sock is None:
             conn.connect()  # see _command: only connect() asks the Sentinels for the primary
-        if self._unread >= _MOST_UNREAD:  # a burst of notices: their answers must not fill a buffer
+        if self._unread + len(commands) > _MOST_UNREAD:  # a burst: answers must not fill a buffer
             self._read_unread(conn)
         try:
-            _send(conn, command)
+            if not send_only(conn, commands):  # one write for all (fleet/wire.py), else redis-py's
+                for command in commands:
+                    _send(conn, command)
         except BaseException:
             conn.disconnect()
             raise
-        self._unread += 1
+        self._unread += len(commands)
 
     def _read_unread(self, conn: Any) -> None:
         """Read (and drop) the answers of commands sent without waiting, before the next one."""

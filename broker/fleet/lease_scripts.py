@@ -116,9 +116,25 @@ return {'ok', unpack(fields(key))}
 """
 )
 
-# ARGV: prefix, id, holder, reader, most (live leases per engine; 0: no limit), deadline, then the
-# lease's fields and values.  -> {} once created, or {'held'|'read', count} when a limit refuses it.
-CREATE = """
+# A holder's inbox of lease-end notices from other replicas (see broker/fleet/notify.py), emptied:
+# {tag, notice...}, or {} when it holds none.
+TAKE = """
+local function take(inbox, tag)
+  local ends = redis.call('LRANGE', inbox, 0, -1)
+  if #ends == 0 then return {} end
+  redis.call('DEL', inbox)
+  table.insert(ends, 1, tag)
+  return ends
+end
+"""
+
+# KEYS: the expiry set, and (optional) the holder's inbox of lease-end notices, taken in the same
+# call. ARGV: prefix, id, holder, reader, most (live leases per engine; 0: no limit), deadline,
+# then the lease's fields and values.  -> {} once created, {'ends', notice...} once created with
+# the holder's waiting notices, or {'held'|'read', count} when a limit refuses it.
+CREATE = (
+    TAKE
+    + """
 local p, id, h, r, most = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 if most > 0 then
   local n = redis.call('SCARD', p .. 'h:' .. h)
@@ -132,7 +148,21 @@ redis.call('HSET', p .. 'l:' .. id, unpack(ARGV, 7))
 redis.call('ZADD', p .. 'exp', ARGV[6], id)
 redis.call('SADD', p .. 'h:' .. h, id)
 if r ~= '' then redis.call('SADD', p .. 'r:' .. r, id) end
+if #KEYS > 1 then return take(KEYS[2], 'ends') end
 return {}
+"""
+)
+
+# The notices of ended leases that wait in a holder's inbox (KEYS[1]), taken: {} when none.
+DRAIN = TAKE + "return take(KEYS[1], 'ends')"
+
+# KEYS: holders' inboxes; ARGV: a channel and a message for each. Publishes each message whose
+# inbox still holds notices (its holder's replica did not take them with a hold meanwhile).
+NUDGE = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PUBLISH', ARGV[2 * i - 1], ARGV[2 * i]) end
+end
+return 0
 """
 
 # ARGV: prefix, now, limit, history, keep_ms. Each due lease is expired by exactly one caller.

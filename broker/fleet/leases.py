@@ -38,14 +38,15 @@ import math
 import secrets
 import struct
 import sys
+import time
 import weakref
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
-from kvbroker.broker.errors import FailedPrecondition, NotFound, PermissionDenied, shown
+from kvbroker.broker.errors import BrokerError, FailedPrecondition, NotFound, PermissionDenied, shown
 from kvbroker.broker.fleet.conn import RedisState
-from kvbroker.broker.fleet.lease_scripts import CREATE, EXPIRE_DUE, TRANSITION
+from kvbroker.broker.fleet.lease_scripts import CREATE, DRAIN, EXPIRE_DUE, NUDGE, TRANSITION
 from kvbroker.broker.leases import (
     BLOCK_ID_CODE,
     HASH_CODE,
@@ -65,6 +66,11 @@ from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
 # due: a deadline another replica set since this one's last pass is that replica's to meet; if it
 # died meanwhile, this one meets it within this long.
 PASS_AT_LEAST_EVERY_S = 0.25
+# How long lease-end notices wait in a holder's inbox that nobody takes (its engine gone).
+INBOX_KEEP_MS = 60_000
+# How long after a notice went into a holder's inbox its replica is nudged to take it, if no hold
+# of the holder took it first; checked at each expiry pass (every 50 ms by default).
+NUDGE_AFTER_S = 0.02
 
 _STATES = {str(int(s)).encode(): s for s in LeaseState}  # a lease hash's `st` field
 _CAUSES = {str(int(c)).encode(): c for c in RevokeCause}  # its `c` field
@@ -142,6 +148,13 @@ class RedisLeaseTable:
         self._transition = state.script(TRANSITION)
         self._create = state.script(CREATE)
         self._expire_due = state.script(EXPIRE_DUE)
+        self._drain = state.script(DRAIN)
+        # Holders' inboxes of lease-end notices (see broker/fleet/notify.py): the engines whose
+        # sessions this replica serves (a hold of theirs takes their inbox in its script), and who
+        # gets what a hold took (the holder's engine id, the notices).
+        self.inbox_holders: Container[str] = frozenset()
+        self.on_ends: Callable[[str, list[bytes]], None] | None = None
+        self._nudges: dict[str, tuple[float, str, str]] = {}  # holder -> first push, channel, message
         self._cache = _WeakLeases()
         self._expired_here: list[Lease] = []  # expired by a transition's script, reported by revoke_expired
         # The earliest deadline in the store at the last pass, or set here since (see revoke_expired).
@@ -240,7 +253,13 @@ class RedisLeaseTable:
         argv += ["tier", int(tier), "bh", _pack(hashes, "Q"), "bi", _pack(ids, "I"), "st", int(state)]
         argv += ["ttl", repr(ttl_s), "ttlshown", f"{ttl_s:g}", "dl", repr(deadline), "ep", 1, "c", 0]
         argv += ["d", "", "q", request_id]
-        refused = self._state.run(self._create, self._route, argv)
+        keys = self._route
+        if holder in self.inbox_holders:
+            keys = [keys[0], self.inbox(holder)]
+        refused = self._state.run(self._create, keys, argv)
+        ends: list[bytes] = []
+        if refused and refused[0] == b"ends":
+            ends, refused = refused[1:], None
         if refused:
             count = int(refused[1])
             if refused[0] == b"held":
@@ -262,7 +281,47 @@ class RedisLeaseTable:
         lease.request_id = request_id
         self._cache[lid] = lease
         self._next_due = min(self._next_due, deadline)
+        if ends and self.on_ends is not None:
+            self.on_ends(holder, ends)
         return lease
+
+    # -- holders' inboxes of lease-end notices ------------------------------------
+
+    def inbox(self, holder: str) -> str:
+        return self._p + "n:" + holder
+
+    def push_end(self, holder: str, notice: bytes, nudge: tuple[str, str] | None = None) -> None:
+        """Into the holder's inbox, without waiting for the store's answer. `nudge`: a channel and
+        a message to publish there if the inbox still holds notices NUDGE_AFTER_S later (the
+        holder made no hold to take them), sent by an expiry pass (`revoke_expired`)."""
+        key = self.inbox(holder)
+        self._state.send_unwaited(("RPUSH", key, notice), ("PEXPIRE", key, INBOX_KEEP_MS))
+        if nudge is not None:
+            since = self._nudges.get(holder)
+            self._nudges[holder] = (since[0] if since else time.monotonic(), *nudge)
+
+    def _nudge_due(self) -> None:
+        due = time.monotonic() - NUDGE_AFTER_S
+        holders = [h for h, (since, _, _) in self._nudges.items() if since <= due]
+        if not holders:
+            return
+        try:
+            self.nudge(holders, [self._nudges[h][1:] for h in holders])
+        except BrokerError:
+            return  # the store is away: the next pass tries again
+        for h in holders:
+            del self._nudges[h]
+
+    def take_ends(self, holder: str) -> list[bytes]:
+        """The notices waiting in the holder's inbox, taken from it."""
+        answer = self._state.run(self._drain, [self.inbox(holder)], [])
+        return list(answer[1:]) if answer else []
+
+    def nudge(self, holders: Sequence[str], messages: Sequence[tuple[str, str]]) -> None:
+        """Publish each (channel, message) whose holder's inbox still holds notices, unwaited."""
+        argv = [x for pair in messages for x in pair]
+        keys = [self.inbox(h) for h in holders]
+        self._state.send_unwaited(("EVAL", NUDGE, len(keys), *keys, *argv))
 
     def get(self, lease_id: str) -> Lease:
         flat = self._state.command("HGETALL", self._p + "l:" + lease_id)
@@ -324,6 +383,8 @@ class RedisLeaseTable:
         due (the earliest deadline the store had at the last pass, or one set here since) or
         PASS_AT_LEAST_EVERY_S has passed: an idle fleet costs the store a few calls a second, not 20
         per replica."""
+        if self._nudges:
+            self._nudge_due()
         ended, self._expired_here = self._expired_here, []
         if self._passed <= now < min(self._next_due, self._passed + PASS_AT_LEAST_EVERY_S):
             if ended:

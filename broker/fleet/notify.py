@@ -35,15 +35,16 @@ from typing import Any
 import redis
 from google.protobuf.message import DecodeError
 
-from kvbroker.broker.channels import StreamNotifier, Watcher, ended_down, revoked_down
+from kvbroker.broker.channels import SessionChannel, StreamNotifier, Watcher, ended_down, revoked_down
 from kvbroker.broker.clock import Clock
 from kvbroker.broker.errors import BrokerError
 from kvbroker.broker.events import WatchEvent
 from kvbroker.broker.fleet.conn import RedisState
+from kvbroker.broker.fleet.leases import RedisLeaseTable
 from kvbroker.broker.fleet.registry import SeenRecords
 from kvbroker.broker.fleet.watch import FleetWatch
 from kvbroker.broker.fleet.wire import pushed
-from kvbroker.broker.leases import Lease, LeaseTable, packed_block_ids, packed_hashes
+from kvbroker.broker.leases import Lease, packed_block_ids, packed_hashes
 from kvbroker.broker.registry import EngineRecord
 from kvbroker.common.causes import Cause
 from kvbroker.common.model import LeaseState, Namespace, RevokeCause, Tier
@@ -52,6 +53,7 @@ from kvbroker.v1 import broker_pb2 as pb
 log = logging.getLogger("kvbroker")
 
 _TO_ALL = ("settled", "moved", "engine", "watching", "generation")  # notices every replica acts on
+# ("ends", a nudge to take an engine's inbox of lease ends, goes to all too: see lease_ended)
 # Engines whose last generation told is remembered (a fleet's engine ids over a replica's life);
 # one forgotten is told again at the next catch-up, which a reader ignores (not newer than its own).
 _MOST_TOLD = 65_536
@@ -59,7 +61,7 @@ _MOST_TOLD = 65_536
 
 class FleetNotifier(StreamNotifier):
     def __init__(
-        self, clock: Clock, state: RedisState, replica: str, seen: SeenRecords, leases: LeaseTable
+        self, clock: Clock, state: RedisState, replica: str, seen: SeenRecords, leases: RedisLeaseTable
     ) -> None:
         """`seen`: where the registry keeps the replica serving each session it read (notices go
         there); `leases`: the shared lease table (a notice names its lease, read from there)."""
@@ -69,6 +71,12 @@ class FleetNotifier(StreamNotifier):
         self._mine = f"{self._channel}:{replica}"  # to this one: notices for its sessions
         self._seen = seen
         self._leases = leases
+        # The engine of each session served here, whose hold takes its inbox of lease ends.
+        self._session_of: dict[str, str] = {}
+        leases.inbox_holders = self._session_of
+        leases.on_ends = self._taken
+        # Per session of another replica: the nudge to take its engine's inbox (see lease_ended).
+        self._nudges: dict[str, tuple[str, str]] = {}
         self.replica = replica
         self.watch = FleetWatch(
             state, replica, self, lambda c: self._publish("watching", "", cats=",".join(c))
@@ -105,6 +113,22 @@ class FleetNotifier(StreamNotifier):
     def lease_ended(self, session_id: str, lease: Lease) -> None:
         if self._local(session_id):
             super().lease_ended(session_id, lease)
+        elif not lease.state.live and not self._state.cluster and self._seen.inbox_replica(session_id):
+            # Into the holder's inbox in the store, for its replica to take with the holder's next
+            # hold (no wake-up of its own there); if none comes, a nudge (see
+            # RedisLeaseTable.push_end) has it taken within about 0.1 s. The nudge goes to every
+            # replica: the session may have moved since its record was read, and nudges are rare.
+            nudge = self._nudges.get(session_id)
+            if nudge is None:
+                if len(self._nudges) >= _MOST_TOLD:
+                    self._nudges.clear()
+                body = json.dumps({"k": "ends", "s": session_id, "rep": self.replica, "e": lease.holder})
+                nudge = self._nudges[session_id] = (self._channel, body)
+            notice = ended_down(lease, self._clock.now()).lease_ended.SerializeToString()
+            try:
+                self._leases.push_end(lease.holder, notice, nudge)
+            except BrokerError as err:
+                log.warning("cannot tell another replica (ended to session %s...): %s", session_id[:8], err)
         else:
             self._publish_lease("ended", session_id, lease)
 
@@ -176,6 +200,47 @@ class FleetNotifier(StreamNotifier):
     def pin_settled(self, lease: Lease) -> None:
         super().pin_settled(lease)
         self._publish("settled", "", lease=lease.lease_id)
+
+    # -- lease ends taken from the store ------------------------------------------
+
+    def attach(
+        self, session_id: str, max_bytes: int = 64 * 1024 * 1024, record: EngineRecord | None = None
+    ) -> SessionChannel:
+        channel = super().attach(session_id, max_bytes, record)
+        if record is not None:
+            self._session_of[record.engine_id] = session_id
+            # Ends put in its inbox while it moved here (its nudge went before it arrived).
+            try:
+                notices = self._leases.take_ends(record.engine_id)
+            except BrokerError:
+                notices = []  # its next hold takes them
+            if notices:
+                self._taken(record.engine_id, notices)
+        return channel
+
+    def detach(self, session_id: str, channel: SessionChannel | None = None) -> bool:
+        record = self._channels[session_id].record if session_id in self._channels else None
+        done = super().detach(session_id, channel)
+        if done and record is not None and self._session_of.get(record.engine_id) == session_id:
+            del self._session_of[record.engine_id]
+        return done
+
+    def _taken(self, engine_id: str, notices: list[bytes]) -> None:
+        """Lease ends taken from the engine's inbox: to its session here, with the answer being
+        made (if it reads them so) or on their own."""
+        channel = self._channels.get(self._session_of.get(engine_id, ""))
+        if channel is None:  # its stream left meanwhile: back for the replica that serves it next
+            for notice in notices:
+                self._leases.push_end(engine_id, notice)
+            return
+        ends = []
+        for notice in notices:
+            try:
+                ends.append(pb.LeaseEnded.FromString(notice))
+            except DecodeError:
+                continue  # not a notice this version wrote
+        self.delivered += len(ends)
+        channel.hold_ends(ends)
 
     # -- Watch: the fleet's events, through its watch stream (fleet/watch.py) --------------
 
@@ -251,6 +316,16 @@ class FleetNotifier(StreamNotifier):
             self.watch.heard(str(msg.get("cats", "")).split(","))
             return
         if kind != "settled" and not self._local(sid):
+            return
+        if kind == "ends":  # the engine's inbox holds lease ends that no hold of it took (to all)
+            engine = str(msg.get("e", ""))
+            if self._session_of.get(engine) == sid:
+                try:
+                    notices = self._leases.take_ends(engine)
+                except BrokerError:
+                    return  # its next hold takes them
+                if notices:
+                    self._taken(engine, notices)
             return
         if kind == "drain":
             # Another replica drained an engine whose stream is here: mark this replica's record

@@ -35,7 +35,7 @@ local p = ARGV[1]
 local key = p .. 'e:' .. ARGV[2]
 if redis.call('HGET', key, 'sid') ~= ARGV[3] then return {} end
 if not redis.call('ZSCORE', p .. 'dl', ARGV[3]) then return {} end
-redis.call('HSET', key, 'rep', ARGV[4])
+redis.call('HSET', key, 'rep', ARGV[4], 'ends', ARGV[4])
 redis.call('ZADD', p .. 'dl', ARGV[5], ARGV[3])
 return redis.call('HGETALL', key)
 """
@@ -115,7 +115,9 @@ class SeenRecords:
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[EngineRecord, float]] = {}  # engine id -> record, when read
-        self._serving: dict[str, tuple[str, float]] = {}  # session id -> its replica, when read
+        # session id -> its replica, when read, and whether that replica takes lease-end notices
+        # from the holder's inbox (broker/fleet/notify.py; replicas before it do not)
+        self._serving: dict[str, tuple[str, float, bool]] = {}
 
     def get(self, engine_id: str) -> EngineRecord | None:
         """The engine's record as read within SEEN_FOR_S (else None: read it again)."""
@@ -124,13 +126,13 @@ class SeenRecords:
             return seen[0]
         return None
 
-    def remember(self, rec: EngineRecord, replica: str) -> None:
+    def remember(self, rec: EngineRecord, replica: str, inbox: bool = False) -> None:
         now = time.monotonic()
         if len(self._seen) >= SEEN_MAX:
             self._seen.clear()
             self._serving.clear()
         self._seen[rec.engine_id] = (rec, now)
-        self._serving[rec.session_id] = (replica, now)
+        self._serving[rec.session_id] = (replica, now, inbox)
 
     def forget(self, engine_id: str) -> None:
         self._seen.pop(engine_id, None)
@@ -141,6 +143,14 @@ class SeenRecords:
         if serving is None or time.monotonic() - serving[1] >= SEEN_FOR_S:
             return None
         return serving[0] or None
+
+    def inbox_replica(self, session_id: str) -> str | None:
+        """The replica serving another replica's session (as read within SEEN_FOR_S) if it takes
+        its engine's lease-end notices from the engine's inbox in the store (else None)."""
+        serving = self._serving.get(session_id)
+        if serving is None or not serving[2] or time.monotonic() - serving[1] >= SEEN_FOR_S:
+            return None
+        return serving[0]
 
     def changed(self, engine_id: str) -> None:
         """Another replica changed this engine's record: read it again when next needed."""
@@ -193,6 +203,7 @@ class FleetRegistry(EngineRegistry):
             mapping={
                 "sid": rec.session_id,
                 "rep": self.replica,
+                "ends": self.replica,  # this replica takes its sessions' inboxes (see SeenRecords)
                 "info": rec.snapshot().SerializeToString(),
                 "exp": rec.expected_ranks,
                 "rv": rec.ranks_version,
@@ -262,7 +273,8 @@ class FleetRegistry(EngineRegistry):
             self._seen.forget(engine_id)
             return None
         rec = self._record(fields)
-        self._seen.remember(rec, fields.get(b"rep", b"").decode())
+        replica = fields.get(b"rep", b"")
+        self._seen.remember(rec, replica.decode(), bool(replica) and fields.get(b"ends") == replica)
         return rec
 
     def local(self, engine_id: str) -> EngineRecord | None:

@@ -109,6 +109,37 @@ def round_trip(conn: Any, command: tuple[Any, ...], skip: int = 0) -> Any:
     return answer
 
 
+def send_only(conn: Any, commands: tuple[tuple[Any, ...], ...]) -> bool:
+    """Write `commands` on `conn` at once, their answers left to be read later (`skip` above);
+    False when this path does not apply (then nothing was sent)."""
+    sock = conn._sock
+    if (
+        _pack is None
+        or sock is None
+        or (conn.health_check_interval and time.monotonic() > conn.next_health_check)
+        or any(" " in command[0] for command in commands)
+    ):
+        return False
+    try:
+        packed = b"".join([_pack(command) for command in commands])
+    except TypeError:
+        return False
+    try:
+        try:
+            sent = _write(sock.fileno(), packed) if type(sock) is _PLAIN else 0
+        except BlockingIOError:
+            sent = 0
+        if sent < len(packed):
+            sock.sendall(packed[sent:])
+    except TimeoutError:
+        conn.disconnect()
+        raise redis.TimeoutError(f"the store took no command within {conn.socket_timeout} s") from None
+    except OSError as err:
+        conn.disconnect()
+        raise redis.ConnectionError(f"the connection to the store failed: {err}") from None
+    return True
+
+
 async def pushed(conn: Any) -> Any:
     """The next message on an asyncio pub/sub connection (redis.asyncio), read from its stream into
     its hiredis reader without redis-py's layers per message; no timeout (an idle subscription

@@ -14,8 +14,11 @@ class RawSession:
         self.seq = 0
         self.registered: pb.Registered | None = None
 
-    async def register(self, info: pb.EngineInfo, ttl_ms: int = 5000) -> pb.Registered:
-        await self.send(register=pb.Register(engine=info, session_ttl_ms=ttl_ms))
+    async def register(
+        self, info: pb.EngineInfo, ttl_ms: int = 5000, ends_on_answers: bool = False
+    ) -> pb.Registered:
+        register = pb.Register(engine=info, session_ttl_ms=ttl_ms, lease_ends_on_answers=ends_on_answers)
+        await self.send(register=register)
         down = await self.read()
         assert down.WhichOneof("msg") == "registered", down
         self.registered = down.registered

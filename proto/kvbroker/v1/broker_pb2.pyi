@@ -581,6 +581,7 @@ class Register(_message.Message):
     SESSION_TTL_MS_FIELD_NUMBER: _builtins.int
     EXPECTED_RANKS_FIELD_NUMBER: _builtins.int
     RESUME_SESSION_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ENDS_ON_ANSWERS_FIELD_NUMBER: _builtins.int
     session_ttl_ms: _builtins.int
     """requested; 0 = broker default"""
     expected_ranks: _builtins.int
@@ -592,6 +593,14 @@ class Register(_message.Message):
     moved to another replica). Otherwise (and on an in-memory broker) ignored:
     a new session starts, and an older one of the engine id ends first.
     """
+    lease_ends_on_answers: _builtins.bool
+    """The engine reads LeaseEnded notices attached to answers (SessionDown.lease_ends).
+    A broker replica whose store carries a lease's end from another replica then
+    sends it with this session's next lease answer instead of as a message of its
+    own, which saves the replica a wake-up and a stream write per lease; with no
+    answer to ride on it still comes on its own, within about 0.1 s. Without this
+    flag every LeaseEnded comes as a message of its own.
+    """
     @_builtins.property
     def engine(self) -> Global___EngineInfo: ...
     def __init__(
@@ -601,10 +610,11 @@ class Register(_message.Message):
         session_ttl_ms: _builtins.int = ...,
         expected_ranks: _builtins.int = ...,
         resume_session_id: _builtins.str = ...,
+        lease_ends_on_answers: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "expected_ranks", b"expected_ranks", "resume_session_id", b"resume_session_id", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "expected_ranks", b"expected_ranks", "lease_ends_on_answers", b"lease_ends_on_answers", "resume_session_id", b"resume_session_id", "session_ttl_ms", b"session_ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1186,6 +1196,7 @@ class SessionDown(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     DECLINE_FIELD_NUMBER: _builtins.int
     ENGINE_GENERATION_FIELD_NUMBER: _builtins.int
+    LEASE_ENDS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """the SessionUp.seq this answers; 0 if unsolicited"""
     @_builtins.property
@@ -1216,6 +1227,13 @@ class SessionDown(_message.Message):
     def engine_generation(self) -> Global___EngineGeneration:
         """unsolicited: another engine registered anew"""
 
+    @_builtins.property
+    def lease_ends(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseEnded]:
+        """Leases on this engine's blocks that ended before this message (only to a session
+        that registered with lease_ends_on_answers): read them as LeaseEnded messages
+        received just before this one.
+        """
+
     def __init__(
         self,
         *,
@@ -1231,10 +1249,11 @@ class SessionDown(_message.Message):
         lease: Global___LeaseResponse | None = ...,
         decline: Global___DeclineResponse | None = ...,
         engine_generation: Global___EngineGeneration | None = ...,
+        lease_ends: _abc.Iterable[Global___LeaseEnded] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "drain", b"drain", "engine_generation", b"engine_generation", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease", b"lease", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "drain", b"drain", "engine_generation", b"engine_generation", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease", b"lease", "lease_ended", b"lease_ended", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decline", b"decline", "drain", b"drain", "engine_generation", b"engine_generation", "error", b"error", "heartbeat_ack", b"heartbeat_ack", "lease", b"lease", "lease_ended", b"lease_ended", "lease_ends", b"lease_ends", "msg", b"msg", "pin", b"pin", "registered", b"registered", "resolve", b"resolve", "revoked", b"revoked", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["registered", "resolve", "revoked", "lease_ended", "pin", "drain", "error", "heartbeat_ack", "lease", "decline", "engine_generation"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015

@@ -7,6 +7,7 @@ import secrets
 
 import redis
 
+from kvbroker.broker.fleet import wire
 from kvbroker.broker.fleet.conn import _MOST_UNREAD
 from testkit.redis_server import RedisServer
 from tests.broker.helpers import redis_state
@@ -72,5 +73,28 @@ def test_a_publish_whose_connection_broke_is_unavailable_then_the_next_call_reco
         assert state.command("PING") in (b"PONG", True)
         state.publish("ch", "third")
         assert state.command("PING") in (b"PONG", True)
+    finally:
+        state.close()
+
+
+def test_several_unwaited_commands_go_in_one_write_and_their_answers_are_skipped(
+    redis_server: RedisServer,
+) -> None:
+    state = redis_state(redis_server)
+    key = f"k-{secrets.token_hex(3)}"
+    try:
+        state.command("PING")  # connected: the next sends take the one-write path (fleet/wire.py)
+        writes = []
+        real = wire._write
+        wire._write = lambda fd, data: writes.append(data) or real(fd, data)  # type: ignore[assignment]
+        try:
+            state.send_unwaited(("RPUSH", key, b"a\x00b"), ("PEXPIRE", key, 60_000))
+        finally:
+            wire._write = real
+        assert len(writes) == 1 and writes[0].count(b"*") == 2  # both commands, one write
+        assert state._unread == 2
+        assert state.command("LRANGE", key, 0, -1) == [b"a\x00b"]  # the two answers were skipped
+        assert 0 < state.command("PTTL", key) <= 60_000
+        assert state._unread == 0
     finally:
         state.close()

@@ -73,7 +73,8 @@ class FleetNotifier(StreamNotifier):
         self._leases = leases
         # The engine of each session served here, whose hold takes its inbox of lease ends.
         self._session_of: dict[str, str] = {}
-        leases.inbox_holders = self._session_of
+        if not state.cluster:  # a Cluster's lease ends are published (see lease_ended)
+            leases.inbox_holders = self._session_of
         leases.on_ends = self._taken
         # Per session of another replica: the nudge to take its engine's inbox (see lease_ended).
         self._nudges: dict[str, tuple[str, str]] = {}
@@ -209,13 +210,14 @@ class FleetNotifier(StreamNotifier):
         channel = super().attach(session_id, max_bytes, record)
         if record is not None:
             self._session_of[record.engine_id] = session_id
-            # Ends put in its inbox while it moved here (its nudge went before it arrived).
-            try:
-                notices = self._leases.take_ends(record.engine_id)
-            except BrokerError:
-                notices = []  # its next hold takes them
-            if notices:
-                self._taken(record.engine_id, notices)
+            if not self._state.cluster:
+                # Ends put in its inbox while it moved here (its nudge went before it arrived).
+                try:
+                    notices = self._leases.take_ends(record.engine_id)
+                except BrokerError:
+                    notices = []  # its next hold takes them
+                if notices:
+                    self._taken(record.engine_id, notices)
         return channel
 
     def detach(self, session_id: str, channel: SessionChannel | None = None) -> bool:

@@ -117,13 +117,17 @@ def send_only(conn: Any, commands: tuple[tuple[Any, ...], ...]) -> bool:
         _pack is None
         or sock is None
         or (conn.health_check_interval and time.monotonic() > conn.next_health_check)
-        or any(" " in command[0] for command in commands)
     ):
         return False
-    try:
-        packed = b"".join([_pack(command) for command in commands])
-    except TypeError:
-        return False
+    parts = []
+    for command in commands:
+        if " " in command[0]:
+            return False
+        try:
+            parts.append(_pack(command))
+        except TypeError:
+            return False
+    packed = parts[0] if len(parts) == 1 else b"".join(parts)
     try:
         try:
             sent = _write(sock.fileno(), packed) if type(sock) is _PLAIN else 0

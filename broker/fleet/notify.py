@@ -232,8 +232,11 @@ class FleetNotifier(StreamNotifier):
         made (if it reads them so) or on their own."""
         channel = self._channels.get(self._session_of.get(engine_id, ""))
         if channel is None:  # its stream left meanwhile: back for the replica that serves it next
-            for notice in notices:
-                self._leases.push_end(engine_id, notice)
+            try:
+                for notice in notices:
+                    self._leases.push_end(engine_id, notice)
+            except BrokerError as err:  # never the hold's failure: its lease is made
+                log.warning("lease ends of %s lost: %s", engine_id, err)
             return
         ends = []
         for notice in notices:

@@ -50,6 +50,15 @@ _write = os.write
 _PLAIN = socket.socket  # a TLS socket (ssl.SSLSocket) is a subclass: its bytes must go through it
 
 
+def _write_all(sock: Any, packed: bytes) -> None:
+    try:  # not TLS: its bytes go on the descriptor as they are
+        sent = _write(sock.fileno(), packed) if type(sock) is _PLAIN else 0
+    except BlockingIOError:
+        sent = 0
+    if sent < len(packed):
+        sock.sendall(packed[sent:])
+
+
 def round_trip(conn: Any, command: tuple[Any, ...], skip: int = 0) -> Any:
     """Send `command` on `conn` and return its answer, after dropping `skip` answers of commands
     sent before it without waiting (error answers too); `UNSENT` when this path does not apply
@@ -72,12 +81,7 @@ def round_trip(conn: Any, command: tuple[Any, ...], skip: int = 0) -> Any:
     reader = parser._reader
     buffer = parser._buffer
     try:
-        try:  # not TLS: its bytes go on the descriptor as they are
-            sent = _write(sock.fileno(), packed) if type(sock) is _PLAIN else 0
-        except BlockingIOError:
-            sent = 0
-        if sent < len(packed):
-            sock.sendall(packed[sent:])
+        _write_all(sock, packed)
         while True:
             answer = reader.gets()
             while answer is NOT_ENOUGH_DATA:
@@ -129,12 +133,7 @@ def send_only(conn: Any, commands: tuple[tuple[Any, ...], ...]) -> bool:
             return False
     packed = parts[0] if len(parts) == 1 else b"".join(parts)
     try:
-        try:
-            sent = _write(sock.fileno(), packed) if type(sock) is _PLAIN else 0
-        except BlockingIOError:
-            sent = 0
-        if sent < len(packed):
-            sock.sendall(packed[sent:])
+        _write_all(sock, packed)
     except TimeoutError:
         conn.disconnect()
         raise redis.TimeoutError(f"the store took no command within {conn.socket_timeout} s") from None

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
 
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
+from testkit.broker import running_broker
+
+Replica = tuple[Any, broker_pb2_grpc.KVBrokerStub]  # a running broker and a stub on it
 
 
 class RawSession:
@@ -84,3 +92,17 @@ async def p_holding(
     held = await stub.Hold(hold_request(ns, hashes, "before"))
     assert held.lease.state == pb.LEASE_HELD
     return p, ns, held
+
+
+@asynccontextmanager
+async def two_replicas(state_url: str, prefix: str) -> AsyncIterator[tuple[Replica, Replica]]:
+    """Two brokers in this process over the store at `state_url` (keys under `prefix`), each with a
+    stub on its own channel."""
+    fleet = {"state": state_url, "state_prefix": prefix}
+    async with (
+        running_broker(**fleet) as a,
+        running_broker(**fleet) as b,
+        grpc.aio.insecure_channel(a.address) as to_a,
+        grpc.aio.insecure_channel(b.address) as to_b,
+    ):
+        yield (a, broker_pb2_grpc.KVBrokerStub(to_a)), (b, broker_pb2_grpc.KVBrokerStub(to_b))

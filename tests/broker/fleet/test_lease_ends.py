@@ -7,11 +7,7 @@ nudge on the fleet's channel has it taken and sent on its own. Replicas that do 
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
 
-import grpc
 import pytest
 
 from kvbroker.broker.fleet import leases as fleet_leases
@@ -23,29 +19,16 @@ from kvbroker.clients.engine_session import EngineSession
 from kvbroker.common.model import LeaseState, Namespace, Tier
 from kvbroker.v1 import broker_pb2 as pb
 from kvbroker.v1 import broker_pb2_grpc
-from testkit.broker import running_broker
 from testkit.builders import engine_info
 from testkit.clock import FakeClock
 from testkit.redis_server import RedisServer
 from testkit.waiting import until
 from tests.broker.fleet.test_notify import ended_lease, notices
 from tests.broker.helpers import redis_state
-from tests.broker.session_util import RawSession, hold_request
+from tests.broker.session_util import RawSession, hold_request, two_replicas
 
 H = list(range(9100, 9116))
 NEVER_S = 3600.0  # a nudge that does not come within a test
-
-
-@asynccontextmanager
-async def two_replicas(redis_server: RedisServer) -> AsyncIterator[tuple[Any, Any]]:
-    fleet = {"state": redis_server.url, "state_prefix": f"ends{secrets.token_hex(3)}"}
-    async with (
-        running_broker(**fleet) as a,
-        running_broker(**fleet) as b,
-        grpc.aio.insecure_channel(a.address) as to_a,
-        grpc.aio.insecure_channel(b.address) as to_b,
-    ):
-        yield (a, broker_pb2_grpc.KVBrokerStub(to_a)), (b, broker_pb2_grpc.KVBrokerStub(to_b))
 
 
 async def read_answer(session: RawSession, seq: int) -> tuple[list[pb.SessionDown], pb.SessionDown]:
@@ -75,7 +58,7 @@ async def test_a_lease_end_goes_with_the_holders_next_hold_and_else_by_a_nudge(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, on_answers: bool
 ) -> None:
     monkeypatch.setattr(fleet_leases, "NUDGE_AFTER_S", NEVER_S)
-    async with two_replicas(redis_server) as ((a, stub_a), (b, stub_b)):
+    async with two_replicas(redis_server.url, f"ends{secrets.token_hex(3)}") as ((a, stub_a), (b, stub_b)):
         p, d = RawSession(stub_a), RawSession(stub_b)
         reg = await p.register(engine_info("P"), 60_000, ends_on_answers=on_answers)
         await d.register(engine_info("D"), 60_000)
@@ -103,7 +86,7 @@ async def test_the_engine_client_reads_the_ends_that_ride_on_answers(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fleet_leases, "NUDGE_AFTER_S", NEVER_S)
-    async with two_replicas(redis_server) as ((a, _), (b, _)):
+    async with two_replicas(redis_server.url, f"ends{secrets.token_hex(3)}") as ((a, _), (b, _)):
         ended: list[str] = []
         p = EngineSession(
             a.address, engine_info("P"), on_lease_ended=lambda m: ended.append(m.lease.lease_id)

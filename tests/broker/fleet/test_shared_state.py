@@ -28,7 +28,7 @@ from testkit.ports import free_port
 from testkit.redis_server import RedisServer
 from testkit.waiting import wait_for
 from tests.broker.helpers import redis_state
-from tests.broker.session_util import RawSession, hold_request, p_holding
+from tests.broker.session_util import RawSession, hold_request, p_holding, two_replicas
 
 H = list(range(7000, 7016))
 
@@ -118,15 +118,8 @@ async def test_a_replica_drops_its_copy_of_an_engine_another_replica_ended(
 ) -> None:
     # Only the fleet's notice can drop the copy within this test: the copy's own age limit is long.
     monkeypatch.setattr(state_redis_fleet, "SEEN_FOR_S", 60.0)
-    fleet = {"state": redis_server.url, "state_prefix": f"seen{secrets.token_hex(3)}"}
-    async with (
-        running_broker(**fleet) as a,
-        running_broker(**fleet) as b,
-        grpc.aio.insecure_channel(a.address) as to_a,
-        grpc.aio.insecure_channel(b.address) as to_b,
-    ):
-        stub_a = broker_pb2_grpc.KVBrokerStub(to_a)
-        p, d = RawSession(stub_a), RawSession(broker_pb2_grpc.KVBrokerStub(to_b))
+    async with two_replicas(redis_server.url, f"seen{secrets.token_hex(3)}") as ((_, stub_a), (_, stub_b)):
+        p, d = RawSession(stub_a), RawSession(stub_b)
         reg = await p.register(engine_info("P"), 60_000)
         await d.register(engine_info("D"), 60_000)
         ns = pb.Namespace(layout_id=reg.layout_id)
@@ -173,17 +166,10 @@ async def test_a_lease_end_that_no_hold_takes_reaches_the_holder_by_a_nudge(
     redis_server: RedisServer,
 ) -> None:
     prefix = f"route{secrets.token_hex(3)}"
-    fleet = {"state": redis_server.url, "state_prefix": prefix}
     listener = redis.asyncio.Redis.from_url(redis_server.url)
     pubsub = listener.pubsub(ignore_subscribe_messages=True)
     await pubsub.psubscribe(f"{prefix}:{{fleet}}:notify*")
-    async with (
-        running_broker(**fleet) as a,
-        running_broker(**fleet) as b,
-        grpc.aio.insecure_channel(a.address) as to_a,
-        grpc.aio.insecure_channel(b.address) as to_b,
-    ):
-        stub_a, stub_b = broker_pb2_grpc.KVBrokerStub(to_a), broker_pb2_grpc.KVBrokerStub(to_b)
+    async with two_replicas(redis_server.url, prefix) as ((a, stub_a), (_, stub_b)):
         p, d = RawSession(stub_a), RawSession(stub_b)
         reg = await p.register(engine_info("P"), 60_000)
         await d.register(engine_info("D"), 60_000)

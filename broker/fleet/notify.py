@@ -53,7 +53,8 @@ from kvbroker.v1 import broker_pb2 as pb
 log = logging.getLogger("kvbroker")
 
 _TO_ALL = ("settled", "moved", "engine", "watching", "generation")  # notices every replica acts on
-# ("ends", a nudge to take an engine's inbox of lease ends, goes to all too: see lease_ended)
+# ("ends", a nudge to take an engine's inbox of lease ends, goes to the replica that serves it,
+# which passes it to all once if the session is not there: see lease_ended)
 # Engines whose last generation told is remembered (a fleet's engine ids over a replica's life);
 # one forgotten is told again at the next catch-up, which a reader ignores (not newer than its own).
 _MOST_TOLD = 65_536
@@ -91,11 +92,11 @@ class FleetNotifier(StreamNotifier):
         self.ping_idle_s = 5.0
         self.pong_wait_s = 10.0
 
-    def _publish(self, kind: str, session_id: str, **more: Any) -> None:
+    def _publish(self, kind: str, session_id: str, to_all: bool = False, **more: Any) -> None:
         body = json.dumps({"k": kind, "s": session_id, "rep": self.replica, **more})
         # A session's notice goes to the replica serving it when that is known, so the others
         # spend nothing on it; else to all, and the one serving it delivers it.
-        to = None if kind in _TO_ALL else self._seen.replica_of(session_id)
+        to = None if to_all or kind in _TO_ALL else self._seen.replica_of(session_id)
         channel = f"{self._channel}:{to}" if to else self._channel
         try:
             self._state.publish(channel, body)
@@ -114,17 +115,18 @@ class FleetNotifier(StreamNotifier):
     def lease_ended(self, session_id: str, lease: Lease) -> None:
         if self._local(session_id):
             super().lease_ended(session_id, lease)
-        elif not lease.state.live and not self._state.cluster and self._seen.inbox_replica(session_id):
+        elif (
+            not lease.state.live and not self._state.cluster and (to := self._seen.inbox_replica(session_id))
+        ):
             # Into the holder's inbox in the store, for its replica to take with the holder's next
-            # hold (no wake-up of its own there); if none comes, a nudge (see
-            # RedisLeaseTable.push_end) has it taken within about 0.1 s. The nudge goes to every
-            # replica: the session may have moved since its record was read, and nudges are rare.
+            # hold (no wake-up of its own there); if none comes, a nudge on that replica's channel
+            # (see RedisLeaseTable.push_end) has it taken within about 0.1 s.
             nudge = self._nudges.get(session_id)
-            if nudge is None:
+            if nudge is None or nudge[0] != f"{self._channel}:{to}":
                 if len(self._nudges) >= _MOST_TOLD:
                     self._nudges.clear()
                 body = json.dumps({"k": "ends", "s": session_id, "rep": self.replica, "e": lease.holder})
-                nudge = self._nudges[session_id] = (self._channel, body)
+                nudge = self._nudges[session_id] = (f"{self._channel}:{to}", body)
             notice = ended_down(lease, self._clock.now()).lease_ended.SerializeToString()
             try:
                 self._leases.push_end(lease.holder, notice, nudge)
@@ -320,17 +322,20 @@ class FleetNotifier(StreamNotifier):
         if kind == "watching":
             self.watch.heard(str(msg.get("cats", "")).split(","))
             return
-        if kind != "settled" and not self._local(sid):
-            return
-        if kind == "ends":  # the engine's inbox holds lease ends that no hold of it took (to all)
+        if kind == "ends":  # the engine's inbox holds lease ends that no hold of it took
             engine = str(msg.get("e", ""))
-            if self._session_of.get(engine) == sid:
-                try:
-                    notices = self._leases.take_ends(engine)
-                except BrokerError:
-                    return  # its next hold takes them
-                if notices:
-                    self._taken(engine, notices)
+            if self._session_of.get(engine) != sid:
+                if not msg.get("fwd"):  # the session moved since the sender read where it was
+                    self._publish("ends", sid, e=engine, fwd=1, to_all=True)
+                return
+            try:
+                notices = self._leases.take_ends(engine)
+            except BrokerError:
+                return  # its next hold takes them
+            if notices:
+                self._taken(engine, notices)
+            return
+        if kind != "settled" and not self._local(sid):
             return
         if kind == "drain":
             # Another replica drained an engine whose stream is here: mark this replica's record

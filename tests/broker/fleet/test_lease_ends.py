@@ -82,6 +82,26 @@ async def test_a_lease_end_goes_with_the_holders_next_hold_and_else_by_a_nudge(
         await d.close()
 
 
+async def test_a_nudge_that_reaches_a_replica_the_session_left_is_passed_to_all(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fleet_leases, "NUDGE_AFTER_S", NEVER_S)
+    async with two_replicas(redis_server.url, f"ends{secrets.token_hex(3)}") as ((a, stub_a), (b, stub_b)):
+        p, d = RawSession(stub_a), RawSession(stub_b)
+        reg = await p.register(engine_info("P"), 60_000)
+        await d.register(engine_info("D"), 60_000)
+        lid, _, _ = await cycle(p, stub_b, pb.Namespace(layout_id=reg.layout_id), "one")
+        # The sender read P's record on b (P moved there since, say): b does not serve P, so it
+        # passes the nudge to every replica once, and a, which does, takes P's inbox.
+        b.notifier.deliver({"k": "ends", "s": reg.session_id, "rep": "gone", "e": "P"})  # type: ignore[attr-defined]
+        ended = await p.read_kind("lease_ended")
+        assert ended.lease_ended.lease.lease_id == lid and a.notifier.delivered == 1  # type: ignore[attr-defined]
+        # A passed-on nudge is not passed on again (no replica serves the session: dropped).
+        b.notifier.deliver({"k": "ends", "s": "nobody", "rep": "gone", "e": "X", "fwd": 1})  # type: ignore[attr-defined]
+        await p.close()
+        await d.close()
+
+
 async def test_the_engine_client_reads_the_ends_that_ride_on_answers(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -50,6 +50,15 @@ _write = os.write
 _PLAIN = socket.socket  # a TLS socket (ssl.SSLSocket) is a subclass: its bytes must go through it
 
 
+def _lost(conn: Any, err: OSError, timed_out: str) -> redis.RedisError:
+    """The connection is dropped (a half-read answer must never be read as the next one's); the
+    error as redis-py's: a timeout, or a broken connection."""
+    conn.disconnect()
+    if isinstance(err, TimeoutError):
+        return redis.TimeoutError(f"{timed_out} within {conn.socket_timeout} s")
+    return redis.ConnectionError(f"the connection to the store failed: {err}")
+
+
 def _write_all(sock: Any, packed: bytes) -> None:
     try:  # not TLS: its bytes go on the descriptor as they are
         sent = _write(sock.fileno(), packed) if type(sock) is _PLAIN else 0
@@ -96,12 +105,8 @@ def round_trip(conn: Any, command: tuple[Any, ...], skip: int = 0) -> Any:
                 skip -= 1  # an earlier command's answer, not waited for
             else:
                 break
-    except TimeoutError:
-        conn.disconnect()
-        raise redis.TimeoutError(f"no answer from the store within {conn.socket_timeout} s") from None
     except OSError as err:
-        conn.disconnect()
-        raise redis.ConnectionError(f"the connection to the store failed: {err}") from None
+        raise _lost(conn, err, "no answer from the store") from None
     except BaseException:
         conn.disconnect()
         raise
@@ -134,12 +139,8 @@ def send_only(conn: Any, commands: tuple[tuple[Any, ...], ...]) -> bool:
     packed = parts[0] if len(parts) == 1 else b"".join(parts)
     try:
         _write_all(sock, packed)
-    except TimeoutError:
-        conn.disconnect()
-        raise redis.TimeoutError(f"the store took no command within {conn.socket_timeout} s") from None
     except OSError as err:
-        conn.disconnect()
-        raise redis.ConnectionError(f"the connection to the store failed: {err}") from None
+        raise _lost(conn, err, "the store took no command") from None
     return True
 
 

@@ -7,6 +7,9 @@ nudge on the fleet's channel has it taken and sent on its own. Replicas that do 
 from __future__ import annotations
 
 import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 
@@ -53,15 +56,29 @@ async def cycle(
     return lid, answer, before
 
 
-@pytest.mark.parametrize("on_answers", [True, False])
-async def test_a_lease_end_goes_with_the_holders_next_hold_and_else_by_a_nudge(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, on_answers: bool
-) -> None:
+@asynccontextmanager
+async def p_and_d(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, on_answers: bool = False
+) -> AsyncIterator[tuple[Any, Any, RawSession, broker_pb2_grpc.KVBrokerStub, pb.Registered]]:
+    """Two replicas a and b, P registered on a and D on b, and no nudge until the test allows it:
+    a, b, P's session, a stub on b, and P's registration."""
     monkeypatch.setattr(fleet_leases, "NUDGE_AFTER_S", NEVER_S)
     async with two_replicas(redis_server.url, f"ends{secrets.token_hex(3)}") as ((a, stub_a), (b, stub_b)):
         p, d = RawSession(stub_a), RawSession(stub_b)
         reg = await p.register(engine_info("P"), 60_000, ends_on_answers=on_answers)
         await d.register(engine_info("D"), 60_000)
+        try:
+            yield a, b, p, stub_b, reg
+        finally:
+            await p.close()
+            await d.close()
+
+
+@pytest.mark.parametrize("on_answers", [True, False])
+async def test_a_lease_end_goes_with_the_holders_next_hold_and_else_by_a_nudge(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, on_answers: bool
+) -> None:
+    async with p_and_d(redis_server, monkeypatch, on_answers) as (a, b, p, stub_b, reg):
         ns = pb.Namespace(layout_id=reg.layout_id)
         first, _, _ = await cycle(p, stub_b, ns, "one")
         second, answer, before = await cycle(p, stub_b, ns, "two")
@@ -78,18 +95,12 @@ async def test_a_lease_end_goes_with_the_holders_next_hold_and_else_by_a_nudge(
         assert ended.lease_ended.lease.lease_id == second and not ended.lease_ends
         assert a.notifier.delivered == 2  # type: ignore[attr-defined]
         assert b.notifier.delivered == 0  # type: ignore[attr-defined]
-        await p.close()
-        await d.close()
 
 
 async def test_a_nudge_that_reaches_a_replica_the_session_left_is_passed_to_all(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fleet_leases, "NUDGE_AFTER_S", NEVER_S)
-    async with two_replicas(redis_server.url, f"ends{secrets.token_hex(3)}") as ((a, stub_a), (b, stub_b)):
-        p, d = RawSession(stub_a), RawSession(stub_b)
-        reg = await p.register(engine_info("P"), 60_000)
-        await d.register(engine_info("D"), 60_000)
+    async with p_and_d(redis_server, monkeypatch) as (a, b, p, stub_b, reg):
         lid, _, _ = await cycle(p, stub_b, pb.Namespace(layout_id=reg.layout_id), "one")
         # The sender read P's record on b (P moved there since, say): b does not serve P, so it
         # passes the nudge to every replica once, and a, which does, takes P's inbox.
@@ -98,8 +109,6 @@ async def test_a_nudge_that_reaches_a_replica_the_session_left_is_passed_to_all(
         assert ended.lease_ended.lease.lease_id == lid and a.notifier.delivered == 1  # type: ignore[attr-defined]
         # A passed-on nudge is not passed on again (no replica serves the session: dropped).
         b.notifier.deliver({"k": "ends", "s": "nobody", "rep": "gone", "e": "X", "fwd": 1})  # type: ignore[attr-defined]
-        await p.close()
-        await d.close()
 
 
 async def test_the_engine_client_reads_the_ends_that_ride_on_answers(

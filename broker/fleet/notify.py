@@ -212,14 +212,8 @@ class FleetNotifier(StreamNotifier):
         channel = super().attach(session_id, max_bytes, record)
         if record is not None:
             self._session_of[record.engine_id] = session_id
-            if not self._state.cluster:
-                # Ends put in its inbox while it moved here (its nudge went before it arrived).
-                try:
-                    notices = self._leases.take_ends(record.engine_id)
-                except BrokerError:
-                    notices = []  # its next hold takes them
-                if notices:
-                    self._taken(record.engine_id, notices)
+            if not self._state.cluster:  # ends put in its inbox while it moved here
+                self._take_inbox(record.engine_id)
         return channel
 
     def detach(self, session_id: str, channel: SessionChannel | None = None) -> bool:
@@ -228,6 +222,15 @@ class FleetNotifier(StreamNotifier):
         if done and record is not None and self._session_of.get(record.engine_id) == session_id:
             del self._session_of[record.engine_id]
         return done
+
+    def _take_inbox(self, engine_id: str) -> None:
+        """Take the engine's inbox now (a waited store call) and send what it held on its own."""
+        try:
+            notices = self._leases.take_ends(engine_id)
+        except BrokerError:
+            return  # its next hold takes them
+        if notices:
+            self._taken(engine_id, notices)
 
     def _taken(self, engine_id: str, notices: list[bytes]) -> None:
         """Lease ends taken from the engine's inbox: to its session here, with the answer being
@@ -328,12 +331,7 @@ class FleetNotifier(StreamNotifier):
                 if not msg.get("fwd"):  # the session moved since the sender read where it was
                     self._publish("ends", sid, e=engine, fwd=1, to_all=True)
                 return
-            try:
-                notices = self._leases.take_ends(engine)
-            except BrokerError:
-                return  # its next hold takes them
-            if notices:
-                self._taken(engine, notices)
+            self._take_inbox(engine)
             return
         if kind != "settled" and not self._local(sid):
             return

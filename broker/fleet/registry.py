@@ -137,20 +137,22 @@ class SeenRecords:
     def forget(self, engine_id: str) -> None:
         self._seen.pop(engine_id, None)
 
-    def replica_of(self, session_id: str) -> str | None:
-        """The replica serving another replica's session, as read within SEEN_FOR_S (else None)."""
+    def _fresh(self, session_id: str) -> tuple[str, float, bool] | None:
         serving = self._serving.get(session_id)
         if serving is None or time.monotonic() - serving[1] >= SEEN_FOR_S:
             return None
-        return serving[0] or None
+        return serving
+
+    def replica_of(self, session_id: str) -> str | None:
+        """The replica serving another replica's session, as read within SEEN_FOR_S (else None)."""
+        serving = self._fresh(session_id)
+        return serving[0] or None if serving is not None else None
 
     def inbox_replica(self, session_id: str) -> str | None:
         """The replica serving another replica's session (as read within SEEN_FOR_S) if it takes
         its engine's lease-end notices from the engine's inbox in the store (else None)."""
-        serving = self._serving.get(session_id)
-        if serving is None or not serving[2] or time.monotonic() - serving[1] >= SEEN_FOR_S:
-            return None
-        return serving[0]
+        serving = self._fresh(session_id)
+        return serving[0] if serving is not None and serving[2] else None
 
     def changed(self, engine_id: str) -> None:
         """Another replica changed this engine's record: read it again when next needed."""

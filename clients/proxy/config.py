@@ -152,6 +152,26 @@ class ProxyConfig:
         "times of streamed answers (each kept within 8x of its setting; placement_learner.py); off: the "
         "settings as given",
     )
+    admit_per_engine: int = setting(
+        0,
+        "admission: at most this many requests per engine run at once; more wait at the proxy, and one "
+        "that can still meet --admit-ttft-goal-ms goes before one already past it (admission.py); "
+        "0 = off, every request goes at once",
+    )
+    admit_ttft_goal_ms: float = setting(
+        0.0,
+        "admission: the time-to-first-token goal that orders waiting requests (a request past it waits "
+        "behind those that can still meet it; none is refused); 0 = first come, first served",
+    )
+    admit_tpot_goal_ms: float = setting(
+        0.0,
+        "admission: the time-per-output-token goal of streamed answers; the proxy runs fewer requests at "
+        "once while their pace is slower than this and more (up to --admit-per-engine) while it is under "
+        "0.8 of it; 0 = always --admit-per-engine per engine",
+    )
+    admit_max_wait_s: float = setting(
+        60.0, "admission: a request that has waited this long goes next, whatever the goal"
+    )
     local_prefill_tokens: int = setting(
         256,
         "a request whose first-choice decode engine already holds its prompt but for at most this many "
@@ -251,6 +271,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             "error: --dp-busy-tokens, --dp-pull-token-cost, --dp-pull-fixed-tokens, --dp-neighbour-cost "
             "and --dp-min-prefix-tokens must be >= 0"
         )
+    if min(args.admit_per_engine, args.admit_ttft_goal_ms, args.admit_tpot_goal_ms) < 0:
+        raise SystemExit(
+            "error: --admit-per-engine, --admit-ttft-goal-ms and --admit-tpot-goal-ms must be >= 0"
+        )
+    if args.admit_max_wait_s <= 0:
+        raise SystemExit("error: --admit-max-wait-s must be > 0")
     if args.backlog < 1:
         raise SystemExit("error: --backlog must be at least 1")
     if args.engine_keepalive_s <= 0:

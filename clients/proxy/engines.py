@@ -179,6 +179,10 @@ class EnginePool:
             able = [e for e in able if not self.session_gone(e)]
         return [e for e in able if not self.is_cooling_down(e)] + [e for e in able if self.is_cooling_down(e)]
 
+    def serving_count(self) -> int:
+        """Healthy engines that answer requests (decode or both): what admission's limit scales with."""
+        return sum(1 for e in self.candidates("decode") if not self.is_cooling_down(e))
+
     def _everyone_gone(self) -> bool:
         return bool(self._engines) and all(self.session_gone(e) for e in self._engines)
 

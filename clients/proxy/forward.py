@@ -448,6 +448,7 @@ class Forwarder:
                             first = False
                             outcome.first_byte()
                         await out.write(chunk)
+                        outcome.streamed(chunk)
                     except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
                         # The client left: not the engine's fault. Closing our side aborts its request.
                         log.info(

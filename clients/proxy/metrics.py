@@ -25,6 +25,11 @@ answer: once the stream ended):
 - ``kvbroker_proxy_engine_healthy{engine, role, url}``: 1 when the engine is
   routed to normally, 0 while its broker session is gone or it is cooling down
   after a failure (read at scrape time; /health says why);
+- ``kvbroker_proxy_admission_wait_seconds{order}`` (admission on, ``--admit-per-engine``): how
+  long a request waited at the proxy for a place, and which rule let it go (admission.py);
+  ``kvbroker_proxy_requests_running`` and ``kvbroker_proxy_requests_waiting``: now;
+  ``kvbroker_proxy_admission_limit`` (how many may run at once now) and
+  ``kvbroker_proxy_admission_pace_seconds`` (the answers' pace it follows);
 - one access-log line (logger ``kvbroker.proxy.access``, INFO): method, path,
   status, duration, mode, the prefill and decode engines, the request id,
   why P/D fell back to one engine, if it did, and a data-parallel placement's reason.
@@ -54,6 +59,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvbroker.clients.proxy.admission import Admission
 from kvbroker.clients.proxy.config import EngineSpec
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.outcome import Outcome
@@ -139,6 +145,15 @@ class ProxyMetrics:
             ["engine", "role", "url"],
             registry=self.registry,
         )
+        self.admission_wait = Histogram(
+            "kvbroker_proxy_admission_wait_seconds",
+            "With admission on (--admit-per-engine): how long a request waited at the proxy for a place, "
+            "by order (at_once, in_time: it could still meet the first-token goal, late: every waiting "
+            "request was past it, overdue: it had waited --admit-max-wait-s, first_come: no goal set)",
+            ["order"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
         self.pool: EnginePool | None = None
         ProcessCollector(registry=self.registry)
         try:
@@ -173,6 +188,29 @@ class ProxyMetrics:
         )
         samples.set_function(lambda: learner.samples)
 
+    def admission_gauges(self, admission: Admission) -> None:
+        """Gauges of the requests admission runs and holds now (admission.py)."""
+        for name, what, read in (
+            ("requests_running", "Requests the proxy runs on engines now", lambda: admission.running),
+            (
+                "requests_waiting",
+                "Requests waiting at the proxy for a place (admission)",
+                lambda: admission.waiting,
+            ),
+            (
+                "admission_limit",
+                "Requests admission lets run at once now (0: admission off)",
+                lambda: admission.limit if admission.on else 0,
+            ),
+            (
+                "admission_pace_seconds",
+                "Moving average of streamed answers' time per token that admission follows (0: not measured)",
+                lambda: admission.pace_s,
+            ),
+        ):
+            gauge = Gauge(f"kvbroker_proxy_{name}", what, registry=self.registry)
+            gauge.set_function(read)
+
     def engine_failed(self, engine: EngineSpec, step: str, kind: str) -> None:
         self.engine_failures.labels(engine.label, step, kind).inc()
 
@@ -205,6 +243,8 @@ class ProxyMetrics:
         self.seconds.labels(path).observe(seconds)
         if outcome is not None and outcome.turn and outcome.first_byte_at is not None and status == 200:
             self.ttft.labels(outcome.turn).observe(max(0.0, outcome.first_byte_at - started))
+        if outcome is not None and outcome.admission:
+            self.admission_wait.labels(outcome.admission).observe(outcome.admission_wait_s)
         if outcome is not None and outcome.route_reason:
             self.route_choices.labels(outcome.route_reason).inc()
         if outcome is not None and outcome.fallback_reason:

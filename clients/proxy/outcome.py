@@ -75,12 +75,27 @@ class Outcome:
     # Data-parallel placement: engine url -> prompt tokens predicted to be computed there (its backlog).
     prefill_tokens: dict[str, float] = field(default_factory=dict)
     serving: Serving | None = None  # the attempt under way: its backlog ends at the first byte
+    admission: str = ""  # how admission let it go (admission.py); "" when admission is off
+    admission_wait_s: float = 0.0
+    stream_events: int = 0  # server-sent events relayed (a streamed answer), [DONE] not counted
+    last_byte_at: float | None = None  # perf_counter() when a stream's last event went out
 
     def first_byte(self) -> None:
         """The answer's first byte went out: the engine has computed the prompt."""
         self.first_byte_at = time.perf_counter()
         if self.serving is not None:
             self.serving.prefilled()
+
+    def streamed(self, chunk: bytes) -> None:
+        """A streamed answer's chunk went out: counts its events, for the answer's pace."""
+        self.stream_events += chunk.count(b"data:") - chunk.count(b"data: [DONE]")
+        self.last_byte_at = time.perf_counter()
+
+    def tpot_s(self) -> float | None:
+        """A streamed answer's time per event after the first (about its time per output token)."""
+        if self.first_byte_at is None or self.last_byte_at is None or self.stream_events < 3:
+            return None
+        return (self.last_byte_at - self.first_byte_at) / (self.stream_events - 1)
 
     def headers(self) -> dict[str, str]:
         h = {"X-Request-Id": self.request_id, "X-KVBroker-Mode": self.mode}

@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from kvbroker.clients.proxy.admission import Admission
 from kvbroker.clients.proxy.config import ProxyConfig
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.errors import json_errors
@@ -58,6 +60,7 @@ class ProxyState:
     tracer: trace.Tracer
     api_keys: ApiKeys | None = None
     retainer: Retainer | None = None  # X-KV-Retain-Seconds (retain.py); None without a broker
+    admission: Admission = field(default_factory=lambda: Admission(0))  # admission.py
     refresh_task: asyncio.Task[None] | None = None
 
 
@@ -130,45 +133,82 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         kind=SpanKind.SERVER,
         attributes={"http.request.method": "POST", "url.path": endpoint, "kvbroker.request_id": request_id},
     ) as span:
-        with tracer.start_as_current_span("proxy.route") as route_span:
-            route = await state.router.route(endpoint, body, {"X-Request-Id": request_id})
-            route_span.set_attributes(_route_attributes(route))
+        await _admit(state, outcome, span)
+        dispatched = time.perf_counter()
         try:
-            response = await state.forwarder.serve(
-                request,
-                endpoint,
-                body,
-                route,
-                outcome,
-                state.config.disaggregate,
-                state.config.local_prefill_tokens,
-            )
-        except RequestRejected as e:
-            span.set_attribute("http.response.status_code", e.status)
-            return web.Response(
-                body=e.body,
-                status=e.status,
-                content_type=e.content_type,
-                headers={"X-Request-Id": request_id},
-            )
-        span.set_attribute("http.response.status_code", response.status)
-        if retain is not None and response.status < 400 and state.retainer is not None:
-            engine = outcome.decode or outcome.prefill  # the engine that now holds the conversation
-            state.retainer.after_turn(engine, route.namespace, route.hashes, *retain)
-        span.set_attribute("kvbroker.mode", outcome.mode)
-        if outcome.prefill is not None:
-            span.set_attribute("kvbroker.prefill_engine", outcome.prefill.label)
-        if outcome.decode is not None:
-            span.set_attribute("kvbroker.decode_engine", outcome.decode.label)
-        if outcome.fallback_reason:
-            span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
-        if outcome.route_reason:
-            # Local on D or P then pull (p_queue.py), or a data-parallel placement (common/placement.py), and why.
-            span.set_attribute("kvbroker.route_reason", outcome.route_reason)
-            span.set_attribute("kvbroker.route_detail", outcome.route_detail)
-        if response.status >= 500:
-            span.set_status(Status(StatusCode.ERROR, "; ".join(outcome.failures)[:500]))
-        return response
+            return await _route_and_serve(request, state, endpoint, body, outcome, span, retain)
+        finally:
+            if outcome.first_byte_at is not None:
+                state.admission.observed_ttft(outcome.first_byte_at - dispatched)
+            tpot = outcome.tpot_s()
+            if tpot is not None:
+                state.admission.observed_tpot(tpot)
+            state.admission.leave()
+
+
+async def _admit(state: ProxyState, outcome: Outcome, span: trace.Span) -> None:
+    """Wait for a place when admission is on (admission.py); how long and why go on the span."""
+    admission = state.admission
+    if admission.on:
+        admission.set_engines(state.pool.serving_count())
+    admitted = await admission.enter()  # at once when off
+    if not admission.on:
+        return
+    outcome.admission, outcome.admission_wait_s = admitted.order, admitted.waited_s
+    span.set_attribute("kvbroker.admission", admitted.order)
+    span.set_attribute("kvbroker.admission_wait_ms", round(admitted.waited_s * 1000.0, 1))
+
+
+async def _route_and_serve(
+    request: web.Request,
+    state: ProxyState,
+    endpoint: str,
+    body: dict[str, Any],
+    outcome: Outcome,
+    span: trace.Span,
+    retain: tuple[float, str] | None,
+) -> web.StreamResponse:
+    request_id = outcome.request_id
+    tracer = state.tracer
+    with tracer.start_as_current_span("proxy.route") as route_span:
+        route = await state.router.route(endpoint, body, {"X-Request-Id": request_id})
+        route_span.set_attributes(_route_attributes(route))
+    try:
+        response = await state.forwarder.serve(
+            request,
+            endpoint,
+            body,
+            route,
+            outcome,
+            state.config.disaggregate,
+            state.config.local_prefill_tokens,
+        )
+    except RequestRejected as e:
+        span.set_attribute("http.response.status_code", e.status)
+        return web.Response(
+            body=e.body,
+            status=e.status,
+            content_type=e.content_type,
+            headers={"X-Request-Id": request_id},
+        )
+    span.set_attribute("http.response.status_code", response.status)
+    if retain is not None and response.status < 400 and state.retainer is not None:
+        engine = outcome.decode or outcome.prefill  # the engine that now holds the conversation
+        state.retainer.after_turn(engine, route.namespace, route.hashes, *retain)
+    span.set_attribute("kvbroker.mode", outcome.mode)
+    if outcome.prefill is not None:
+        span.set_attribute("kvbroker.prefill_engine", outcome.prefill.label)
+    if outcome.decode is not None:
+        span.set_attribute("kvbroker.decode_engine", outcome.decode.label)
+    if outcome.fallback_reason:
+        span.set_attribute("kvbroker.fallback_reason", outcome.fallback_reason)
+    if outcome.route_reason:
+        # Local on D or P then pull (p_queue.py), or a data-parallel placement (common/placement.py), and why.
+        span.set_attribute("kvbroker.route_reason", outcome.route_reason)
+        span.set_attribute("kvbroker.route_detail", outcome.route_detail)
+    if response.status >= 500:
+        span.set_status(Status(StatusCode.ERROR, "; ".join(outcome.failures)[:500]))
+    return response
 
 
 async def whole(request: web.Request) -> web.StreamResponse:
@@ -388,6 +428,12 @@ def build_app(
         tracer=tracer,
         api_keys=ApiKeys(config.api_keys_file) if config.api_keys_file else None,
         retainer=Retainer(broker) if broker is not None else None,
+        admission=Admission(
+            config.admit_per_engine,
+            config.admit_ttft_goal_ms / 1000.0,
+            config.admit_max_wait_s,
+            config.admit_tpot_goal_ms / 1000.0,
+        ),
     )
     middlewares = []
     if metrics is not None:
@@ -399,6 +445,7 @@ def build_app(
         app.router.add_get("/metrics", metrics.handle_metrics)
         if state.forwarder.placement is not None:
             metrics.placement_weights(state.forwarder.placement)
+        metrics.admission_gauges(state.admission)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_post(CHAT_COMPLETIONS, chat_completions)
     app.router.add_get("/health", health)

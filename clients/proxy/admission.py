@@ -1,0 +1,178 @@
+"""Admission: at most N requests per engine run at once; the rest wait at the proxy, and the
+one that can still meet the time-to-first-token goal goes first.
+
+Why. On a saturated fleet every request an engine takes slows the ones it already runs: its
+prefill steps stall their decoding and their batch grows. First come, first served then lets
+a burst push every request past its time-per-token goal and its first-token goal at once, and
+goodput (requests meeting both) falls to a fraction of throughput. Held at the proxy, the
+running requests keep their pace; of the waiting ones, a request that has already waited past
+the first-token goal will be late whatever runs first, so one that can still make it goes
+ahead of it.
+
+When a place frees, the waiting request that goes is:
+
+1. one that has waited ``max_wait_s``, the oldest such, at every other place (nothing waits
+   forever, and a backlog longer than ``max_wait_s`` still leaves half the places to
+   requests that can meet the goal: with all of them, every request would be late);
+2. else the oldest that can still meet the goal: its wait so far plus the recent time from
+   dispatch to first token (a moving average the proxy measures) is under ``ttft_goal_s``;
+3. else the oldest (every waiting request will be late: first come, first served).
+
+How many run at once: at most ``per_engine`` per engine. With a time-per-token goal
+(``tpot_goal_s``) the limit follows the pace of the streamed answers the proxy relays:
+when their moving average is over the goal, one place fewer; when it is under 0.8 of the
+goal and requests wait, one place more, up to ``per_engine`` per engine and down to one per
+engine; each change waits for as many answers as there are engines. So a machine that
+slows down (a noisy neighbour, longer prompts) runs fewer at once without a new setting.
+
+With ``ttft_goal_s`` 0 the order is first come, first served. ``per_engine`` 0 turns
+admission off (every request goes at once, as before). Nothing is refused: a late request
+is served late, never failed. Pure asyncio, no I/O: tests/clients/proxy/test_admission.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+IN_TIME = "in_time"  # it could still meet the goal when it went
+LATE = "late"  # every waiting request was past the goal: the oldest went
+OVERDUE = "overdue"  # it had waited max_wait_s
+AT_ONCE = "at_once"  # a place was free when it came
+FIRST_COME = "first_come"  # no goal set: the oldest went
+
+_EWMA = 0.2  # weight of the newest first-token time in the moving average
+
+
+@dataclass
+class _Waiter:
+    arrived: float
+    future: asyncio.Future[str] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    waited_s: float
+    order: str  # IN_TIME, LATE, OVERDUE, FIRST_COME or AT_ONCE
+
+
+class Admission:
+    def __init__(
+        self,
+        per_engine: int,
+        ttft_goal_s: float = 0.0,
+        max_wait_s: float = 60.0,
+        tpot_goal_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if per_engine < 0 or ttft_goal_s < 0 or tpot_goal_s < 0 or max_wait_s <= 0:
+            raise ValueError("per_engine, ttft_goal_s and tpot_goal_s must be >= 0 and max_wait_s > 0")
+        self.per_engine = per_engine
+        self.ttft_goal_s = ttft_goal_s
+        self.max_wait_s = max_wait_s
+        self.tpot_goal_s = tpot_goal_s
+        self._clock = clock
+        self.running = 0
+        self._engines = 1
+        self._capacity = per_engine  # the limit now: per_engine * engines, less what the pace took
+        self.pace_s = 0.0  # moving average of the answers' time per token; 0 until measured
+        self._since_change = 0  # answers measured since the limit last changed
+        self._last_overdue = False  # the last place went to an overdue request
+        self._waiting: list[_Waiter] = []  # in arrival order
+        self.dispatch_ttft_s = 0.0  # moving average, dispatch to first token; 0 until measured
+
+    @property
+    def on(self) -> bool:
+        return self.per_engine > 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def limit(self) -> int:
+        return self._capacity
+
+    def set_engines(self, engines: int) -> None:
+        """The engines requests are served on now; the limit is at most `per_engine` per engine."""
+        engines = max(engines, 1)
+        if engines != self._engines or self.tpot_goal_s <= 0:
+            # More engines, more places (as many per new engine as each has now); fewer, fewer.
+            per = self._capacity / self._engines if self.tpot_goal_s > 0 else self.per_engine
+            self._capacity = max(engines, min(self.per_engine * engines, round(per * engines)))
+            self._engines = engines
+        self._admit()
+
+    def observed_tpot(self, seconds: float) -> None:
+        """An answer's time per output token after the first: the pace the limit follows."""
+        if seconds <= 0 or self.tpot_goal_s <= 0 or not self.on:
+            return
+        old = self.pace_s
+        self.pace_s = seconds if old == 0.0 else (1 - _EWMA) * old + _EWMA * seconds
+        self._since_change += 1
+        if self._since_change < self._engines:
+            return
+        if self.pace_s > self.tpot_goal_s and self._capacity > self._engines:
+            self._capacity -= 1
+            self._since_change = 0
+        elif (
+            self.pace_s < 0.8 * self.tpot_goal_s
+            and self._waiting
+            and self._capacity < self.per_engine * self._engines
+        ):
+            self._capacity += 1
+            self._since_change = 0
+            self._admit()
+
+    async def enter(self) -> Admitted:
+        """Wait for a place (at once when one is free and no one waits). The caller must `leave()`."""
+        arrived = self._clock()
+        if not self.on or (not self._waiting and self.running < self._capacity):
+            self.running += 1
+            return Admitted(0.0, AT_ONCE)
+        waiter = _Waiter(arrived, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiter)
+        try:
+            order = await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.leave()  # given a place just as its client went: the place is freed again
+            elif waiter in self._waiting:
+                self._waiting.remove(waiter)
+            raise
+        return Admitted(self._clock() - arrived, order)
+
+    def leave(self) -> None:
+        self.running = max(0, self.running - 1)
+        self._admit()
+
+    def observed_ttft(self, seconds: float) -> None:
+        """A request's time from dispatch to its first token, for who can still meet the goal."""
+        if seconds < 0:
+            return
+        old = self.dispatch_ttft_s
+        self.dispatch_ttft_s = seconds if old == 0.0 else (1 - _EWMA) * old + _EWMA * seconds
+
+    def _admit(self) -> None:
+        while self._waiting and self.running < self._capacity:
+            index, order = self._pick(self._clock())
+            waiter = self._waiting.pop(index)
+            if waiter.future.done():  # cancelled: its client went away
+                continue
+            self.running += 1
+            waiter.future.set_result(order)
+
+    def _pick(self, now: float) -> tuple[int, str]:
+        overdue = now - self._waiting[0].arrived >= self.max_wait_s
+        if overdue and not self._last_overdue:
+            self._last_overdue = True
+            return 0, OVERDUE
+        self._last_overdue = False
+        if self.ttft_goal_s <= 0:
+            return 0, OVERDUE if overdue else FIRST_COME
+        for index, waiter in enumerate(self._waiting):
+            if now - waiter.arrived + self.dispatch_ttft_s < self.ttft_goal_s:
+                return index, IN_TIME
+        return 0, OVERDUE if overdue else LATE

@@ -125,6 +125,12 @@ class Plan:
             seen.add(session.agent_class)
         return out
 
+    def min_wall_s(self, turn_s: float) -> float:
+        """The shortest a run of this plan can take when every turn takes `turn_s`: its sessions'
+        turns follow one another (a turn is sent after the last one's answer and the think time),
+        so the run lasts at least until the latest session's last answer."""
+        return max((s.start_s + s.turns * turn_s + sum(s.think_s) for s in self.sessions), default=0.0)
+
     def ideal_reuse(self) -> float:
         """Ideal cached tokens over prompt tokens, the whole plan."""
         ideal = self.ideal_cached_tokens()

@@ -77,6 +77,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.add_argument(
             f"--{name.replace('_', '-')}", type=kind, default=None, help=f"workload (default {value})"
         )
+    ap.add_argument(
+        "--admit-per-engine",
+        type=int,
+        default=8,
+        help="the -admit setups' proxy: at most this many requests run at once per engine "
+        "(--admit-per-engine); their TTFT and TPOT goals are the run's SLOs",
+    )
+    ap.add_argument(
+        "--admit-max-wait-s",
+        type=float,
+        default=60.0,
+        help="the -admit setups' proxy: a request that has waited this long goes next (--admit-max-wait-s)",
+    )
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="one turn's limit at the client")
     ap.add_argument("--quick", action="store_true", help=f"fewer, shorter sessions: {QUICK}")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -205,7 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log(f"work dir {work}; load average {load_note()}")
     model, served = model_dir(args.model, work)
-    ctx = Context(model, work, args.engines, args.start_timeout_s, served_name=served)
+    ctx = Context(
+        model,
+        work,
+        args.engines,
+        args.start_timeout_s,
+        served_name=served,
+        admit_per_engine=args.admit_per_engine,
+        admit_max_wait_s=args.admit_max_wait_s,
+        ttft_slo_ms=args.slo_ttft_ms,
+        tpot_slo_ms=args.slo_tpot_ms,
+    )
     results: dict[str, dict[str, Any]] = {}
     refs: dict[float, Any] = {}
     try:

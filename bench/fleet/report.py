@@ -3,7 +3,12 @@
 Definitions (printed with the table and in docs/bench.md):
 
 - goodput: completed requests whose TTFT <= the TTFT SLO and whose time per output
-  token after the first <= the TPOT SLO, per second of the run's wall time;
+  token after the first <= the TPOT SLO, per second of the run's wall time; the
+  completed requests that missed it, by what they missed (TTFT only, TPOT only, both);
+- goodput ceiling: what no setup can pass on this plan at this rate: every request
+  meeting the SLO, over the shortest wall time the plan allows when every turn takes as
+  long as the run's quickest (a session's turns follow one another, so the run lasts
+  until its latest session's last answer; `Plan.min_wall_s`);
 - throughput: completed requests (and output tokens) per second of wall time;
 - recomputed tokens: prompt tokens the engines computed (vLLM's
   `vllm:prompt_tokens_by_source{source="local_compute"}`, summed over every engine of
@@ -70,6 +75,7 @@ def summarize(
     reuse = max(0.0, 1.0 - recomputed / prompt) if prompt else float("nan")
     ideal_share = ideal / prompt if prompt else float("nan")
     ttfts = [t.ttft_s * 1000 for t in ok]
+    quickest = min((t.e2e_s for t in ok), default=0.0)
     return {
         "rate_offered_rps": plan.rate,
         "requests_sent": len(record.turns),
@@ -79,6 +85,19 @@ def summarize(
         "errors": sorted({t.error for t in record.turns if t.error})[:5],
         "wall_s": round(record.wall_s, 2),
         "goodput_rps": round(len(good) / wall, 3),
+        # No setup's goodput can pass this: every request meeting the SLO, in the shortest run the
+        # plan allows when each turn takes as long as this run's quickest (its sessions' turns follow
+        # one another; Plan.min_wall_s).
+        "goodput_ceiling_rps": round(plan.requests / max(plan.min_wall_s(quickest), 1e-9), 3),
+        # Why the completed requests that missed the SLO missed it.
+        "missed_ttft_only": sum(1 for t in ok if t.ttft_s > slo_ttft_s and t.tpot_s <= slo_tpot_s),
+        "missed_tpot_only": sum(1 for t in ok if t.ttft_s <= slo_ttft_s and t.tpot_s > slo_tpot_s),
+        "missed_both": sum(1 for t in ok if t.ttft_s > slo_ttft_s and t.tpot_s > slo_tpot_s),
+        # Every completed turn, for where the time went: (session, turn, sent s, TTFT ms, TPOT ms).
+        "turns": [
+            [t.sid, t.turn, round(t.sent_s, 2), round(t.ttft_s * 1000, 1), round(t.tpot_s * 1000, 1)]
+            for t in ok
+        ],
         "throughput_rps": round(len(ok) / wall, 3),
         "output_tokens_per_s": round(sum(t.output_tokens for t in ok) / wall, 1),
         "ttft_ms": {q: round(pct(ttfts, v), 1) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
@@ -129,7 +148,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     headers = [
         "setup",
         "rate/s",
-        "goodput/s",
+        "goodput/s (ceiling)",
+        "missed ttft/tpot/both",
         "req/s",
         "TTFT p50/p90/p99 ms",
         "TPOT p50 ms",
@@ -144,7 +164,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     rows, notes = [], []
     for name, entry in results.items():
         if "unavailable" in entry:
-            rows.append([name, "-", "unavailable", *["-"] * 10])
+            rows.append([name, "-", "unavailable", *["-"] * 11])
             notes.append(f"{name} unavailable: {entry['unavailable']}")
             continue
         for r in entry["runs"]:
@@ -153,7 +173,12 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                 [
                     name,
                     f"{r['rate_offered_rps']:g}",
-                    f"{r['goodput_rps']:.2f}",
+                    f"{r['goodput_rps']:.2f} ({r['goodput_ceiling_rps']:.2f})"
+                    if "goodput_ceiling_rps" in r
+                    else f"{r['goodput_rps']:.2f}",
+                    "/".join(
+                        str(r.get(k, "-")) for k in ("missed_ttft_only", "missed_tpot_only", "missed_both")
+                    ),
                     f"{r['throughput_rps']:.2f}",
                     f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f}",
                     f"{r['tpot_ms_p50']:.0f}",

@@ -25,6 +25,10 @@
               stock engines of rr and prefix, scored from their KV events: our routing
               without our connector, to tell the routing's share of a result from the
               connector's and the pulls'
+    ours-dp-admit  ours-dp-learn with the proxy's admission (clients/proxy/admission.py,
+              Context.admit_args): requests past a limit per engine wait at the proxy
+    ours-dp-stock-admit, ours-prefix-admit  ours-dp-stock, and our proxy's --placement
+              prefix over the stock engines, with the same admission
 
 Every ours-dp setup but ours-dp-gpu-only gives each engine a CPU offload tier of
 DP_CPU_TIER_BLOCKS blocks (kvbroker.tools.demo_stack, as `make up TOPOLOGY=dp:N` does): finished
@@ -77,6 +81,9 @@ SETUPS = (
     "ours-dp-linear",
     "ours-dp-gpu-only",
     "ours-dp-stock",
+    "ours-dp-admit",
+    "ours-dp-stock-admit",
+    "ours-prefix-admit",
 )
 # Our connector's counters the report reads (summed over the engines; engine_adapter/loads.py).
 CONNECTOR_COUNTS = (
@@ -106,6 +113,18 @@ class Context:
     max_model_len: int = 4096
     kv_cache_bytes: int = 256 << 20
     shared: dict[str, Any] = field(default_factory=dict)  # the stock fleet of rr and prefix
+    admit_per_engine: int = 8  # the -admit setups' --admit-per-engine
+    admit_max_wait_s: float = 60.0  # the -admit setups' --admit-max-wait-s
+    ttft_slo_ms: float = 0.0  # the -admit setups' --admit-ttft-goal-ms: the run's TTFT SLO
+    tpot_slo_ms: float = 0.0  # the run's TPOT SLO; the -admit setups' --admit-tpot-goal-ms is 0.8 of it
+
+    def admit_args(self) -> list[str]:
+        # A TPOT goal of 0.8 of the SLO: the answers' mean pace sits at the goal, a tail above it.
+        tpot_goal = 0.8 * self.tpot_slo_ms
+        return (
+            f"--admit-per-engine {self.admit_per_engine} --admit-ttft-goal-ms {self.ttft_slo_ms:g} "
+            f"--admit-tpot-goal-ms {tpot_goal:g} --admit-max-wait-s {self.admit_max_wait_s:g}"
+        ).split()
 
     def engine(self, name: str, **kw: Any) -> EngineProcess:
         extra = ENGINE_ARGS + list(kw.pop("extra_args", ()))
@@ -341,18 +360,19 @@ def start_prefix(ctx: Context) -> Running:
     return Running("prefix", url, stock.engines, [router], stock.broker, owns_engines=False)
 
 
-def start_ours_stock(ctx: Context) -> Running:
+def start_ours_stock(
+    ctx: Context, name: str = "ours-dp-stock", admit: bool = False, placement: str = "load"
+) -> Running:
     """Our proxy's load-aware placement (no pulls) over the stock engines of `rr` and `prefix`,
     which the broker follows by their KV events: our routing without our connector."""
     stock = _stock(ctx)
-    proxy = ProxyProcess(
-        ctx.work / "proxy-ours-dp-stock.log",
-        engines={e.name: e.url for e in stock.engines},
-        broker=stock.broker.address,
-        extra_args=["--no-disaggregate", "--placement", "load", "--no-dp-pull"],
-    )
+    args = ["--no-disaggregate", "--placement", placement, "--no-dp-pull"]
+    engines = {e.name: e.url for e in stock.engines}
+    admitting = ctx.admit_args() if admit else []
+    log_path = ctx.work / f"proxy-{name}.log"
+    proxy = ProxyProcess(log_path, engines=engines, broker=stock.broker.address, extra_args=args + admitting)
     proxy.start(timeout=60)
-    return Running("ours-dp-stock", proxy.url, stock.engines, [proxy], stock.broker, owns_engines=False)
+    return Running(name, proxy.url, stock.engines, [proxy], stock.broker, owns_engines=False)
 
 
 def _ours(ctx: Context, name: str, roles: list[tuple[str, str, dict[str, Any]]]) -> Running:
@@ -434,9 +454,12 @@ def start_ours_dp(
     linear: bool = False,
     own_pull: bool = False,
     cpu_tier: bool = True,
+    admit: bool = False,
 ) -> Running:
     # Engines named apart per setup, so that each keeps its own log and stats in the work dir.
-    letter = "G" if not cpu_tier else "O" if own_pull else "L" if learn else "R" if linear else "E"
+    # G: no tier, O: own pull, A: admission, L: learning, R: linear, E: the weights as set.
+    flags = (("G", not cpu_tier), ("O", own_pull), ("A", admit), ("L", learn), ("R", linear), ("E", True))
+    letter = next(k for k, on in flags if on)
     extra: dict[str, Any] = {"recompute_neighbour_cost": 0.0} if linear else {}
     if cpu_tier:
         extra["cpu_tier_blocks"] = DP_CPU_TIER_BLOCKS
@@ -455,6 +478,7 @@ def start_ours_dp(
                 *([] if learn else ["--no-placement-learn"]),
                 *(["--dp-pull-fixed-tokens", "0", "--dp-neighbour-cost", "0"] if linear else []),
                 *(["--no-dp-pull-as-placed"] if own_pull else []),
+                *(ctx.admit_args() if admit else []),
             ],
         )
         running.children.append(proxy.start(timeout=60))
@@ -476,8 +500,11 @@ STARTERS: dict[str, Callable[[Context], Running]] = {
     "ours-dp-linear": lambda ctx: start_ours_dp(ctx, "ours-dp-linear", linear=True),
     "ours-dp-gpu-only": lambda ctx: start_ours_dp(ctx, "ours-dp-gpu-only", learn=True, cpu_tier=False),
     "ours-dp-stock": start_ours_stock,
+    "ours-dp-admit": lambda ctx: start_ours_dp(ctx, "ours-dp-admit", learn=True, admit=True),
+    "ours-dp-stock-admit": lambda ctx: start_ours_stock(ctx, "ours-dp-stock-admit", admit=True),
+    "ours-prefix-admit": lambda ctx: start_ours_stock(ctx, "ours-prefix-admit", True, "prefix"),
 }
-SHARES_STOCK = ("rr", "prefix", "ours-dp-stock")
+SHARES_STOCK = ("rr", "prefix", "ours-dp-stock", "ours-dp-stock-admit", "ours-prefix-admit")
 
 
 def start(name: str, ctx: Context) -> Running:

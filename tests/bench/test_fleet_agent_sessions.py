@@ -114,6 +114,19 @@ def test_summary_goodput_reuse_and_failures() -> None:
     assert out["prompt_tokens"] == 1752 and out["recomputed_tokens"] == 876
     assert out["prefix_reuse"] == 0.5
     assert out["pulled_tokens"] == 64 and out["pulled_bytes"] == 65536 and out["pulled_bytes_estimated"]
+    assert (out["missed_ttft_only"], out["missed_tpot_only"], out["missed_both"]) == (1, 0, 0)
+    # The ceiling: the plan's 4 requests over its shortest wall with turns of 0.5 s (the quickest).
+    assert out["goodput_ceiling_rps"] == round(4 / plan.min_wall_s(0.5), 3)
+    assert [row[:2] for row in out["turns"]] == [[s0.sid, 0], [s0.sid, 1]]
+
+
+def test_min_wall_follows_the_latest_session_s_chain_of_turns() -> None:
+    plan = generate(WorkloadSpec(sessions=3, hot_fraction=0.0, cold_turns=2, seed=3))
+    want = max(s.start_s + 2 * 1.5 + sum(s.think_s) for s in plan.sessions)
+    assert plan.min_wall_s(1.5) == pytest.approx(want)
+    assert plan.min_wall_s(0.0) < plan.min_wall_s(1.5)
+    faster = plan.at_rate(10.0)  # arrivals closer together; think time is the users'
+    assert faster.min_wall_s(1.5) < plan.min_wall_s(1.5)
 
 
 def test_pct_is_nearest_rank() -> None:

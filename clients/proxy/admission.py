@@ -33,6 +33,7 @@ is served late, never failed. Pure asyncio, no I/O: tests/clients/proxy/test_adm
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ OVERDUE = "overdue"  # it had waited max_wait_s
 AT_ONCE = "at_once"  # a place was free when it came
 FIRST_COME = "first_come"  # no goal set: the oldest went
 
-_EWMA = 0.2  # weight of the newest first-token time in the moving average
+_EWMA = 0.2  # weight of the newest figure in the moving averages (first-token time, pace)
 
 
 @dataclass
@@ -172,7 +173,10 @@ class Admission:
         self._last_overdue = False
         if self.ttft_goal_s <= 0:
             return 0, OVERDUE if overdue else FIRST_COME
-        for index, waiter in enumerate(self._waiting):
-            if now - waiter.arrived + self.dispatch_ttft_s < self.ttft_goal_s:
-                return index, IN_TIME
+        # In time: arrived after now + dispatch_ttft_s - ttft_goal_s. Waiters are in arrival order,
+        # so the oldest such is found by bisection (a long queue of late ones is not scanned).
+        cutoff = now + self.dispatch_ttft_s - self.ttft_goal_s
+        index = bisect.bisect_right(self._waiting, cutoff, key=lambda w: w.arrived)
+        if index < len(self._waiting):
+            return index, IN_TIME
         return 0, OVERDUE if overdue else LATE

@@ -90,6 +90,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=60.0,
         help="the -admit setups' proxy: a request that has waited this long goes next (--admit-max-wait-s)",
     )
+    ap.add_argument(
+        "--admit-first-come",
+        action="store_true",
+        help="the -admit setups' proxy keeps the limit but lets waiting requests go first come, first "
+        "served (--admit-ttft-goal-ms 0)",
+    )
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="one turn's limit at the client")
     ap.add_argument("--quick", action="store_true", help=f"fewer, shorter sessions: {QUICK}")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         served_name=served,
         admit_per_engine=args.admit_per_engine,
         admit_max_wait_s=args.admit_max_wait_s,
+        admit_first_come=args.admit_first_come,
         ttft_slo_ms=args.slo_ttft_ms,
         tpot_slo_ms=args.slo_tpot_ms,
     )

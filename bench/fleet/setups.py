@@ -115,14 +115,15 @@ class Context:
     shared: dict[str, Any] = field(default_factory=dict)  # the stock fleet of rr and prefix
     admit_per_engine: int = 8  # the -admit setups' --admit-per-engine
     admit_max_wait_s: float = 60.0  # the -admit setups' --admit-max-wait-s
+    admit_first_come: bool = False  # the -admit setups' --admit-ttft-goal-ms 0 (no deadline order)
     ttft_slo_ms: float = 0.0  # the -admit setups' --admit-ttft-goal-ms: the run's TTFT SLO
     tpot_slo_ms: float = 0.0  # the run's TPOT SLO; the -admit setups' --admit-tpot-goal-ms is 0.8 of it
 
     def admit_args(self) -> list[str]:
         # A TPOT goal of 0.8 of the SLO: the answers' mean pace sits at the goal, a tail above it.
-        tpot_goal = 0.8 * self.tpot_slo_ms
+        tpot_goal, ttft_goal = 0.8 * self.tpot_slo_ms, 0.0 if self.admit_first_come else self.ttft_slo_ms
         return (
-            f"--admit-per-engine {self.admit_per_engine} --admit-ttft-goal-ms {self.ttft_slo_ms:g} "
+            f"--admit-per-engine {self.admit_per_engine} --admit-ttft-goal-ms {ttft_goal:g} "
             f"--admit-tpot-goal-ms {tpot_goal:g} --admit-max-wait-s {self.admit_max_wait_s:g}"
         ).split()
 

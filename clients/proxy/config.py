@@ -154,7 +154,8 @@ class ProxyConfig:
     )
     admit_per_engine: int = setting(
         0,
-        "admission: at most this many requests per engine run at once; more wait at the proxy, and one "
+        "admission: at most this many requests per healthy engine run at once, in all (the placement "
+        "picks each one's engine); more wait at the proxy, and one "
         "that can still meet --admit-ttft-goal-ms goes before one already past it (admission.py); "
         "0 = off, every request goes at once",
     )

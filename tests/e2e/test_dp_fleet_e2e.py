@@ -82,6 +82,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 # A bound only (a wait ends with the broker's answer): on a loaded test machine
                 # the answer may take longer than the default 20 ms, which would cost a step.
                 step_wait_ms=STEP_WAIT_MS,
+                log_stats=True,  # vLLM's /metrics: how many requests an engine runs (admission's test)
             )
         for engine in engines.values():
             engine.wait_ready(timeout=600, progress=print)
@@ -221,3 +222,83 @@ def test_a_pull_on_a_busy_reader_is_ready_for_the_next_step(fleet: Fleet) -> Non
     for t in busy:
         t.join(60)
     assert output_ids(answer) == recompute_reference(fleet.engines[reader], turn, MAX_TOKENS)
+
+
+ADMIT_ARGS = ["--no-disaggregate", "--refresh-interval-s", "0.2", "--admit-per-engine", "1"]
+ADMIT_ARGS += ["--admit-ttft-goal-ms", "60000"]
+
+
+def engine_running(engine: EngineProcess) -> float:
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} ([\d.]+)$", text, re.M)
+    assert found is not None, "vLLM's /metrics has no vllm:num_requests_running"
+    return float(found.group(1))
+
+
+def test_admission_holds_requests_at_the_proxy_and_answers_every_one_as_an_engine_would(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A proxy with --admit-per-engine 1 in front of the two real engines: six requests at once,
+    so at most two run on the engines and the rest wait at the proxy; every answer is the one an
+    engine computes alone, and every waiting request is let in (none refused, no place kept)."""
+    proxy = ProxyProcess(
+        tmp_path / "proxy-admit.log",
+        engines={name: e.url for name, e in fleet.engines.items()},
+        broker=fleet.broker.address,
+        extra_args=ADMIT_ARGS,
+    ).start()
+    prompts = [prompt_of(48, seed=500 + i) for i in range(6)]
+    answers: dict[int, list[int]] = {}
+    most = [0.0]  # the most requests the engines ran together
+    errors: list[str] = []
+    done = threading.Event()
+
+    def send(i: int) -> None:
+        engine = next(iter(fleet.engines.values()))
+        req = completion_request(engine, prompts[i], max_tokens=48)
+        proxied = urllib.request.Request(
+            proxy.url + "/v1/completions", data=req.data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(proxied, timeout=300) as resp:
+            answers[i] = list(json.loads(resp.read())["choices"][0]["token_ids"])
+
+    def watch() -> None:
+        try:
+            while not done.is_set():
+                most.append(sum(engine_running(engine) for engine in fleet.engines.values()))
+                done.wait(0.02)
+        except Exception as e:  # reported below: a watcher that died saw nothing
+            errors.append(repr(e))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    senders = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+    try:
+        watcher.start()
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(300)
+        done.set()
+        watcher.join(30)
+        metrics = urllib.request.urlopen(proxy.url + "/metrics", timeout=30).read().decode()
+    finally:
+        done.set()
+        proxy.stop()
+    assert sorted(answers) == list(range(6)), f"answered: {sorted(answers)}"
+    assert not errors, errors
+    # One place per engine, two in all (the placement chooses the engine: both may go to one).
+    assert max(most) == 2, f"requests running on the engines together, as polled: {sorted(set(most))}"
+    counts = {
+        order: float(n)
+        for order, n in re.findall(
+            r'kvbroker_proxy_admission_wait_seconds_count\{order="(\w+)"\} ([\d.]+)', metrics
+        )
+    }
+    assert sum(counts.values()) == 6 and counts.get("in_time", 0) >= 1, counts
+    assert (
+        "kvbroker_proxy_requests_running 0.0" in metrics and "kvbroker_proxy_requests_waiting 0.0" in metrics
+    )
+    engine = next(iter(fleet.engines.values()))
+    for i, prompt in enumerate(prompts):
+        assert answers[i] == recompute_reference(engine, prompt, 48), f"request {i}"

@@ -169,17 +169,49 @@ async def test_a_slow_pace_takes_places_away_down_to_one_per_engine() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
     assert adm.limit == 8
-    for _ in range(40):
+    for _ in range(12):  # a change every two answers (one per engine)
+        adm.observed_tpot(0.3)
+    assert adm.limit == 2
+    for _ in range(4):
         adm.observed_tpot(0.3)
     assert adm.limit == 2  # one per engine: never fewer
     adm.observed_tpot(0.01)  # nobody waits: no reason to add a place
     assert adm.limit == 2
 
 
+async def test_a_goal_missed_at_one_per_engine_too_gives_every_place_back_then_is_tried_again() -> None:
+    adm = Admission(4, tpot_goal_s=0.1)
+    adm.set_engines(2)
+    for _ in range(12):
+        adm.observed_tpot(0.3)
+    assert adm.limit == 2
+    for _ in range(5):  # one per engine, but not yet three answers per engine there
+        adm.observed_tpot(0.2)
+    assert adm.limit == 2
+    adm.observed_tpot(0.2)  # six answers at one per engine, all slower than the goal
+    assert adm.limit == 8  # running fewer cannot meet the goal: serve as many as allowed
+    for _ in range(100 * 2):  # still slower than the goal: no place is taken again ...
+        adm.observed_tpot(0.3)
+    assert adm.limit == 8
+    for _ in range(2):  # ... until the pace at one per engine is old, and measured again
+        adm.observed_tpot(0.3)
+    assert adm.limit == 7
+
+
+async def test_a_goal_met_at_one_per_engine_keeps_the_limit_there() -> None:
+    adm = Admission(4, tpot_goal_s=0.1)
+    adm.set_engines(2)
+    for _ in range(12):
+        adm.observed_tpot(0.3)
+    for _ in range(20):  # at one per engine each answer meets the goal: the mean is under it
+        adm.observed_tpot(0.09)
+    assert adm.limit == 2  # (more places only while requests wait)
+
+
 async def test_a_quick_pace_gives_places_back_when_requests_wait() -> None:
     adm = Admission(3, tpot_goal_s=0.1)
     adm.set_engines(1)
-    for _ in range(10):
+    for _ in range(2):
         adm.observed_tpot(0.5)
     assert adm.limit == 1
     await adm.enter()

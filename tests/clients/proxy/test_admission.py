@@ -34,6 +34,12 @@ class Clock:
         return self.now
 
 
+def _answers(adm: Admission, seconds: float, n: int) -> None:
+    """`n` streamed answers at `seconds` a token, as the proxy reports them."""
+    for _ in range(n):
+        adm.observed_tpot(seconds)
+
+
 async def _settle() -> None:
     for _ in range(3):
         await asyncio.sleep(0)
@@ -169,11 +175,9 @@ async def test_a_slow_pace_takes_places_away_down_to_one_per_engine() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
     assert adm.limit == 8
-    for _ in range(12):  # a change every two answers (one per engine)
-        adm.observed_tpot(0.3)
+    _answers(adm, 0.3, 12)  # a change every two answers (one per engine)
     assert adm.limit == 2
-    for _ in range(4):
-        adm.observed_tpot(0.3)
+    _answers(adm, 0.3, 4)
     assert adm.limit == 2  # one per engine: never fewer
     adm.observed_tpot(0.01)  # nobody waits: no reason to add a place
     assert adm.limit == 2
@@ -182,37 +186,30 @@ async def test_a_slow_pace_takes_places_away_down_to_one_per_engine() -> None:
 async def test_a_goal_missed_at_one_per_engine_too_gives_every_place_back_then_is_tried_again() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
-    for _ in range(12):
-        adm.observed_tpot(0.3)
+    _answers(adm, 0.3, 12)
     assert adm.limit == 2
-    for _ in range(5):  # one per engine, but not yet three answers per engine there
-        adm.observed_tpot(0.2)
+    _answers(adm, 0.2, 5)  # one per engine, but not yet three answers per engine there
     assert adm.limit == 2
     adm.observed_tpot(0.2)  # six answers at one per engine, all slower than the goal
     assert adm.limit == 8  # running fewer cannot meet the goal: serve as many as allowed
-    for _ in range(100 * 2):  # still slower than the goal: no place is taken again ...
-        adm.observed_tpot(0.3)
+    _answers(adm, 0.3, 100 * 2)  # still slower than the goal: no place is taken again ...
     assert adm.limit == 8
-    for _ in range(2):  # ... until the pace at one per engine is old, and measured again
-        adm.observed_tpot(0.3)
+    _answers(adm, 0.3, 2)  # ... until the pace at one per engine is old, and measured again
     assert adm.limit == 7
 
 
 async def test_a_goal_met_at_one_per_engine_keeps_the_limit_there() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
-    for _ in range(12):
-        adm.observed_tpot(0.3)
-    for _ in range(20):  # at one per engine each answer meets the goal: the mean is under it
-        adm.observed_tpot(0.09)
+    _answers(adm, 0.3, 12)
+    _answers(adm, 0.09, 20)  # at one per engine each answer meets the goal: the mean is under it
     assert adm.limit == 2  # (more places only while requests wait)
 
 
 async def test_a_quick_pace_gives_places_back_when_requests_wait() -> None:
     adm = Admission(3, tpot_goal_s=0.1)
     adm.set_engines(1)
-    for _ in range(2):
-        adm.observed_tpot(0.5)
+    _answers(adm, 0.5, 2)
     assert adm.limit == 1
     await adm.enter()
     waiting = [asyncio.ensure_future(adm.enter()) for _ in range(3)]
@@ -227,8 +224,7 @@ async def test_a_quick_pace_gives_places_back_when_requests_wait() -> None:
 async def test_each_change_waits_for_as_many_answers_as_engines() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(4)
-    for _ in range(3):
-        adm.observed_tpot(1.0)
+    _answers(adm, 1.0, 3)
     assert adm.limit == 16
     adm.observed_tpot(1.0)
     assert adm.limit == 15
@@ -237,8 +233,7 @@ async def test_each_change_waits_for_as_many_answers_as_engines() -> None:
 async def test_more_engines_keep_the_places_each_engine_has() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
-    for _ in range(8):
-        adm.observed_tpot(1.0)
+    _answers(adm, 1.0, 8)
     assert adm.limit == 4  # 2 per engine
     adm.set_engines(4)
     assert adm.limit == 8

@@ -102,11 +102,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         print("e2e logs in", log_dir)
 
 
-def through_proxy(fleet: Fleet, prompt: list[int], request_id: str) -> tuple[list[int], dict[str, str]]:
+def through_proxy(
+    fleet: Fleet, prompt: list[int], request_id: str, proxy_url: str = "", max_tokens: int = MAX_TOKENS
+) -> tuple[list[int], dict[str, str]]:
+    """A greedy completion through the fleet's proxy (or the one at `proxy_url`): its tokens and headers."""
     engine = next(iter(fleet.engines.values()))
-    req = completion_request(engine, prompt, max_tokens=MAX_TOKENS)
+    req = completion_request(engine, prompt, max_tokens=max_tokens)
     proxied = urllib.request.Request(
-        fleet.proxy.url + "/v1/completions",
+        (proxy_url or fleet.proxy.url) + "/v1/completions",
         data=req.data,
         headers={"Content-Type": "application/json", "X-Request-Id": request_id},
     )
@@ -115,9 +118,13 @@ def through_proxy(fleet: Fleet, prompt: list[int], request_id: str) -> tuple[lis
         return list(answer["choices"][0]["token_ids"]), dict(resp.headers)
 
 
-def proxy_get(fleet: Fleet, path: str) -> str:
-    with urllib.request.urlopen(fleet.proxy.url + path, timeout=30) as resp:
+def http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as resp:
         return str(resp.read().decode())
+
+
+def proxy_get(fleet: Fleet, path: str) -> str:
+    return http_get(fleet.proxy.url + path)
 
 
 def load_at_proxy(fleet: Fleet, name: str) -> float:
@@ -224,13 +231,19 @@ def test_a_pull_on_a_busy_reader_is_ready_for_the_next_step(fleet: Fleet) -> Non
     assert output_ids(answer) == recompute_reference(fleet.engines[reader], turn, MAX_TOKENS)
 
 
-ADMIT_ARGS = ["--no-disaggregate", "--refresh-interval-s", "0.2", "--admit-per-engine", "1"]
-ADMIT_ARGS += ["--admit-ttft-goal-ms", "60000"]
+ADMIT_ARGS = [
+    "--no-disaggregate",
+    "--refresh-interval-s",
+    "0.2",
+    "--admit-per-engine",
+    "1",
+    "--admit-ttft-goal-ms",
+    "60000",
+]
 
 
 def engine_running(engine: EngineProcess) -> float:
-    with urllib.request.urlopen(engine.url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
+    text = http_get(engine.url + "/metrics")
     found = re.search(r"^vllm:num_requests_running\{[^}]*\} ([\d.]+)$", text, re.M)
     assert found is not None, "vLLM's /metrics has no vllm:num_requests_running"
     return float(found.group(1))
@@ -255,13 +268,7 @@ def test_admission_holds_requests_at_the_proxy_and_answers_every_one_as_an_engin
     done = threading.Event()
 
     def send(i: int) -> None:
-        engine = next(iter(fleet.engines.values()))
-        req = completion_request(engine, prompts[i], max_tokens=48)
-        proxied = urllib.request.Request(
-            proxy.url + "/v1/completions", data=req.data, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(proxied, timeout=300) as resp:
-            answers[i] = list(json.loads(resp.read())["choices"][0]["token_ids"])
+        answers[i], _ = through_proxy(fleet, prompts[i], f"dp-admit-{i}", proxy.url, max_tokens=48)
 
     def watch() -> None:
         try:
@@ -281,7 +288,7 @@ def test_admission_holds_requests_at_the_proxy_and_answers_every_one_as_an_engin
             t.join(300)
         done.set()
         watcher.join(30)
-        metrics = urllib.request.urlopen(proxy.url + "/metrics", timeout=30).read().decode()
+        metrics = http_get(proxy.url + "/metrics")
     finally:
         done.set()
         proxy.stop()

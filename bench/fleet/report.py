@@ -105,6 +105,11 @@ def summarize(
         "output_tokens_per_s": round(sum(t.output_tokens for t in ok) / wall, 1),
         "ttft_ms": {q: round(pct(ttfts, v), 1) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
         "tpot_ms_p50": round(pct([t.tpot_s * 1000 for t in ok], 0.5), 2),
+        "tpot_ms_p90": round(pct([t.tpot_s * 1000 for t in ok], 0.9), 2),
+        # Sending to the last token: where a wait went (before the first token or after it) aside.
+        "e2e_ms": {
+            q: round(pct([t.e2e_s * 1000 for t in ok], v), 1) for q, v in (("p50", 0.5), ("p90", 0.9))
+        },
         "prompt_tokens": prompt,
         "recomputed_tokens": recomputed,
         "local_cache_hit_tokens": _delta(after, before, "local_cache_hit"),
@@ -155,7 +160,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         "missed ttft/tpot/both",
         "req/s",
         "TTFT p50/p90/p99 ms",
-        "TPOT p50 ms",
+        "TPOT p50/p90 ms",
+        "e2e p50/p90 s",
         "per engine: req/TPOT ms",
         "reuse (ideal)",
         "recomputed",
@@ -167,7 +173,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     rows, notes = [], []
     for name, entry in results.items():
         if "unavailable" in entry:
-            rows.append([name, "-", "unavailable", *["-"] * 11])
+            rows.append([name, "-", "unavailable", *["-"] * 12])
             notes.append(f"{name} unavailable: {entry['unavailable']}")
             continue
         for r in entry["runs"]:
@@ -180,7 +186,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                     f"{r['missed_ttft_only']}/{r['missed_tpot_only']}/{r['missed_both']}",
                     f"{r['throughput_rps']:.2f}",
                     f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f}",
-                    f"{r['tpot_ms_p50']:.0f}",
+                    f"{r['tpot_ms_p50']:.0f}" + (f" / {r['tpot_ms_p90']:.0f}" if "tpot_ms_p90" in r else ""),
+                    _e2e_cell(r.get("e2e_ms")),
                     _engines_cell(r.get("per_engine")),
                     f"{r['prefix_reuse']:.0%} ({r['ideal_reuse']:.0%})",
                     str(r["recomputed_tokens"]),
@@ -191,6 +198,10 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                 ]
             )
     return "\n".join([format_table(headers, rows), *notes])
+
+
+def _e2e_cell(e2e: dict[str, float] | None) -> str:
+    return "-" if not e2e else f"{e2e['p50'] / 1000:.1f} / {e2e['p90'] / 1000:.1f}"
 
 
 def _engines_cell(engines: dict[str, dict[str, Any]] | None) -> str:

@@ -181,6 +181,14 @@ class Admission:
         self.running = max(0, self.running - 1)
         self._admit()
 
+    def late_in(self) -> float | None:
+        """Seconds from now until a request that starts waiting now can no longer meet the
+        first-token goal (its wait plus the measured dispatch-to-first-token time); None
+        without a goal, or with admission off."""
+        if not self.on or self.ttft_goal_s <= 0:
+            return None
+        return max(0.0, self.ttft_goal_s - self.dispatch_ttft_s)
+
     def observed_ttft(self, seconds: float) -> None:
         """A request's time from dispatch to its first token, for who can still meet the goal."""
         if seconds < 0:

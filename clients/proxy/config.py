@@ -170,6 +170,12 @@ class ProxyConfig:
         "once while their pace is slower than this and more (up to --admit-per-engine) while it is under "
         "0.8 of it; 0 = always --admit-per-engine per engine",
     )
+    admit_early_token: bool = setting(
+        True,
+        "admission: a streamed /v1/completions request still waiting when it can no longer meet "
+        "--admit-ttft-goal-ms gets its first token now from a one-token request, and the rest of the "
+        "answer when a place frees (early_token.py); off: it waits whole",
+    )
     admit_max_wait_s: float = setting(
         60.0, "admission: a request that has waited this long goes next, whatever the goal"
     )

@@ -433,9 +433,12 @@ class Forwarder:
         outcome: Outcome,
         span: Any,
     ) -> web.StreamResponse:
-        out = web.StreamResponse(status=200, headers=outcome.headers())
-        out.content_type = resp.content_type or "text/event-stream"
-        out.charset = resp.charset or "utf-8"  # server-sent events are UTF-8; say so
+        # After an early first token (early_token.py) the rest goes out on the stream it began.
+        out, splice = outcome.early_response, outcome.splice
+        if out is None:
+            out = web.StreamResponse(status=200, headers=outcome.headers())
+            out.content_type = resp.content_type or "text/event-stream"
+            out.charset = resp.charset or "utf-8"  # server-sent events are UTF-8; say so
         first = True
         try:
             async with self.watch.guard(engine) as progress:
@@ -444,10 +447,13 @@ class Forwarder:
                     try:
                         if first:
                             # Headers go out with the first byte: until then a retry is still invisible.
-                            await out.prepare(request)
+                            if not out.prepared:
+                                await out.prepare(request)
                             first = False
                             outcome.first_byte()
-                        await out.write(chunk)
+                        data = chunk if splice is None else splice.feed(chunk)
+                        if data:
+                            await out.write(data)
                         outcome.streamed(chunk)
                     except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
                         # The client left: not the engine's fault. Closing our side aborts its request.
@@ -481,6 +487,8 @@ class Forwarder:
             raise EngineFailure(engine, "stream ended without a byte")
         self.pool.mark_ok(engine)
         with contextlib.suppress(ConnectionResetError):  # the client left after the last byte
+            if splice is not None and (rest := splice.flush()):
+                await out.write(rest)
             await out.write_eof()
         return out
 

@@ -30,6 +30,10 @@ answer: once the stream ended):
   ``kvbroker_proxy_requests_running`` and ``kvbroker_proxy_requests_waiting``: now;
   ``kvbroker_proxy_admission_limit`` (how many may run at once now) and
   ``kvbroker_proxy_admission_pace_seconds`` (the answers' pace it follows);
+  ``kvbroker_proxy_early_first_tokens_total{result}``: requests that could no longer meet the
+  first-token goal while waiting and got their first token early (``sent``; ``answered``: that
+  was the whole answer; ``failed``: the one-token request failed, the request went whole;
+  early_token.py);
 - one access-log line (logger ``kvbroker.proxy.access``, INFO): method, path,
   status, duration, mode, the prefill and decode engines, the request id,
   why P/D fell back to one engine, if it did, and a data-parallel placement's reason.
@@ -123,6 +127,13 @@ class ProxyMetrics:
             "Requests by the proxy's routing choice and why: local on D or P then pull (p_queue.py), or the "
             "engine a data-parallel placement put first (dp_*, common/placement.py)",
             ["reason"],
+            registry=self.registry,
+        )
+        self.early_first_tokens = Counter(
+            "kvbroker_proxy_early_first_tokens",
+            "Waiting requests that could no longer meet the first-token goal and were sent their first "
+            "token early, by result (sent, answered, failed; early_token.py)",
+            ["result"],
             registry=self.registry,
         )
         self.engine_failures = Counter(
@@ -245,6 +256,8 @@ class ProxyMetrics:
             self.ttft.labels(outcome.turn).observe(max(0.0, outcome.first_byte_at - started))
         if outcome is not None and outcome.admission:
             self.admission_wait.labels(outcome.admission).observe(outcome.admission_wait_s)
+        if outcome is not None and outcome.early:
+            self.early_first_tokens.labels(outcome.early).inc()
         if outcome is not None and outcome.route_reason:
             self.route_choices.labels(outcome.route_reason).inc()
         if outcome is not None and outcome.fallback_reason:

@@ -12,6 +12,7 @@ from aiohttp import web
 from kvbroker.clients.proxy.config import EngineSpec
 
 if TYPE_CHECKING:
+    from kvbroker.clients.proxy.early_token import Splice
     from kvbroker.clients.proxy.engines import Serving
 
 # EngineFailure kinds, the `kind` label of kvbroker_proxy_engine_failures_total.
@@ -79,6 +80,11 @@ class Outcome:
     admission_wait_s: float = 0.0
     stream_events: int = 0  # server-sent events relayed (a streamed answer), [DONE] not counted
     last_byte_at: float | None = None  # perf_counter() when a stream's last event went out
+    # An early first token (early_token.py): how it went, when it went out, and where the rest goes.
+    early: str = ""
+    early_token_at: float | None = None
+    splice: Splice | None = None  # rewrites the rest's events onto early_response
+    early_response: web.StreamResponse | None = None
 
     def first_byte(self) -> None:
         """The answer's first byte went out: the engine has computed the prompt."""

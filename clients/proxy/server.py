@@ -23,8 +23,9 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from kvbroker.clients.proxy.admission import Admission
+from kvbroker.clients.proxy.admission import Admission, Admitted
 from kvbroker.clients.proxy.config import ProxyConfig
+from kvbroker.clients.proxy.early_token import EarlyToken, continuation_body, eligible
 from kvbroker.clients.proxy.engines import EnginePool
 from kvbroker.clients.proxy.errors import json_errors
 from kvbroker.clients.proxy.forward import Forwarder
@@ -61,6 +62,8 @@ class ProxyState:
     api_keys: ApiKeys | None = None
     retainer: Retainer | None = None  # X-KV-Retain-Seconds (retain.py); None without a broker
     admission: Admission = field(default_factory=lambda: Admission(0))  # admission.py
+    # One-token requests of early first tokens in flight at once (early_token.py); None: off.
+    early_slots: asyncio.Semaphore | None = None
     refresh_task: asyncio.Task[None] | None = None
 
 
@@ -133,10 +136,26 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
         kind=SpanKind.SERVER,
         attributes={"http.request.method": "POST", "url.path": endpoint, "kvbroker.request_id": request_id},
     ) as span:
-        await _admit(state, outcome, span)
+        early = None
+        if state.early_slots is not None and eligible(endpoint, body):
+
+            async def serve_one(one: dict[str, Any], its: Outcome) -> web.StreamResponse:
+                return await _route_and_serve(request, state, endpoint, one, its, span, None)
+
+            early = EarlyToken(request, body, outcome, serve_one, state.early_slots)
+        if not await _admit(state, outcome, span, early):
+            assert early is not None and early.done is not None
+            return early.done  # the whole answer was its early first token: no place taken
         dispatched = time.perf_counter()
         try:
-            return await _route_and_serve(request, state, endpoint, body, outcome, span, retain)
+            if early is None or early.first is None:
+                return await _route_and_serve(request, state, endpoint, body, outcome, span, retain)
+            if early.client_gone():
+                assert early.response is not None  # the first token went out on it
+                return early.response
+            body = continuation_body(body, early.first)
+            answer = await _route_and_serve(request, state, endpoint, body, outcome, span, retain)
+            return await early.finish(answer)
         finally:
             if outcome.first_byte_at is not None:
                 state.admission.observed_ttft(outcome.first_byte_at - dispatched)
@@ -146,17 +165,48 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
             state.admission.leave()
 
 
-async def _admit(state: ProxyState, outcome: Outcome, span: trace.Span) -> None:
-    """Wait for a place when admission is on (admission.py); how long and why go on the span."""
+async def _admit(state: ProxyState, outcome: Outcome, span: trace.Span, early: EarlyToken | None) -> bool:
+    """Wait for a place when admission is on (admission.py); how long and why go on the span.
+    False: no place was taken, the whole answer went out as an early first token."""
     admission = state.admission
     if admission.on:
         admission.set_engines(state.pool.serving_count())
-    admitted = await admission.enter()  # at once when off
-    if not admission.on:
-        return
+    late_in = admission.late_in() if early is not None else None
+    if early is None or late_in is None:
+        admitted: Admitted | None = await admission.enter()  # at once when off
+    else:
+        admitted = await _enter_sending_early(admission, late_in, early)
+        outcome.early = early.result
+        if early.result:
+            span.set_attribute("kvbroker.early_first_token", early.result)
+    if admitted is None or not admission.on:
+        return admitted is not None
     outcome.admission, outcome.admission_wait_s = admitted.order, admitted.waited_s
     span.set_attribute("kvbroker.admission", admitted.order)
     span.set_attribute("kvbroker.admission_wait_ms", round(admitted.waited_s * 1000.0, 1))
+    return True
+
+
+async def _enter_sending_early(admission: Admission, late_in: float, early: EarlyToken) -> Admitted | None:
+    """Wait for a place; once the request can no longer meet the first-token goal, send its
+    first token early (early_token.py). None: the whole answer went out then, no place taken."""
+    entering = asyncio.ensure_future(admission.enter())
+
+    def abandon() -> None:
+        if not entering.cancel() and not entering.cancelled() and entering.exception() is None:
+            admission.leave()  # it had its place already: give it back
+
+    try:
+        await asyncio.wait({entering}, timeout=late_in)
+        if not entering.done():
+            await early.while_waiting(entering)
+            if early.done is not None:
+                abandon()
+                return None
+        return await entering
+    except BaseException:
+        abandon()
+        raise
 
 
 async def _route_and_serve(
@@ -433,6 +483,11 @@ def build_app(
             config.admit_ttft_goal_ms / 1000.0,
             config.admit_max_wait_s,
             config.admit_tpot_goal_ms / 1000.0,
+        ),
+        early_slots=(
+            asyncio.Semaphore(max(1, len(config.engines)))
+            if config.admit_early_token and config.admit_per_engine > 0 and config.admit_ttft_goal_ms > 0
+            else None
         ),
     )
     middlewares = []

@@ -309,3 +309,73 @@ def test_admission_holds_requests_at_the_proxy_and_answers_every_one_as_an_engin
     engine = next(iter(fleet.engines.values()))
     for i, prompt in enumerate(prompts):
         assert answers[i] == recompute_reference(engine, prompt, 48), f"request {i}"
+
+
+def streamed_through(proxy_url: str, engine: EngineProcess, prompt: list[int], max_tokens: int) -> list[dict]:
+    """A greedy streamed completion through a proxy, asking for token ids and usage: its events."""
+    body = {
+        "model": str(engine.model_dir),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        proxy_url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        raw = resp.read().decode()
+    assert raw.rstrip().endswith("data: [DONE]"), raw[-300:]
+    return [json.loads(p[len("data: ") :]) for p in raw.split("\n\n") if p.startswith("data: {")]
+
+
+def test_waiting_requests_get_their_first_token_early_and_the_answer_an_engine_computes(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Six streamed requests at once through a proxy with one place per engine and a 300 ms
+    first-token goal: those that wait past it get their first token from a one-token request
+    to a real engine and the rest when a place frees (clients/proxy/early_token.py). Each
+    client sees one answer, token for token the one an engine computes alone, with usage
+    counting the prompt and the whole answer."""
+    proxy = ProxyProcess(
+        tmp_path / "proxy-early.log",
+        engines={name: e.url for name, e in fleet.engines.items()},
+        broker=fleet.broker.address,
+        extra_args=[*ADMIT_ARGS[:-1], "300"],
+    ).start()
+    engine = next(iter(fleet.engines.values()))
+    prompts = [prompt_of(48, seed=700 + i) for i in range(6)]
+    answers: dict[int, list[dict]] = {}
+
+    def send(i: int) -> None:
+        answers[i] = streamed_through(proxy.url, engine, prompts[i], 64)
+
+    senders = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+    try:
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(300)
+        metrics = http_get(proxy.url + "/metrics")
+    finally:
+        proxy.stop()
+    assert sorted(answers) == list(range(6)), f"answered: {sorted(answers)}"
+    early = re.search(r'kvbroker_proxy_early_first_tokens_total\{result="sent"\} ([\d.]+)', metrics)
+    assert early is not None and float(early.group(1)) >= 1, "no request got its first token early"
+    assert (
+        "kvbroker_proxy_requests_running 0.0" in metrics and "kvbroker_proxy_requests_waiting 0.0" in metrics
+    )
+    for i, prompt in enumerate(prompts):
+        events = answers[i]
+        tokens = [t for e in events for c in e["choices"] for t in c["token_ids"]]
+        assert tokens == recompute_reference(engine, prompt, 64), f"request {i}"
+        assert len({(e["id"], e["created"]) for e in events}) == 1, f"request {i}: one answer's id"
+        given = [c["prompt_token_ids"] for e in events for c in e["choices"] if c.get("prompt_token_ids")]
+        assert given == [prompt], f"request {i}: the prompt's ids, once"
+        usage = events[-1]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (48, 64), f"request {i}: {usage}"

@@ -31,6 +31,8 @@ running fewer cannot meet it: it would only halve what the fleet serves and grow
 goes back to ``per_engine`` per engine, and after 100 answers per engine the controller
 tries again, in case the machine or the prompts changed.
 
+A request that waits past the point where it could meet ``ttft_goal_s`` may get its first
+token early meanwhile (``late_in``; early_token.py, server.py): it still waits for a place here.
 With ``ttft_goal_s`` 0 the order is first come, first served. ``per_engine`` 0 turns
 admission off (every request goes at once, as before). Nothing is refused: a late request
 is served late, never failed. Pure asyncio, no I/O: tests/clients/proxy/test_admission.py.
@@ -115,6 +117,8 @@ class Admission:
             per = self._capacity / self._engines if self.tpot_goal_s > 0 else self.per_engine
             self._capacity = max(engines, min(self.per_engine * engines, round(per * engines)))
             self._engines = engines
+            # A new level: the pace of answers measured at the old one is not its pace.
+            self._since_change, self._level_sum = 0, 0.0
         self._admit()
 
     def observed_tpot(self, seconds: float) -> None:

@@ -239,6 +239,19 @@ async def test_more_engines_keep_the_places_each_engine_has() -> None:
     assert adm.limit == 8
 
 
+async def test_answers_before_the_engines_changed_do_not_count_toward_the_new_limit_s_pace() -> None:
+    adm = Admission(4, tpot_goal_s=0.1)
+    adm.set_engines(2)
+    _answers(adm, 0.3, 12)
+    _answers(adm, 0.2, 5)  # one per engine: one answer short of settling there
+    adm.set_engines(1)  # an engine went: one place, in all
+    assert adm.limit == 1
+    adm.observed_tpot(0.2)  # the first answer at the new level: too few to judge it
+    assert adm.limit == 1
+    _answers(adm, 0.2, 2)  # three at one per engine, all slower than the goal
+    assert adm.limit == 4
+
+
 def test_a_streamed_answer_s_pace_is_measured_per_event() -> None:
     outcome = Outcome("r")
     assert outcome.tpot_s() is None
@@ -318,3 +331,33 @@ async def test_the_proxy_measures_streamed_answers_and_runs_fewer_when_they_are_
     pace = float(re.search(r"^kvbroker_proxy_admission_pace_seconds (\S+)$", body, re.MULTILINE).group(1))
     assert 0.01 < pace < 1.0  # about one word per 20 ms
     assert "kvbroker_proxy_admission_limit 1.0" in body  # 3 -> 1: slower than the 1 ms goal
+
+
+async def test_an_engine_that_freezes_gives_back_the_places_of_its_requests(engines: Any, proxy: Any) -> None:
+    """A failure that sends no reset (a SIGSTOPped engine: nothing answers, /health included)
+    while requests wait at the proxy: the liveness check abandons the frozen engine, its
+    requests go to the other one, and every place comes back (none kept by the frozen one)."""
+    frozen, live = await engines("D1", mode="frozen"), await engines("D2", mode="slow", delay_s=0.2)
+    fast = {"first_byte_timeout_s": 0.3, "probe_timeout_s": 0.3}
+    px = await proxy([], [frozen.url, live.url], admit_per_engine=1, admit_ttft_goal_ms=60_000, **fast)
+    answers = await asyncio.gather(*(px.post("/v1/completions", COMPLETION) for _ in range(4)))
+    assert [status for status, _, _ in answers] == [200] * 4
+    assert all(headers["X-KVBroker-Decode"] == live.url for _, headers, _ in answers)
+    assert len(frozen.completions()) >= 1  # one was sent to it, and abandoned
+    async with px.http.get(px.url + "/metrics") as resp:
+        body = await resp.text()
+    assert "kvbroker_proxy_requests_running 0.0" in body and "kvbroker_proxy_requests_waiting 0.0" in body
+    assert 'kind="hung"' in body
+
+
+async def test_a_stream_that_freezes_midway_gives_its_place_back(engines: Any, proxy: Any) -> None:
+    d = await engines("D", mode="freeze_mid_stream")
+    px = await proxy([], [d.url], admit_per_engine=1, first_byte_timeout_s=0.3, probe_timeout_s=0.3)
+    answers = await asyncio.gather(
+        *(px.post("/v1/completions", {**COMPLETION, "stream": True}) for _ in range(2))
+    )
+    for status, _, raw in answers:
+        assert status == 200 and b"failed mid-stream" in raw  # each ends with an error event
+    async with px.http.get(px.url + "/metrics") as resp:
+        body = await resp.text()
+    assert "kvbroker_proxy_requests_running 0.0" in body and "kvbroker_proxy_requests_waiting 0.0" in body

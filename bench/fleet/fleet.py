@@ -96,6 +96,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the -admit setups' proxy keeps the limit but lets waiting requests go first come, first "
         "served (--admit-ttft-goal-ms 0)",
     )
+    ap.add_argument(
+        "--admit-no-early-token",
+        action="store_true",
+        help="the -admit setups' proxy holds a request that can no longer meet the first-token goal "
+        "whole, without sending its first token early (--no-admit-early-token)",
+    )
     ap.add_argument("--request-timeout-s", type=float, default=300.0, help="one turn's limit at the client")
     ap.add_argument("--quick", action="store_true", help=f"fewer, shorter sessions: {QUICK}")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -233,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         admit_per_engine=args.admit_per_engine,
         admit_max_wait_s=args.admit_max_wait_s,
         admit_first_come=args.admit_first_come,
+        admit_early_token=not args.admit_no_early_token,
         ttft_slo_ms=args.slo_ttft_ms,
         tpot_slo_ms=args.slo_tpot_ms,
     )

@@ -26,7 +26,8 @@
               without our connector, to tell the routing's share of a result from the
               connector's and the pulls'
     ours-dp-admit  ours-dp-learn with the proxy's admission (clients/proxy/admission.py,
-              Context.admit_args): requests past a limit per engine wait at the proxy
+              Context.admit_args): requests past a limit per engine wait at the proxy; one
+              that can no longer meet the TTFT goal gets its first token early (early_token.py)
     ours-dp-stock-admit, ours-prefix-admit  ours-dp-stock, and our proxy's --placement
               prefix over the stock engines, with the same admission
 
@@ -36,18 +37,15 @@ requests' blocks are copied there, and a reader pulling from a busy holder reads
 which the holder pins at once (common/scoring.py, rank_holders), instead of waiting for the
 holder's current step.
 
-`ours-dp` is the proxy's data-parallel mode (docs/serving.md, "Data-parallel fleets"):
-engines with our connector, role `both` (kv_both), given as `--engine ID=URL`, and the proxy
-with `--no-disaggregate --placement load` (engines pull prefixes from each other), as
-tools/demo_stack.py's `dp:N` topology starts them.
+`ours-dp` is the proxy's data-parallel mode (docs/serving.md, "Data-parallel fleets") as
+tools/demo_stack.py's `dp:N` starts it: engines with our connector, role `both` (kv_both), given
+as `--engine ID=URL`, the proxy with `--no-disaggregate --placement load` (engines pull).
 
-Every engine: the run's model, block size 32, `--enable-prompt-tokens-details` (usage
-reports cached tokens), vLLM's stats on (its /metrics counts prompt tokens by source:
-computed, local cache hit, external KV transfer). Engines are pinned apart
-(`pin_apart`): with N engines on C >= N cores, engine i gets the same C/N cores in every
-setup; with fewer cores than engines none is pinned.
-The stock engines of `rr` and `prefix` are started once and shared by both (`Fleet`);
-each run uses a fresh cache_salt, so no run reuses another's cache.
+Every engine: the run's model, block size 32, `--enable-prompt-tokens-details` (usage reports
+cached tokens), vLLM's stats on (its /metrics counts prompt tokens by source: computed, local
+cache hit, external KV transfer). Engines are pinned apart (`pin_apart`): with N engines on
+C >= N cores, engine i gets the same C/N cores in every setup; with fewer cores, none is pinned. The stock engines of `rr` and `prefix`
+are started once and shared by both (`Fleet`); each run's fresh cache_salt reuses no other's cache.
 """
 
 from __future__ import annotations
@@ -116,6 +114,7 @@ class Context:
     admit_per_engine: int = 8  # the -admit setups' --admit-per-engine
     admit_max_wait_s: float = 60.0  # the -admit setups' --admit-max-wait-s
     admit_first_come: bool = False  # the -admit setups' --admit-ttft-goal-ms 0 (no deadline order)
+    admit_early_token: bool = True  # off: the -admit setups' --no-admit-early-token
     ttft_slo_ms: float = 0.0  # the -admit setups' --admit-ttft-goal-ms: the run's TTFT SLO
     tpot_slo_ms: float = 0.0  # the run's TPOT SLO; the -admit setups' --admit-tpot-goal-ms is 0.8 of it
 
@@ -125,6 +124,7 @@ class Context:
         return (
             f"--admit-per-engine {self.admit_per_engine} --admit-ttft-goal-ms {ttft_goal:g} "
             f"--admit-tpot-goal-ms {tpot_goal:g} --admit-max-wait-s {self.admit_max_wait_s:g}"
+            + ("" if self.admit_early_token else " --no-admit-early-token")
         ).split()
 
     def engine(self, name: str, **kw: Any) -> EngineProcess:

@@ -10,7 +10,7 @@ import pytest
 
 from bench.fleet.agent_sessions import TOKEN_BASE, WorkloadSpec, burst_arrivals, generate
 from bench.fleet.driver import RunRecord, Turn
-from bench.fleet.report import pct, summarize
+from bench.fleet.report import pct, summarize, table
 
 SPEC = WorkloadSpec(sessions=400, classes=4, class_skew=1.2, think_s=1.0, seed=7)
 
@@ -118,6 +118,11 @@ def test_summary_goodput_reuse_and_failures() -> None:
     # The ceiling: the plan's 4 requests over its shortest wall with turns of 0.5 s (the quickest).
     assert out["goodput_ceiling_rps"] == round(4 / plan.min_wall_s(0.5), 3)
     assert [row[:2] for row in out["turns"]] == [[s0.sid, 0], [s0.sid, 1]]
+    # Where a wait went shows end to end: 0.5 and 1.2 s; time per token (0.4/23, 0.3/23 s) p90.
+    assert out["e2e_ms"] == {"p50": 500.0, "p90": 1200.0}
+    assert out["tpot_ms_p90"] == round(0.4 / 23 * 1000, 2)
+    line = table({"x": {"runs": [{**out, "per_engine": None, "leases_left": 0}]}}).splitlines()[2]
+    assert " / 1.2 " in line and f"/ {0.4 / 23 * 1000:.0f}" in line
 
 
 def test_min_wall_follows_the_latest_session_s_chain_of_turns() -> None:

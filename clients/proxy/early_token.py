@@ -38,7 +38,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvbroker.clients.proxy.outcome import Outcome
+from kvbroker.clients.proxy.outcome import Outcome, error_object
 
 log = logging.getLogger("kvbroker.proxy")
 
@@ -297,7 +297,6 @@ class EarlyToken:
             self.done, self.result = response, FAILED
             return
         self.outcome.first_byte()
-        self.outcome.early_token_at = self.outcome.first_byte_at
         if answer_ended(first, self.body):
             with contextlib.suppress(ConnectionResetError):
                 await response.write_eof()
@@ -321,14 +320,9 @@ class EarlyToken:
             message = json.loads(bytes(raw))["error"]["message"] if isinstance(raw, bytes) else ""
         except (ValueError, KeyError, TypeError):
             message = ""
-        error = {
-            "error": {
-                "message": message or f"the rest of the answer failed: HTTP {answer.status}",
-                "type": "engine_failure",
-                "param": None,
-                "code": answer.status,
-            }
-        }
+        error = error_object(
+            answer.status, message or f"the rest of the answer failed: HTTP {answer.status}", "engine_failure"
+        )
         with contextlib.suppress(ConnectionResetError):
             await response.write(_event(error))
             await response.write_eof()

@@ -46,6 +46,7 @@ from kvbroker.clients.proxy.outcome import (
     Outcome,
     RequestRejected,
     RetryHook,
+    error_object,
     openai_error,
 )
 from kvbroker.clients.proxy.p_queue import PrefillQueues
@@ -472,14 +473,11 @@ class Forwarder:
             if self.on_failure is not None:
                 self.on_failure(engine, "stream", kind)
             span.set_status(Status(StatusCode.ERROR, f"engine failed mid-stream: {why}"))
-            error = {
-                "error": {
-                    "message": f"engine {engine.label} failed mid-stream: {why}",
-                    "type": "engine_failure",
-                    "param": None,
-                    "code": 504 if kind == HUNG else 502,
-                }
-            }
+            error = error_object(
+                504 if kind == HUNG else 502,
+                f"engine {engine.label} failed mid-stream: {why}",
+                "engine_failure",
+            )
             await out.write(f"data: {json.dumps(error)}\n\n".encode())
             await out.write_eof()
             return out

@@ -80,9 +80,8 @@ class Outcome:
     admission_wait_s: float = 0.0
     stream_events: int = 0  # server-sent events relayed (a streamed answer), [DONE] not counted
     last_byte_at: float | None = None  # perf_counter() when a stream's last event went out
-    # An early first token (early_token.py): how it went, when it went out, and where the rest goes.
+    # An early first token (early_token.py): how it went, and where the rest goes.
     early: str = ""
-    early_token_at: float | None = None
     splice: Splice | None = None  # rewrites the rest's events onto early_response
     early_response: web.StreamResponse | None = None
 
@@ -126,7 +125,10 @@ def openai_error(
 ) -> web.Response:
     """An error the way OpenAI's API (and vLLM's server) shape it; `code` is the HTTP status, as in vLLM."""
     return web.json_response(
-        {"error": {"message": message, "type": err_type, "param": param, "code": status}},
-        status=status,
-        headers=headers,
+        error_object(status, message, err_type, param=param), status=status, headers=headers
     )
+
+
+def error_object(status: int, message: str, err_type: str, *, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: the body of an error answer, or the data of a stream's error event."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}

@@ -88,8 +88,9 @@ def completion_request(
     kv_transfer_params: dict[str, Any] | None = None,
     cache_salt: str | None = None,
     stream: bool = False,
+    include_usage: bool = False,
 ) -> urllib.request.Request:
-    """A greedy /v1/completions request with a token-id prompt."""
+    """A greedy /v1/completions request with a token-id prompt (streamed: with usage at the end if asked)."""
     body: dict[str, Any] = {
         "model": str(engine.model_dir),
         "prompt": prompt,
@@ -100,6 +101,8 @@ def completion_request(
     }
     if stream:
         body["stream"] = True
+        if include_usage:
+            body["stream_options"] = {"include_usage": True}
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
     if cache_salt is not None:

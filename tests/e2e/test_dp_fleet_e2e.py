@@ -313,20 +313,9 @@ def test_admission_holds_requests_at_the_proxy_and_answers_every_one_as_an_engin
 
 def streamed_through(proxy_url: str, engine: EngineProcess, prompt: list[int], max_tokens: int) -> list[dict]:
     """A greedy streamed completion through a proxy, asking for token ids and usage: its events."""
-    body = {
-        "model": str(engine.model_dir),
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-        "stream_options": {"include_usage": True},
-    }
+    sent = completion_request(engine, prompt, max_tokens=max_tokens, stream=True, include_usage=True)
     req = urllib.request.Request(
-        proxy_url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        proxy_url + "/v1/completions", data=sent.data, headers={"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=300) as resp:
         raw = resp.read().decode()

@@ -22,8 +22,10 @@ Which requests (``eligible``): ``/v1/completions``, streamed, one prompt (a stri
 list of token ids), an explicit ``max_tokens``, and only keys whose meaning is the same
 split in two: no stop strings (one could span the two parts), no seed (a seeded sample is
 a promise of the same answer), no logprobs, echo, n, best_of, penalties on answer tokens,
-structured output or kv_transfer_params of the client's. Any other request waits whole, as
-before. If the one-token request fails, the request waits whole too: nothing was sent.
+structured output or kv_transfer_params of the client's. A key sent at its default (null,
+``"stop": []``, ``"n": 1``, ``"echo": false``: vLLM's own benchmark sends ``"logprobs":
+null``) counts as left out. Any other request waits whole, as before. If the one-token
+request fails, the request waits whole too: nothing was sent.
 """
 
 from __future__ import annotations
@@ -79,11 +81,28 @@ _SPLITTABLE_KEYS = frozenset(
 )
 
 
+# Values of other keys that mean the same as leaving the key out (besides null).
+_DEFAULTS: dict[str, tuple[object, ...]] = {
+    "stop": ("", []),
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logit_bias": ({},),
+    "include_stop_str_in_output": (False,),
+    "bad_words": ([],),
+}
+
+
+def _left_out(key: str, value: object) -> bool:
+    """`value` is `key`'s default: the request reads as if it had no `key`."""
+    return value is None or any(type(value) is type(d) and value == d for d in _DEFAULTS.get(key, ()))
+
+
 def eligible(endpoint: str, body: Mapping[str, Any]) -> bool:
     """Whether `body`'s answer can be sent as a first token now and the rest later (module doc)."""
     if endpoint != COMPLETIONS or body.get("stream") is not True:
         return False
-    if any(key not in _SPLITTABLE_KEYS for key in body):
+    if any(key not in _SPLITTABLE_KEYS and not _left_out(key, value) for key, value in body.items()):
         return False
     for key in ("presence_penalty", "frequency_penalty"):
         if body.get(key) not in (None, 0, 0.0):

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from kvbroker.clients.proxy.admission import Admission, Admitted
+from kvbroker.clients.proxy.admission import Admission, Admitted, Ticket
 from kvbroker.clients.proxy.config import ProxyConfig
 from kvbroker.clients.proxy.early_token import EarlyToken, continuation_body, eligible
 from kvbroker.clients.proxy.engines import EnginePool
@@ -190,7 +190,8 @@ async def _admit(state: ProxyState, outcome: Outcome, span: trace.Span, early: E
 async def _enter_sending_early(admission: Admission, late_in: float, early: EarlyToken) -> Admitted | None:
     """Wait for a place; once the request can no longer meet the first-token goal, send its
     first token early (early_token.py). None: the whole answer went out then, no place taken."""
-    entering = asyncio.ensure_future(admission.enter())
+    ticket = Ticket()
+    entering = asyncio.ensure_future(admission.enter(ticket))
 
     def abandon() -> None:
         if not entering.cancel() and not entering.cancelled() and entering.exception() is None:
@@ -203,6 +204,8 @@ async def _enter_sending_early(admission: Admission, late_in: float, early: Earl
             if early.done is not None:
                 abandon()
                 return None
+            if early.first is not None:  # the rest now has a pace to keep (admission.py)
+                admission.first_token_out(ticket, early.body["max_tokens"] - 1)
         return await entering
     except BaseException:
         abandon()

@@ -16,7 +16,9 @@ from kvbroker.clients.proxy.admission import (
     IN_TIME,
     LATE,
     OVERDUE,
+    REST_IN_TIME,
     Admission,
+    Ticket,
 )
 from kvbroker.clients.proxy.config import build_parser, config_from_args
 from kvbroker.clients.proxy.outcome import Outcome
@@ -107,6 +109,66 @@ async def test_among_those_in_time_the_oldest_goes() -> None:
     adm.leave()
     await _settle()
     assert [w.done() for w in waiters] == [True, False, False]
+
+
+async def test_a_request_whose_first_token_went_out_goes_while_its_rest_can_keep_the_pace() -> None:
+    clock = Clock()
+    # Goal: first token within 4 s, then 0.3 s a token; measured: 1 s to a first token, 0.2 s a token.
+    adm = Admission(1, ttft_goal_s=4.0, tpot_goal_s=0.3, clock=clock)
+    adm.observed_ttft(1.0)
+    _answers(adm, 0.2, 1)
+    await adm.enter()
+    early = Ticket()
+    old = asyncio.ensure_future(adm.enter(early))
+    await _settle()
+    clock.now += 4.0  # past its first-token deadline (3 s): its first token goes out early now
+    adm.first_token_out(early, 10)  # 10 tokens left at 0.2 s against 0.3 s: 1 s of slack
+    new = [asyncio.ensure_future(adm.enter()) for _ in range(2)]  # in time, deadline in 3 s
+    await _settle()
+    adm.leave()
+    await _settle()
+    assert old.done() and old.result().order == REST_IN_TIME and not any(w.done() for w in new)
+    # Once the rest cannot keep the pace any more it is late again: the new ones go first.
+    late, later = Ticket(), Ticket()
+    stale = asyncio.ensure_future(adm.enter(late))
+    nearly = asyncio.ensure_future(adm.enter(later))
+    await _settle()
+    adm.first_token_out(late, 10)  # dispatch by now + 1 s ...
+    clock.now += 1.5  # ... missed
+    adm.first_token_out(later, 40)  # dispatch by now + 4 s: after new[0]'s deadline (now + 1.5 s)
+    adm.leave()
+    await _settle()
+    assert new[0].done() and new[0].result().order == IN_TIME and not stale.done() and not nearly.done()
+    adm.leave()  # new[1]'s deadline is now + 1.5 s too, earlier than nearly's
+    await _settle()
+    assert new[1].done() and not nearly.done()
+    adm.leave()
+    await _settle()
+    assert nearly.done() and nearly.result().order == REST_IN_TIME and not stale.done()
+    adm.leave()
+    await _settle()
+    assert stale.done() and stale.result().order == LATE
+
+
+async def test_no_rest_deadline_without_slack_a_pace_goal_or_a_wait() -> None:
+    clock = Clock()
+    adm = Admission(1, ttft_goal_s=4.0, tpot_goal_s=0.3, clock=clock)
+    await adm.enter()
+    unmeasured, slower, gone = Ticket(), Ticket(), Ticket()
+    waits = [asyncio.ensure_future(adm.enter(t)) for t in (unmeasured, slower, gone)]
+    await _settle()
+    adm.first_token_out(unmeasured, 10)  # no pace measured yet: no slack is assumed
+    _answers(adm, 0.5, 1)
+    adm.first_token_out(slower, 10)  # the engines run slower than the goal: the rest will be late
+    waits[2].cancel()
+    await _settle()
+    adm.first_token_out(gone, 10)  # its client left: nothing to mark
+    adm.first_token_out(Ticket(), 10)  # never waited
+    assert adm._rest == [] and adm.waiting == 2
+    for t in waits[:2]:
+        adm.leave()
+        await _settle()
+        assert t.done() and t.result().order == LATE
 
 
 async def test_nothing_waits_past_max_wait() -> None:

@@ -192,7 +192,12 @@ async def metrics_of(px: Any) -> str:
         ({"seed": 3}, False),  # a seeded sample promises the same answer as sent whole
         ({"stop": ["\n"]}, False),  # a stop string could span the two parts
         ({"logprobs": 2}, False),
-        ({"n": 1}, False),
+        ({"n": 2}, False),
+        ({"n": True}, False),  # not the integer 1
+        # Keys at their defaults read as left out (vLLM's benchmark sends "logprobs": null).
+        ({"logprobs": None, "seed": None, "stop": [], "n": 1, "echo": False, "suffix": None}, True),
+        ({"best_of": 1, "logit_bias": {}, "response_format": None, "stop": ""}, True),
+        ({"stop": [""]}, False),
         ({"echo": True}, False),
         ({"presence_penalty": 0.5}, False),  # counts answer tokens only: the first would not count
         ({"response_format": {"type": "json_object"}}, False),
@@ -326,6 +331,30 @@ async def test_waiting_requests_get_their_first_token_early_and_the_same_answer(
     assert [b["max_tokens"] for b in ones] == [1, 1]
     rests = [b for b in token_engine.seen if b["stream"] and len(b["prompt"]) == 4]
     assert sorted(b["max_tokens"] for b in rests) == [7, 7]
+
+
+async def test_a_request_given_its_first_token_goes_next_while_its_rest_can_keep_the_pace(
+    token_engine: TokenEngine, proxy: Any
+) -> None:
+    """One place, 0.1 s a token against a 0.3 s goal: a request that got its first token early
+    has 7 tokens x 0.2 s of slack, so when the place frees it is let in as `rest_in_time`."""
+    px = await proxy(
+        [],
+        [token_engine.url],
+        admit_per_engine=1,
+        admit_ttft_goal_ms=150,
+        admit_tpot_goal_ms=300,
+        disaggregate=False,
+    )
+    body = {**STREAM, "max_tokens": 8, "return_token_ids": True}
+    started = time.perf_counter()
+    await timed_stream(px.http, px.url, body, started)  # alone: the pace is measured
+    await asyncio.gather(
+        *(timed_stream(px.http, px.url, {**body, "prompt": [i, 2]}, started) for i in (5, 6))
+    )
+    metrics = await metrics_of(px)
+    assert 'kvbroker_proxy_early_first_tokens_total{result="sent"} 1.0' in metrics
+    assert 'kvbroker_proxy_admission_wait_seconds_count{order="rest_in_time"} 1.0' in metrics, metrics
 
 
 async def test_an_answer_that_is_its_first_token_takes_no_place(

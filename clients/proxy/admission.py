@@ -30,16 +30,20 @@ that could still meet the first-token goal, up to ``max_wait_s``: measured at 2.
 143 of 356 requests met the first-token goal and then missed the pace goal by waiting.
 
 How many run at once: at most ``per_engine`` per engine. With a time-per-token goal
-(``tpot_goal_s``) the limit follows the pace of the streamed answers the proxy relays:
-when their moving average is over the goal, one place fewer; when it is under 0.8 of the
-goal and requests wait, one place more, up to ``per_engine`` per engine and down to one per
-engine; each change waits for as many answers as there are engines. So a machine that
-slows down (a noisy neighbour, longer prompts) runs fewer at once without a new setting.
-Where even one per engine is slower than the goal (settled over three answers per engine),
-running fewer cannot meet it: it would only halve what the fleet serves and grow the queue
-(measured: 0.44 req/s against 1.04 without admission, p90 first token 252 s). The limit then
-goes back to ``per_engine`` per engine, and after 100 answers per engine the controller
-tries again, in case the machine or the prompts changed.
+(``tpot_goal_s``) the limit follows the pace of the streamed answers the proxy relays, and
+remembers the mean pace of the answers at each limit it ran (for 100 answers per engine:
+the machine, or the prompts, may change). Each decision waits for as many answers as there
+are engines at the limit now. Over the goal: one place fewer, if fewer may be faster (one
+fewer was not measured lately, or some lower limit was measured at least 15% faster);
+otherwise, while requests wait, one place more: fewer at once was no faster, so holding
+requests back buys no pace and only serves fewer (at one per engine, where nothing lower is
+left, likewise). Under the goal while requests wait: one place more if the pace is under
+0.8 of the goal, or the next limit up was measured under it. So a machine that slows down
+runs fewer at once without a new setting, and one whose pace does not depend on how many
+run (a small model on CPU: the engine step costs about the same for one answer or four, and
+the prefills of arriving requests set the pace) is not held to one per engine. Measured
+before this rule, at 2.5 req/s: the limit sat at one or two per engine for minutes with the
+pace unchanged (0.18-0.27 s a token at every limit), and 100 requests waited.
 
 A request that waits past the point where it could meet ``ttft_goal_s`` may get its first
 token early meanwhile (``late_in``; early_token.py, server.py): it still waits for a place here.
@@ -66,8 +70,8 @@ AT_ONCE = "at_once"  # a place was free when it came
 FIRST_COME = "first_come"  # no goal set: the oldest went
 
 _EWMA = 0.2  # weight of the newest figure in the moving averages (first-token time, pace)
-_SETTLED = 3  # answers per engine at one per engine before that pace counts as its own
-_REMEASURE_AFTER = 100  # answers per engine after which the pace at one per engine is measured again
+_GAIN = 0.15  # a lower limit's pace must be this much faster to be worth going down to
+_REMEASURE_AFTER = 100  # answers per engine after which a limit's measured pace is forgotten
 
 
 @dataclass(eq=False)
@@ -116,7 +120,7 @@ class Admission:
         self._since_change = 0  # answers measured since the limit last changed
         self._answers = 0  # answers measured
         self._level_sum = 0.0  # their paces summed since the limit last changed
-        self._floor_pace: tuple[float, int] | None = None  # (pace at one per engine, at answer)
+        self._paces: dict[int, tuple[float, int]] = {}  # limit -> (mean pace there, at answer)
         self._last_overdue = False  # the last place went to an overdue request
         self._waiting: list[_Waiter] = []  # in arrival order
         self._rest: list[tuple[float, int, _Waiter]] = []  # heap: (dispatch-by, seq, waiter); first_token_out
@@ -143,8 +147,10 @@ class Admission:
             per = self._capacity / self._engines if self.tpot_goal_s > 0 else self.per_engine
             self._capacity = max(engines, min(self.per_engine * engines, round(per * engines)))
             self._engines = engines
-            # A new level: the pace of answers measured at the old one is not its pace.
+            # A new level: the pace of answers measured at the old one is not its pace, and
+            # the paces remembered per limit were measured with other engines.
             self._since_change, self._level_sum = 0, 0.0
+            self._paces.clear()
         self._admit()
 
     def observed_tpot(self, seconds: float) -> None:
@@ -158,32 +164,39 @@ class Admission:
         self._level_sum += seconds
         if self._since_change < self._engines:
             return
-        floor, top = self._engines, self.per_engine * self._engines
-        if self._capacity == floor and self._since_change >= _SETTLED * self._engines:
-            # The mean pace of the answers since the limit came down to one per engine.
-            self._floor_pace = (self._level_sum / self._since_change, self._answers)
-        if self._goal_out_of_reach():
-            # One per engine was slower than the goal too: running fewer cannot meet it and
-            # only serves fewer requests (and makes the rest wait), so run as many as allowed.
-            if self._capacity < top:
-                self._change(top - self._capacity)
-        elif self.pace_s > self.tpot_goal_s and self._capacity > floor:
-            self._change(-1)
-        elif self.pace_s < 0.8 * self.tpot_goal_s and self._waiting and self._capacity < top:
-            self._change(+1)
+        floor, top, cap = self._engines, self.per_engine * self._engines, self._capacity
+        here = self._level_sum / self._since_change  # the mean pace of the answers at this limit
+        if here > self.tpot_goal_s:
+            if cap > floor and self._fewer_helps(here):
+                self._change(-1)
+            elif cap < top and self._waiting:
+                # Fewer at once was measured no faster (or this is one per engine): holding
+                # requests back buys no pace here, it only serves fewer and grows the queue.
+                self._change(+1)
+        elif cap < top and self._waiting:
+            above = self._pace_at(cap + 1)
+            if here < 0.8 * self.tpot_goal_s or (above is not None and above <= self.tpot_goal_s):
+                self._change(+1)
 
-    def _goal_out_of_reach(self) -> bool:
-        """The pace measured at one per engine, recently (it is measured again after a while:
-        the machine, or the prompts, may have changed), was over the goal."""
-        if self._floor_pace is None:
-            return False
-        pace, at = self._floor_pace
-        if self._answers - at > _REMEASURE_AFTER * self._engines:
-            self._floor_pace = None
-            return False
-        return pace > self.tpot_goal_s
+    def _pace_at(self, level: int) -> float | None:
+        """The mean pace measured the last time the limit was `level`, unless it is old (the
+        machine, or the prompts, may have changed since)."""
+        known = self._paces.get(level)
+        if known is None or self._answers - known[1] > _REMEASURE_AFTER * self._engines:
+            return None
+        return known[0]
+
+    def _fewer_helps(self, here: float) -> bool:
+        """Whether a lower limit may bring the pace down: one less was not measured (lately),
+        or some lower limit was measured at least _GAIN faster than `here`."""
+        if self._pace_at(self._capacity - 1) is None:
+            return True
+        lower = (self._pace_at(level) for level in range(self._engines, self._capacity))
+        return any(pace is not None and pace < (1 - _GAIN) * here for pace in lower)
 
     def _change(self, by: int) -> None:
+        if self._since_change:
+            self._paces[self._capacity] = (self._level_sum / self._since_change, self._answers)
         self._capacity += by
         self._since_change, self._level_sum = 0, 0.0
         if by > 0:

@@ -8,7 +8,8 @@ and the tail of first-token times (p90) grows with the backlog; let through at o
 router without admission does), it slows the pace of every answer the engines already stream.
 A one-token request is one prefill: the client sees its answer start, the running answers
 lose one engine step, and the request's remaining tokens still wait for a place. Its wait
-then shows as time per token, on requests that could not meet the goal anyway.
+then shows as time per token; while the rest can still keep the pace goal, admission lets
+it in by that deadline (admission.py, ``first_token_out``).
 
 How the answer stays exact. The one-token request asks for ``return_token_ids``; the rest
 is a second request whose prompt is the first's prompt token ids plus that first token,

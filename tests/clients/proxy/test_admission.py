@@ -245,19 +245,47 @@ async def test_a_slow_pace_takes_places_away_down_to_one_per_engine() -> None:
     assert adm.limit == 2
 
 
-async def test_a_goal_missed_at_one_per_engine_too_gives_every_place_back_then_is_tried_again() -> None:
+async def test_where_fewer_at_once_is_no_faster_places_come_back_then_fewer_is_tried_again() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
-    _answers(adm, 0.3, 12)
+    _answers(adm, 0.3, 12)  # each limit from 8 down to 3 measured at 0.3 s a token
     assert adm.limit == 2
-    _answers(adm, 0.2, 5)  # one per engine, but not yet three answers per engine there
-    assert adm.limit == 2
-    adm.observed_tpot(0.2)  # six answers at one per engine, all slower than the goal
-    assert adm.limit == 8  # running fewer cannot meet the goal: serve as many as allowed
-    _answers(adm, 0.3, 100 * 2)  # still slower than the goal: no place is taken again ...
+    for _ in range(2):
+        await adm.enter()
+    waiting = [asyncio.ensure_future(adm.enter()) for _ in range(10)]
+    await _settle()
+    _answers(adm, 0.3, 2)  # one per engine: as slow, and there is nothing lower to try
+    assert adm.limit == 3
+    _answers(adm, 0.3, 10)  # each limit measured again: none lower is faster
+    assert adm.limit == 8  # holding requests back buys no pace: every place serves
+    await _settle()
+    assert sum(w.done() for w in waiting) == 6
+    _answers(adm, 0.3, 100 * 2 - 12)
     assert adm.limit == 8
-    _answers(adm, 0.3, 2)  # ... until the pace at one per engine is old, and measured again
-    assert adm.limit == 7
+    _answers(adm, 0.3, 20)  # ... until what was measured below is old: fewer is tried again
+    assert adm.limit < 8
+
+
+async def test_a_slow_pace_goes_back_to_the_limit_where_it_was_faster() -> None:
+    adm = Admission(4, tpot_goal_s=0.1)
+    adm.set_engines(1)
+    for _ in range(4):
+        await adm.enter()
+    waiting = [asyncio.ensure_future(adm.enter()) for _ in range(10)]
+    await _settle()
+    steps = [
+        (0.2, 3),  # at 4, over the goal; 3 not measured: try it
+        (0.12, 2),  # faster, still over; 2 not measured: try it
+        (0.115, 1),  # and 1
+        (0.115, 2),  # one per engine is over the goal too: nothing lower to try, requests wait
+        (0.115, 3),  # 1 was measured no faster than 2: fewer does not help
+        (0.12, 4),  # nor is any lower limit 15% faster than 3
+        (0.2, 3),  # 4 is slow again, and 3 was measured 15% faster: back to it
+    ]
+    for pace, limit in steps:
+        adm.observed_tpot(pace)
+        assert adm.limit == limit, (pace, limit)
+    assert not all(w.done() for w in waiting)
 
 
 async def test_a_goal_met_at_one_per_engine_keeps_the_limit_there() -> None:
@@ -304,14 +332,19 @@ async def test_more_engines_keep_the_places_each_engine_has() -> None:
 async def test_answers_before_the_engines_changed_do_not_count_toward_the_new_limit_s_pace() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
-    _answers(adm, 0.3, 12)
-    _answers(adm, 0.2, 5)  # one per engine: one answer short of settling there
-    adm.set_engines(1)  # an engine went: one place, in all
-    assert adm.limit == 1
-    adm.observed_tpot(0.2)  # the first answer at the new level: too few to judge it
-    assert adm.limit == 1
-    _answers(adm, 0.2, 2)  # three at one per engine, all slower than the goal
-    assert adm.limit == 4
+    _answers(adm, 0.3, 8)
+    assert adm.limit == 4  # 2 per engine
+    adm.observed_tpot(0.3)  # one answer at 4: too few to judge that limit
+    adm.set_engines(1)  # an engine went: 2 places, in all
+    assert adm.limit == 2
+    for _ in range(2):
+        await adm.enter()
+    waiting = asyncio.ensure_future(adm.enter())
+    await _settle()
+    adm.observed_tpot(0.07)  # quick at the new limit: counted with the 0.3 before, it would be slow
+    assert adm.limit == 3
+    await _settle()
+    assert waiting.done()
 
 
 def test_a_streamed_answer_s_pace_is_measured_per_event() -> None:

@@ -37,8 +37,9 @@ are engines at the limit now. Over the goal: one place fewer, if fewer may be fa
 fewer was not measured lately, or some lower limit was measured at least 15% faster);
 otherwise, while requests wait, one place more: fewer at once was no faster, so holding
 requests back buys no pace and only serves fewer (at one per engine, where nothing lower is
-left, likewise). Under the goal while requests wait: one place more if the pace is under
-0.8 of the goal, or the next limit up was measured under it. So a machine that slows down
+left, likewise). Under the goal while requests wait: one place more if the pace (the mean
+at this limit, or the moving average of the latest answers) is under 0.8 of the goal, or the
+next limit up was measured under it. So a machine that slows down
 runs fewer at once without a new setting, and one whose pace does not depend on how many
 run (a small model on CPU: the engine step costs about the same for one answer or four, and
 the prefills of arriving requests set the pace) is not held to one per engine. Measured
@@ -175,7 +176,9 @@ class Admission:
                 self._change(+1)
         elif cap < top and self._waiting:
             above = self._pace_at(cap + 1)
-            if here < 0.8 * self.tpot_goal_s or (above is not None and above <= self.tpot_goal_s):
+            # The moving average too: a mean over a long stay at one limit moves slowly.
+            quick = min(here, self.pace_s) < 0.8 * self.tpot_goal_s
+            if quick or (above is not None and above <= self.tpot_goal_s):
                 self._change(+1)
 
     def _pace_at(self, level: int) -> float | None:

@@ -288,6 +288,23 @@ async def test_a_slow_pace_goes_back_to_the_limit_where_it_was_faster() -> None:
     assert not all(w.done() for w in waiting)
 
 
+async def test_after_a_long_stay_at_one_limit_the_latest_answers_can_add_a_place() -> None:
+    adm = Admission(4, tpot_goal_s=0.1)
+    adm.set_engines(1)
+    _answers(adm, 0.3, 2)
+    assert adm.limit == 2
+    for _ in range(2):
+        await adm.enter()
+    waiting = asyncio.ensure_future(adm.enter())
+    await _settle()
+    _answers(adm, 0.095, 20)  # under the goal, not under 0.8 of it: the limit holds
+    assert adm.limit == 2
+    _answers(adm, 0.05, 3)  # the mean at 2 is still 0.089; the latest answers are quick
+    assert adm.limit == 3
+    await _settle()
+    assert waiting.done()
+
+
 async def test_a_goal_met_at_one_per_engine_keeps_the_limit_there() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)

@@ -357,6 +357,36 @@ async def test_a_request_given_its_first_token_goes_next_while_its_rest_can_keep
     assert 'kvbroker_proxy_admission_wait_seconds_count{order="rest_in_time"} 1.0' in metrics, metrics
 
 
+async def test_vllm_s_own_benchmark_client_gets_early_first_tokens_and_whole_answers(
+    token_engine: TokenEngine, proxy: Any
+) -> None:
+    """vLLM's benchmark request function (what `vllm bench serve` sends: "logprobs": null,
+    "repetition_penalty": 1.0, usage asked for) through the proxy with one place: the waiting
+    requests get their first token early, and the client reads each answer whole and right."""
+    lib = pytest.importorskip("vllm.benchmarks.lib.endpoint_request_func")
+    px = await proxy([], [token_engine.url], admit_per_engine=1, admit_ttft_goal_ms=150, disaggregate=False)
+    prompts = [[40 + i, 41, 42] for i in range(3)]
+    inputs = [
+        lib.RequestFuncInput(
+            prompt=p,
+            api_url=px.url + "/v1/completions",
+            prompt_len=3,
+            output_len=8,
+            model="m",
+            ignore_eos=True,
+        )
+        for p in prompts
+    ]
+    outputs = await asyncio.gather(*(lib.async_request_openai_completions(i, px.http) for i in inputs))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.success, out.error
+        assert out.generated_text == "".join(f"t{t} " for t in model_answer(prompt, 8))
+        assert (out.output_tokens, out.prompt_len, len(out.itl)) == (8, 3, 7)
+    sent = [b for b in token_engine.seen if not b["stream"]]
+    assert sent and all(b["logprobs"] is None and b["max_tokens"] == 1 for b in sent)
+    assert 'kvbroker_proxy_early_first_tokens_total{result="sent"}' in await metrics_of(px)
+
+
 async def test_an_answer_that_is_its_first_token_takes_no_place(
     token_engine: TokenEngine, proxy: Any
 ) -> None:

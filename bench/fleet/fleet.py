@@ -152,12 +152,10 @@ def router_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     if "error" in before or "error" in after:
         return {"error": after.get("error") or before["error"]}
     out = dict(after)
-    if "routed" in after:
-        routed = before.get("routed", {})
-        out["routed"] = {k: v - routed.get(k, 0) for k, v in after["routed"].items()}
-    if "route_reasons" in after:
-        earlier = before.get("route_reasons", {})
-        out["route_reasons"] = {k: v - earlier.get(k, 0) for k, v in after["route_reasons"].items()}
+    for counts in ("routed", "route_reasons", "admission_orders", "early_first_tokens"):
+        if counts in after:
+            earlier = before.get(counts, {})
+            out[counts] = {k: v - earlier.get(k, 0) for k, v in after[counts].items()}
     for key in ("scored_hits", "score_errors", "score_calls", "score_ms_total"):
         if key in after:
             out[key] = round(after[key] - before.get(key, 0), 1)

@@ -29,6 +29,7 @@ Definitions (printed with the table and in docs/bench.md):
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -231,3 +232,22 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str, footnote: s
         ],
         footnote,
     )
+
+
+# Our proxy's counters a run records (from its /metrics): the key in the record, the metric.
+PROXY_COUNTS = {
+    "route_reasons": "kvbroker_proxy_route_choices_total",  # the placement's choices, by reason
+    "admission_orders": "kvbroker_proxy_admission_wait_seconds_count",  # who went, by order
+    "early_first_tokens": "kvbroker_proxy_early_first_tokens_total",  # by result
+}
+
+
+def proxy_counts(metrics_text: str) -> dict[str, dict[str, int]]:
+    """PROXY_COUNTS read from a Prometheus text page, by their one label's value; a counter
+    the proxy does not have (admission off, say) is left out."""
+    out = {}
+    for key, metric in PROXY_COUNTS.items():
+        found = re.findall(rf'^{metric}\{{\w+="([^"]+)"\}} ([0-9.e+]+)$', metrics_text, re.MULTILINE)
+        if found:
+            out[key] = {label: int(float(n)) for label, n in found}
+    return out

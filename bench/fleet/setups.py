@@ -51,7 +51,6 @@ are started once and shared by both (`Fleet`); each run's fresh cache_salt reuse
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 import urllib.request
@@ -60,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.fleet.report import proxy_counts
 from bench.harness.baselines import nixl_engine
 from bench.harness.engines import broker_connector_config
 from bench.harness.output import log
@@ -196,10 +196,7 @@ class Running:
             if isinstance(child, ProxyProcess):
                 with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
                     text = resp.read().decode()
-                found = re.findall(
-                    r'kvbroker_proxy_route_choices_total\{reason="([^"]+)"\} ([0-9.e+]+)', text
-                )
-                return {"route_reasons": {reason: int(float(n)) for reason, n in found}}
+                return dict(proxy_counts(text))  # by reason, admission order, early token result
         return {}
 
     def leases_active(self, wait_s: float) -> int | None:

@@ -140,6 +140,30 @@ def test_pct_is_nearest_rank() -> None:
     assert pct(list(range(1, 101)), 0.9) == 90 and pct(list(range(1, 101)), 0.99) == 99
 
 
+def test_our_proxy_s_counts_are_read_from_its_metrics_page() -> None:
+    from bench.fleet.report import proxy_counts
+
+    page = "\n".join(
+        [
+            "# HELP kvbroker_proxy_route_choices_total routing choices",
+            'kvbroker_proxy_route_choices_total{reason="dp_holder"} 296.0',
+            'kvbroker_proxy_route_choices_total{reason="dp_pull_busy_holder"} 5.2e+01',
+            'kvbroker_proxy_admission_wait_seconds_count{order="overdue"} 124.0',
+            'kvbroker_proxy_admission_wait_seconds_sum{order="overdue"} 9000.5',
+            'kvbroker_proxy_admission_wait_seconds_bucket{le="1.0",order="overdue"} 0.0',
+            'kvbroker_proxy_early_first_tokens_total{result="sent"} 176.0',
+        ]
+    )
+    assert proxy_counts(page) == {
+        "route_reasons": {"dp_holder": 296, "dp_pull_busy_holder": 52},
+        "admission_orders": {"overdue": 124},
+        "early_first_tokens": {"sent": 176},
+    }
+    assert proxy_counts('kvbroker_proxy_route_choices_total{reason="dp_holder"} 3.0') == {
+        "route_reasons": {"dp_holder": 3}
+    }
+
+
 def test_router_counts_are_per_run() -> None:
     from bench.fleet.fleet import router_delta
 
@@ -157,6 +181,12 @@ def test_router_counts_are_per_run() -> None:
         {"route_reasons": {"dp_holder": 4}}, {"route_reasons": {"dp_holder": 9, "dp_pull": 2}}
     )
     assert ours == {"route_reasons": {"dp_holder": 5, "dp_pull": 2}}
+    # So are its admission orders and early first tokens.
+    ours = router_delta(
+        {"admission_orders": {"in_time": 2}, "early_first_tokens": {"sent": 1}},
+        {"admission_orders": {"in_time": 5, "rest_in_time": 1}, "early_first_tokens": {"sent": 4}},
+    )
+    assert ours == {"admission_orders": {"in_time": 3, "rest_in_time": 1}, "early_first_tokens": {"sent": 3}}
     # A router that died mid-run leaves its counts out, not the run.
     assert router_delta({"routed": {"a": 1}}, {"error": "gone"}) == {"error": "gone"}
 

@@ -181,7 +181,8 @@ class Running:
 
     def router_stats(self) -> dict[str, Any]:
         """The router's counts since it started: bench.fleet.router's /stats, or our proxy's
-        routing choices by reason (its /metrics; the data-parallel placement's dp_* labels).
+        counters by label (report.PROXY_COUNTS, from its /metrics: routing choices by reason,
+        the data-parallel placement's dp_* labels; admission orders; early first tokens).
         A router that no longer answers gives {"error": why}: the run's figures are kept."""
         try:
             return self._router_stats()
@@ -196,7 +197,7 @@ class Running:
             if isinstance(child, ProxyProcess):
                 with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
                     text = resp.read().decode()
-                return dict(proxy_counts(text))  # by reason, admission order, early token result
+                return proxy_counts(text)
         return {}
 
     def leases_active(self, wait_s: float) -> int | None:

@@ -46,7 +46,7 @@ from kvbroker.engine_adapter.cpu_stores import CpuStores
 from kvbroker.engine_adapter.decisions import holdable_blocks
 from kvbroker.engine_adapter.gpu_inventory import GpuInventory
 from kvbroker.engine_adapter.holds import HoldPin, Holds
-from kvbroker.engine_adapter.loads import LOCAL_PIN_PREFIX, Loads
+from kvbroker.engine_adapter.loads import LOCAL_PIN_PREFIX, Loads, LoadState
 from kvbroker.engine_adapter.lookups import Lookups
 from kvbroker.engine_adapter.metadata import AdapterMetadata, ReadOutcomes
 from kvbroker.engine_adapter.retention_pressure import RetentionPressure
@@ -56,6 +56,12 @@ from kvbroker.v1 import broker_pb2 as pb
 
 # Longest an empty scheduler step waits for a broker answer its requests need (GIL released).
 IDLE_WAIT_S = 0.002
+# How long an empty step sleeps while its only work is reads on the workers (GIL released).
+# vLLM steps again at once: a PP=2 reader's 5.7 s first read took 3,284 steps (one per 1.7 ms,
+# the engine core and both workers busy), and on a shared host that spin starved the holder
+# whose progress a new reader's connection set-up needs until the read timed out. With the
+# sleep: 113 steps for a 0.96 s read. A read's end is seen up to this much later.
+IDLE_READ_WAIT_S = 0.005
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -84,6 +90,7 @@ class AdapterScheduler:
         clock: Callable[[], float] = time.monotonic,
         block_bytes: int = 0,
         chunk_tokens: int = 0,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.config = config
         self.link = link
@@ -92,6 +99,7 @@ class AdapterScheduler:
         self.pp_size = pp_size
         self.expected_ranks = tp_size * pp_size
         self._clock = clock
+        self._sleep = sleep
         self.stats = SchedulerStats()
         # CPU offload tier (cpu_tier_blocks > 0): the slot directory.
         self.cpu = CpuDirectory(config.cpu_tier_blocks) if config.cpu_tier_blocks > 0 else None
@@ -208,8 +216,15 @@ class AdapterScheduler:
         for the cost model and marks a loaded request's remainder prefill for its pull timeline.
 
         The leases of pulls allocated in this step are waited for first (up to ``step_wait_ms``):
-        granted, their reads start in this step instead of the next one."""
+        granted, their reads start in this step instead of the next one. A step with nothing
+        scheduled while reads run sleeps IDLE_READ_WAIT_S first (vLLM would spin on it)."""
         self._wait_for_answers(in_output=False)
+        if scheduled is not None and not scheduled:
+            with self._lock:
+                reading = any(ld.state == LoadState.READING for ld in self.loads.active.values())
+                only_reads = reading and not (self.lookups.pending_futures() or self.loads.pending_futures())
+            if only_reads:
+                self._sleep(IDLE_READ_WAIT_S)
         return self._build_connector_meta(scheduled)
 
     @_locked

@@ -464,6 +464,33 @@ def test_an_empty_step_waits_at_most_its_bound_and_takes_an_answer_from_another_
     assert sched.get_num_new_matched_tokens(req, 0) == (128, True)
 
 
+def test_an_empty_step_sleeps_while_its_only_work_is_reads_on_the_workers() -> None:
+    """vLLM steps again at once while a request waits for its blocks. With nothing computed and
+    no broker answer awaited, such a step sleeps IDLE_READ_WAIT_S (GIL released) instead of
+    spinning the engine core and its workers: on a shared host that spin once starved the
+    holder whose progress a new reader's connection needs, until the read timed out."""
+    from kvbroker.engine_adapter import scheduler as scheduler_module
+
+    sched, link, _ = make()
+    sleeps: list[float] = []
+    sched._sleep = sleeps.append  # type: ignore[method-assign]
+    sched.build_connector_meta([])
+    req = FakeRequest("r1", num_tokens=140)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.build_connector_meta([])
+    assert sleeps == [], "no read runs (idle, then a broker answer awaited): no sleep"
+    assert len(pull_to_reading(sched, link, req, holder_info()).loads) == 1
+    sched.build_connector_meta([("other", 16, 0)])
+    assert sleeps == [], "a step that computes something does not sleep"
+    sched.build_connector_meta([])
+    assert sleeps == [scheduler_module.IDLE_READ_WAIT_S]
+    sched.update_connector_output(
+        worker_meta=ReadOutcomes(done={"r1": 1}), finished_sending=None, finished_recving=None
+    )
+    sched.build_connector_meta([])
+    assert len(sleeps) == 1, "the read ended: the release is awaited, not slept on"
+
+
 def test_an_engine_registered_anew_reaches_the_workers_with_the_next_step_once() -> None:
     """SessionDown.engine_generation, queued by the link, goes out in the next step's metadata
     (the workers drop the old agent before that step's reads), and only in that one; an idle

@@ -46,6 +46,15 @@ the prefills of arriving requests set the pace) is not held to one per engine. M
 before this rule, at 2.5 req/s: the limit sat at one or two per engine for minutes with the
 pace unchanged (0.18-0.27 s a token at every limit), and 100 requests waited.
 
+The backlog drains: while nothing running or waiting can still meet its goal (every waiting
+request past its first-token goal, no early one whose rest can still keep the pace, none
+running that was let in while it could) and no request came for a whole ``ttft_goal_s``, the
+oldest waiting go past the limit, up to ``per_engine`` per engine (order ``drain``). The limit
+keeps a pace there that no request can use, and only makes the backlog, and the run, last
+longer: at 2.5 req/s, 124-156 of 356 requests had waited 60 s or more, were served last under
+the limit, and set the run's length. The pace of answers while drained requests run is not the
+limit's and is not measured. A request that comes meanwhile waits for a place under the limit.
+
 A request that waits past the point where it could meet ``ttft_goal_s`` may get its first
 token early meanwhile (``late_in``; early_token.py, server.py): it still waits for a place here.
 With ``ttft_goal_s`` 0 the order is first come, first served. ``per_engine`` 0 turns
@@ -69,6 +78,8 @@ LATE = "late"  # every waiting request was past the goal: the oldest went
 OVERDUE = "overdue"  # it had waited max_wait_s
 AT_ONCE = "at_once"  # a place was free when it came
 FIRST_COME = "first_come"  # no goal set: the oldest went
+DRAIN = "drain"  # past the pace limit: nothing running or waiting could meet its goal, none came lately
+_IN_TIME_ORDERS = frozenset({AT_ONCE, IN_TIME, REST_IN_TIME})
 
 _EWMA = 0.2  # weight of the newest figure in the moving averages (first-token time, pace)
 _GAIN = 0.15  # a lower limit's pace must be this much faster to be worth going down to
@@ -95,7 +106,7 @@ class Ticket:
 @dataclass(frozen=True)
 class Admitted:
     waited_s: float
-    order: str  # IN_TIME, LATE, OVERDUE, FIRST_COME or AT_ONCE
+    order: str  # AT_ONCE, IN_TIME, REST_IN_TIME, LATE, OVERDUE, DRAIN or FIRST_COME
 
 
 class Admission:
@@ -127,6 +138,9 @@ class Admission:
         self._rest: list[tuple[float, int, _Waiter]] = []  # heap: (dispatch-by, seq, waiter); first_token_out
         self._seq = itertools.count()
         self.dispatch_ttft_s = 0.0  # moving average, dispatch to first token; 0 until measured
+        self._in_time_running = 0  # running requests let in while they could meet their goal
+        self._drained_running = 0  # running requests let in past the limit (DRAIN)
+        self._last_arrival = -float("inf")
 
     @property
     def on(self) -> bool:
@@ -155,8 +169,9 @@ class Admission:
         self._admit()
 
     def observed_tpot(self, seconds: float) -> None:
-        """An answer's time per output token after the first: the pace the limit follows."""
-        if seconds <= 0 or self.tpot_goal_s <= 0 or not self.on:
+        """An answer's time per output token after the first: the pace the limit follows (not
+        while the backlog drains past the limit: that is not the limit's pace)."""
+        if seconds <= 0 or self.tpot_goal_s <= 0 or not self.on or self._drained_running:
             return
         old = self.pace_s
         self.pace_s = seconds if old == 0.0 else (1 - _EWMA) * old + _EWMA * seconds
@@ -207,9 +222,10 @@ class Admission:
 
     async def enter(self, ticket: Ticket | None = None) -> Admitted:
         """Wait for a place (at once when one is free and no one waits). The caller must `leave()`."""
-        arrived = self._clock()
+        arrived = self._last_arrival = self._clock()
         if not self.on or (not self._waiting and self.running < self._capacity):
             self.running += 1
+            self._in_time_running += 1
             return Admitted(0.0, AT_ONCE)
         waiter = _Waiter(arrived, asyncio.get_running_loop().create_future())
         self._waiting.append(waiter)
@@ -219,7 +235,7 @@ class Admission:
             order = await waiter.future
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled():
-                self.leave()  # given a place just as its client went: the place is freed again
+                self.leave(waiter.future.result())  # given a place just as its client went: freed again
             elif waiter.queued:
                 waiter.queued = False
                 self._waiting.remove(waiter)
@@ -241,8 +257,13 @@ class Admission:
         if slack > 0:
             heapq.heappush(self._rest, (self._clock() + slack, next(self._seq), waiter))
 
-    def leave(self) -> None:
+    def leave(self, order: str = "") -> None:
+        """A request let in with `order` (Admitted.order) has ended."""
         self.running = max(0, self.running - 1)
+        if order in _IN_TIME_ORDERS:
+            self._in_time_running = max(0, self._in_time_running - 1)
+        elif order == DRAIN:
+            self._drained_running = max(0, self._drained_running - 1)
         self._admit()
 
     def late_in(self) -> float | None:
@@ -268,7 +289,35 @@ class Admission:
             if waiter.future.done():  # cancelled: its client went away
                 continue
             self.running += 1
+            self._in_time_running += order in _IN_TIME_ORDERS
             waiter.future.set_result(order)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Past the pace limit, up to `per_engine` per engine, the oldest first: while nothing
+        running or waiting can still meet its goal and no request came for a whole first-token
+        goal (module doc). The limit keeps a pace no one can use then, and only makes the
+        backlog, and the run, last longer."""
+        if self.tpot_goal_s <= 0 or self.ttft_goal_s <= 0 or self._in_time_running:
+            return
+        now = self._clock()
+        if now - self._last_arrival < self.ttft_goal_s or self._someone_in_time(now):
+            return
+        while self._waiting and self.running < self.per_engine * self._engines:
+            waiter = self._waiting.pop(0)
+            waiter.queued = False
+            if not waiter.future.done():  # else cancelled: its client went away
+                self.running += 1
+                self._drained_running += 1
+                waiter.future.set_result(DRAIN)
+
+    def _someone_in_time(self, now: float) -> bool:
+        """A waiting request can still meet its goal (as `_pick` judges, changing nothing)."""
+        cutoff = now + self.dispatch_ttft_s - self.ttft_goal_s
+        index = bisect.bisect_right(self._waiting, cutoff, key=lambda w: w.arrived)
+        if any(not w.first_out for w in self._waiting[index:]):
+            return True
+        return any(w.queued and deadline >= now for deadline, _, w in self._rest)
 
     def _pick(self, now: float) -> tuple[int, str]:
         overdue = now - self._waiting[0].arrived >= self.max_wait_s

@@ -159,8 +159,10 @@ class ProxyMetrics:
         self.admission_wait = Histogram(
             "kvbroker_proxy_admission_wait_seconds",
             "With admission on (--admit-per-engine): how long a request waited at the proxy for a place, "
-            "by order (at_once, in_time: it could still meet the first-token goal, late: every waiting "
-            "request was past it, overdue: it had waited --admit-max-wait-s, first_come: no goal set)",
+            "by order (at_once, in_time: it could still meet the first-token goal, rest_in_time: its first "
+            "token went out early and the rest could still keep the pace, late: every waiting request was "
+            "past it, overdue: it had waited --admit-max-wait-s, drain: past the limit, no one could meet "
+            "a goal, first_come: no goal set)",
             ["order"],
             buckets=REQUEST_BUCKETS,
             registry=self.registry,

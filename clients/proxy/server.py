@@ -162,7 +162,7 @@ async def _completion(request: web.Request, endpoint: str) -> web.StreamResponse
             tpot = outcome.tpot_s()
             if tpot is not None:
                 state.admission.observed_tpot(tpot)
-            state.admission.leave()
+            state.admission.leave(outcome.admission)
 
 
 async def _admit(state: ProxyState, outcome: Outcome, span: trace.Span, early: EarlyToken | None) -> bool:
@@ -195,7 +195,7 @@ async def _enter_sending_early(admission: Admission, late_in: float, early: Earl
 
     def abandon() -> None:
         if not entering.cancel() and not entering.cancelled() and entering.exception() is None:
-            admission.leave()  # it had its place already: give it back
+            admission.leave(entering.result().order)  # it had its place already: give it back
 
     try:
         await asyncio.wait({entering}, timeout=late_in)

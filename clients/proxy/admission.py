@@ -221,7 +221,8 @@ class Admission:
             self._admit()
 
     async def enter(self, ticket: Ticket | None = None) -> Admitted:
-        """Wait for a place (at once when one is free and no one waits). The caller must `leave()`."""
+        """Wait for a place (at once when one is free and no one waits). The caller must
+        `leave(admitted.order)`."""
         arrived = self._last_arrival = self._clock()
         if not self.on or (not self._waiting and self.running < self._capacity):
             self.running += 1

@@ -12,7 +12,6 @@ import pytest
 
 from kvbroker.clients.proxy.admission import (
     AT_ONCE,
-    DRAIN,
     FIRST_COME,
     IN_TIME,
     LATE,
@@ -23,29 +22,11 @@ from kvbroker.clients.proxy.admission import (
 )
 from kvbroker.clients.proxy.config import build_parser, config_from_args
 from kvbroker.clients.proxy.outcome import Outcome
+from tests.clients.proxy.admission_util import Clock, answers, settle
 from tests.clients.proxy.test_proxy import COMPLETION, engines, proxy
 
 pytestmark = pytest.mark.timeout(30)
 __all__ = ["engines", "proxy"]  # the fixtures, shared with test_proxy.py
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _answers(adm: Admission, seconds: float, n: int) -> None:
-    """`n` streamed answers at `seconds` a token, as the proxy reports them."""
-    for _ in range(n):
-        adm.observed_tpot(seconds)
-
-
-async def _settle() -> None:
-    for _ in range(3):
-        await asyncio.sleep(0)
 
 
 async def test_off_lets_everyone_in_at_once() -> None:
@@ -60,10 +41,10 @@ async def test_the_limit_is_per_engine_and_a_leave_lets_the_next_in() -> None:
     first = [await adm.enter() for _ in range(4)]
     assert all(a.order == AT_ONCE for a in first)
     fifth = asyncio.ensure_future(adm.enter())
-    await _settle()
+    await settle()
     assert not fifth.done() and adm.waiting == 1
     adm.leave()
-    await _settle()
+    await settle()
     assert fifth.done() and fifth.result().order == FIRST_COME and adm.running == 4
 
 
@@ -72,10 +53,10 @@ async def test_more_engines_let_waiting_requests_in() -> None:
     adm.set_engines(1)
     await adm.enter()
     waiting = [asyncio.ensure_future(adm.enter()) for _ in range(2)]
-    await _settle()
+    await settle()
     assert adm.waiting == 2
     adm.set_engines(3)
-    await _settle()
+    await settle()
     assert all(w.done() for w in waiting) and adm.running == 3
 
 
@@ -85,16 +66,16 @@ async def test_one_that_can_still_meet_the_goal_goes_before_one_past_it() -> Non
     adm.observed_ttft(0.5)
     await adm.enter()
     old = asyncio.ensure_future(adm.enter())
-    await _settle()
+    await settle()
     clock.now += 1.8  # old has waited 1.8 s: with 0.5 s to its first token it is late
     new = asyncio.ensure_future(adm.enter())
-    await _settle()
+    await settle()
     adm.leave()
-    await _settle()
+    await settle()
     assert new.done() and not old.done()
     assert new.result().order == IN_TIME
     adm.leave()
-    await _settle()
+    await settle()
     assert old.done() and old.result().order == LATE  # every one left is late: the oldest
 
 
@@ -105,10 +86,10 @@ async def test_among_those_in_time_the_oldest_goes() -> None:
     waiters = []
     for _ in range(3):
         waiters.append(asyncio.ensure_future(adm.enter()))
-        await _settle()
+        await settle()
         clock.now += 1.0
     adm.leave()
-    await _settle()
+    await settle()
     assert [w.done() for w in waiters] == [True, False, False]
 
 
@@ -117,37 +98,37 @@ async def test_a_request_whose_first_token_went_out_goes_while_its_rest_can_keep
     # Goal: first token within 4 s, then 0.3 s a token; measured: 1 s to a first token, 0.2 s a token.
     adm = Admission(1, ttft_goal_s=4.0, tpot_goal_s=0.3, clock=clock)
     adm.observed_ttft(1.0)
-    _answers(adm, 0.2, 1)
+    answers(adm, 0.2, 1)
     await adm.enter()
     early = Ticket()
     old = asyncio.ensure_future(adm.enter(early))
-    await _settle()
+    await settle()
     clock.now += 4.0  # past its first-token deadline (3 s): its first token goes out early now
     adm.first_token_out(early, 10)  # 10 tokens left at 0.2 s against 0.3 s: 1 s of slack
     new = [asyncio.ensure_future(adm.enter()) for _ in range(2)]  # in time, deadline in 3 s
-    await _settle()
+    await settle()
     adm.leave()
-    await _settle()
+    await settle()
     assert old.done() and old.result().order == REST_IN_TIME and not any(w.done() for w in new)
     # Once the rest cannot keep the pace any more it is late again: the new ones go first.
     late, later = Ticket(), Ticket()
     stale = asyncio.ensure_future(adm.enter(late))
     nearly = asyncio.ensure_future(adm.enter(later))
-    await _settle()
+    await settle()
     adm.first_token_out(late, 10)  # dispatch by now + 1 s ...
     clock.now += 1.5  # ... missed
     adm.first_token_out(later, 40)  # dispatch by now + 4 s: after new[0]'s deadline (now + 1.5 s)
     adm.leave()
-    await _settle()
+    await settle()
     assert new[0].done() and new[0].result().order == IN_TIME and not stale.done() and not nearly.done()
     adm.leave()  # new[1]'s deadline is now + 1.5 s too, earlier than nearly's
-    await _settle()
+    await settle()
     assert new[1].done() and not nearly.done()
     adm.leave()
-    await _settle()
+    await settle()
     assert nearly.done() and nearly.result().order == REST_IN_TIME and not stale.done()
     adm.leave()
-    await _settle()
+    await settle()
     assert stale.done() and stale.result().order == LATE
 
 
@@ -157,18 +138,18 @@ async def test_no_rest_deadline_without_slack_a_pace_goal_or_a_wait() -> None:
     await adm.enter()
     unmeasured, slower, gone = Ticket(), Ticket(), Ticket()
     waits = [asyncio.ensure_future(adm.enter(t)) for t in (unmeasured, slower, gone)]
-    await _settle()
+    await settle()
     adm.first_token_out(unmeasured, 10)  # no pace measured yet: no slack is assumed
-    _answers(adm, 0.5, 1)
+    answers(adm, 0.5, 1)
     adm.first_token_out(slower, 10)  # the engines run slower than the goal: the rest will be late
     waits[2].cancel()
-    await _settle()
+    await settle()
     adm.first_token_out(gone, 10)  # its client left: nothing to mark
     adm.first_token_out(Ticket(), 10)  # never waited
     assert adm._rest == [] and adm.waiting == 2
     for t in waits[:2]:
         adm.leave()
-        await _settle()
+        await settle()
         assert t.done() and t.result().order == LATE
 
 
@@ -177,12 +158,12 @@ async def test_nothing_waits_past_max_wait() -> None:
     adm = Admission(1, ttft_goal_s=2.0, max_wait_s=30.0, clock=clock)
     await adm.enter()
     old = asyncio.ensure_future(adm.enter())
-    await _settle()
+    await settle()
     clock.now += 31.0
     new = asyncio.ensure_future(adm.enter())  # in time, but old has waited 31 s
-    await _settle()
+    await settle()
     adm.leave()
-    await _settle()
+    await settle()
     assert old.done() and old.result().order == OVERDUE and not new.done()
     assert old.result().waited_s == pytest.approx(31.0)
 
@@ -193,14 +174,14 @@ async def test_overdue_requests_get_every_other_place_not_all() -> None:
     adm.observed_ttft(0.5)
     await adm.enter()
     old = [asyncio.ensure_future(adm.enter()) for _ in range(3)]
-    await _settle()
+    await settle()
     clock.now += 31.0  # a backlog longer than max_wait_s: all three are overdue
     new = [asyncio.ensure_future(adm.enter()) for _ in range(2)]
-    await _settle()
+    await settle()
     let_in = []
     for _ in range(5):
         adm.leave()
-        await _settle()
+        await settle()
         let_in += [w for w in old + new if w.done() and w not in let_in]
     orders = [w.result().order for w in let_in]
     assert let_in == [old[0], new[0], old[1], new[1], old[2]]
@@ -212,12 +193,12 @@ async def test_a_client_that_leaves_while_waiting_takes_no_place() -> None:
     await adm.enter()
     gone = asyncio.ensure_future(adm.enter())
     stays = asyncio.ensure_future(adm.enter())
-    await _settle()
+    await settle()
     gone.cancel()
-    await _settle()
+    await settle()
     assert adm.waiting == 1
     adm.leave()
-    await _settle()
+    await settle()
     assert stays.done() and adm.running == 1 and adm.waiting == 0
 
 
@@ -226,10 +207,10 @@ async def test_a_client_cancelled_just_as_it_is_let_in_gives_its_place_back() ->
     await adm.enter()
     late = asyncio.ensure_future(adm.enter())
     nxt = asyncio.ensure_future(adm.enter())
-    await _settle()
+    await settle()
     adm.leave()  # `late` is given the place (its future resolved) ...
     late.cancel()  # ... and cancelled before it resumes
-    await _settle()
+    await settle()
     assert late.cancelled()
     assert nxt.done() and adm.running == 1 and adm.waiting == 0
 
@@ -238,9 +219,9 @@ async def test_a_slow_pace_takes_places_away_down_to_one_per_engine() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
     assert adm.limit == 8
-    _answers(adm, 0.3, 12)  # a change every two answers (one per engine)
+    answers(adm, 0.3, 12)  # a change every two answers (one per engine)
     assert adm.limit == 2
-    _answers(adm, 0.3, 4)
+    answers(adm, 0.3, 4)
     assert adm.limit == 2  # one per engine: never fewer
     adm.observed_tpot(0.01)  # nobody waits: no reason to add a place
     assert adm.limit == 2
@@ -249,21 +230,21 @@ async def test_a_slow_pace_takes_places_away_down_to_one_per_engine() -> None:
 async def test_where_fewer_at_once_is_no_faster_places_come_back_then_fewer_is_tried_again() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
-    _answers(adm, 0.3, 12)  # each limit from 8 down to 3 measured at 0.3 s a token
+    answers(adm, 0.3, 12)  # each limit from 8 down to 3 measured at 0.3 s a token
     assert adm.limit == 2
     for _ in range(2):
         await adm.enter()
     waiting = [asyncio.ensure_future(adm.enter()) for _ in range(10)]
-    await _settle()
-    _answers(adm, 0.3, 2)  # one per engine: as slow, and there is nothing lower to try
+    await settle()
+    answers(adm, 0.3, 2)  # one per engine: as slow, and there is nothing lower to try
     assert adm.limit == 3
-    _answers(adm, 0.3, 10)  # each limit measured again: none lower is faster
+    answers(adm, 0.3, 10)  # each limit measured again: none lower is faster
     assert adm.limit == 8  # holding requests back buys no pace: every place serves
-    await _settle()
+    await settle()
     assert sum(w.done() for w in waiting) == 6
-    _answers(adm, 0.3, 100 * 2 - 12)
+    answers(adm, 0.3, 100 * 2 - 12)
     assert adm.limit == 8
-    _answers(adm, 0.3, 20)  # ... until what was measured below is old: fewer is tried again
+    answers(adm, 0.3, 20)  # ... until what was measured below is old: fewer is tried again
     assert adm.limit < 8
 
 
@@ -273,7 +254,7 @@ async def test_a_slow_pace_goes_back_to_the_limit_where_it_was_faster() -> None:
     for _ in range(4):
         await adm.enter()
     waiting = [asyncio.ensure_future(adm.enter()) for _ in range(10)]
-    await _settle()
+    await settle()
     steps = [
         (0.2, 3),  # at 4, over the goal; 3 not measured: try it
         (0.12, 2),  # faster, still over; 2 not measured: try it
@@ -292,39 +273,39 @@ async def test_a_slow_pace_goes_back_to_the_limit_where_it_was_faster() -> None:
 async def test_after_a_long_stay_at_one_limit_the_latest_answers_can_add_a_place() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(1)
-    _answers(adm, 0.3, 2)
+    answers(adm, 0.3, 2)
     assert adm.limit == 2
     for _ in range(2):
         await adm.enter()
     waiting = asyncio.ensure_future(adm.enter())
-    await _settle()
-    _answers(adm, 0.095, 20)  # under the goal, not under 0.8 of it: the limit holds
+    await settle()
+    answers(adm, 0.095, 20)  # under the goal, not under 0.8 of it: the limit holds
     assert adm.limit == 2
-    _answers(adm, 0.05, 3)  # the mean at 2 is still 0.089; the latest answers are quick
+    answers(adm, 0.05, 3)  # the mean at 2 is still 0.089; the latest answers are quick
     assert adm.limit == 3
-    await _settle()
+    await settle()
     assert waiting.done()
 
 
 async def test_a_goal_met_at_one_per_engine_keeps_the_limit_there() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
-    _answers(adm, 0.3, 12)
-    _answers(adm, 0.09, 20)  # at one per engine each answer meets the goal: the mean is under it
+    answers(adm, 0.3, 12)
+    answers(adm, 0.09, 20)  # at one per engine each answer meets the goal: the mean is under it
     assert adm.limit == 2  # (more places only while requests wait)
 
 
 async def test_a_quick_pace_gives_places_back_when_requests_wait() -> None:
     adm = Admission(3, tpot_goal_s=0.1)
     adm.set_engines(1)
-    _answers(adm, 0.5, 2)
+    answers(adm, 0.5, 2)
     assert adm.limit == 1
     await adm.enter()
     waiting = [asyncio.ensure_future(adm.enter()) for _ in range(3)]
-    await _settle()
+    await settle()
     for _ in range(20):
         adm.observed_tpot(0.05)
-        await _settle()
+        await settle()
     assert adm.limit == 3  # per_engine: never more
     assert sum(w.done() for w in waiting) == 2 and adm.running == 3
 
@@ -332,7 +313,7 @@ async def test_a_quick_pace_gives_places_back_when_requests_wait() -> None:
 async def test_each_change_waits_for_as_many_answers_as_engines() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(4)
-    _answers(adm, 1.0, 3)
+    answers(adm, 1.0, 3)
     assert adm.limit == 16
     adm.observed_tpot(1.0)
     assert adm.limit == 15
@@ -341,7 +322,7 @@ async def test_each_change_waits_for_as_many_answers_as_engines() -> None:
 async def test_more_engines_keep_the_places_each_engine_has() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
-    _answers(adm, 1.0, 8)
+    answers(adm, 1.0, 8)
     assert adm.limit == 4  # 2 per engine
     adm.set_engines(4)
     assert adm.limit == 8
@@ -350,7 +331,7 @@ async def test_more_engines_keep_the_places_each_engine_has() -> None:
 async def test_answers_before_the_engines_changed_do_not_count_toward_the_new_limit_s_pace() -> None:
     adm = Admission(4, tpot_goal_s=0.1)
     adm.set_engines(2)
-    _answers(adm, 0.3, 8)
+    answers(adm, 0.3, 8)
     assert adm.limit == 4  # 2 per engine
     adm.observed_tpot(0.3)  # one answer at 4: too few to judge that limit
     adm.set_engines(1)  # an engine went: 2 places, in all
@@ -358,10 +339,10 @@ async def test_answers_before_the_engines_changed_do_not_count_toward_the_new_li
     for _ in range(2):
         await adm.enter()
     waiting = asyncio.ensure_future(adm.enter())
-    await _settle()
+    await settle()
     adm.observed_tpot(0.07)  # quick at the new limit: counted with the 0.3 before, it would be slow
     assert adm.limit == 3
-    await _settle()
+    await settle()
     assert waiting.done()
 
 
@@ -474,84 +455,3 @@ async def test_a_stream_that_freezes_midway_gives_its_place_back(engines: Any, p
     async with px.http.get(px.url + "/metrics") as resp:
         body = await resp.text()
     assert "kvbroker_proxy_requests_running 0.0" in body and "kvbroker_proxy_requests_waiting 0.0" in body
-
-
-async def _backlog(clock: Clock) -> tuple[Admission, list[asyncio.Future[Any]]]:
-    """Two engines held to one place each by a slow pace, both running, five waiting."""
-    adm = Admission(4, ttft_goal_s=4.0, tpot_goal_s=0.1, clock=clock)
-    adm.set_engines(2)
-    _answers(adm, 0.3, 12)
-    assert adm.limit == 2
-    assert [(await adm.enter()).order for _ in range(2)] == [AT_ONCE, AT_ONCE]
-    waiting = [asyncio.ensure_future(adm.enter()) for _ in range(5)]
-    await _settle()
-    return adm, waiting
-
-
-async def test_a_hopeless_backlog_drains_past_the_pace_limit_once_requests_stop_coming() -> None:
-    """Nothing running or waiting can meet its goal and none came for a first-token goal: the
-    limit protects no one's pace, so the backlog runs at per_engine per engine, and the pace
-    measured there does not move the limit."""
-    clock = Clock()
-    adm, waiting = await _backlog(clock)
-    clock.now += 10.0  # every waiting request is past its first-token goal; none came since
-    adm.leave(AT_ONCE)  # one in-time request still runs: its pace is kept
-    await _settle()
-    assert [w.result().order for w in waiting if w.done()] == [LATE] and adm.running == 2
-    adm.leave(AT_ONCE)  # none in time now: the place goes as before, the rest past the limit
-    await _settle()
-    assert [w.result().order for w in waiting] == [LATE, LATE, DRAIN, DRAIN, DRAIN]
-    assert adm.running == 5 and adm.waiting == 0 and adm.limit == 2
-    pace = adm.pace_s
-    _answers(adm, 5.0, 4)  # while drained ones run: not the limit's pace
-    assert adm.pace_s == pace and adm.limit == 2
-    for _ in range(3):
-        adm.leave(DRAIN)
-    _answers(adm, 5.0, 2)  # the drained ones ended: measured again
-    assert adm.pace_s > pace
-
-
-async def test_the_backlog_keeps_the_limit_while_requests_keep_coming() -> None:
-    clock = Clock()
-    adm, waiting = await _backlog(clock)
-    adm.observed_ttft(5.0)  # dispatch to first token is over the goal: no one can meet it
-    clock.now += 10.0
-    waiting.append(asyncio.ensure_future(adm.enter()))  # came just now
-    await _settle()
-    adm.leave(AT_ONCE)
-    adm.leave(AT_ONCE)
-    await _settle()
-    assert adm.running == 2 and adm.waiting == 4
-    clock.now += 4.0  # none came for a first-token goal
-    adm.leave(LATE)
-    await _settle()
-    assert [w.result().order for w in waiting[2:]] == [LATE, DRAIN, DRAIN, DRAIN]
-    assert adm.running == 5
-
-
-async def test_the_backlog_keeps_the_limit_while_a_waiting_rest_can_keep_its_pace() -> None:
-    clock = Clock()
-    adm = Admission(2, ttft_goal_s=4.0, tpot_goal_s=0.3, clock=clock)
-    adm.set_engines(1)
-    _answers(adm, 0.5, 1)  # over the goal: one place
-    _answers(adm, 0.1, 4)  # under it now (0.26 s a token), with no one waiting to add a place for
-    assert adm.limit == 1
-    await adm.enter()
-    late = asyncio.ensure_future(adm.enter())
-    await _settle()
-    clock.now += 10.0
-    adm.leave(AT_ONCE)
-    await _settle()
-    assert late.result().order == LATE  # it runs, and it is not in time
-    ticket = Ticket()
-    rest, other = asyncio.ensure_future(adm.enter(ticket)), asyncio.ensure_future(adm.enter())
-    await _settle()
-    clock.now += 4.5  # both past the first-token goal, none came since
-    adm.first_token_out(ticket, 100)  # its rest can keep the pace if it goes within 4 s
-    adm.set_engines(1)  # (looks again, changing nothing else)
-    await _settle()
-    assert not rest.done() and not other.done()
-    clock.now += 5.0  # it can no longer
-    adm.set_engines(1)
-    await _settle()
-    assert rest.result().order == DRAIN and not other.done() and adm.running == 2

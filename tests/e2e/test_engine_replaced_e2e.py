@@ -12,6 +12,7 @@ registration is known no pull fails (no read went to the dead agent).
 
 from __future__ import annotations
 
+import http.client
 import threading
 import urllib.error
 import uuid
@@ -64,7 +65,8 @@ class Load:
                     kv_transfer_params={"do_remote_decode": True},
                     timeout=60,
                 )
-            except (OSError, urllib.error.URLError):
+            except (OSError, urllib.error.URLError, http.client.HTTPException):
+                # Killed -9 before or while it answered (IncompleteRead: mid-body, seen in CI).
                 self.p_down += 1
                 self.stop.wait(0.2)
                 continue

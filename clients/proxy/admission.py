@@ -314,11 +314,21 @@ class Admission:
 
     def _someone_in_time(self, now: float) -> bool:
         """A waiting request can still meet its goal (as `_pick` judges, changing nothing)."""
-        cutoff = now + self.dispatch_ttft_s - self.ttft_goal_s
-        index = bisect.bisect_right(self._waiting, cutoff, key=lambda w: w.arrived)
-        if any(not w.first_out for w in self._waiting[index:]):
+        if self._first_in_time(now) < len(self._waiting):
             return True
         return any(w.queued and deadline >= now for deadline, _, w in self._rest)
+
+    def _first_in_time(self, now: float) -> int:
+        """The index of the oldest waiting request that can still meet the first-token goal (its
+        first token not sent early); len(waiting) if none.
+
+        In time: arrived after now + dispatch_ttft_s - ttft_goal_s. Waiters are in arrival order,
+        so the oldest such is found by bisection (a long queue of late ones is not scanned)."""
+        cutoff = now + self.dispatch_ttft_s - self.ttft_goal_s
+        index = bisect.bisect_right(self._waiting, cutoff, key=lambda w: w.arrived)
+        while index < len(self._waiting) and self._waiting[index].first_out:
+            index += 1  # its deadline is the rest's (`_rest`), not its first token's
+        return index
 
     def _pick(self, now: float) -> tuple[int, str]:
         overdue = now - self._waiting[0].arrived >= self.max_wait_s
@@ -328,16 +338,16 @@ class Admission:
         self._last_overdue = False
         if self.ttft_goal_s <= 0:
             return 0, OVERDUE if overdue else FIRST_COME
-        # In time: arrived after now + dispatch_ttft_s - ttft_goal_s. Waiters are in arrival order,
-        # so the oldest such is found by bisection (a long queue of late ones is not scanned).
-        cutoff = now + self.dispatch_ttft_s - self.ttft_goal_s
-        index = bisect.bisect_right(self._waiting, cutoff, key=lambda w: w.arrived)
-        while index < len(self._waiting) and self._waiting[index].first_out:
-            index += 1  # its deadline is the rest's (below), not its first token's
+        index = self._first_in_time(now)
         rest = self._rest
         while rest and (not rest[0][2].queued or rest[0][0] < now):
             heapq.heappop(rest)  # let in or gone already, or the rest can no longer keep the pace
-        if rest and (index == len(self._waiting) or rest[0][0] < self._waiting[index].arrived - cutoff + now):
+        # Earliest deadline first; a new request's is its arrival plus the goal, less the measured
+        # dispatch-to-first-token time.
+        if rest and (
+            index == len(self._waiting)
+            or rest[0][0] < self._waiting[index].arrived + self.ttft_goal_s - self.dispatch_ttft_s
+        ):
             return self._waiting.index(heapq.heappop(rest)[2]), REST_IN_TIME
         if index < len(self._waiting):
             return index, IN_TIME
